@@ -1,0 +1,1 @@
+"""Gyre: elastic, event-sourced RL for extremely long-horizon coding agents."""

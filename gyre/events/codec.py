@@ -1,0 +1,241 @@
+"""Events <-> Arrow record batches under the log schema.
+
+``encode`` is the hot path of the one-event-at-a-time API: it builds each column once per batch from
+plain attribute reads (no ``model_dump`` per event, no row dictionaries), then places each kind's compact
+struct array at its rows with one ``take``.
+"""
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import datetime
+from functools import cache
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import BaseModel, ValidationError
+
+from gyre.errors import EventValidationError
+from gyre.events.models import ENVELOPE_FIELDS, EVENT_TYPES, Event, event_type
+from gyre.events.schema import ENVELOPE_TYPES, TS_TYPE, event_schema, evolve, payload_type
+
+_ID_FIELDS = ("run_id", "execution_id", "call_id", "cell_id", "step")
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+@cache
+def _dumped_fields(kind: str) -> frozenset[str]:
+    """Payload fields holding nested models, which Arrow needs as dictionaries."""
+    model = EVENT_TYPES[kind]
+    out = set()
+    for name in model.payload_fields():
+        sample_type = payload_type(kind).field(name).type
+        if pa.types.is_struct(sample_type) or (
+            pa.types.is_list(sample_type) and pa.types.is_struct(sample_type.value_type)
+        ):
+            out.add(name)
+    return frozenset(out)
+
+
+def _dump(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    if isinstance(value, list):
+        return [_dump(v) for v in value]
+    return value
+
+
+def _naive_us(t: datetime) -> int:
+    raise EventValidationError(f"event ts {t.isoformat()} has no time zone; Gyre stores UTC timestamps")
+
+
+def check_events(events: Iterable[Any]) -> list[Event]:
+    """Refuse anything that is not a validated event, naming the offending position."""
+    out = events if isinstance(events, list) else list(events)
+    for index, event in enumerate(out):
+        if not isinstance(event, Event) or type(event) is Event:
+            raise EventValidationError(
+                f"item {index} is a {type(event).__name__}, not a Gyre event; build events with the models "
+                f"in gyre.events (or parse dictionaries with gyre.events.parse_event)"
+            )
+    return out
+
+
+def encode(events: Sequence[Event], first_seq: int, stamps_us: Sequence[int] | int | None = None,
+           run_id: str | None = None) -> pa.RecordBatch:
+    """Encode validated events as one *sparse* record batch: the envelope plus the kinds present.
+
+    Seqs are ``first_seq ..``, consecutive. An event's own ``ts`` wins over ``stamps_us`` (the time the
+    writer accepted it), so simulated and replayed runs keep their clocks.
+    """
+    n = len(events)
+    schema = event_schema()
+    if stamps_us is None or isinstance(stamps_us, int):
+        stamps = np.full(n, now_us() if stamps_us is None else stamps_us, dtype=np.int64)
+    else:
+        stamps = np.asarray(stamps_us, dtype=np.int64)
+    own = [e.ts for e in events]
+    if any(t is not None for t in own):
+        stamps = stamps.copy()
+        for index, t in enumerate(own):
+            if t is not None:
+                stamps[index] = int(t.timestamp() * 1_000_000) if t.tzinfo else _naive_us(t)
+    columns: dict[str, pa.Array] = {
+        "seq": pa.array(np.arange(first_seq, first_seq + n, dtype=np.int64)),
+        "ts": pa.array(stamps).cast(TS_TYPE),
+    }
+    kinds = [e.kind for e in events]
+    columns["kind"] = pa.array(kinds, pa.string())
+    for name in _ID_FIELDS:
+        values = [getattr(e, name) for e in events]
+        if name == "run_id" and run_id is not None:
+            values = [v if v is not None else run_id for v in values]
+        columns[name] = pa.array(values, ENVELOPE_TYPES[name])
+
+    groups: dict[str, list[int]] = {}
+    for index, kind in enumerate(kinds):
+        groups.setdefault(kind, []).append(index)
+    for kind in EVENT_TYPES:  # schema order
+        rows = groups.get(kind)
+        if rows is None:
+            continue  # kinds absent from the batch are not stored at all (see ``evolve``)
+        struct_type = payload_type(kind)
+        members = [events[i] for i in rows]
+        dumped = _dumped_fields(kind)
+        children = []
+        for field in struct_type:
+            values = [getattr(e, field.name) for e in members]
+            if field.name in dumped:
+                values = [_dump(v) for v in values]
+            children.append(pa.array(values, field.type))
+        compact = pa.StructArray.from_arrays(children, fields=list(struct_type))
+        if len(rows) == n:
+            columns[kind] = compact
+        else:
+            positions = np.full(n, -1, dtype=np.int64)
+            positions[rows] = np.arange(len(rows), dtype=np.int64)
+            columns[kind] = compact.take(pa.array(positions, mask=positions < 0))
+    return _sparse_batch(columns, schema)
+
+
+def _sparse_batch(columns: dict[str, pa.Array], schema: pa.Schema) -> pa.RecordBatch:
+    fields = [f for f in schema if f.name in columns]
+    return pa.RecordBatch.from_arrays([columns[f.name] for f in fields],
+                                      schema=pa.schema(fields, metadata=schema.metadata))
+
+
+def decode(batch: pa.RecordBatch) -> Iterator[Event]:
+    """Events of a batch, in row order. Null payload fields take the model's default (additive evolution)."""
+    batch = evolve(batch)
+    envelope = {name: batch.column(name).to_pylist() for name in ENVELOPE_FIELDS}
+    kinds = batch.column("kind").to_pylist()
+    payloads: dict[str, Iterator[dict]] = {}
+    for kind in set(kinds):
+        mask = pc.equal(batch.column("kind"), kind)
+        payloads[kind] = iter(pc.filter(batch.column(kind), mask).to_pylist())
+    for row, kind in enumerate(kinds):
+        model = event_type(kind)
+        payload = next(payloads[kind]) or {}
+        values = {k: v for k, v in payload.items() if v is not None}
+        for name in ENVELOPE_FIELDS:
+            if envelope[name][row] is not None:
+                values[name] = envelope[name][row]
+        yield model.model_validate(values)
+
+
+def parse_event(data: dict[str, Any]) -> Event:
+    """Validate a plain dictionary (``{"kind": ..., fields...}``) into an event, with a clear error."""
+    if not isinstance(data, dict):
+        raise EventValidationError(f"an event must be a JSON object, got {type(data).__name__}")
+    if "kind" not in data:
+        raise EventValidationError("event is missing the required field 'kind'")
+    fields = {k: v for k, v in data.items() if k != "kind"}
+    model = event_type(data["kind"])
+    try:
+        return model.model_validate(fields)
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<event>'}: {e['msg']}" for e in error.errors()
+        )
+        raise EventValidationError(f"invalid {model.kind} event: {problems}") from error
+
+
+def validate_batch(batch: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
+    """Check a producer-built columnar batch against the schema, before it gets seqs.
+
+    The batch carries the envelope id columns it needs, ``kind`` and the kinds' struct columns; ``seq``
+    and ``ts`` may be absent (the writer assigns them). Unknown columns or kinds, wrong types and missing
+    required fields are refused with an error that names them.
+    """
+    if isinstance(batch, pa.Table):
+        batch = batch.combine_chunks()
+        batch = batch.to_batches()[0] if batch.num_rows else batch.schema.empty_table().to_batches()[0]
+    schema = event_schema()
+    unknown = [name for name in batch.schema.names if schema.get_field_index(name) < 0 or name in ("seq", "ts")]
+    if unknown:
+        raise EventValidationError(
+            f"column(s) {unknown} cannot be appended; give envelope ids, 'kind' and payload struct columns "
+            f"('seq' and 'ts' are assigned by the log)")
+    if "kind" not in batch.schema.names:
+        raise EventValidationError("batch is missing the required column 'kind'")
+    present_kinds = pc.unique(batch.column("kind")).to_pylist()
+    for kind in present_kinds:
+        if kind is None:
+            raise EventValidationError("column 'kind' has null entries")
+        event_type(kind)
+    columns: dict[str, pa.Array] = {}
+    for field in schema:
+        if field.name not in batch.schema.names:
+            continue
+        array = batch.column(field.name)
+        try:
+            columns[field.name] = _conform_exact(array, field.type)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as error:
+            raise EventValidationError(
+                f"column {field.name!r} has type {array.type}, expected {field.type}: {error}"
+            ) from error
+    for kind in present_kinds:
+        _check_required(columns, kind, batch.num_rows)
+    return _sparse_batch(columns, schema)
+
+
+def _conform_exact(array: pa.Array, target: pa.DataType) -> pa.Array:
+    if array.type.equals(target):
+        return array
+    if pa.types.is_struct(target) and pa.types.is_struct(array.type):
+        names = [f.name for f in array.type]
+        unknown = [name for name in names if target.get_field_index(name) < 0]
+        if unknown:
+            raise pa.ArrowInvalid(f"unknown field(s) {unknown}")
+        children = []
+        for field in target:
+            if field.name in names:
+                children.append(_conform_exact(array.field(names.index(field.name)), field.type))
+            else:
+                children.append(pa.nulls(len(array), field.type))
+        return pa.StructArray.from_arrays(children, fields=list(target), mask=array.is_null())
+    return array.cast(target, safe=True)
+
+
+def _check_required(columns: dict[str, pa.Array], kind: str, n: int) -> None:
+    model = event_type(kind)
+    rows = pc.equal(columns["kind"], kind)
+    for name in ENVELOPE_FIELDS[2:]:
+        if not model.model_fields[name].is_required():
+            continue
+        if name not in columns or pc.any(pc.and_(rows, pc.is_null(columns[name]))).as_py():
+            raise EventValidationError(f"{kind} rows need envelope field {name!r}, some are null")
+    if kind not in columns:
+        raise EventValidationError(f"{kind} rows need their payload column {kind!r}, which is missing")
+    struct = pc.filter(columns[kind], rows)
+    if struct.null_count:
+        raise EventValidationError(f"{kind} rows need their payload column {kind!r}, some are null")
+    for index, field in enumerate(payload_type(kind)):
+        if model.model_fields[field.name].is_required() and struct.field(index).null_count:
+            raise EventValidationError(f"{kind} rows need payload field {field.name!r}, some are null")
+    if pc.any(pc.and_(pc.invert(rows), pc.is_valid(columns[kind]))).as_py():
+        raise EventValidationError(f"payload column {kind!r} is set on rows of another kind")

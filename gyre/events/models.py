@@ -1,0 +1,345 @@
+"""The event vocabulary: one frozen pydantic model per kind, shared by every part of Gyre.
+
+An event has envelope fields (the ids that locate it) and payload fields (what happened). The log writer
+assigns ``seq`` and, when the producer leaves it empty, ``ts``. A kind declares which envelope ids it
+requires by narrowing their type (``execution_id: str``); the rest stay optional.
+
+Evolution is additive: new kinds and new optional fields only. Renaming or retyping a field is a new kind.
+"""
+
+from datetime import datetime
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, model_validator
+
+from gyre.events.fields import (
+    BranchKind,
+    EvaluationFailure,
+    ExecutionStatus,
+    FinishReason,
+    LogProbs,
+    Role,
+    RunStatus,
+    TokenIds,
+)
+
+ENVELOPE_FIELDS: tuple[str, ...] = ("seq", "ts", "run_id", "execution_id", "call_id", "cell_id", "step")
+"""Envelope columns besides ``kind``, in storage order."""
+
+EVENT_TYPES: dict[str, type["Event"]] = {}
+"""Every kind, in definition order (which is also the order of the struct columns in the Arrow schema)."""
+
+
+class Event(BaseModel):
+    """Base of every event. Subclasses set ``kind`` and ``view`` and add payload fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
+
+    kind: ClassVar[str]
+    view: ClassVar[str]
+    """Name of the DuckDB view that shows this kind with its payload flattened into columns."""
+
+    seq: NonNegativeInt | None = None
+    ts: datetime | None = None
+    run_id: str | None = None
+    execution_id: str | None = None
+    call_id: str | None = None
+    cell_id: str | None = None
+    step: NonNegativeInt | None = None
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        kind = cls.__dict__.get("kind")
+        if kind is None:
+            return
+        if kind in EVENT_TYPES:
+            raise TypeError(f"event kind {kind!r} is defined twice")
+        EVENT_TYPES[kind] = cls
+
+    @classmethod
+    def payload_fields(cls) -> tuple[str, ...]:
+        return tuple(name for name in cls.model_fields if name not in ENVELOPE_FIELDS)
+
+    def payload(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.payload_fields()}
+
+
+# --- run lifecycle -----------------------------------------------------------------------------------
+
+
+class Redirect(BaseModel):
+    """Where one in-flight call goes when its cell leaves rollout."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    call_id: str
+    execution_id: str
+    to_cell_id: str
+
+
+class RunStarted(Event):
+    kind: ClassVar[str] = "run_started"
+    view: ClassVar[str] = "runs_started"
+    run_id: str
+    name: str
+    policy: str = Field(description="scheduler policy name: elastic | colocate | async")
+    policy_version: str = Field(description="version of the policy code, so replay can refuse a mismatch")
+    policy_params: str = Field("{}", description="policy parameters as JSON")
+    config: str = Field("{}", description="the whole run configuration as JSON")
+    seed: int | None = None
+    gyre_version: str = ""
+
+
+class RunFinished(Event):
+    kind: ClassVar[str] = "run_finished"
+    view: ClassVar[str] = "runs_finished"
+    run_id: str
+    status: RunStatus
+    message: str = ""
+
+
+# --- cells and roles ------------------------------------------------------------------------------------
+
+
+class CellRegistered(Event):
+    kind: ClassVar[str] = "cell_registered"
+    view: ClassVar[str] = "cells"
+    cell_id: str
+    role: Role
+    is_core: bool = False
+    gpus: NonNegativeInt = 0
+    slots: NonNegativeInt = Field(description="concurrent executions the cell serves in rollout")
+    address: str | None = None
+
+
+class CellLost(Event):
+    kind: ClassVar[str] = "cell_lost"
+    view: ClassVar[str] = "cells_lost"
+    cell_id: str
+    reason: str = ""
+
+
+class RoleSwitchRequested(Event):
+    kind: ClassVar[str] = "role_switch_requested"
+    view: ClassVar[str] = "role_switch_requests"
+    cell_id: str
+    from_role: Role
+    to_role: Role
+    reason: str = ""
+    watermark: NonNegativeInt | None = Field(None, description="running + queued executions at decision time")
+    redirects: list[Redirect] = Field(default_factory=list)
+
+
+class RoleSwitchCompleted(Event):
+    kind: ClassVar[str] = "role_switch_completed"
+    view: ClassVar[str] = "role_switches"
+    cell_id: str
+    from_role: Role
+    to_role: Role
+    duration_s: NonNegativeFloat
+
+
+# --- executions ------------------------------------------------------------------------------------------
+
+
+class ExecutionQueued(Event):
+    kind: ClassVar[str] = "execution_queued"
+    view: ClassVar[str] = "executions_queued"
+    execution_id: str
+    task_id: str
+    group_id: str = Field(description="GSPO group: the executions of one task sampled together")
+    policy_version: NonNegativeInt = 0
+    attempt: NonNegativeInt = 0
+
+
+class ExecutionStarted(Event):
+    kind: ClassVar[str] = "execution_started"
+    view: ClassVar[str] = "executions_started"
+    execution_id: str
+    cell_id: str | None = None
+    workspace: str | None = None
+    pid: int | None = None
+
+
+class ExecutionFinished(Event):
+    kind: ClassVar[str] = "execution_finished"
+    view: ClassVar[str] = "executions_finished"
+    execution_id: str
+    status: ExecutionStatus
+    duration_s: NonNegativeFloat
+    exit_code: int | None = None
+    message: str = ""
+
+
+# --- model calls -----------------------------------------------------------------------------------------
+
+
+class ModelCallStarted(Event):
+    kind: ClassVar[str] = "model_call_started"
+    view: ClassVar[str] = "model_calls_started"
+    execution_id: str
+    call_id: str
+    cell_id: str
+    parent_call_id: str | None = None
+    branch: BranchKind = "main"
+    prompt_tokens: NonNegativeInt = 0
+    policy_version: NonNegativeInt = 0
+
+
+class ModelCallFinished(Event):
+    """One model call, token-in/token-out.
+
+    Its full sequence is the first ``prefix_len`` tokens of the parent's full sequence (prompt + output),
+    then ``prompt_delta_ids`` (context: never trained), then ``output_ids`` (sampled by the policy, with
+    their behaviour log-probabilities). A call without a parent is a root and has ``prefix_len == 0``.
+    """
+
+    kind: ClassVar[str] = "model_call_finished"
+    view: ClassVar[str] = "model_calls"
+    execution_id: str
+    call_id: str
+    cell_id: str
+    parent_call_id: str | None = None
+    branch: BranchKind = "main"
+    prefix_len: NonNegativeInt = 0
+    prompt_delta_ids: TokenIds = Field(default_factory=list)
+    output_ids: TokenIds = Field(default_factory=list)
+    output_logprobs: LogProbs = Field(default_factory=list)
+    policy_version: NonNegativeInt = 0
+    cached_tokens: NonNegativeInt = 0
+    latency_s: NonNegativeFloat = 0.0
+    finish_reason: FinishReason = "stop"
+    drift_tokens: NonNegativeInt = Field(0, description="rendered prefix tokens that differed from the record")
+
+    @model_validator(mode="after")
+    def _tokens_line_up(self) -> "ModelCallFinished":
+        if len(self.output_ids) != len(self.output_logprobs):
+            raise ValueError(
+                f"output_logprobs has {len(self.output_logprobs)} entries for "
+                f"{len(self.output_ids)} output_ids; they must match one to one"
+            )
+        if self.parent_call_id is None and self.prefix_len:
+            raise ValueError(f"prefix_len is {self.prefix_len} but the call has no parent_call_id")
+        return self
+
+
+class CallRedirected(Event):
+    kind: ClassVar[str] = "call_redirected"
+    view: ClassVar[str] = "call_redirects"
+    execution_id: str
+    call_id: str
+    from_cell_id: str
+    to_cell_id: str
+    kv_blocks: NonNegativeInt = 0
+    kv_bytes: NonNegativeInt = 0
+    tokens_done: NonNegativeInt = Field(0, description="output tokens already generated when redirected")
+
+
+# --- evaluation --------------------------------------------------------------------------------------------
+
+
+class RewardRecorded(Event):
+    kind: ClassVar[str] = "reward_recorded"
+    view: ClassVar[str] = "rewards"
+    execution_id: str
+    reward: float = Field(ge=0.0, le=1.0)
+    evaluator: str = ""
+    partial: bool = Field(False, description="scored on the workspace of a timed-out execution")
+    details: str = Field("{}", description="evaluator details as JSON")
+    duration_s: NonNegativeFloat = 0.0
+
+
+class EvaluationFailed(Event):
+    """The evaluator itself failed: the execution is excluded, never scored 0."""
+
+    kind: ClassVar[str] = "evaluation_failed"
+    view: ClassVar[str] = "evaluation_failures"
+    execution_id: str
+    error: EvaluationFailure
+    evaluator: str = ""
+    message: str = ""
+
+
+# --- training ----------------------------------------------------------------------------------------------
+
+
+class TrainStepStarted(Event):
+    kind: ClassVar[str] = "train_step_started"
+    view: ClassVar[str] = "train_steps_started"
+    step: NonNegativeInt
+    policy_version: NonNegativeInt
+    planned_micro_steps: NonNegativeInt
+    groups: NonNegativeInt = 0
+    trajectories: NonNegativeInt = 0
+
+
+class MicroStepClaimed(Event):
+    kind: ClassVar[str] = "micro_step_claimed"
+    view: ClassVar[str] = "micro_step_claims"
+    step: NonNegativeInt
+    cell_id: str
+    micro_step: NonNegativeInt
+    tokens: NonNegativeInt = 0
+
+
+class MicroStepFinished(Event):
+    kind: ClassVar[str] = "micro_step_finished"
+    view: ClassVar[str] = "micro_steps"
+    step: NonNegativeInt
+    cell_id: str
+    micro_step: NonNegativeInt
+    tokens: NonNegativeInt = 0
+    loss: float | None = None
+    duration_s: NonNegativeFloat = 0.0
+
+
+class TrainStepFinished(Event):
+    kind: ClassVar[str] = "train_step_finished"
+    view: ClassVar[str] = "train_steps"
+    step: NonNegativeInt
+    policy_version: NonNegativeInt = Field(description="the version the step produced")
+    micro_steps: NonNegativeInt
+    samples: NonNegativeInt = Field(0, description="executions whose data the step consumed")
+    tokens: NonNegativeInt = 0
+    loss: float | None = None
+    grad_norm: float | None = None
+    duration_s: NonNegativeFloat = 0.0
+
+
+class WeightsPublished(Event):
+    kind: ClassVar[str] = "weights_published"
+    view: ClassVar[str] = "weights_published"
+    policy_version: NonNegativeInt
+    tensors: NonNegativeInt = 0
+    bytes: NonNegativeInt = 0
+    location: str = ""
+    duration_s: NonNegativeFloat = 0.0
+
+
+class SatelliteJoined(Event):
+    kind: ClassVar[str] = "satellite_joined"
+    view: ClassVar[str] = "satellites_joined"
+    cell_id: str
+    step: NonNegativeInt
+    policy_version: NonNegativeInt
+    transfer_s: NonNegativeFloat = 0.0
+
+
+class SatelliteLeft(Event):
+    kind: ClassVar[str] = "satellite_left"
+    view: ClassVar[str] = "satellites_left"
+    cell_id: str
+    step: NonNegativeInt | None = None
+    reason: str = ""
+
+
+def event_type(kind: str) -> type[Event]:
+    """The model class of a kind, or a clear error naming the known kinds."""
+    from gyre.errors import UnknownEventKindError
+
+    try:
+        return EVENT_TYPES[kind]
+    except KeyError:
+        raise UnknownEventKindError(
+            f"unknown event kind {kind!r}; known kinds: {', '.join(EVENT_TYPES)}"
+        ) from None

@@ -1,0 +1,51 @@
+"""DuckDB over a log: an ``events`` view plus one flattened view per kind.
+
+Sealed segments are scanned natively from their Parquet copies (projection and filter pushdown, row
+groups skipped by ``kind``/``seq`` statistics); the live segment is decoded from its frames and scanned
+as an Arrow table.
+"""
+
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from gyre.events.models import ENVELOPE_FIELDS, EVENT_TYPES
+from gyre.events.schema import event_schema
+from gyre.log.seal import sealed_is_current, segment_table
+from gyre.log.segment import list_segments, sealed_path
+
+_ENVELOPE_SELECT = ", ".join(["seq", "ts", "kind", *ENVELOPE_FIELDS[2:]])
+
+
+def connect(path: str | Path, con: duckdb.DuckDBPyConnection | None = None) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection (new, or ``con``) with the log's views, as of the moment of the call."""
+    con = con or duckdb.connect()
+    segments = list_segments(Path(path))
+    parquet: list[str] = []
+    live: list[pa.Table] = []
+    for index, (_, segment) in enumerate(segments):
+        if index < len(segments) - 1 and sealed_is_current(segment):
+            parquet.append(str(sealed_path(segment)))
+        else:
+            live.append(segment_table(segment, tail_ok=index == len(segments) - 1))
+    parts = []
+    if parquet:
+        files = ", ".join("'" + p.replace("'", "''") + "'" for p in parquet)
+        parts.append(f"SELECT * FROM read_parquet([{files}])")
+    if live or not parquet:
+        table = pa.concat_tables(live) if live else event_schema().empty_table()
+        con.register("gyre_live_events", table)
+        parts.append("SELECT * FROM gyre_live_events")
+    con.execute("CREATE OR REPLACE VIEW events AS " + " UNION ALL ".join(parts))
+    for kind, model in EVENT_TYPES.items():
+        con.execute(
+            f"CREATE OR REPLACE VIEW {model.view} AS SELECT {_ENVELOPE_SELECT}, UNNEST({kind}) "
+            f"FROM events WHERE kind = '{kind}'"
+        )
+    return con
+
+
+def view_names() -> dict[str, str]:
+    """Kind -> view name."""
+    return {kind: model.view for kind, model in EVENT_TYPES.items()}

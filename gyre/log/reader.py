@@ -1,0 +1,223 @@
+"""Reading a log: ranged reads, following a live writer from another process, verification, stats.
+
+Readers never take the writer's lock and never modify files. Every batch they return comes from a frame
+whose checksum they verified; a partial frame at the end of the newest segment is a write in progress
+(or a torn tail the next writer will cut) and is simply not returned yet.
+"""
+
+import threading
+import time
+import typing
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from gyre.errors import LogCorruptionError, LogError
+from gyre.events.codec import decode
+from gyre.events.models import Event, event_type
+from gyre.events.schema import evolve
+from gyre.log.frames import SCHEMA_FRAME, BadFrame, Frame, scan
+from gyre.log.seal import sealed_is_current
+from gyre.log.segment import SegmentData, list_segments, sealed_path
+
+if typing.TYPE_CHECKING:
+    import duckdb
+
+
+@dataclass
+class VerifyReport:
+    segments: int = 0
+    events: int = 0
+    bytes: int = 0
+    first_seq: int | None = None
+    last_seq: int | None = None
+    torn_tail_bytes: int = 0
+    sealed: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+class LogReader:
+    """Read-only view of a log directory."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise LogError(f"no log at {self.path}: not a directory")
+        if not list_segments(self.path):
+            raise LogError(f"no log at {self.path}: it holds no segment files (*.seg)")
+
+    def segments(self) -> list[tuple[int, Path]]:
+        return list_segments(self.path)
+
+    # -- ranged reads ------------------------------------------------------------------------------------
+
+    def read(self, from_seq: int = 0, to_seq: int | None = None,
+             kinds: Iterable[str] | None = None) -> Iterator[pa.RecordBatch]:
+        """Stream full-schema record batches of events with ``from_seq <= seq <= to_seq`` (and ``kinds``)."""
+        wanted = _kind_set(kinds)
+        segments = self.segments()
+        for index, (first_seq, path) in enumerate(segments):
+            next_first = segments[index + 1][0] if index + 1 < len(segments) else None
+            if next_first is not None and next_first <= from_seq:
+                continue
+            if to_seq is not None and first_seq > to_seq:
+                return
+            data = SegmentData(path)
+            found = data.scan(verify=False, tail_ok=index == len(segments) - 1)
+            for frame in data.batch_frames(found):
+                if frame.last_seq < from_seq:
+                    continue
+                if to_seq is not None and frame.first_seq > to_seq:
+                    return
+                if wanted is not None and not data.has_any_column(frame, wanted):
+                    continue
+                _check_frame(data, frame)
+                batch = _select(evolve(data.decode(frame)), frame.first_seq, from_seq, to_seq, wanted)
+                if batch.num_rows:
+                    yield batch
+
+    def table(self, from_seq: int = 0, to_seq: int | None = None,
+              kinds: Iterable[str] | None = None) -> pa.Table:
+        from gyre.events.schema import event_schema
+
+        return pa.Table.from_batches(list(self.read(from_seq, to_seq, kinds)), schema=event_schema())
+
+    def events(self, from_seq: int = 0, to_seq: int | None = None,
+               kinds: Iterable[str] | None = None) -> Iterator[Event]:
+        """Events as pydantic models (convenient, slower than batches)."""
+        for batch in self.read(from_seq, to_seq, kinds):
+            yield from decode(batch)
+
+    def last_seq(self) -> int:
+        """Seq of the last whole event on disk (-1 for an empty log)."""
+        first_seq, path = self.segments()[-1]
+        data = SegmentData(path)
+        frames = data.batch_frames(data.scan(verify=False, tail_ok=True))
+        return frames[-1].last_seq if frames else first_seq - 1
+
+    def duckdb(self) -> "duckdb.DuckDBPyConnection":
+        """A DuckDB connection with the ``events`` view and one view per kind (see ``gyre.log.query``)."""
+        from gyre.log.query import connect
+
+        return connect(self.path)
+
+    # -- following ---------------------------------------------------------------------------------------
+
+    def follow(self, from_seq: int = 0, kinds: Iterable[str] | None = None, poll_s: float = 0.02,
+               stop: threading.Event | Callable[[], bool] | None = None,
+               idle_timeout_s: float | None = None) -> Iterator[pa.RecordBatch]:
+        """Yield batches as the writer (in any process) commits them, from ``from_seq`` on.
+
+        Ends when ``stop`` is set, or after ``idle_timeout_s`` without anything new; otherwise it follows
+        forever.
+        """
+        wanted = _kind_set(kinds)
+        should_stop = stop.is_set if isinstance(stop, threading.Event) else (stop or (lambda: False))
+        next_seq = from_seq
+        segments = self.segments()
+        seg_first, path = max((s for s in segments if s[0] <= from_seq), default=segments[0])
+        offset, schema = 0, None  # read each segment incrementally: only bytes not seen yet
+        idle_since = time.monotonic()
+        while not should_stop():
+            data = SegmentData(path, start=offset, schema=schema)
+            stopped_at: BadFrame | None = None
+            progressed = False
+            for item in scan(data.data, 0, verify=True):
+                if isinstance(item, BadFrame):
+                    stopped_at = item  # a write in progress, most likely: look again later
+                    break
+                if item.frame_type == SCHEMA_FRAME:
+                    data.schema = pa.ipc.read_schema(pa.py_buffer(item.payload))
+                else:
+                    if item.last_seq >= next_seq and (wanted is None or data.has_any_column(item, wanted)):
+                        batch = _select(evolve(data.decode(item)), item.first_seq, next_seq, None, wanted)
+                        if batch.num_rows:
+                            yield batch
+                    next_seq = max(next_seq, item.last_seq + 1)
+                offset, schema, progressed = data.start + item.end, data.schema, True
+            if progressed:
+                idle_since = time.monotonic()
+                continue
+            newer = [s for s in self.segments() if s[0] > seg_first]
+            if newer:  # the writer rotated, so this segment is complete
+                if stopped_at is not None:
+                    raise LogCorruptionError(str(path), offset + stopped_at.offset, stopped_at.reason)
+                seg_first, path = newer[0]
+                offset, schema = 0, None
+                continue
+            if idle_timeout_s is not None and time.monotonic() - idle_since > idle_timeout_s:
+                return
+            time.sleep(poll_s)
+
+    # -- verification ------------------------------------------------------------------------------------
+
+    def verify(self) -> VerifyReport:
+        """Check every frame of every segment, the seq chain and the sealed copies; raise on corruption."""
+        report = VerifyReport()
+        segments = self.segments()
+        expected: int | None = None
+        for index, (first_seq, path) in enumerate(segments):
+            last = index == len(segments) - 1
+            data = SegmentData(path)
+            found = data.scan(verify=True, tail_ok=last)
+            report.segments += 1
+            report.bytes += found.size
+            report.torn_tail_bytes += found.torn_bytes
+            if found.frames[0].first_seq != first_seq:
+                raise LogCorruptionError(str(path), 0, f"schema frame says seq {found.frames[0].first_seq}, "
+                                                       f"file name says {first_seq}")
+            if expected is not None and first_seq != expected:
+                raise LogCorruptionError(str(path), 0, f"segment starts at seq {first_seq}, expected {expected}")
+            expected = first_seq
+            for frame in data.batch_frames(found):
+                batch = data.decode(frame)
+                seqs = batch.column("seq")
+                if batch.num_rows != frame.count or seqs[0].as_py() != frame.first_seq or (
+                        seqs[-1].as_py() != frame.last_seq):
+                    raise LogCorruptionError(str(path), frame.offset, "frame header disagrees with its batch")
+                report.events += frame.count
+                expected = frame.last_seq + 1
+            if report.first_seq is None and expected > first_seq:
+                report.first_seq = first_seq
+            if not last and sealed_path(path).exists():
+                if sealed_is_current(path):
+                    report.sealed += 1
+                else:
+                    report.problems.append(f"{sealed_path(path).name}: stale or unreadable sealed copy")
+        report.last_seq = expected - 1 if expected is not None else None
+        return report
+
+
+def _kind_set(kinds: Iterable[str] | None) -> frozenset[str] | None:
+    if kinds is None:
+        return None
+    out = frozenset([kinds] if isinstance(kinds, str) else kinds)
+    for kind in out:
+        event_type(kind)  # unknown kinds are an error, not an empty result
+    return out
+
+
+def _check_frame(data: SegmentData, frame: Frame) -> None:
+    """Verify one frame's checksum (reads scan without verification to skip frames cheaply)."""
+    for item in scan(data.data[frame.offset:frame.end], 0, verify=True):
+        if isinstance(item, BadFrame):
+            raise LogCorruptionError(str(data.path), data.start + frame.offset, item.reason)
+        return
+
+
+def _select(batch: pa.RecordBatch, first_seq: int, from_seq: int, to_seq: int | None,
+            kinds: frozenset[str] | None) -> pa.RecordBatch:
+    start = max(0, from_seq - first_seq)
+    stop = batch.num_rows if to_seq is None else min(batch.num_rows, to_seq - first_seq + 1)
+    batch = batch.slice(start, max(0, stop - start))
+    if kinds is not None:
+        batch = batch.filter(pc.is_in(batch.column("kind"), pa.array(sorted(kinds))))
+    return batch
+
