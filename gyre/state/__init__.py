@@ -1,0 +1,25 @@
+"""State as projections of the log: a fold framework and the cluster, executions and trainer views."""
+
+from gyre.state.cluster import Cell, ClusterState, ClusterView
+from gyre.state.executions import Execution, ExecutionsState, ExecutionsView
+from gyre.state.fold import (
+    Projection,
+    Snapshot,
+    fold,
+    fold_batches,
+    load_snapshot,
+    on,
+    replay,
+    restore,
+    save_snapshot,
+    take_snapshot,
+)
+from gyre.state.trainer import StepState, TrainerState, TrainerView
+
+PROJECTIONS = {p.name: p for p in (ClusterView, ExecutionsView, TrainerView)}
+
+__all__ = [
+    "PROJECTIONS", "Cell", "ClusterState", "ClusterView", "Execution", "ExecutionsState", "ExecutionsView",
+    "Projection", "Snapshot", "StepState", "TrainerState", "TrainerView", "fold", "fold_batches",
+    "load_snapshot", "on", "replay", "restore", "save_snapshot", "take_snapshot",
+]

@@ -1,0 +1,127 @@
+"""The cluster view: cells, their roles and slots, executions waiting or running, calls in flight.
+
+This is what scheduling policies read. The rollout watermark is ``running + queued`` executions.
+"""
+
+from dataclasses import dataclass, field
+
+from gyre.state.fold import Projection, on
+
+
+@dataclass
+class Cell:
+    cell_id: str
+    role: str
+    is_core: bool = False
+    slots: int = 0
+    gpus: int = 0
+    switching_to: str | None = None
+    """Target role of a requested switch that has not completed yet."""
+    lost: bool = False
+
+
+@dataclass
+class ClusterState:
+    cells: dict[str, Cell] = field(default_factory=dict)
+    queued: set[str] = field(default_factory=set)
+    running: dict[str, str | None] = field(default_factory=dict)
+    """Running execution -> the cell it started on (None when not pinned to a cell)."""
+    call_cell: dict[str, str] = field(default_factory=dict)
+    """In-flight call -> the cell serving it now."""
+    call_execution: dict[str, str] = field(default_factory=dict)
+    execution_calls: dict[str, set[str]] = field(default_factory=dict)
+    now_us: int = 0
+    """``ts`` of the last event folded in: the view's notion of time."""
+
+    @property
+    def watermark(self) -> int:
+        return len(self.queued) + len(self.running)
+
+    def cells_in(self, role: str) -> list[Cell]:
+        """Live cells whose current role is ``role`` and that are not leaving it."""
+        return [c for c in self.cells.values()
+                if not c.lost and c.role == role and c.switching_to in (None, role)]
+
+    @property
+    def rollout_capacity(self) -> int:
+        return sum(c.slots for c in self.cells_in("rollout"))
+
+    def inflight(self, cell_id: str) -> list[str]:
+        """Calls in flight on a cell, in a stable order."""
+        return sorted(call for call, cell in self.call_cell.items() if cell == cell_id)
+
+
+class ClusterView(Projection[ClusterState]):
+    name = "cluster"
+    state_type = ClusterState
+
+    @on("cell_registered", "cell_id", "role", "is_core", "slots", "gpus", "ts")
+    def _registered(self, s: ClusterState, cell_id, role, is_core, slots, gpus, ts) -> None:
+        s.cells[cell_id] = Cell(cell_id, role, is_core, slots, gpus)
+        s.now_us = ts
+
+    @on("cell_lost", "cell_id", "ts")
+    def _lost(self, s: ClusterState, cell_id, ts) -> None:
+        cell = s.cells.get(cell_id)
+        if cell is not None:
+            cell.lost, cell.switching_to = True, None
+        s.now_us = ts
+
+    @on("role_switch_requested", "cell_id", "to_role", "ts")
+    def _switch_requested(self, s: ClusterState, cell_id, to_role, ts) -> None:
+        cell = s.cells.get(cell_id)
+        if cell is not None:
+            cell.switching_to = to_role
+        s.now_us = ts
+
+    @on("role_switch_completed", "cell_id", "to_role", "ts")
+    def _switch_completed(self, s: ClusterState, cell_id, to_role, ts) -> None:
+        cell = s.cells.get(cell_id)
+        if cell is not None:
+            cell.role, cell.switching_to = to_role, None
+        s.now_us = ts
+
+    @on("execution_queued", "execution_id", "ts")
+    def _queued(self, s: ClusterState, execution_id, ts) -> None:
+        s.queued.add(execution_id)
+        s.now_us = ts
+
+    @on("execution_started", "execution_id", "cell_id", "ts")
+    def _started(self, s: ClusterState, execution_id, cell_id, ts) -> None:
+        s.queued.discard(execution_id)
+        s.running[execution_id] = cell_id
+        s.now_us = ts
+
+    @on("execution_finished", "execution_id", "ts")
+    def _finished(self, s: ClusterState, execution_id, ts) -> None:
+        s.queued.discard(execution_id)
+        s.running.pop(execution_id, None)
+        # The harness is gone: whatever it had in flight is abandoned.
+        for call in s.execution_calls.pop(execution_id, ()):
+            s.call_cell.pop(call, None)
+            s.call_execution.pop(call, None)
+        s.now_us = ts
+
+    @on("model_call_started", "call_id", "execution_id", "cell_id", "ts")
+    def _call_started(self, s: ClusterState, call_id, execution_id, cell_id, ts) -> None:
+        s.call_cell[call_id] = cell_id
+        s.call_execution[call_id] = execution_id
+        s.execution_calls.setdefault(execution_id, set()).add(call_id)
+        s.now_us = ts
+
+    @on("model_call_finished", "call_id", "ts")
+    def _call_finished(self, s: ClusterState, call_id, ts) -> None:
+        s.call_cell.pop(call_id, None)
+        execution_id = s.call_execution.pop(call_id, None)
+        calls = s.execution_calls.get(execution_id) if execution_id is not None else None
+        if calls is not None:
+            calls.discard(call_id)
+            if not calls:
+                del s.execution_calls[execution_id]
+        s.now_us = ts
+
+    @on("call_redirected", "call_id", "to_cell_id", "ts")
+    def _redirected(self, s: ClusterState, call_id, to_cell_id, ts) -> None:
+        if call_id in s.call_cell:
+            s.call_cell[call_id] = to_cell_id
+        s.now_us = ts

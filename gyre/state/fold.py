@@ -1,0 +1,222 @@
+"""Projections: state as a fold over the log.
+
+A projection is a set of handlers, one per event kind it reacts to, each declaring the fields it reads::
+
+    class Counts(Projection[CountState]):
+        name = "counts"
+
+        @on("reward_recorded", "execution_id", "reward")
+        def _reward(self, state, execution_id, reward): ...
+
+The declared fields are the whole interface between a handler and an event, which gives two equivalent
+ways to drive the same rules:
+
+* ``apply(state, event)`` for one pydantic event (live controllers, tests), and
+* ``apply_batch(state, batch)`` for an Arrow batch from the log (replay): it reads only the declared
+  columns, as plain Python values, and never builds an event object — this is what makes replay fast.
+
+Handlers are pure in the event-sourcing sense: no clock, no I/O, no randomness; time comes from the
+event's ``ts``. For speed they update the state in place: ``apply`` takes ownership of the state it is
+given and returns it. Copy (or snapshot) a state you want to keep.
+"""
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, ClassVar, Generic, TypeVar
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import BaseModel, TypeAdapter
+
+from gyre.events.models import ENVELOPE_FIELDS, Event, event_type
+from gyre.events.schema import evolve
+
+S = TypeVar("S")
+LEN_SUFFIX = "#len"
+"""A declared field ``"output_ids#len"`` receives ``len(output_ids)`` (replay never materialises the list)."""
+
+
+@dataclass(frozen=True)
+class Handler:
+    kind: str
+    fields: tuple[str, ...]
+    method: str
+
+
+def on(kind: str, *fields: str) -> Callable:
+    """Mark a projection method as the handler of ``kind``, receiving ``fields`` positionally."""
+    model = event_type(kind)
+    for name in fields:
+        base = name.removesuffix(LEN_SUFFIX)
+        if base != "ts" and base not in model.model_fields:
+            raise TypeError(f"handler for {kind} reads unknown field {base!r}")
+
+    def mark(fn: Callable) -> Callable:
+        fn.__gyre_handler__ = Handler(kind, fields, fn.__name__)  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+class Projection(Generic[S]):
+    """Base class of projections: subclass, set ``name`` and ``state_type``, write ``@on`` handlers."""
+
+    name: ClassVar[str]
+    version: ClassVar[int] = 1
+    """Bump when the handlers change meaning: snapshots of other versions are ignored."""
+    state_type: ClassVar[type]
+    handlers: ClassVar[dict[str, Handler]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        handlers: dict[str, Handler] = {}
+        for klass in reversed(cls.__mro__):
+            for value in vars(klass).values():
+                handler = getattr(value, "__gyre_handler__", None)
+                if handler is not None:
+                    if handler.kind in handlers and handlers[handler.kind].method != handler.method:
+                        raise TypeError(f"{cls.__name__} has two handlers for {handler.kind}")
+                    handlers[handler.kind] = handler
+        cls.handlers = handlers
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        return frozenset(self.handlers)
+
+    def initial(self) -> S:
+        return self.state_type()
+
+    # -- the two drivers ---------------------------------------------------------------------------------
+
+    def apply(self, state: S, event: Event) -> S:
+        handler = self.handlers.get(event.kind)
+        if handler is not None:
+            getattr(self, handler.method)(state, *(_event_value(event, f) for f in handler.fields))
+        return state
+
+    def apply_batch(self, state: S, batch: pa.RecordBatch) -> S:
+        """Fold a log batch (any schema version, rows in seq order) into ``state``."""
+        kinds_column = batch.column("kind")
+        relevant = pc.is_in(kinds_column, pa.array(sorted(self.handlers)))
+        if not pc.any(relevant).as_py():
+            return state
+        batch = evolve(batch.filter(relevant))
+        kinds = batch.column("kind").to_pylist()
+        feeds: dict[str, tuple[Callable, Iterable]] = {}
+        for kind in set(kinds):
+            handler = self.handlers[kind]
+            rows = batch.filter(pc.equal(batch.column("kind"), kind))
+            columns = [_column_values(rows, kind, name) for name in handler.fields]
+            feeds[kind] = (getattr(self, handler.method), iter(zip(*columns, strict=True)))
+        for kind in kinds:
+            method, values = feeds[kind]
+            method(state, *next(values))
+        return state
+
+    # -- snapshots ---------------------------------------------------------------------------------------
+
+    def dump(self, state: S) -> bytes:
+        return TypeAdapter(self.state_type).dump_json(state)
+
+    def load(self, data: bytes) -> S:
+        return TypeAdapter(self.state_type).validate_json(data)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _event_value(event: Event, name: str) -> Any:
+    if name == "ts":  # microseconds since the epoch, as in replay; 0 for an event not yet logged
+        return 0 if event.ts is None else (event.ts - _EPOCH) // timedelta(microseconds=1)
+    if name.endswith(LEN_SUFFIX):
+        return len(getattr(event, name.removesuffix(LEN_SUFFIX)))
+    return getattr(event, name)
+
+
+def _column_values(rows: pa.RecordBatch, kind: str, name: str) -> list:
+    """Values of one declared field for rows of one kind, with the model's defaults for nulls."""
+    want_len = name.endswith(LEN_SUFFIX)
+    base = name.removesuffix(LEN_SUFFIX)
+    if base in ENVELOPE_FIELDS:
+        column = rows.column(base)
+    else:
+        column = rows.column(kind).field(base)
+        default = event_type(kind).model_fields[base].get_default(call_default_factory=True)
+        if want_len:
+            return pc.fill_null(pc.list_value_length(column), 0).to_pylist()
+        if default is not None and column.null_count:
+            if isinstance(default, BaseModel | list | dict):
+                return [default if v is None else v for v in column.to_pylist()]
+            column = pc.fill_null(column, pa.scalar(default, column.type))
+    if base == "ts":
+        return pc.cast(column, pa.int64()).to_pylist()  # microseconds since the epoch, UTC
+    return column.to_pylist()
+
+
+# -- folding and snapshots ---------------------------------------------------------------------------------
+
+
+class Snapshot(BaseModel):
+    """A projection's state as of ``seq``: restoring it and folding the rest equals a full replay."""
+
+    projection: str
+    version: int
+    seq: int
+    state: str
+
+
+def fold(projection: Projection[S], events: Iterable[Event], state: S | None = None) -> S:
+    state = projection.initial() if state is None else state
+    for event in events:
+        state = projection.apply(state, event)
+    return state
+
+
+def fold_batches(projection: Projection[S], batches: Iterable[pa.RecordBatch], state: S | None = None) -> S:
+    state = projection.initial() if state is None else state
+    for batch in batches:
+        state = projection.apply_batch(state, batch)
+    return state
+
+
+def take_snapshot(projection: Projection[S], state: S, seq: int) -> Snapshot:
+    return Snapshot(projection=projection.name, version=projection.version, seq=seq,
+                    state=projection.dump(state).decode())
+
+
+def restore(projection: Projection[S], snapshot: Snapshot) -> S:
+    if snapshot.projection != projection.name or snapshot.version != projection.version:
+        raise ValueError(f"snapshot of {snapshot.projection} v{snapshot.version} cannot restore "
+                         f"{projection.name} v{projection.version}")
+    return projection.load(snapshot.state.encode())
+
+
+def replay(projection: Projection[S], log_path: str | Path, snapshot: Snapshot | None = None,
+           to_seq: int | None = None) -> tuple[S, int]:
+    """State of ``projection`` over the log (optionally resuming from a snapshot); returns (state, seq)."""
+    from gyre.log.reader import LogReader
+
+    reader = LogReader(log_path)
+    if snapshot is not None:
+        state, from_seq = restore(projection, snapshot), snapshot.seq + 1
+    else:
+        state, from_seq = projection.initial(), 0
+    end = reader.last_seq() if to_seq is None else to_seq  # fixed first: the log may grow meanwhile
+    for batch in reader.read(from_seq=from_seq, to_seq=end, kinds=projection.kinds):
+        state = projection.apply_batch(state, batch)
+    return state, max(end, from_seq - 1)
+
+
+def save_snapshot(snapshot: Snapshot, path: str | Path) -> None:
+    """Write a snapshot file atomically (tmp + rename): a reader never sees half a snapshot."""
+    target = Path(path)
+    tmp = target.with_suffix(target.suffix + ".tmp")
+    tmp.write_text(json.dumps(snapshot.model_dump()))
+    tmp.replace(target)
+
+
+def load_snapshot(path: str | Path) -> Snapshot:
+    return Snapshot.model_validate_json(Path(path).read_text())
