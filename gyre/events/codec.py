@@ -7,8 +7,9 @@ struct array at its rows with one ``take``.
 
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any
 
 import numpy as np
@@ -169,38 +170,65 @@ def validate_batch(batch: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
 
     The batch carries the envelope id columns it needs, ``kind`` and the kinds' struct columns; ``seq``
     and ``ts`` may be absent (the writer assigns them). Unknown columns or kinds, wrong types and missing
-    required fields are refused with an error that names them.
+    required fields are refused with an error that names them. The result is sparse, in schema order.
     """
     if isinstance(batch, pa.Table):
         batch = batch.combine_chunks()
         batch = batch.to_batches()[0] if batch.num_rows else batch.schema.empty_table().to_batches()[0]
-    schema = event_schema()
-    unknown = [name for name in batch.schema.names if schema.get_field_index(name) < 0 or name in ("seq", "ts")]
-    if unknown:
-        raise EventValidationError(
-            f"column(s) {unknown} cannot be appended; give envelope ids, 'kind' and payload struct columns "
-            f"('seq' and 'ts' are assigned by the log)")
-    if "kind" not in batch.schema.names:
-        raise EventValidationError("batch is missing the required column 'kind'")
+    plan = _column_plan(tuple(batch.schema.names))
     present_kinds = pc.unique(batch.column("kind")).to_pylist()
     for kind in present_kinds:
         if kind is None:
             raise EventValidationError("column 'kind' has null entries")
         event_type(kind)
     columns: dict[str, pa.Array] = {}
-    for field in schema:
-        if field.name not in batch.schema.names:
+    exact = True
+    for name, index, target in plan.columns:
+        array = batch.column(index)
+        if array.type.equals(target):
+            columns[name] = array
             continue
-        array = batch.column(field.name)
+        exact = False
         try:
-            columns[field.name] = _conform_exact(array, field.type)
+            columns[name] = _conform_exact(array, target)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as error:
-            raise EventValidationError(
-                f"column {field.name!r} has type {array.type}, expected {field.type}: {error}"
-            ) from error
+            raise EventValidationError(f"column {name!r} has type {array.type}, expected {target}: {error}") from error
     for kind in present_kinds:
-        _check_required(columns, kind, batch.num_rows)
-    return _sparse_batch(columns, schema)
+        _check_required(columns, kind, len(present_kinds) == 1)
+    for name in plan.kinds - set(present_kinds):
+        if columns[name].null_count != batch.num_rows:
+            raise EventValidationError(f"payload column {name!r} is set on rows of another kind")
+    if exact:
+        return pa.RecordBatch.from_arrays(list(columns.values()), schema=plan.out_schema)
+    return _sparse_batch(columns, event_schema())
+
+
+@dataclass(frozen=True)
+class _ColumnPlan:
+    columns: tuple[tuple[str, int, pa.DataType], ...]
+    """(name, index in the input, stored type) in schema order."""
+    kinds: frozenset[str]
+    out_schema: pa.Schema
+    """The output schema (used as is when every column already has its stored type)."""
+
+
+@lru_cache(maxsize=256)
+def _column_plan(names: tuple[str, ...]) -> _ColumnPlan:
+    """Name-level checks, done once per distinct set of producer columns (types are checked per batch:
+    hashing Arrow types or schemas costs more than comparing them)."""
+    full = event_schema()
+    unknown = [name for name in names if full.get_field_index(name) < 0 or name in ("seq", "ts")]
+    if unknown:
+        raise EventValidationError(
+            f"column(s) {unknown} cannot be appended; give envelope ids, 'kind' and payload struct columns "
+            f"('seq' and 'ts' are assigned by the log)")
+    if "kind" not in names:
+        raise EventValidationError("batch is missing the required column 'kind'")
+    if len(set(names)) != len(names):
+        raise EventValidationError(f"duplicate columns in {list(names)}")
+    columns = tuple((f.name, names.index(f.name), f.type) for f in full if f.name in names)
+    out = pa.schema([full.field(name) for name, _, _ in columns], metadata=full.metadata)
+    return _ColumnPlan(columns, frozenset(names) & EVENT_TYPES.keys(), out)
 
 
 def _conform_exact(array: pa.Array, target: pa.DataType) -> pa.Array:
@@ -221,21 +249,38 @@ def _conform_exact(array: pa.Array, target: pa.DataType) -> pa.Array:
     return array.cast(target, safe=True)
 
 
-def _check_required(columns: dict[str, pa.Array], kind: str, n: int) -> None:
+@cache
+def _required(kind: str) -> tuple[tuple[str, ...], tuple[tuple[int, str], ...]]:
+    """Required envelope ids and (index, name) of required payload fields of a kind."""
     model = event_type(kind)
-    rows = pc.equal(columns["kind"], kind)
-    for name in ENVELOPE_FIELDS[2:]:
-        if not model.model_fields[name].is_required():
-            continue
-        if name not in columns or pc.any(pc.and_(rows, pc.is_null(columns[name]))).as_py():
+    envelope = tuple(n for n in ENVELOPE_FIELDS[2:] if model.model_fields[n].is_required())
+    payload = tuple((i, f.name) for i, f in enumerate(payload_type(kind)) if model.model_fields[f.name].is_required())
+    return envelope, payload
+
+
+def _check_required(columns: dict[str, pa.Array], kind: str, single: bool) -> None:
+    """Required envelope ids and payload fields of ``kind``'s rows are present; no other kind's payload is.
+
+    ``single``: every row is of this kind (the common case), so no row filtering is needed.
+    """
+    required_envelope, required_payload = _required(kind)
+
+    def nulls_in_rows(array: pa.Array) -> bool:
+        if single:
+            return array.null_count > 0
+        return pc.any(pc.and_(rows, pc.is_null(array))).as_py()
+
+    rows = None if single else pc.equal(columns["kind"], kind)
+    for name in required_envelope:
+        if name not in columns or nulls_in_rows(columns[name]):
             raise EventValidationError(f"{kind} rows need envelope field {name!r}, some are null")
     if kind not in columns:
         raise EventValidationError(f"{kind} rows need their payload column {kind!r}, which is missing")
-    struct = pc.filter(columns[kind], rows)
+    struct = columns[kind] if single else pc.filter(columns[kind], rows)
     if struct.null_count:
         raise EventValidationError(f"{kind} rows need their payload column {kind!r}, some are null")
-    for index, field in enumerate(payload_type(kind)):
-        if model.model_fields[field.name].is_required() and struct.field(index).null_count:
-            raise EventValidationError(f"{kind} rows need payload field {field.name!r}, some are null")
-    if pc.any(pc.and_(pc.invert(rows), pc.is_valid(columns[kind]))).as_py():
+    for index, name in required_payload:
+        if struct.field(index).null_count:
+            raise EventValidationError(f"{kind} rows need payload field {name!r}, some are null")
+    if not single and pc.any(pc.and_(pc.invert(rows), pc.is_valid(columns[kind]))).as_py():
         raise EventValidationError(f"payload column {kind!r} is set on rows of another kind")

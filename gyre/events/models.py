@@ -169,6 +169,9 @@ class ExecutionFinished(Event):
     duration_s: NonNegativeFloat
     exit_code: int | None = None
     message: str = ""
+    tokens: NonNegativeInt | None = Field(
+        None, description="trajectory tokens of the execution, from producers whose calls carry no token ids "
+                          "(the simulator); None when the model calls hold the ids")
 
 
 # --- model calls -----------------------------------------------------------------------------------------

@@ -80,9 +80,12 @@ def scan(data: memoryview, start: int = 0, verify: bool = True) -> Iterator[Fram
         if size - offset < HEADER_SIZE:
             yield BadFrame(offset, f"incomplete frame header ({size - offset} of {HEADER_SIZE} bytes)", None)
             return
-        magic, ftype, _flags, _r, length, count, first_seq, crc, _r2 = HEADER.unpack_from(data, offset)
+        magic, ftype, _flags, _r, length, count, first_seq, crc, reserved = HEADER.unpack_from(data, offset)
         if magic != MAGIC:
             yield BadFrame(offset, f"bad frame magic {bytes(magic)!r}", None)
+            return
+        if reserved:  # the only header bytes outside the checksum must be zero
+            yield BadFrame(offset, f"non-zero reserved header bytes ({reserved:#x})", None)
             return
         end = offset + HEADER_SIZE + length
         if end > size:

@@ -12,8 +12,8 @@ import pyarrow as pa
 
 from gyre.events.models import ENVELOPE_FIELDS, EVENT_TYPES
 from gyre.events.schema import event_schema
-from gyre.log.seal import sealed_is_current, segment_table
-from gyre.log.segment import list_segments, sealed_path
+from gyre.log.seal import segment_table, usable_sealed_copy
+from gyre.log.segment import list_segments
 
 _ENVELOPE_SELECT = ", ".join(["seq", "ts", "kind", *ENVELOPE_FIELDS[2:]])
 
@@ -25,8 +25,9 @@ def connect(path: str | Path, con: duckdb.DuckDBPyConnection | None = None) -> d
     parquet: list[str] = []
     live: list[pa.Table] = []
     for index, (_, segment) in enumerate(segments):
-        if index < len(segments) - 1 and sealed_is_current(segment):
-            parquet.append(str(sealed_path(segment)))
+        sealed = usable_sealed_copy(segment) if index < len(segments) - 1 else None
+        if sealed is not None:
+            parquet.append(str(sealed))
         else:
             live.append(segment_table(segment, tail_ok=index == len(segments) - 1))
     parts = []

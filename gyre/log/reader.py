@@ -19,9 +19,9 @@ from gyre.errors import LogCorruptionError, LogError
 from gyre.events.codec import decode
 from gyre.events.models import Event, event_type
 from gyre.events.schema import evolve
-from gyre.log.frames import SCHEMA_FRAME, BadFrame, Frame, scan
-from gyre.log.seal import sealed_is_current
-from gyre.log.segment import SegmentData, list_segments, sealed_path
+from gyre.log.frames import SCHEMA_FRAME, BadFrame, scan
+from gyre.log.seal import usable_sealed_copy
+from gyre.log.segment import SegmentData, list_segments, sealed_copies
 
 if typing.TYPE_CHECKING:
     import duckdb
@@ -78,7 +78,7 @@ class LogReader:
                     return
                 if wanted is not None and not data.has_any_column(frame, wanted):
                     continue
-                _check_frame(data, frame)
+                data.check(frame)
                 batch = _select(evolve(data.decode(frame)), frame.first_seq, from_seq, to_seq, wanted)
                 if batch.num_rows:
                     yield batch
@@ -186,11 +186,11 @@ class LogReader:
                 expected = frame.last_seq + 1
             if report.first_seq is None and expected > first_seq:
                 report.first_seq = first_seq
-            if not last and sealed_path(path).exists():
-                if sealed_is_current(path):
+            if not last and sealed_copies(path):
+                if usable_sealed_copy(path) is not None:
                     report.sealed += 1
                 else:
-                    report.problems.append(f"{sealed_path(path).name}: stale or unreadable sealed copy")
+                    report.problems.append(f"{path.name}: sealed copy is damaged or stale (queries use frames)")
         report.last_seq = expected - 1 if expected is not None else None
         return report
 
@@ -202,14 +202,6 @@ def _kind_set(kinds: Iterable[str] | None) -> frozenset[str] | None:
     for kind in out:
         event_type(kind)  # unknown kinds are an error, not an empty result
     return out
-
-
-def _check_frame(data: SegmentData, frame: Frame) -> None:
-    """Verify one frame's checksum (reads scan without verification to skip frames cheaply)."""
-    for item in scan(data.data[frame.offset:frame.end], 0, verify=True):
-        if isinstance(item, BadFrame):
-            raise LogCorruptionError(str(data.path), data.start + frame.offset, item.reason)
-        return
 
 
 def _select(batch: pa.RecordBatch, first_seq: int, from_seq: int, to_seq: int | None,

@@ -1,18 +1,20 @@
 """Sealing: a rotated segment is rewritten as Parquet so DuckDB scans it natively with pushdown.
 
 Rows are sorted by ``(kind, seq)`` so that every row group holds few kinds and its min/max statistics let
-a per-kind view skip the rest. The framed segment remains the source of truth; a sealed file whose
-schema is not the current one is ignored by readers (they decode the frames instead).
+a per-kind view skip the rest. The framed segment remains the source of truth. A sealed file is used
+only when its bytes match the CRC32C in its name and its schema is the current one; otherwise readers
+decode the segment's frames instead, so a damaged or stale copy can slow a query but never falsify it.
 """
 
 import os
 from pathlib import Path
 
+import crc32c
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gyre.events.schema import event_schema, evolve
-from gyre.log.segment import SegmentData, fsync_dir, sealed_path
+from gyre.log.segment import SegmentData, fsync_dir, sealed_copies, sealed_path
 
 ROW_GROUP_ROWS = 32_768
 
@@ -28,22 +30,30 @@ def segment_table(segment: Path, tail_ok: bool = False) -> pa.Table:
 def seal_segment(segment: Path) -> Path:
     """Write ``segment``'s Parquet copy atomically (tmp file, fsync, rename, fsync dir)."""
     table = segment_table(segment).sort_by([("kind", "ascending"), ("seq", "ascending")])
-    target = sealed_path(segment)
-    tmp = target.with_suffix(".parquet.tmp")
+    tmp = segment.with_name(segment.stem + ".parquet.tmp")
     pq.write_table(table, tmp, row_group_size=ROW_GROUP_ROWS, write_page_checksum=True)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
+        crc = crc32c.crc32c(f.read())
+    stale = sealed_copies(segment)
+    target = sealed_path(segment, crc)
     os.replace(tmp, target)
     fsync_dir(segment.parent)
+    for old in stale:
+        if old != target:
+            old.unlink(missing_ok=True)
     return target
 
 
-def sealed_is_current(segment: Path) -> bool:
-    """A sealed copy exists and was written with the current schema."""
-    path = sealed_path(segment)
-    if not path.exists():
-        return False
-    try:
-        return pq.read_schema(path).equals(event_schema(), check_metadata=False)
-    except (pa.ArrowInvalid, OSError):
-        return False
+def usable_sealed_copy(segment: Path) -> Path | None:
+    """The segment's sealed copy if it is intact (CRC in its name) and of the current schema."""
+    for path in sealed_copies(segment):
+        try:
+            expected = int(path.name.split(".")[-2], 16)
+            if crc32c.crc32c(path.read_bytes()) != expected:
+                continue
+            if pq.read_schema(path).equals(event_schema(), check_metadata=False):
+                return path
+        except (ValueError, pa.ArrowInvalid, OSError):
+            continue
+    return None

@@ -3,6 +3,7 @@
 import os
 import struct
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import pyarrow as pa
@@ -29,8 +30,13 @@ def list_segments(directory: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def sealed_path(segment: Path) -> Path:
-    return segment.with_suffix(SEALED_SUFFIX)
+def sealed_path(segment: Path, crc: int) -> Path:
+    """Sealed copies carry the CRC32C of their own bytes in their name: ``<first_seq>.<crc>.parquet``."""
+    return segment.with_name(f"{segment.stem}.{crc:08x}{SEALED_SUFFIX}")
+
+
+def sealed_copies(segment: Path) -> list[Path]:
+    return sorted(segment.parent.glob(f"{segment.stem}.*{SEALED_SUFFIX}"))
 
 
 def _pad8(n: int) -> int:
@@ -44,8 +50,28 @@ def schema_frame(schema: pa.Schema, first_seq: int) -> bytes:
 
 
 def column_mask(batch_schema: pa.Schema, full: pa.Schema) -> bytes:
+    # Cached by names and the full schema's identity: hashing an Arrow schema costs more than framing.
+    return _column_mask(tuple(batch_schema.names), _SchemaKey(full))
+
+
+class _SchemaKey:
+    __slots__ = ("schema",)
+
+    def __init__(self, schema: pa.Schema) -> None:
+        self.schema = schema
+
+    def __hash__(self) -> int:
+        return id(self.schema)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _SchemaKey) and other.schema is self.schema
+
+
+@lru_cache(maxsize=512)
+def _column_mask(names: tuple[str, ...], key: _SchemaKey) -> bytes:
+    full = key.schema
     bits = bytearray((len(full) + 7) // 8)
-    for name in batch_schema.names:
+    for name in names:
         index = full.get_field_index(name)
         bits[index // 8] |= 1 << (index % 8)
     return bytes(bits)
@@ -107,6 +133,8 @@ class SegmentData:
                 torn = len(self.data) - item.offset
                 break
             if self.start == 0 and not frames:
+                if not verify:
+                    self.check(item)  # everything decoded from this segment depends on its schema
                 if item.frame_type != SCHEMA_FRAME:
                     raise LogCorruptionError(str(self.path), item.offset, "segment does not start with a schema")
                 self.schema = pa.ipc.read_schema(pa.py_buffer(item.payload))
@@ -122,6 +150,13 @@ class SegmentData:
             frames.append(item)
             valid_end = item.end
         return SegmentScan(self.path, self.schema, frames, valid_end, len(self.data), torn)
+
+    def check(self, frame: Frame) -> None:
+        """Verify one frame's checksum (for scans that skipped verification to seek cheaply)."""
+        for item in scan(self.data[frame.offset:frame.end], 0, verify=True):
+            if isinstance(item, BadFrame):
+                raise LogCorruptionError(str(self.path), self.start + frame.offset, item.reason)
+            return
 
     def batch_frames(self, scan_result: SegmentScan) -> list[Frame]:
         return [f for f in scan_result.frames if f.frame_type == BATCH_FRAME]

@@ -19,11 +19,13 @@ import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from gyre.errors import LogClosedError, LogError, LogLockedError
 from gyre.events.codec import check_events, encode, now_us, validate_batch
@@ -62,6 +64,51 @@ class Recovery:
     next_seq: int
 
 
+@dataclass
+class WriterStats:
+    fsyncs: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class _EventRun:
+    """Consecutive events appended one at a time: encoded as one batch when committed."""
+
+    first_seq: int
+    events: list[Event]
+    stamps: list[int]
+
+
+class _ReadyFrame:
+    """A batch already framed (by ``append_batch``): the commit leader only writes it."""
+
+    __slots__ = ("first_seq", "parts", "size")
+
+    def __init__(self, first_seq: int, parts: list) -> None:
+        self.first_seq = first_seq
+        self.parts = parts
+        self.size = sum(len(memoryview(p)) for p in parts)
+
+
+@lru_cache(maxsize=256)
+def _stored_schema(names: tuple[str, ...]) -> pa.Schema:
+    """The schema of a validated producer batch (columns ``names``) with the ``seq`` and ``ts`` it gets."""
+    full = event_schema()
+    return pa.schema([full.field(n) for n in ("seq", "ts", *names)], metadata=full.metadata)
+
+
+def _with_run_id(batch: pa.RecordBatch, run_id: str, schema: pa.Schema) -> pa.RecordBatch:
+    """Stamp the writer's run id where the producer left it empty (as ``encode`` does for events)."""
+    columns = dict(zip(batch.schema.names, batch.columns, strict=True))
+    current = columns.get("run_id")
+    if current is not None and current.null_count == 0:
+        return batch
+    stamp = pa.scalar(run_id, pa.string())
+    columns["run_id"] = pa.repeat(stamp, batch.num_rows) if current is None else pc.fill_null(current, stamp)
+    fields = [f for f in schema if f.name in columns]
+    return pa.RecordBatch.from_arrays([columns[f.name] for f in fields], schema=pa.schema(fields))
+
+
 class LogWriter:
     """Exclusive, durable appender of a log directory. Use as a context manager or call ``close``."""
 
@@ -87,7 +134,8 @@ class LogWriter:
         self._pending_events: list[Event] = []
         self._pending_stamps: list[int] = []
         self._pending_first = 0
-        self._chunks: list[pa.RecordBatch | tuple[list[Event], list[int], int]] = []
+        self._chunks: list[_ReadyFrame | _EventRun] = []
+        self.stats = WriterStats()
         self._flushing = False
         self._failed: BaseException | None = None
         self._closed = False
@@ -157,7 +205,7 @@ class LogWriter:
             if same_schema:
                 self._fd = os.open(path, os.O_WRONLY)
                 self._offset = found.valid_end
-                self._segment = path
+                self._segment, self._segment_first = path, first_seq
             elif not batches:  # an empty segment of an older schema: replace it
                 path.unlink()
                 self._open_segment(next_seq)
@@ -173,10 +221,10 @@ class LogWriter:
         path = self.path / segment_name(first_seq)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         header = schema_frame(self._schema, first_seq)
-        _write_all(fd, [header])
+        _write_all(fd, [header], 0)
         os.fsync(fd)
         fsync_dir(self.path)
-        self._fd, self._offset, self._segment = fd, len(header), path
+        self._fd, self._offset, self._segment, self._segment_first = fd, len(header), path, first_seq
 
     # -- appending ---------------------------------------------------------------------------------------
 
@@ -207,30 +255,31 @@ class LogWriter:
     def append_batch(self, batch: pa.RecordBatch | pa.Table) -> SeqRange:
         """Columnar fast path: append a producer-built batch (envelope ids, ``kind``, payload structs).
 
-        It is validated before it gets seqs; a bad batch raises and nothing is buffered.
+        It is validated before it gets seqs (a bad batch raises and nothing is buffered), and framed right
+        here, in the producer's thread, so that the commit leader only writes and fsyncs: with several
+        producers, framing overlaps the previous group's fsync.
         """
         checked = validate_batch(batch)
         n = checked.num_rows
+        if self.run_id is not None:
+            checked = _with_run_id(checked, self.run_id, self._schema)
         stamp = now_us()
         with self._cond:
             self._check_usable()
             first = self._next_seq
             self._cut_event_chunk()
             seq = pa.array(np.arange(first, first + n, dtype=np.int64))
-            ts = pa.repeat(pa.scalar(stamp, pa.int64()), n).cast(TS_TYPE)
-            full = pa.RecordBatch.from_arrays(
-                [seq, ts, *checked.columns],
-                schema=pa.schema([self._schema.field("seq"), self._schema.field("ts"), *checked.schema],
-                                 metadata=self._schema.metadata),
-            )
-            self._chunks.append(full)
+            ts = pa.array(np.full(n, stamp, dtype="datetime64[us]"), TS_TYPE)
+            full = pa.RecordBatch.from_arrays([seq, ts, *checked.columns],
+                                              schema=_stored_schema(tuple(checked.schema.names)))
+            self._chunks.append(_ReadyFrame(first, batch_frame_parts(full, first, self._schema)))
             self._next_seq += n
             self._pending_first = self._next_seq
         return SeqRange(first, first + n - 1)
 
     def _cut_event_chunk(self) -> None:
         if self._pending_events:
-            self._chunks.append((self._pending_events, self._pending_stamps, self._pending_first))
+            self._chunks.append(_EventRun(self._pending_first, self._pending_events, self._pending_stamps))
             self._pending_events, self._pending_stamps = [], []
         self._pending_first = self._next_seq
 
@@ -272,32 +321,33 @@ class LogWriter:
             self._cond.notify_all()
 
     def _write(self, chunks: list) -> None:
+        """Write frames in seq order, rotating between frames when the segment is full; fsync at the end."""
         parts: list = []
         size = 0
         for chunk in chunks:
-            if isinstance(chunk, tuple):
-                events, stamps, first = chunk
-                batch = encode(events, first, stamps, run_id=self.run_id)
-            else:
-                batch, first = chunk, chunk.column(0)[0].as_py()
-            frame = batch_frame_parts(batch, first, self._schema)
-            frame_size = sum(len(memoryview(p)) for p in frame)
-            if self._offset + size >= self.segment_bytes:
-                _write_all(self._fd, parts)
-                os.fdatasync(self._fd)
-                self._rotate(first)
+            if isinstance(chunk, _EventRun):
+                batch = encode(chunk.events, chunk.first_seq, chunk.stamps, run_id=self.run_id)
+                chunk = _ReadyFrame(chunk.first_seq, batch_frame_parts(batch, chunk.first_seq, self._schema))
+            if self._offset + size >= self.segment_bytes and chunk.first_seq > self._segment_first:
+                self._sync(parts, size)
+                self._rotate(chunk.first_seq)
                 parts, size = [], 0
-            parts.extend(frame)
-            size += frame_size
+            parts.extend(chunk.parts)
+            size += chunk.size
         if parts:
-            _write_all(self._fd, parts)
-            os.fdatasync(self._fd)
-            self._offset += size
+            self._sync(parts, size)
+
+    def _sync(self, parts: list, size: int) -> None:
+        _write_all(self._fd, parts, self._offset)
+        os.fdatasync(self._fd)
+        self._offset += size
+        self.stats.fsyncs += 1
+        self.stats.bytes += size
 
     def _rotate(self, first_seq: int) -> None:
-        old = self._segment
-        os.close(self._fd)
+        old, old_fd = self._segment, self._fd
         self._open_segment(first_seq)
+        os.close(old_fd)
         if self._sealer is not None:
             self._sealer.submit(old)
 
@@ -337,11 +387,12 @@ class LogWriter:
         self.close()
 
 
-def _write_all(fd: int, parts: list) -> None:
-    """``writev`` that finishes partial writes (the kernel may write fewer bytes than asked)."""
+def _write_all(fd: int, parts: list, offset: int) -> None:
+    """``pwritev`` at ``offset`` that finishes partial writes (the kernel may write fewer bytes than asked)."""
     views = [memoryview(p).cast("B") for p in parts]
     while views:
-        written = os.writev(fd, views[:1024])
+        written = os.pwritev(fd, views[:1024], offset)
+        offset += written
         while written:
             if written >= len(views[0]):
                 written -= len(views[0])
@@ -367,11 +418,12 @@ class _Sealer:
         self._queue.put(segment)
 
     def _run(self) -> None:
-        from gyre.log.seal import seal_segment
+        from gyre.log.seal import seal_segment, usable_sealed_copy
 
         while (segment := self._queue.get()) is not None:
             try:
-                seal_segment(segment)
+                if usable_sealed_copy(segment) is None:
+                    seal_segment(segment)
             except (LogError, OSError, pa.ArrowException) as error:
                 log.error("could not seal %s (queries fall back to its frames): %s", segment, error)
 

@@ -1,0 +1,41 @@
+"""The `gyre` command line: one Typer app, one sub-app per concept."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from gyre.log.cli import log_app
+
+app = typer.Typer(no_args_is_help=True, help="Gyre: elastic, event-sourced RL for long-horizon coding agents.")
+app.add_typer(log_app, name="log")
+
+schema_app = typer.Typer(no_args_is_help=True, help="The event schema.")
+app.add_typer(schema_app, name="schema")
+
+DEFAULT_SCHEMA_PATH = Path("schemas/events.v1.json")
+
+
+@schema_app.command("dump")
+def schema_dump(
+    out: Annotated[Path, typer.Option(help="where to write the schema document")] = DEFAULT_SCHEMA_PATH,
+    check: Annotated[bool, typer.Option(help="exit 1 if the file differs from the code instead of writing")] = False,
+) -> None:
+    """Write the event schema (generated from the pydantic models) as JSON."""
+    from gyre.events.schema import schema_json
+
+    text = schema_json()
+    if check:
+        current = out.read_text() if out.exists() else ""
+        if current != text:
+            typer.echo(f"{out} is out of date with the event models; run `gyre schema dump`", err=True)
+            raise typer.Exit(1)
+        typer.echo(f"{out} matches the event models")
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    typer.echo(f"wrote {out}")
+
+
+def main() -> None:  # pragma: no cover
+    app()

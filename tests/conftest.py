@@ -1,0 +1,42 @@
+"""Shared fixtures: small, realistic event streams and fresh log directories."""
+
+from pathlib import Path
+
+import pytest
+
+from gyre.events.models import (
+    CellRegistered,
+    Event,
+    ExecutionFinished,
+    ExecutionQueued,
+    ExecutionStarted,
+    ModelCallFinished,
+    ModelCallStarted,
+    RewardRecorded,
+)
+
+
+def run_events(executions: int = 4, calls: int = 3) -> list[Event]:
+    """A small run: one cell, executions with a few calls each, rewards."""
+    events: list[Event] = [CellRegistered(cell_id="cell0", role="rollout", slots=4, is_core=True)]
+    for e in range(executions):
+        execution = f"e{e}"
+        events += [ExecutionQueued(execution_id=execution, task_id=f"t{e // 2}", group_id=f"g{e // 2}"),
+                   ExecutionStarted(execution_id=execution, cell_id="cell0")]
+        parent = None
+        for c in range(calls):
+            call = f"{execution}-c{c}"
+            events.append(ModelCallStarted(execution_id=execution, call_id=call, cell_id="cell0"))
+            events.append(ModelCallFinished(
+                execution_id=execution, call_id=call, cell_id="cell0", parent_call_id=parent,
+                prefix_len=0 if parent is None else 3, prompt_delta_ids=[7, 8, 9],
+                output_ids=[e, c, 42], output_logprobs=[-0.5, -0.25, -1.0]))
+            parent = call
+        events.append(ExecutionFinished(execution_id=execution, status="completed", duration_s=1.5))
+        events.append(RewardRecorded(execution_id=execution, reward=e / executions))
+    return events
+
+
+@pytest.fixture
+def log_dir(tmp_path: Path) -> Path:
+    return tmp_path / "log"
