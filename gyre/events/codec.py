@@ -8,7 +8,7 @@ struct array at its rows with one ``take``.
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from functools import cache, lru_cache
 from typing import Any
 
@@ -50,8 +50,14 @@ def _dump(value: Any) -> Any:
     return value
 
 
-def _naive_us(t: datetime) -> int:
-    raise EventValidationError(f"event ts {t.isoformat()} has no time zone; Gyre stores UTC timestamps")
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def to_us(t: datetime) -> int:
+    """Microseconds since the epoch, exactly (float seconds would round some microseconds away)."""
+    if t.tzinfo is None:
+        raise EventValidationError(f"event ts {t.isoformat()} has no time zone; Gyre stores UTC timestamps")
+    return (t - _EPOCH) // timedelta(microseconds=1)
 
 
 def check_events(events: Iterable[Any]) -> list[Event]:
@@ -84,7 +90,7 @@ def encode(events: Sequence[Event], first_seq: int, stamps_us: Sequence[int] | i
         stamps = stamps.copy()
         for index, t in enumerate(own):
             if t is not None:
-                stamps[index] = int(t.timestamp() * 1_000_000) if t.tzinfo else _naive_us(t)
+                stamps[index] = to_us(t)
     columns: dict[str, pa.Array] = {
         "seq": pa.array(np.arange(first_seq, first_seq + n, dtype=np.int64)),
         "ts": pa.array(stamps).cast(TS_TYPE),

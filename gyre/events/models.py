@@ -7,10 +7,9 @@ requires by narrowing their type (``execution_id: str``); the rest stay optional
 Evolution is additive: new kinds and new optional fields only. Renaming or retyping a field is a new kind.
 """
 
-from datetime import datetime
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, model_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, model_validator
 
 from gyre.events.fields import (
     BranchKind,
@@ -40,7 +39,7 @@ class Event(BaseModel):
     """Name of the DuckDB view that shows this kind with its payload flattened into columns."""
 
     seq: NonNegativeInt | None = None
-    ts: datetime | None = None
+    ts: AwareDatetime | None = None
     run_id: str | None = None
     execution_id: str | None = None
     call_id: str | None = None

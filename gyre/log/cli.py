@@ -144,7 +144,7 @@ def sql(path: PathArg, query: Annotated[str, typer.Argument(help="SQL over the e
         _fail(f"query failed: {error}")
     if result is None:
         return
-    table: pa.Table = result.fetch_arrow_table()
+    table: pa.Table = result.to_arrow_table()
     if as_json:
         print(json.dumps(table.to_pylist(), default=str))
         return

@@ -23,7 +23,6 @@ given and returns it. Copy (or snapshot) a state you want to keep.
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -31,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, TypeAdapter
 
+from gyre.events.codec import to_us
 from gyre.events.models import ENVELOPE_FIELDS, Event, event_type
 from gyre.events.schema import evolve
 
@@ -125,12 +125,9 @@ class Projection(Generic[S]):
         return TypeAdapter(self.state_type).validate_json(data)
 
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-
 def _event_value(event: Event, name: str) -> Any:
     if name == "ts":  # microseconds since the epoch, as in replay; 0 for an event not yet logged
-        return 0 if event.ts is None else (event.ts - _EPOCH) // timedelta(microseconds=1)
+        return 0 if event.ts is None else to_us(event.ts)
     if name.endswith(LEN_SUFFIX):
         return len(getattr(event, name.removesuffix(LEN_SUFFIX)))
     return getattr(event, name)

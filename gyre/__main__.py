@@ -1,0 +1,3 @@
+from gyre.cli import app
+
+app()
