@@ -21,8 +21,6 @@ from gyre.errors import EventValidationError
 from gyre.events.models import ENVELOPE_FIELDS, EVENT_TYPES, Event, event_type
 from gyre.events.schema import ENVELOPE_TYPES, TS_TYPE, event_schema, evolve, payload_type
 
-_ID_FIELDS = ("run_id", "execution_id", "call_id", "cell_id", "step")
-
 
 def now_us() -> int:
     return time.time_ns() // 1000
@@ -78,55 +76,78 @@ def encode(events: Sequence[Event], first_seq: int, stamps_us: Sequence[int] | i
 
     Seqs are ``first_seq ..``, consecutive. An event's own ``ts`` wins over ``stamps_us`` (the time the
     writer accepted it), so simulated and replayed runs keep their clocks.
+
+    Each kind's events are transposed once into columns (a model's ``__dict__`` holds its fields in
+    declaration order: the envelope first, then the payload); envelope columns of several kinds are
+    concatenated and put back in row order with one ``take``.
     """
     n = len(events)
-    schema = event_schema()
-    if stamps_us is None or isinstance(stamps_us, int):
-        stamps = np.full(n, now_us() if stamps_us is None else stamps_us, dtype=np.int64)
-    else:
-        stamps = np.asarray(stamps_us, dtype=np.int64)
-    own = [e.ts for e in events]
-    if any(t is not None for t in own):
-        stamps = stamps.copy()
-        for index, t in enumerate(own):
-            if t is not None:
-                stamps[index] = to_us(t)
-    columns: dict[str, pa.Array] = {
-        "seq": pa.array(np.arange(first_seq, first_seq + n, dtype=np.int64)),
-        "ts": pa.array(stamps).cast(TS_TYPE),
-    }
-    kinds = [e.kind for e in events]
-    columns["kind"] = pa.array(kinds, pa.string())
-    for name in _ID_FIELDS:
-        values = [getattr(e, name) for e in events]
-        if name == "run_id" and run_id is not None:
-            values = [v if v is not None else run_id for v in values]
-        columns[name] = pa.array(values, ENVELOPE_TYPES[name])
-
     groups: dict[str, list[int]] = {}
-    for index, kind in enumerate(kinds):
-        groups.setdefault(kind, []).append(index)
-    for kind in EVENT_TYPES:  # schema order
-        rows = groups.get(kind)
-        if rows is None:
-            continue  # kinds absent from the batch are not stored at all (see ``evolve``)
+    for index, event in enumerate(events):
+        groups.setdefault(event.kind, []).append(index)
+    envelope: list[list[pa.Array]] = [[] for _ in ENVELOPE_FIELDS]
+    payloads: dict[str, pa.StructArray] = {}
+    for kind in sorted(groups, key=_KIND_ORDER.__getitem__):  # schema order
+        members = [events[i] for i in groups[kind]] if len(groups) > 1 else events
+        fields = list(zip(*[e.__dict__.values() for e in members], strict=True))
+        for position, name in enumerate(ENVELOPE_FIELDS):
+            envelope[position].append(_envelope_array(name, fields[position]))
         struct_type = payload_type(kind)
-        members = [events[i] for i in rows]
         dumped = _dumped_fields(kind)
         children = []
-        for field in struct_type:
-            values = [getattr(e, field.name) for e in members]
+        for field, values in zip(struct_type, fields[len(ENVELOPE_FIELDS):], strict=True):
             if field.name in dumped:
                 values = [_dump(v) for v in values]
             children.append(pa.array(values, field.type))
-        compact = pa.StructArray.from_arrays(children, fields=list(struct_type))
+        payloads[kind] = pa.StructArray.from_arrays(children, fields=list(struct_type))
+
+    order = None
+    if len(groups) > 1:
+        grouped = np.concatenate([np.asarray(groups[k]) for k in sorted(groups, key=_KIND_ORDER.__getitem__)])
+        order = pa.array(np.argsort(grouped, kind="stable"))
+    columns: dict[str, pa.Array] = {
+        "seq": pa.array(np.arange(first_seq, first_seq + n, dtype=np.int64)),
+        "ts": _stamps(envelope[1], order, n, stamps_us),
+        "kind": pa.array([e.kind for e in events], pa.string()),
+    }
+    for position, name in enumerate(ENVELOPE_FIELDS[2:], start=2):
+        array = envelope[position][0] if order is None else pa.concat_arrays(envelope[position]).take(order)
+        if name == "run_id" and run_id is not None and array.null_count:
+            array = pc.fill_null(array, pa.scalar(run_id, pa.string()))
+        columns[name] = array
+    for kind, compact in payloads.items():
+        rows = groups[kind]
         if len(rows) == n:
             columns[kind] = compact
         else:
             positions = np.full(n, -1, dtype=np.int64)
             positions[rows] = np.arange(len(rows), dtype=np.int64)
             columns[kind] = compact.take(pa.array(positions, mask=positions < 0))
-    return _sparse_batch(columns, schema)
+    return _sparse_batch(columns, event_schema())
+
+
+_KIND_ORDER = {kind: index for index, kind in enumerate(EVENT_TYPES)}
+
+
+def _envelope_array(name: str, values: tuple) -> pa.Array:
+    if name == "ts":  # datetimes or None: converted exactly in _stamps
+        return pa.array([None if t is None else to_us(t) for t in values], pa.int64())
+    return pa.array(values, ENVELOPE_TYPES[name])
+
+
+def _stamps(own: list[pa.Array], order: pa.Array | None, n: int,
+            stamps_us: Sequence[int] | int | None) -> pa.Array:
+    """``ts``: the event's own time where it has one, else the time the writer accepted it."""
+    mine = own[0] if order is None else pa.concat_arrays(own).take(order)
+    if stamps_us is None or isinstance(stamps_us, int):
+        fallback = pa.scalar(now_us() if stamps_us is None else stamps_us, pa.int64())
+    else:
+        fallback = pa.array(np.asarray(stamps_us, dtype=np.int64))
+    if mine.null_count == n:
+        merged = fallback if isinstance(fallback, pa.Array) else pa.repeat(fallback, n)
+    else:
+        merged = pc.coalesce(mine, fallback)
+    return merged.cast(TS_TYPE)
 
 
 def _sparse_batch(columns: dict[str, pa.Array], schema: pa.Schema) -> pa.RecordBatch:

@@ -130,7 +130,7 @@ class LogWriter:
         self.max_pending_events = max_pending_events
         self._schema = event_schema()
         self._lock_fd = self._acquire_lock()
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
         self._pending_events: list[Event] = []
         self._pending_stamps: list[int] = []
         self._pending_first = 0
@@ -239,8 +239,20 @@ class LogWriter:
 
     def append(self, events: Event | Iterable[Event]) -> SeqRange:
         """Buffer validated events and give them the next seqs; ``commit`` makes them durable."""
+        stamp = time.time_ns() // 1000
+        if isinstance(events, Event) and type(events) is not Event:  # one event: the hot path, no lists
+            with self._cond:
+                if self._closed or self._failed is not None:
+                    self._check_usable()
+                first = self._next_seq
+                self._pending_events.append(events)
+                self._pending_stamps.append(stamp)
+                self._next_seq = first + 1
+                overflow = len(self._pending_events) >= self.max_pending_events
+            if overflow:
+                self.commit()
+            return SeqRange(first, first)
         batch = check_events([events] if isinstance(events, Event) else events)
-        stamp = now_us()
         with self._cond:
             self._check_usable()
             first = self._next_seq

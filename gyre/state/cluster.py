@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from gyre.state.fold import Projection, on
 
 
-@dataclass
+@dataclass(slots=True)
 class Cell:
     cell_id: str
     role: str
@@ -20,7 +20,7 @@ class Cell:
     lost: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class ClusterState:
     cells: dict[str, Cell] = field(default_factory=dict)
     queued: set[str] = field(default_factory=set)
@@ -28,8 +28,8 @@ class ClusterState:
     """Running execution -> the cell it started on (None when not pinned to a cell)."""
     call_cell: dict[str, str] = field(default_factory=dict)
     """In-flight call -> the cell serving it now."""
-    call_execution: dict[str, str] = field(default_factory=dict)
     execution_calls: dict[str, set[str]] = field(default_factory=dict)
+    """Running execution -> its calls in flight."""
     now_us: int = 0
     """``ts`` of the last event folded in: the view's notion of time."""
 
@@ -99,25 +99,26 @@ class ClusterView(Projection[ClusterState]):
         # The harness is gone: whatever it had in flight is abandoned.
         for call in s.execution_calls.pop(execution_id, ()):
             s.call_cell.pop(call, None)
-            s.call_execution.pop(call, None)
         s.now_us = ts
 
     @on("model_call_started", "call_id", "execution_id", "cell_id", "ts")
     def _call_started(self, s: ClusterState, call_id, execution_id, cell_id, ts) -> None:
         s.call_cell[call_id] = cell_id
-        s.call_execution[call_id] = execution_id
-        s.execution_calls.setdefault(execution_id, set()).add(call_id)
+        calls = s.execution_calls.get(execution_id)
+        if calls is None:
+            s.execution_calls[execution_id] = {call_id}
+        else:
+            calls.add(call_id)
         s.now_us = ts
 
-    @on("model_call_finished", "call_id", "ts")
-    def _call_finished(self, s: ClusterState, call_id, ts) -> None:
-        s.call_cell.pop(call_id, None)
-        execution_id = s.call_execution.pop(call_id, None)
-        calls = s.execution_calls.get(execution_id) if execution_id is not None else None
-        if calls is not None:
-            calls.discard(call_id)
-            if not calls:
-                del s.execution_calls[execution_id]
+    @on("model_call_finished", "call_id", "execution_id", "ts")
+    def _call_finished(self, s: ClusterState, call_id, execution_id, ts) -> None:
+        if s.call_cell.pop(call_id, None) is not None:
+            calls = s.execution_calls.get(execution_id)
+            if calls is not None:
+                calls.discard(call_id)
+                if not calls:
+                    del s.execution_calls[execution_id]
         s.now_us = ts
 
     @on("call_redirected", "call_id", "to_cell_id", "ts")

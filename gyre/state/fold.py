@@ -32,7 +32,6 @@ from pydantic import BaseModel, TypeAdapter
 
 from gyre.events.codec import to_us
 from gyre.events.models import ENVELOPE_FIELDS, Event, event_type
-from gyre.events.schema import evolve
 
 S = TypeVar("S")
 LEN_SUFFIX = "#len"
@@ -98,23 +97,32 @@ class Projection(Generic[S]):
         return state
 
     def apply_batch(self, state: S, batch: pa.RecordBatch) -> S:
-        """Fold a log batch (any schema version, rows in seq order) into ``state``."""
-        kinds_column = batch.column("kind")
-        relevant = pc.is_in(kinds_column, pa.array(sorted(self.handlers)))
+        """Fold a log batch (sparse or full, any schema version, rows in seq order) into ``state``.
+
+        Only the declared fields are read, each as one column filtered to its kind's rows: token lists
+        and other payload never get copied or turned into Python objects.
+        """
+        kind_column = batch.column("kind")
+        relevant = pc.is_in(kind_column, value_set=self._kind_values())
         if not pc.any(relevant).as_py():
             return state
-        batch = evolve(batch.filter(relevant))
-        kinds = batch.column("kind").to_pylist()
+        order = pc.filter(kind_column, relevant).to_pylist()
         feeds: dict[str, tuple[Callable, Iterable]] = {}
-        for kind in set(kinds):
+        for kind in set(order):
             handler = self.handlers[kind]
-            rows = batch.filter(pc.equal(batch.column("kind"), kind))
-            columns = [_column_values(rows, kind, name) for name in handler.fields]
+            rows = pc.equal(kind_column, kind)
+            columns = [_column_values(batch, rows, kind, name) for name in handler.fields]
             feeds[kind] = (getattr(self, handler.method), iter(zip(*columns, strict=True)))
-        for kind in kinds:
+        for kind in order:
             method, values = feeds[kind]
             method(state, *next(values))
         return state
+
+    def _kind_values(self) -> pa.Array:
+        values = self.__dict__.get("_kinds_array")
+        if values is None:
+            values = self.__dict__["_kinds_array"] = pa.array(sorted(self.handlers), pa.string())
+        return values
 
     # -- snapshots ---------------------------------------------------------------------------------------
 
@@ -133,24 +141,34 @@ def _event_value(event: Event, name: str) -> Any:
     return getattr(event, name)
 
 
-def _column_values(rows: pa.RecordBatch, kind: str, name: str) -> list:
-    """Values of one declared field for rows of one kind, with the model's defaults for nulls."""
+def _column_values(batch: pa.RecordBatch, rows: pa.Array, kind: str, name: str) -> list:
+    """Values of one declared field at the rows of one kind, with the model's default where it is null
+    (or where the batch predates the field: additive evolution)."""
     want_len = name.endswith(LEN_SUFFIX)
     base = name.removesuffix(LEN_SUFFIX)
+    count = None
     if base in ENVELOPE_FIELDS:
-        column = rows.column(base)
+        index = batch.schema.get_field_index(base)
+        column = batch.column(index) if index >= 0 else None
+        default = None
     else:
-        column = rows.column(kind).field(base)
+        struct = batch.column(kind)
+        index = struct.type.get_field_index(base)
+        column = struct.field(index) if index >= 0 else None
         default = event_type(kind).model_fields[base].get_default(call_default_factory=True)
-        if want_len:
-            return pc.fill_null(pc.list_value_length(column), 0).to_pylist()
-        if default is not None and column.null_count:
-            if isinstance(default, BaseModel | list | dict):
-                return [default if v is None else v for v in column.to_pylist()]
-            column = pc.fill_null(column, pa.scalar(default, column.type))
+    if column is None:
+        count = pc.sum(rows).as_py() or 0
+        return [len(default) if want_len else default] * count
+    if want_len:
+        return pc.fill_null(pc.filter(pc.list_value_length(column), rows), 0).to_pylist()
+    values = pc.filter(column, rows)
     if base == "ts":
-        return pc.cast(column, pa.int64()).to_pylist()  # microseconds since the epoch, UTC
-    return column.to_pylist()
+        return pc.cast(values, pa.int64()).to_pylist()  # microseconds since the epoch, UTC
+    if default is not None and values.null_count:
+        if isinstance(default, BaseModel | list | dict):
+            return [default if v is None else v for v in values.to_pylist()]
+        values = pc.fill_null(values, pa.scalar(default, values.type))
+    return values.to_pylist()
 
 
 # -- folding and snapshots ---------------------------------------------------------------------------------
