@@ -1,0 +1,41 @@
+"""`gyre engine ...` commands (registered by `gyre.cli` as the `engine` sub-app)."""
+
+from __future__ import annotations
+
+import typer
+
+engine_app = typer.Typer(help="Run the local CPU inference engine (SGLang native API subset).", no_args_is_help=True)
+
+
+@engine_app.callback()
+def _engine() -> None:
+    """Run the local CPU inference engine (SGLang native API subset)."""  # keeps `serve` a subcommand
+
+
+@engine_app.command()
+def serve(
+    model: str = typer.Option("tiny", help='"tiny" (built in code from --seed) or a Qwen2 checkpoint directory.'),
+    host: str = typer.Option("127.0.0.1", help="Interface to bind."),
+    port: int = typer.Option(30000, help="TCP port."),
+    seed: int = typer.Option(0, help="Seed of the tiny model's weights and of unseeded sampling."),
+    threads: int = typer.Option(1, help="torch CPU threads."),
+    max_running_requests: int = typer.Option(64, help="Sequences decoded together at most."),
+    max_step_tokens: int = typer.Option(2048, help="Tokens per forward step (prefill chunk budget)."),
+    cache_tokens: int = typer.Option(131072, help="Prefix-cache capacity in tokens (0 disables it)."),
+) -> None:
+    """Serve /generate and the admin endpoints until interrupted."""
+    from gyre.engine.local import LocalEngine, LocalEngineConfig, SchedulerConfig
+    from gyre.engine.local import serve as run_server
+
+    config = LocalEngineConfig(
+        model=model,
+        seed=seed,
+        num_threads=threads,
+        scheduler=SchedulerConfig(
+            max_running_requests=max_running_requests,
+            max_step_tokens=max_step_tokens,
+            cache_capacity_tokens=cache_tokens,
+            seed=seed,
+        ),
+    )
+    run_server(LocalEngine(config), host=host, port=port)
