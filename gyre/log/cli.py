@@ -166,10 +166,13 @@ def bench(as_json: JsonOpt = False,
           quick: Annotated[bool, typer.Option("--quick", help="a seconds-long run")] = False,
           directory: Annotated[Path | None, typer.Option("--dir", help="where to write (default: a temp dir "
                                                          "under the current directory's disk)")] = None,
-          kill_points: Annotated[int, typer.Option(help="kill -9 crash points to run (0: skip)")] = 0) -> None:
+          kill_points: Annotated[int | None, typer.Option(
+              help="kill -9 crash points to run (default: 1000, or 0 with --quick)")] = None) -> None:
     """Measure the log's durable throughput, commit latency, replay and recovery speed."""
     from benchmarks.log_bench import run_benchmark
 
+    if kill_points is None:
+        kill_points = 0 if quick else 1000
     results = run_benchmark(quick=quick, directory=directory, kill_points=kill_points)
     if as_json:
         print(json.dumps(results))
