@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 
 from gyre.errors import LogCorruptionError, LogError
 from gyre.events.codec import decode
-from gyre.events.models import Event, event_type
+from gyre.events.models import EVENT_TYPES, Event, event_type
 from gyre.events.schema import evolve
 from gyre.log.frames import SCHEMA_FRAME, BadFrame, scan
 from gyre.log.seal import usable_sealed_copy
@@ -58,9 +58,14 @@ class LogReader:
 
     # -- ranged reads ------------------------------------------------------------------------------------
 
-    def read(self, from_seq: int = 0, to_seq: int | None = None,
-             kinds: Iterable[str] | None = None) -> Iterator[pa.RecordBatch]:
-        """Stream full-schema record batches of events with ``from_seq <= seq <= to_seq`` (and ``kinds``)."""
+    def read(self, from_seq: int = 0, to_seq: int | None = None, kinds: Iterable[str] | None = None,
+             full_schema: bool = True) -> Iterator[pa.RecordBatch]:
+        """Stream record batches of events with ``from_seq <= seq <= to_seq`` (and ``kinds``).
+
+        Batches have the full current schema; with ``full_schema=False`` they keep their stored, sparse
+        shape (only the kinds they hold; an older schema's fields), which is cheaper for consumers that read
+        columns by name, such as projections.
+        """
         wanted = _kind_set(kinds)
         segments = self.segments()
         for index, (first_seq, path) in enumerate(segments):
@@ -69,8 +74,9 @@ class LogReader:
                 continue
             if to_seq is not None and first_seq > to_seq:
                 return
-            data = SegmentData(path)
-            found = data.scan(verify=False, tail_ok=index == len(segments) - 1)
+            last = index == len(segments) - 1
+            data = SegmentData(path, immutable=not last)
+            found = data.scan(verify=False, tail_ok=last)
             for frame in data.batch_frames(found):
                 if frame.last_seq < from_seq:
                     continue
@@ -79,7 +85,9 @@ class LogReader:
                 if wanted is not None and not data.has_any_column(frame, wanted):
                     continue
                 data.check(frame)
-                batch = _select(evolve(data.decode(frame)), frame.first_seq, from_seq, to_seq, wanted)
+                batch = _select(data.decode(frame), frame.first_seq, from_seq, to_seq, wanted)
+                if full_schema:
+                    batch = evolve(batch)
                 if batch.num_rows:
                     yield batch
 
@@ -137,7 +145,7 @@ class LogReader:
                     data.schema = pa.ipc.read_schema(pa.py_buffer(item.payload))
                 else:
                     if item.last_seq >= next_seq and (wanted is None or data.has_any_column(item, wanted)):
-                        batch = _select(evolve(data.decode(item)), item.first_seq, next_seq, None, wanted)
+                        batch = evolve(_select(data.decode(item), item.first_seq, next_seq, None, wanted))
                         if batch.num_rows:
                             yield batch
                     next_seq = max(next_seq, item.last_seq + 1)
@@ -210,6 +218,9 @@ def _select(batch: pa.RecordBatch, first_seq: int, from_seq: int, to_seq: int | 
     stop = batch.num_rows if to_seq is None else min(batch.num_rows, to_seq - first_seq + 1)
     batch = batch.slice(start, max(0, stop - start))
     if kinds is not None:
+        # Drop other kinds' payload columns first (free), so the row filter copies only what is kept.
+        keep = [n for n in batch.schema.names if n in kinds or n not in EVENT_TYPES]
+        batch = batch.select(keep)
         batch = batch.filter(pc.is_in(batch.column("kind"), pa.array(sorted(kinds))))
     return batch
 

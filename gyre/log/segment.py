@@ -1,5 +1,6 @@
 """Segment files: naming, the schema frame, and batch payloads (column mask + Arrow IPC message)."""
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -105,14 +106,23 @@ class SegmentScan:
 class SegmentData:
     """The bytes of one segment and the decoding of its frames."""
 
-    def __init__(self, path: Path, start: int = 0, schema: pa.Schema | None = None) -> None:
+    def __init__(self, path: Path, start: int = 0, schema: pa.Schema | None = None,
+                 immutable: bool = False) -> None:
         """Load the segment from byte ``start`` (a follower re-reads only what is new; it passes the
-        schema it already has, as the schema frame is at the start)."""
+        schema it already has, as the schema frame is at the start).
+
+        ``immutable`` segments (rotated ones: nobody writes or truncates them again) are memory-mapped
+        instead of copied; the live segment is read, because a recovering writer may truncate it.
+        """
         self.path = path
         self.start = start
         with open(path, "rb") as f:
-            f.seek(start)
-            self.raw = f.read()
+            size = os.fstat(f.fileno()).st_size
+            if immutable and start == 0 and size:
+                self.raw = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            else:
+                f.seek(start)
+                self.raw = f.read()
         self.data = memoryview(self.raw)
         self._schemas: dict[bytes, pa.Schema] = {}
         self.schema: pa.Schema | None = schema

@@ -220,7 +220,8 @@ def replay(projection: Projection[S], log_path: str | Path, snapshot: Snapshot |
     else:
         state, from_seq = projection.initial(), 0
     end = reader.last_seq() if to_seq is None else to_seq  # fixed first: the log may grow meanwhile
-    for batch in reader.read(from_seq=from_seq, to_seq=end, kinds=projection.kinds):
+    # No ``kinds`` here: apply_batch picks its rows itself, without copying the other columns.
+    for batch in reader.read(from_seq=from_seq, to_seq=end, full_schema=False):
         state = projection.apply_batch(state, batch)
     return state, max(end, from_seq - 1)
 
