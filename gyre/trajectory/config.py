@@ -1,0 +1,42 @@
+"""Options of the trajectory processor, validated once when built."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+from gyre.trajectory.errors import TrajectoryConfigError
+
+BatchForm = Literal["packed", "expanded"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrajectoryConfig:
+    """How executions become training batches.
+
+    ``cap`` bounds the trajectories kept per execution (the brief's bounded sampling; ``None`` keeps all,
+    for comparison). ``min_valid_per_group`` is the fewest scored executions a GSPO group needs: fewer and
+    its advantages mean nothing, so the group is dropped. ``total_weight`` is what the token weights of
+    every execution add up to, whatever its number of branches.
+    """
+
+    cap: int | None = 5
+    min_valid_per_group: int = 2
+    advantage_eps: float = 1e-6
+    total_weight: float = 1.0
+    token_budget: int = 1 << 20
+    form: BatchForm = "packed"
+    strict: bool = False
+    """Raise on a malformed execution instead of excluding and counting it."""
+
+    def __post_init__(self) -> None:
+        if self.cap is not None and self.cap < 1:
+            raise TrajectoryConfigError(f"cap must be >= 1 or None (uncapped), got {self.cap}")
+        if self.min_valid_per_group < 1:
+            raise TrajectoryConfigError(f"min_valid_per_group must be >= 1, got {self.min_valid_per_group}")
+        if not self.advantage_eps > 0:
+            raise TrajectoryConfigError(f"advantage_eps must be > 0, got {self.advantage_eps}")
+        if not self.total_weight > 0:
+            raise TrajectoryConfigError(f"total_weight must be > 0, got {self.total_weight}")
+        if self.token_budget < 1:
+            raise TrajectoryConfigError(f"token_budget must be >= 1 token, got {self.token_budget}")
+        if self.form not in ("packed", "expanded"):
+            raise TrajectoryConfigError(f"form must be 'packed' or 'expanded', got {self.form!r}")
