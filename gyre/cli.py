@@ -7,12 +7,16 @@ import typer
 
 from gyre.engine.cli import engine_app
 from gyre.log.cli import log_app
+from gyre.replay.cli import replay_app
+from gyre.sim.cli import sim_app
 from gyre.trajectory.cli import trajectories_app
 
 app = typer.Typer(no_args_is_help=True, help="Gyre: elastic, event-sourced RL for long-horizon coding agents.")
 app.add_typer(log_app, name="log")
 app.add_typer(engine_app, name="engine")
 app.add_typer(trajectories_app, name="trajectories")
+app.add_typer(sim_app, name="sim")
+app.add_typer(replay_app, name="replay")
 
 schema_app = typer.Typer(no_args_is_help=True, help="The event schema.")
 app.add_typer(schema_app, name="schema")

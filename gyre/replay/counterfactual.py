@@ -1,0 +1,122 @@
+"""Counterfactual replay: re-time a recorded run's executions under another policy with the simulator.
+
+The executions keep what the log says about them: duration, calls, tokens, evaluation time (from the
+finish to the reward or evaluator failure), reward, status, step and group; only the scheduling changes.
+Time an execution spent paused while its KV blocks migrated after a redirect is taken out first, since
+another policy would redirect differently. Re-timing a simulated log under its own policy therefore
+reproduces its recorded makespan exactly.
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gyre.errors import ConfigError
+from gyre.events.models import RunStarted
+from gyre.log import LogReader
+from gyre.replay.exact import ReplayError, recorded_policy
+from gyre.scheduler import get_policy
+from gyre.sim.clock import US, to_us
+from gyre.sim.runner import SimResult, policy_params, simulate
+from gyre.sim.scenario import Scenario, load_scenario, parse_scenario
+from gyre.sim.workload import ExecutionSpec, Workload
+
+_EXECUTIONS = """
+WITH calls AS (
+    SELECT execution_id, count(*) AS calls, sum(len(prompt_delta_ids) + len(output_ids)) AS call_tokens
+    FROM model_calls GROUP BY execution_id),
+evaluated AS (
+    SELECT execution_id, reward, ts, FALSE AS failed FROM rewards
+    UNION ALL SELECT execution_id, NULL, ts, TRUE FROM evaluation_failures)
+SELECT q.execution_id, q.task_id, q.group_id, q.step, f.status, f.duration_s,
+       coalesce(f.tokens, c.call_tokens, 0) AS tokens, coalesce(c.calls, 1) AS calls,
+       coalesce(e.reward, 0.0) AS reward, coalesce(epoch_us(e.ts) - epoch_us(f.ts), 0) AS eval_us,
+       coalesce(e.failed, FALSE) AS eval_failed
+FROM executions_queued q
+JOIN executions_finished f USING (execution_id)
+LEFT JOIN calls c USING (execution_id)
+LEFT JOIN evaluated e USING (execution_id)
+ORDER BY q.seq
+"""
+
+
+def run_scenario(start: RunStarted, scenario: str | None) -> Scenario:
+    """The costs to re-time with: the ``--scenario`` given, else the configuration the run recorded."""
+    if scenario is not None:
+        return load_scenario(scenario)
+    try:
+        return parse_scenario(json.loads(start.config), source=f"run_started.config of {start.run_id}")
+    except (ConfigError, json.JSONDecodeError) as error:
+        raise ReplayError(f"run {start.run_id} did not record a simulator scenario ({error}); give one with "
+                          f"--scenario NAME to borrow its cluster and cost parameters") from error
+
+
+def workload_from_log(log_path: str | Path, scenario: Scenario) -> Workload:
+    """The recorded executions, batched by step (only steps whose every execution finished)."""
+    con = LogReader(log_path).duckdb()
+    rows = con.execute(_EXECUTIONS).fetchall()
+    pauses: dict[str, int] = {}
+    bandwidth = scenario.rollout.kv_gb_per_s * 1e9
+    redirects = con.execute("SELECT execution_id, kv_bytes FROM call_redirects ORDER BY seq").fetchall()
+    for execution_id, kv_bytes in redirects:
+        pauses[execution_id] = pauses.get(execution_id, 0) + to_us(kv_bytes / bandwidth)
+    queued = {step: n for step, n in con.execute(
+        "SELECT coalesce(step, -1), count(*) FROM executions_queued GROUP BY 1").fetchall()}
+    batches: dict[int, list[ExecutionSpec]] = {}
+    for (execution_id, task_id, group_id, step, status, duration, tokens, calls, reward, eval_us,
+         eval_failed) in rows:
+        if step is None:
+            raise ReplayError(f"execution {execution_id} in {log_path} was queued without a step; "
+                              f"counterfactual re-timing needs to know each step's batch")
+        intrinsic = (to_us(duration) - pauses.get(execution_id, 0)) / US
+        batches.setdefault(step, []).append(ExecutionSpec(
+            execution_id=execution_id, task_id=task_id, group_id=group_id, step=step, duration_s=intrinsic,
+            status=status, calls=int(calls), tokens=int(tokens), eval_s=eval_us / US,
+            eval_failed=bool(eval_failed), reward=float(reward)))
+    complete = [step for step in sorted(batches) if len(batches[step]) == queued.get(step)]
+    kept = [step for i, step in enumerate(complete) if step == i]  # a gapless prefix of whole steps
+    if not kept:
+        raise ReplayError(f"log {log_path} holds no complete step to re-time")
+    return Workload(tuple(tuple(batches[step]) for step in kept))
+
+
+def recorded_hours(log_path: str | Path) -> float:
+    con = LogReader(log_path).duckdb()
+    (seconds,) = con.execute("SELECT epoch(max(ts)) - epoch(min(ts)) FROM events").fetchone()
+    return float(seconds) / 3600
+
+
+def retime_run(log_path: str | Path, policy: str, *, scenario: str | None = None,
+               params: dict[str, Any] | None = None) -> SimResult:
+    """Simulate the recorded executions of a log under ``policy`` (at the recorded staleness; under the
+    recorded policy, with its recorded parameters unless ``params`` says otherwise)."""
+    start = next(LogReader(log_path).events(to_seq=0), None)
+    if not isinstance(start, RunStarted):
+        raise ReplayError(f"log {log_path} does not begin with run_started")
+    sc = run_scenario(start, scenario)
+    _, recorded_params = recorded_policy(start)
+    cells = LogReader(log_path).duckdb().execute("SELECT count(*), max(slots) FROM cells").fetchone()
+    if cells[0] and (cells[0], cells[1]) != (sc.cluster.cells, sc.cluster.slots_per_cell):
+        sc = sc.model_copy(update={"cluster": sc.cluster.model_copy(
+            update={"cells": cells[0], "slots_per_cell": cells[1]})})
+    sc = sc.model_copy(update={"policy": sc.policy.model_copy(update={"staleness": recorded_params.staleness})})
+    chosen = get_policy(policy)
+    if params is None and chosen.name == start.policy:
+        params = recorded_params.model_dump()  # the recorded run's own settings
+    return simulate(sc, policy, workload=workload_from_log(log_path, sc), seed=start.seed or 0,
+                    params=policy_params(sc, chosen, params))
+
+
+def retime(log_path: str | Path, policy: str, *, scenario: str | None = None,
+           params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Estimated hours of the recorded work under ``policy``, and the speedup over the recorded run."""
+    result = retime_run(log_path, policy, scenario=scenario, params=params)
+    start = next(LogReader(log_path).events(to_seq=0))
+    before = recorded_hours(log_path)
+    out = {"log": str(log_path), "recorded_policy": getattr(start, "policy", None),
+           "recorded_hours": round(before, 4), "speedup": round(before / result.hours, 4)}
+    summary = result.to_dict()
+    out.update({key: summary[key] for key in (
+        "policy", "hours", "steps", "executions", "lower_bound_hours", "ratio_to_lower_bound", "utilization",
+        "role_switches", "redirects")})
+    return out

@@ -1,0 +1,48 @@
+"""A lower bound on any policy's makespan for a workload: max(total work / total capacity, critical path).
+
+Work: every execution holds 1/slots of a cell for its duration; every micro-step holds a cell; the
+optimizer holds the core. Critical path: batch ``s`` cannot start before version ``s - staleness`` is
+published, its data is not complete before its slowest execution plus evaluation, the step cannot end
+before its cheapest micro-step trains after that and the optimizer after it, and the next version is only
+published ``publish_s`` later. Switching costs and slot limits are ignored, so no policy can beat it.
+"""
+
+from dataclasses import dataclass
+
+from gyre.sim.scenario import Scenario
+from gyre.sim.workload import ExecutionSpec, Workload
+
+
+@dataclass(frozen=True)
+class Bound:
+    work_s: float
+    critical_path_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.work_s, self.critical_path_s)
+
+
+def lower_bound(scenario: Scenario, workload: Workload, staleness: int) -> Bound:
+    cluster, training = scenario.cluster, scenario.training
+    work = 0.0
+    published = [0.0]  # time version v is on the rollout engines
+    train_end = 0.0
+    for step, batch in enumerate(workload.batches):
+        work += sum(e.duration_s for e in batch) / cluster.slots_per_cell
+        group_s = _group_costs(batch, training.s_per_mtoken)
+        work += sum(group_s) + training.optimizer_s
+        start = published[max(0, step - staleness)]
+        ready = start + max(e.duration_s + (0.0 if e.status == "harness_error" else e.eval_s) for e in batch)
+        last_micro = min(group_s) / scenario.batch.micro_steps_per_group
+        train_end = max(ready, train_end) + last_micro + training.optimizer_s
+        published.append(train_end + training.publish_s)
+    return Bound(work_s=work / cluster.cells, critical_path_s=published[-1])
+
+
+def _group_costs(batch: tuple[ExecutionSpec, ...], s_per_mtoken: float) -> list[float]:
+    """Training seconds of each group on one cell (a micro-step holds at least one group)."""
+    tokens: dict[str, int] = {}
+    for e in batch:
+        tokens[e.group_id] = tokens.get(e.group_id, 0) + (e.tokens if e.trained else 0)
+    return [t / 1e6 * s_per_mtoken for t in tokens.values()]

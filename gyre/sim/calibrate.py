@@ -1,0 +1,92 @@
+"""Calibration: search a small grid of scenario parameters for the best fit to the published figures.
+
+    python -m gyre.sim.calibrate seed-2.4t --grid rollout.median_s=1200,1350,1500 \
+        --grid training.s_per_mtoken=38,42,46
+
+Every point runs all three policies on the same workload and is scored by its worst relative error
+against the scenario's ``[targets]`` hours, plus how far its speedups fall outside the published ranges.
+The search only ever changes the parameters named on the command line, and the same values apply to
+every policy: nothing here can tune one policy against another.
+"""
+
+import argparse
+import itertools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from gyre.sim.runner import compare
+from gyre.sim.scenario import Scenario, load_scenario, parse_scenario
+
+
+@dataclass(frozen=True)
+class Fit:
+    values: dict[str, Any]
+    hours: dict[str, float]
+    speedup_vs_colocate: float
+    speedup_vs_async: float
+    error: float
+    """Worst relative error against target hours (0 without targets)."""
+    outside: float
+    """Total distance of the speedups outside their published ranges."""
+
+    @property
+    def score(self) -> float:
+        return self.error + 10 * self.outside
+
+
+def with_values(scenario: Scenario, values: dict[str, Any]) -> Scenario:
+    data = json.loads(scenario.model_dump_json(by_alias=True))
+    for dotted, value in values.items():
+        *path, key = dotted.split(".")
+        node = data
+        for part in path:
+            node = node[part]
+        if key not in node:
+            raise KeyError(f"scenario has no parameter {dotted!r}")
+        node[key] = value
+    return parse_scenario(data, source=f"{scenario.name} with {values}")
+
+
+def evaluate(scenario: Scenario, values: dict[str, Any], steps: int | None = None) -> Fit:
+    sc = with_values(scenario, values)
+    out = compare(sc, steps=steps)
+    scale = sc.steps / out["steps"]
+    hours = {p["policy"]: p["hours"] * scale for p in out["policies"]}
+    targets = {"elastic": sc.targets.elastic_hours, "colocate": sc.targets.colocate_hours,
+               "async": sc.targets.async_hours}
+    errors = [abs(hours[p] / t - 1) for p, t in targets.items() if t is not None]
+    outside = sum(max(0.0, lo - x, x - hi) for x, (lo, hi) in (
+        (out["speedup_vs_colocate"], sc.targets.speedup_vs_colocate),
+        (out["speedup_vs_async"], sc.targets.speedup_vs_async)))
+    return Fit(values, hours, out["speedup_vs_colocate"], out["speedup_vs_async"], max(errors, default=0.0), outside)
+
+
+def search(scenario: Scenario, grid: dict[str, list[Any]], steps: int | None = None) -> list[Fit]:
+    points = itertools.product(*grid.values())
+    fits = [evaluate(scenario, dict(zip(grid, point, strict=True)), steps) for point in points]
+    return sorted(fits, key=lambda f: f.score)
+
+
+def _parse_grid(items: list[str]) -> dict[str, list[Any]]:
+    grid = {}
+    for item in items:
+        name, _, values = item.partition("=")
+        grid[name] = [json.loads(v) for v in values.split(",")]
+    return grid
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Fit scenario parameters to the published figures.")
+    parser.add_argument("scenario")
+    parser.add_argument("--grid", action="append", default=[], help="PARAM=v1,v2,... (dotted scenario path)")
+    parser.add_argument("--steps", type=int, help="simulate fewer steps (hours are scaled up)")
+    args = parser.parse_args()
+    for fit in search(load_scenario(args.scenario), _parse_grid(args.grid), args.steps):
+        hours = " ".join(f"{p}={h:.1f}h" for p, h in fit.hours.items())
+        print(f"{json.dumps(fit.values)}  {hours}  x_colocate={fit.speedup_vs_colocate:.3f} "
+              f"x_async={fit.speedup_vs_async:.3f}  worst_error={fit.error:.1%}  outside={fit.outside:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Trainer mechanics: batch admission under the staleness bound, streamed micro-steps, optimizer, publish.
+
+Mechanism shared by every policy: GSPO needs a whole group, so a group's data becomes trainable when every
+member is scored or excluded; it is then cut into ``micro_steps_per_group`` equal micro-steps, taken in the
+order groups complete. Any settled training cell that has joined the step claims the next ready one.
+A step starts once the core is training and its first micro-step is ready (or, without streaming, once
+the whole batch is), ends with the optimizer, then the new weights are published to the rollout engines.
+Batch ``s`` is queued once the published version is at least ``s - staleness``.
+"""
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gyre.events.models import (
+    MicroStepClaimed,
+    MicroStepFinished,
+    SatelliteJoined,
+    SatelliteLeft,
+    TrainStepFinished,
+    TrainStepStarted,
+    WeightsPublished,
+)
+from gyre.sim.clock import US, to_us
+from gyre.sim.workload import ExecutionSpec
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from gyre.sim.engine import Simulation
+
+
+@dataclass
+class OpenStep:
+    step: int
+    planned: int
+    groups: int
+    started_us: int
+    next_micro: int = 0
+    finished: int = 0
+    tokens: int = 0
+    samples: int = 0
+
+
+class Trainer:
+    def __init__(self, sim: "Simulation") -> None:
+        self.sim = sim
+        self.next_batch = 0
+        self.next_train = 0
+        self.version = 0
+        self.published = 0
+        self.open: OpenStep | None = None
+        self.joined: set[str] = set()
+        self.busy: dict[str, int] = {}
+        self.leaving: dict[str, Callable[[], None]] = {}
+        self.group_tokens: dict[str, int] = {}
+        self.group_samples: dict[str, int] = {}
+
+    @property
+    def done(self) -> bool:
+        return self.published >= self.sim.workload.steps
+
+    # -- data --------------------------------------------------------------------------------------------
+
+    def admit(self) -> None:
+        sim = self.sim
+        while self.next_batch < sim.workload.steps and self.published >= self.next_batch - sim.params.staleness:
+            sim.rollouts.enqueue(sim.workload.batches[self.next_batch], self.published)
+            self.next_batch += 1
+
+    def data_done(self, spec: ExecutionSpec) -> None:
+        if spec.trained:
+            self.group_tokens[spec.group_id] = self.group_tokens.get(spec.group_id, 0) + spec.tokens
+            self.group_samples[spec.group_id] = self.group_samples.get(spec.group_id, 0) + 1
+
+    def _complete_groups(self, step: int) -> list[str]:
+        work = self.sim.view.work.steps.get(step)
+        return work.complete_groups if work is not None else []
+
+    def _ready(self, step: int) -> int:
+        batch = self.sim.scenario.batch
+        complete = len(self._complete_groups(step))
+        if not self.sim.params.stream_micro_steps and complete < batch.groups:
+            return 0  # the whole batch first
+        return complete * batch.micro_steps_per_group
+
+    # -- steps and micro-steps ---------------------------------------------------------------------------
+
+    def start_and_claim(self) -> None:
+        sim = self.sim
+        core = sim.core_id
+        if self.open is None and self.next_train < self.next_batch and core in self.joined and core not in self.busy:
+            groups = sim.scenario.batch.groups
+            if self._ready(self.next_train):
+                planned = groups * sim.scenario.batch.micro_steps_per_group
+                self.open = OpenStep(self.next_train, planned, groups, sim.now)
+                sim.emit(TrainStepStarted(ts=sim.ts, step=self.next_train, policy_version=self.version,
+                                          planned_micro_steps=self.open.planned, groups=groups,
+                                          trajectories=groups * sim.scenario.batch.group_size))
+        step = self.open
+        if step is None or step.next_micro >= step.planned:
+            return
+        ready = self._ready(step.step)
+        for cell in sorted(self.joined, key=lambda c: (c != core, c)):
+            if step.next_micro >= ready:
+                return
+            if cell not in self.busy and cell not in self.leaving:
+                self._claim(cell, step)
+
+    def _claim(self, cell: str, step: OpenStep) -> None:
+        sim = self.sim
+        m = step.next_micro
+        step.next_micro += 1
+        per_group = sim.scenario.batch.micro_steps_per_group
+        group = self._complete_groups(step.step)[m // per_group]
+        share = m % per_group
+        tokens = self.group_tokens.get(group, 0) * (share + 1) // per_group
+        tokens -= self.group_tokens.get(group, 0) * share // per_group
+        step.tokens += tokens
+        if share == 0:
+            step.samples += self.group_samples.get(group, 0)
+        self.busy[cell] = m
+        sim.emit(MicroStepClaimed(ts=sim.ts, step=step.step, cell_id=cell, micro_step=m, tokens=tokens))
+        duration = max(1, to_us(tokens / 1e6 * sim.scenario.training.s_per_mtoken))
+        sim.stats.training_busy(cell, duration)
+        sim.agenda.at(sim.now + duration, lambda: self._micro_finished(cell, step, m, tokens, duration))
+
+    def _micro_finished(self, cell: str, step: OpenStep, m: int, tokens: int, duration: int) -> None:
+        sim = self.sim
+        del self.busy[cell]
+        sim.emit(MicroStepFinished(ts=sim.ts, step=step.step, cell_id=cell, micro_step=m, tokens=tokens,
+                                   duration_s=duration / US))
+        step.finished += 1
+        then = self.leaving.pop(cell, None)
+        if then is not None:
+            then()
+        if step.finished == step.planned:
+            optimizer = max(1, to_us(sim.scenario.training.optimizer_s))
+            sim.stats.training_busy(sim.core_id, optimizer)
+            self.busy[sim.core_id] = -1  # the core runs the optimizer step
+            sim.agenda.at(sim.now + optimizer, lambda: self._step_finished(step))
+
+    def _step_finished(self, step: OpenStep) -> None:
+        sim = self.sim
+        del self.busy[sim.core_id]
+        self.version += 1
+        sim.emit(TrainStepFinished(ts=sim.ts, step=step.step, policy_version=self.version, micro_steps=step.planned,
+                                   samples=step.samples, tokens=step.tokens,
+                                   duration_s=(sim.now - step.started_us) / US))
+        self.open = None
+        self.next_train += 1
+        version = self.version
+        sim.after(sim.scenario.training.publish_s, lambda: self._published(version))
+
+    def _published(self, version: int) -> None:
+        sim = self.sim
+        self.published = version
+        sim.emit(WeightsPublished(ts=sim.ts, policy_version=version, location="sim://rollout-engines",
+                                  duration_s=sim.scenario.training.publish_s))
+
+    # -- cells joining and leaving -----------------------------------------------------------------------
+
+    def arrive(self, cell: str) -> None:
+        """A cell finished switching to training: the core trains at once, a satellite pulls weights first."""
+        sim = self.sim
+        if cell == sim.core_id:
+            self.joined.add(cell)
+            return
+        sim.after(sim.scenario.training.satellite_join_s, lambda: self._join(cell))
+
+    def join_now(self, cell: str, transfer_s: float = 0.0) -> None:
+        sim = self.sim
+        self.joined.add(cell)
+        if cell != sim.core_id:
+            step = self.open.step if self.open is not None else self.next_train
+            sim.emit(SatelliteJoined(ts=sim.ts, cell_id=cell, step=step, policy_version=self.version,
+                                     transfer_s=transfer_s))
+
+    def _join(self, cell: str) -> None:
+        state = self.sim.view.cluster.cells[cell]
+        if state.role == "training" and state.switching_to is None:  # not recalled meanwhile
+            self.join_now(cell, self.sim.scenario.training.satellite_join_s)
+
+    def release(self, cell: str, then: "Callable[[], None]") -> None:
+        """Stop handing ``cell`` micro-steps; run ``then`` once its current micro-step (if any) is done."""
+        sim = self.sim
+        was_joined = cell in self.joined
+        self.joined.discard(cell)
+
+        def leave() -> None:
+            if was_joined and cell != sim.core_id:
+                step = self.open.step if self.open is not None else None
+                sim.emit(SatelliteLeft(ts=sim.ts, cell_id=cell, step=step, reason="returned to rollout"))
+            then()
+
+        if cell in self.busy:
+            self.leaving[cell] = leave
+        else:
+            leave()

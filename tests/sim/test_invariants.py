@@ -1,0 +1,114 @@
+"""Simulator invariants, checked on the event stream every policy produces on a tiny scenario."""
+
+from collections import Counter
+
+import pytest
+
+from gyre.scheduler import get_policy
+from gyre.sim.runner import policy_params, simulate
+from gyre.sim.scenario import load_scenario
+from gyre.sim.sink import MemorySink
+
+CASES = [("elastic", 0), ("elastic", 1), ("colocate", 0), ("async", 0), ("async", 1)]
+
+
+def run(policy: str, staleness: int, seed: int = 0, steps: int | None = None):
+    scenario = load_scenario("tiny")
+    overrides = {} if policy == "colocate" else {"staleness": staleness}
+    sink = MemorySink()
+    result = simulate(scenario, policy, seed=seed, steps=steps, sink=sink,
+                      params=policy_params(scenario, get_policy(policy), overrides))
+    return scenario, result, sink.events
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{p}-k{k}" for p, k in CASES])
+def simulated(request):
+    return run(*request.param)
+
+
+def test_time_never_goes_back(simulated):
+    _, _, events = simulated
+    stamps = [e.ts for e in events]
+    assert all(t is not None for t in stamps) and stamps == sorted(stamps)
+    assert events[0].kind == "run_started" and events[-1].kind == "run_finished"
+
+
+def test_roles_are_exclusive_and_work_lands_only_on_settled_cells(simulated):
+    scenario, _, events = simulated
+    role: dict[str, str] = {}
+    switching: dict[str, str | None] = {}
+    load: Counter[str] = Counter()
+    where: dict[str, str] = {}
+    for e in events:
+        if e.kind == "cell_registered":
+            role[e.cell_id], switching[e.cell_id] = e.role, None
+        elif e.kind == "role_switch_requested":
+            assert switching[e.cell_id] is None and role[e.cell_id] == e.from_role != e.to_role
+            switching[e.cell_id] = e.to_role
+        elif e.kind == "role_switch_completed":
+            assert switching[e.cell_id] == e.to_role
+            role[e.cell_id], switching[e.cell_id] = e.to_role, None
+        elif e.kind in ("execution_started", "call_redirected"):
+            cell = e.cell_id if e.kind == "execution_started" else e.to_cell_id
+            assert role[cell] == "rollout" and switching[cell] is None, e
+            if e.kind == "call_redirected":
+                load[where[e.execution_id]] -= 1
+            where[e.execution_id] = cell
+            load[cell] += 1
+            assert load[cell] <= scenario.cluster.slots_per_cell
+        elif e.kind == "model_call_started":
+            assert e.cell_id == where[e.execution_id]
+        elif e.kind == "execution_finished":
+            load[where.pop(e.execution_id)] -= 1
+        elif e.kind == "micro_step_claimed":
+            assert role[e.cell_id] == "training" and switching[e.cell_id] is None, e
+    assert not where and all(v == 0 for v in load.values())
+
+
+def test_every_execution_runs_finishes_and_is_judged_once(simulated):
+    _, result, events = simulated
+    kinds = Counter(e.kind for e in events)
+    for kind in ("execution_queued", "execution_started", "execution_finished"):
+        ids = [e.execution_id for e in events if e.kind == kind]
+        assert len(ids) == len(set(ids)) == result.executions
+    judged = [e.execution_id for e in events if e.kind in ("reward_recorded", "evaluation_failed")]
+    crashed = [e.execution_id for e in events if e.kind == "execution_finished" and e.status == "harness_error"]
+    assert len(judged) == len(set(judged)) and set(judged).isdisjoint(crashed)
+    assert len(judged) + len(crashed) == result.executions
+    assert kinds["train_step_finished"] == kinds["weights_published"] == result.steps
+
+
+def test_micro_steps_are_claimed_and_finished_once_in_order(simulated):
+    _, result, events = simulated
+    claims = [(e.step, e.micro_step) for e in events if e.kind == "micro_step_claimed"]
+    assert len(claims) == len(set(claims))
+    assert sorted(claims) == sorted((e.step, e.micro_step) for e in events if e.kind == "micro_step_finished")
+    steps = [e.step for e in events if e.kind == "train_step_started"]
+    assert steps == list(range(result.steps))
+
+
+def test_batches_respect_the_staleness_bound(simulated):
+    _, result, events = simulated
+    version = {e.execution_id: e.policy_version for e in events if e.kind == "execution_queued"}
+    step = {e.execution_id: e.step for e in events if e.kind == "execution_queued"}
+    for execution, s in step.items():
+        assert version[execution] >= s - result.staleness
+    assert max(s - version[e] for e, s in step.items()) == result.staleness
+
+
+def test_no_policy_beats_the_lower_bound(simulated):
+    _, result, _ = simulated
+    assert result.hours >= result.lower_bound_hours
+    assert 0 < result.utilization <= 1
+
+
+def test_same_seed_same_log_other_seed_other_log():
+    first = [e.model_dump() for e in run("elastic", 0)[2]]
+    assert first == [e.model_dump() for e in run("elastic", 0)[2]]
+    assert first != [e.model_dump() for e in run("elastic", 0, seed=1)[2]]
+
+
+def test_fewer_steps_keep_the_same_first_steps():
+    short, long = run("colocate", 0, steps=2)[2], run("colocate", 0, steps=3)[2]
+    durations = {e.execution_id: e.duration_s for e in long if e.kind == "execution_finished"}
+    assert all(durations[e.execution_id] == e.duration_s for e in short if e.kind == "execution_finished")

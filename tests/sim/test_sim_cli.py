@@ -1,0 +1,46 @@
+"""``gyre sim``: JSON shapes, errors, and the app registered the way the main CLI does it."""
+
+import json
+
+import typer
+from typer.testing import CliRunner
+
+from gyre.sim.cli import sim_app
+
+app = typer.Typer()
+app.add_typer(sim_app, name="sim")
+runner = CliRunner()
+
+
+def test_one_policy_prints_the_summary():
+    result = runner.invoke(app, ["sim", "tiny", "--policy", "colocate", "--steps", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["policy"] == "colocate" and out["steps"] == 2
+    for key in ("hours", "lower_bound_hours", "ratio_to_lower_bound", "utilization", "role_switches"):
+        assert key in out
+
+
+def test_compare_adds_speedups(tmp_path):
+    result = runner.invoke(app, ["sim", "tiny", "--compare", "--json", "--log", str(tmp_path / "logs")])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    hours = {p["policy"]: p["hours"] for p in out["policies"]}
+    assert set(hours) == {"elastic", "colocate", "async"}
+    assert out["speedup_vs_colocate"] == round(hours["colocate"] / hours["elastic"], 4) or abs(
+        out["speedup_vs_colocate"] - hours["colocate"] / hours["elastic"]) < 1e-3
+    assert (tmp_path / "logs" / "async").is_dir()
+
+
+def test_table_output_and_staleness_override():
+    result = runner.invoke(app, ["sim", "tiny", "--staleness", "1", "--steps", "2"])
+    assert result.exit_code == 0, result.output
+    assert "elastic" in result.stdout and "tiny: 2 steps" in result.stdout
+
+
+def test_errors_are_one_line_and_exit_2():
+    result = runner.invoke(app, ["sim", "seed-9t", "--json"])
+    assert result.exit_code == 2
+    assert "unknown scenario 'seed-9t'" in result.output
+    result = runner.invoke(app, ["sim", "tiny", "--policy", "greedy"])
+    assert result.exit_code == 2 and "unknown policy 'greedy'" in result.output
