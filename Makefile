@@ -19,12 +19,11 @@ demo: $(STAMP)
 	$(BIN)/python -m gyre.demo
 
 test: $(STAMP)
-	$(BIN)/ruff check gyre tests benchmarks
+	$(BIN)/ruff check gyre tests benchmarks agents tasks
 	$(BIN)/python -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 
 lint: $(STAMP)
-	$(BIN)/ruff check gyre tests benchmarks
-	$(BIN)/ruff format --check gyre tests benchmarks
+	$(BIN)/ruff check gyre tests benchmarks agents tasks scripts
 
 clean:
 	rm -rf $(VENV) build *.egg-info

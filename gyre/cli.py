@@ -6,6 +6,7 @@ from typing import Annotated
 import typer
 
 from gyre.engine.cli import engine_app
+from gyre.harness.cli import harness_app
 from gyre.log.cli import log_app
 from gyre.replay.cli import replay_app
 from gyre.sim.cli import sim_app
@@ -17,6 +18,7 @@ app.add_typer(engine_app, name="engine")
 app.add_typer(trajectories_app, name="trajectories")
 app.add_typer(sim_app, name="sim")
 app.add_typer(replay_app, name="replay")
+app.add_typer(harness_app, name="harness")
 
 schema_app = typer.Typer(no_args_is_help=True, help="The event schema.")
 app.add_typer(schema_app, name="schema")

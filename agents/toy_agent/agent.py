@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""The bundled toy coding agent: a small black-box harness that behaves like a real one.
+
+It talks to OPENAI_BASE_URL with OPENAI_API_KEY through the official `openai` SDK, as any third-party
+harness would, and never imports Gyre: Gyre sees it only as a process and a stream of model calls.
+
+What it does, each because real harnesses do it and the trainer must cope with it:
+- multi-turn tool use: write_file, read_file, run (a shell command in the workspace, with a timeout);
+- context compaction every N turns: a summary call, then a fresh conversation that starts with the summary.
+  The wording is Claude Code's, so the proxy's default markers classify the calls (main-summary, ...);
+- a sub-agent: the `delegate` tool runs a sub-task in a conversation of its own and returns its answer;
+- retries: API errors are retried with backoff; a malformed tool call gets an error result and another turn;
+- a max-turns bound;
+- a plain-text fallback: a reply without tool calls ends the run, and its text is written to the answer file
+  unless a tool wrote that file already. A model that cannot call tools yet (a random-init one) still
+  leaves an answer to grade, so reinforcement learning has a signal from the first step.
+
+Output: progress lines on stderr; one JSON object on stdout at the end, like `claude -p --output-format json`.
+Exit status: 0 when the run ended (answer or max turns), 1 when the model stayed unreachable, 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import openai
+from agent_model import ModelClient, ModelUnavailable, Reply
+from agent_tools import SCHEMAS, MalformedToolCall, ToolFailed, WorkspaceTools, parse_arguments
+
+SYSTEM_PROMPT = (
+    "You are a coding agent working in a directory of files. Use the tools to inspect and change files. "
+    "When the task is done, reply with a short final answer and no tool call."
+)
+SUMMARY_REQUEST = (
+    "Your task is to create a detailed summary of the conversation so far, paying close attention to the "
+    "task, the files written and what remains to do. Reply with the summary only."
+)
+CONTINUATION = (
+    "This session is being continued from a previous conversation that ran out of context. "
+    "The conversation is summarized below:\n"
+)
+SUB_TASK = "You are a sub-agent. Do this sub-task and reply with a short report:\n"
+
+
+@dataclass
+class Stats:
+    """What happened, for the final JSON line (and for tests that prove each behaviour happened)."""
+
+    turns: int = 0
+    tool_calls: int = 0
+    malformed_tool_calls: int = 0
+    tool_errors: int = 0
+    compactions: int = 0
+    subagents: int = 0
+    answer_written_by: str | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    stop_reason: str  # "answer" | "max_turns"
+    text: str
+
+
+@dataclass
+class Agent:
+    """One agent (the main one or a sub-agent): its own conversation, tools, turn bound and compaction."""
+
+    name: str
+    model: ModelClient
+    tools: WorkspaceTools
+    tool_names: tuple[str, ...]
+    compact_every: int
+    summary_max_tokens: int
+    stats: Stats
+    log: Callable[..., None]
+    spawn: Callable[[str], Outcome] | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    def run(self, task: str, max_turns: int) -> Outcome:
+        self.messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task}]
+        specs = [SCHEMAS[n] for n in self.tool_names]
+        since_compaction = 0
+        last_text = ""
+        for turn in range(1, max_turns + 1):
+            if self.compact_every and since_compaction >= self.compact_every:
+                self._compact(task)
+                since_compaction = 0
+            reply = self.model.complete(self.messages, tools=specs, agent=self.name)
+            self.stats.turns += 1
+            since_compaction += 1
+            self.messages.append(reply.as_message())
+            last_text = reply.content or last_text
+            self.log("turn", agent=self.name, turn=turn, tool_calls=len(reply.tool_calls),
+                     finish_reason=reply.finish_reason)
+            if not reply.tool_calls:
+                return Outcome("answer", reply.content or "")
+            self._run_tools(reply)
+        self.log("max_turns", agent=self.name, turns=max_turns)
+        return Outcome("max_turns", last_text)
+
+    def _run_tools(self, reply: Reply) -> None:
+        for call in reply.tool_calls:
+            self.stats.tool_calls += 1
+            try:
+                arguments = parse_arguments(call.name, call.arguments, set(self.tool_names))
+                result = self._dispatch(call.name, arguments)
+            except MalformedToolCall as e:
+                self.stats.malformed_tool_calls += 1
+                self.log("malformed_tool_call", agent=self.name, tool=call.name, error=str(e))
+                result = f"error: malformed tool call: {e}. Call the tool again with valid arguments."
+            except ToolFailed as e:
+                self.stats.tool_errors += 1
+                result = f"error: {e}"
+            self.log("tool", agent=self.name, tool=call.name, result=result[:120])
+            self.messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+
+    def _dispatch(self, name: str, arguments: dict[str, Any]) -> str:
+        if name == "delegate":
+            assert self.spawn is not None  # only agents that may spawn offer the tool
+            outcome = self.spawn(arguments["task"])
+            return f"sub-agent finished ({outcome.stop_reason}): {outcome.text}"
+        return self.tools.call(name, arguments)
+
+    def _compact(self, task: str) -> None:
+        """Summarise the conversation, then continue from a fresh one that starts with the summary."""
+        request = [*self.messages, {"role": "user", "content": SUMMARY_REQUEST}]
+        reply = self.model.complete(request, tools=None, agent=f"{self.name}-summary",
+                                    max_tokens=self.summary_max_tokens)
+        summary = (reply.content or "").strip() or "(no summary)"
+        self.stats.compactions += 1
+        self.log("compaction", agent=self.name, summary_chars=len(summary))
+        self.messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": f"{CONTINUATION}{summary}\n\nThe task, as first given:\n{task}\n\n"
+                                        "Continue from where you left off."},
+        ]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("prompt", nargs="?", help="the task (or use --task-file)")
+    parser.add_argument("--task-file", type=Path, help="read the task from this file")
+    parser.add_argument("--workspace", type=Path, default=Path("."))
+    parser.add_argument("--answer-file", default="answer.txt", help="where the plain-text fallback writes")
+    parser.add_argument("--model", default=os.environ.get("OPENAI_MODEL", "gyre-policy"))
+    parser.add_argument("--max-turns", type=int, default=8)
+    parser.add_argument("--subagent-max-turns", type=int, default=3)
+    parser.add_argument("--compact-every", type=int, default=4, help="turns between compactions (0: never)")
+    parser.add_argument("--max-retries", type=int, default=3, help="retries of a failed model call")
+    parser.add_argument("--retry-backoff-s", type=float, default=0.5)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--summary-max-tokens", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument("--run-timeout-s", type=float, default=10.0, help="limit of one `run` tool call")
+    parser.add_argument("--no-subagent", action="store_true", help="do not offer the delegate tool")
+    args = parser.parse_args(argv)
+    if (args.prompt is None) == (args.task_file is None):
+        parser.error("give the task either as PROMPT or with --task-file")
+    if args.max_turns < 1 or args.subagent_max_turns < 1 or args.compact_every < 0 or args.max_retries < 0:
+        parser.error("--max-turns and --subagent-max-turns must be >= 1, the others >= 0")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+
+    def log(event: str, **fields: Any) -> None:
+        print(json.dumps({"event": event, **fields}, default=str), file=sys.stderr, flush=True)
+
+    task = args.prompt if args.prompt is not None else args.task_file.read_text()
+    try:
+        client = openai.OpenAI(max_retries=0, timeout=args.request_timeout_s)
+    except openai.OpenAIError as e:  # no OPENAI_API_KEY
+        print(f"toy-agent: {e}", file=sys.stderr)
+        return 2
+    model = ModelClient(client, model=args.model, max_tokens=args.max_tokens, temperature=args.temperature,
+                        max_retries=args.max_retries, backoff_s=args.retry_backoff_s, log=log)
+    workspace = args.workspace.resolve()
+    tools = WorkspaceTools(workspace, run_timeout_s=args.run_timeout_s)
+    try:
+        answer = tools.resolve(args.answer_file)
+    except ToolFailed as e:
+        print(f"toy-agent: --answer-file: {e}", file=sys.stderr)
+        return 2
+    stats = Stats()
+
+    def agent(name: str, tool_names: tuple[str, ...], spawn: Callable[[str], Outcome] | None) -> Agent:
+        return Agent(name, model, tools, tool_names, args.compact_every, args.summary_max_tokens or args.max_tokens,
+                     stats, log, spawn)
+
+    def spawn(sub_task: str) -> Outcome:
+        stats.subagents += 1
+        log("subagent", task=sub_task[:120])
+        return agent("sub-agent", ("write_file", "read_file", "run"), None).run(SUB_TASK + sub_task,
+                                                                               args.subagent_max_turns)
+
+    main_tools = ("write_file", "read_file", "run") + (() if args.no_subagent else ("delegate",))
+    result: dict[str, Any] = {"type": "result"}
+    try:
+        outcome = agent("main", main_tools, spawn).run(task, args.max_turns)
+    except ModelUnavailable as e:
+        log("error", error=str(e))
+        result |= {"is_error": True, "error": str(e)}
+        outcome = None
+    if outcome is not None:
+        if answer in tools.written:
+            stats.answer_written_by = "tool"
+        elif outcome.stop_reason == "answer" and outcome.text.strip():
+            answer.parent.mkdir(parents=True, exist_ok=True)
+            answer.write_text(outcome.text, encoding="utf-8", errors="replace")
+            stats.answer_written_by = "fallback"
+            log("fallback", answer_file=args.answer_file, chars=len(outcome.text))
+        result |= {"is_error": False, "stop_reason": outcome.stop_reason, "result": outcome.text[:2000]}
+    result |= {**vars(stats), "model_calls": model.calls, "api_retries": model.retries,
+               "duration_s": round(time.monotonic() - started, 3)}
+    print(json.dumps(result), flush=True)
+    return 1 if outcome is None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

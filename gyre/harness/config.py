@@ -1,0 +1,167 @@
+"""Configuration of the harness runner and of evaluators: pydantic models, validated when loaded.
+
+A harness is any command line. Claude Code, the bundled toy agent or a shell one-liner differ only in
+their `HarnessConfig`, never in code; every placeholder is checked when the configuration is built, so a
+typo fails at start-up with the list of known names instead of halfway through a run.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Self, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
+
+from gyre.errors import ConfigError
+from gyre.harness.template import check_templates
+
+HARNESS_PLACEHOLDERS: dict[str, str] = {
+    "prompt": "the task's prompt text (one argument, however many spaces or quotes it holds)",
+    "task_file": "a file holding the prompt (outside the workspace), for long prompts or harnesses that read files",
+    "workspace": "absolute path of the execution's workspace; also the harness's working directory",
+    "answer_file": "the task's answer file, relative to the workspace (where a plain-text answer belongs)",
+    "task_id": "the task's id",
+    "execution_id": "the execution's id",
+    "group_id": "the execution's GSPO group",
+    "attempt": "the attempt number (0 for the first)",
+    "policy_version": "the policy version the execution samples from",
+    "model": "the model name the harness should ask for (HarnessConfig.model)",
+    "proxy_url": "the proxy's base URL (what ANTHROPIC_BASE_URL holds)",
+    "openai_base_url": "the proxy's OpenAI base URL, `{proxy_url}/v1` (what OPENAI_BASE_URL holds)",
+    "home": "the HOME directory the harness gets",
+    "python": "the Python interpreter running Gyre (sys.executable)",
+    "config_dir": "the directory of the configuration file (the current directory when built in code)",
+    "timeout_s": "the execution's wall-clock limit in seconds",
+}
+"""Placeholders of `HarnessConfig.command` and `HarnessConfig.env`."""
+
+ENV_ONLY_PLACEHOLDERS: dict[str, str] = {
+    "token": "the execution token (env only: command lines are visible to every user through `ps`)",
+}
+
+EVALUATOR_PLACEHOLDERS: dict[str, str] = {
+    "python": "the Python interpreter running Gyre (sys.executable)",
+    "workspace": "absolute path of the workspace to score; also the evaluator's working directory",
+    "answer_file": "the task's answer file, relative to the workspace",
+    "grading_file": "a JSON file (outside the workspace) with task_id, answer_file, grading, status, partial",
+    "task_id": "the task's id",
+    "execution_id": "the execution's id",
+    "taskset_dir": "the directory of the task set file (where its evaluator scripts live)",
+    "status": "how the execution ended: completed | timed_out | harness_error",
+    "partial": "1 when the execution timed out (partial evaluation), else 0",
+}
+"""Placeholders of `CommandEvaluatorConfig.command` and `.env`."""
+
+DEFAULT_INHERITED_ENV: tuple[str, ...] = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
+"""Variables a harness inherits from Gyre's environment. Everything else (credentials above all) stays out."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class HarnessConfig(_Frozen):
+    """How to run one harness process: its command line, environment, limits and the runner's concurrency."""
+
+    name: str = Field("harness", min_length=1, description="label for messages and the CLI")
+    command: tuple[str, ...] = Field(min_length=1, description="argv template; element 0 is the program")
+    env: dict[str, str] = Field(default_factory=dict, description="extra variables (templates); override the "
+                                                                  "proxy variables when they name the same key")
+    inherit_env: tuple[str, ...] = Field(DEFAULT_INHERITED_ENV, description="variables copied from Gyre's env")
+    home: Literal["execution", "inherit"] = Field(
+        "execution", description="execution: a fresh HOME per execution (harness state cannot leak between "
+                                 "executions); inherit: Gyre's HOME (a harness that needs a login there)")
+    model: str = Field("gyre-policy", min_length=1, description="model name handed to the harness")
+    timeout_s: PositiveFloat = Field(600.0, description="wall-clock limit per execution (a task may lower it)")
+    kill_grace_s: NonNegativeFloat = Field(5.0, description="SIGTERM to SIGKILL delay when a harness times out")
+    max_concurrency: PositiveInt = Field(4, description="executions running at once; the rest wait queued")
+    message_chars: PositiveInt = Field(800, description="stderr tail kept in execution_finished.message")
+    evaluate_harness_errors: bool = Field(
+        False, description="score executions that crashed too (off: a crashed harness is excluded, like an "
+                           "evaluator failure, since its workspace says more about the crash than the policy)")
+    config_dir: str | None = Field(None, description="what {config_dir} expands to; `load` sets it")
+
+    @model_validator(mode="after")
+    def _check_placeholders(self) -> Self:
+        check_templates(self.command, HARNESS_PLACEHOLDERS, where=f"harness {self.name!r} command")
+        check_templates(self.env.values(), HARNESS_PLACEHOLDERS | ENV_ONLY_PLACEHOLDERS,
+                        where=f"harness {self.name!r} env")
+        return self
+
+    @classmethod
+    def load(cls, path: str | Path, *, table: str | None = None) -> HarnessConfig:
+        """From a TOML file (or one table of it, e.g. `harness`); `{config_dir}` becomes the file's directory."""
+        path = Path(path)
+        data = _read_toml(path, table)
+        data.setdefault("config_dir", str(path.resolve().parent))
+        return _validate(cls, data, path)
+
+
+class CommandEvaluatorConfig(_Frozen):
+    """Runs a program on the workspace; its last stdout line is a JSON object with `reward` and `details`.
+
+    The program may instead report its own failure as `{"error": "infrastructure", "message": "..."}`
+    (or `crash` / `timeout`): that becomes `evaluation_failed`, not a reward.
+    """
+
+    type: Literal["command"]
+    name: str = Field("command", min_length=1, description="evaluator name recorded with every reward")
+    command: tuple[str, ...] = Field(min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    timeout_s: PositiveFloat = 60.0
+    kill_grace_s: NonNegativeFloat = 1.0
+
+    @model_validator(mode="after")
+    def _check_placeholders(self) -> Self:
+        check_templates(self.command, EVALUATOR_PLACEHOLDERS, where=f"evaluator {self.name!r} command")
+        check_templates(self.env.values(), EVALUATOR_PLACEHOLDERS, where=f"evaluator {self.name!r} env")
+        return self
+
+
+class PythonEvaluatorConfig(_Frozen):
+    """Calls a Python function in Gyre's process: `module.path:function` or `file.py:function`.
+
+    A `file.py` path is relative to the task set's directory. The function gets an `EvaluationContext` and
+    returns a reward, `(reward, details)` or a `Score`. Use it for cheap, trusted checks; code from the
+    workspace belongs in a command evaluator, whose process can be killed.
+    """
+
+    type: Literal["python"]
+    name: str = Field("python", min_length=1)
+    function: str = Field(pattern=r"^[^:]+:[A-Za-z_][A-Za-z0-9_]*$")
+    timeout_s: PositiveFloat = 60.0
+
+
+EvaluatorConfig = Annotated[CommandEvaluatorConfig | PythonEvaluatorConfig, Field(discriminator="type")]
+
+
+def _read_toml(path: Path, table: str | None) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from e
+    if table is not None:
+        if not isinstance(data.get(table), dict):
+            raise ConfigError(f"{path}: no [{table}] table")
+        data = data[table]
+    return data
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _validate(cls: type[M], data: dict[str, Any], path: Path) -> M:
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"{path}: {e}") from e

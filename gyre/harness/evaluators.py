@@ -1,0 +1,210 @@
+"""The two evaluator types: a command run on the workspace, and a Python function called in-process.
+
+Both turn every failure of their own into a `FailureOutcome` (crash | timeout | infrastructure) with a
+message; a score comes back only when the evaluator finished and produced a valid reward.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import cast, get_args
+
+from gyre.errors import ConfigError
+from gyre.events.fields import EvaluationFailure
+from gyre.harness.config import (
+    DEFAULT_INHERITED_ENV,
+    CommandEvaluatorConfig,
+    EvaluatorConfig,
+    PythonEvaluatorConfig,
+)
+from gyre.harness.evaluation import (
+    EvaluationContext,
+    EvaluationOutcome,
+    Evaluator,
+    FailureOutcome,
+    Score,
+    checked_outcome,
+)
+from gyre.harness.process import GroupProcess, tail
+from gyre.harness.template import expand_all
+
+MESSAGE_CHARS = 800
+FAILURE_KINDS: tuple[str, ...] = get_args(EvaluationFailure)
+
+
+def grading_document(context: EvaluationContext) -> dict[str, object]:
+    """What `{grading_file}` holds: the task's grading table and how the execution ended."""
+    return {"task_id": context.task.id, "execution_id": context.execution_id,
+            "answer_file": context.task.answer_file, "grading": context.task.grading,
+            "status": context.status, "partial": context.partial}
+
+
+class CommandEvaluator:
+    """Runs a program in the workspace with its own timeout; reads a JSON result from its last stdout line.
+
+    The program runs in its own process group, so a test it starts that hangs is killed with it.
+    """
+
+    def __init__(self, config: CommandEvaluatorConfig, taskset_dir: Path) -> None:
+        self.config = config
+        self.name = config.name
+        self.taskset_dir = taskset_dir
+
+    def evaluate(self, context: EvaluationContext) -> EvaluationOutcome:
+        started = time.monotonic()
+
+        def failed(error: EvaluationFailure, message: str) -> FailureOutcome:
+            return FailureOutcome(self.name, error, message[-MESSAGE_CHARS:], context.partial,
+                                  time.monotonic() - started)
+
+        if not context.workspace.is_dir():
+            return failed("infrastructure", f"workspace {context.workspace} does not exist")
+        scratch = context.scratch_dir
+        grading_file = scratch / "grading.json"
+        try:
+            scratch.mkdir(parents=True, exist_ok=True)
+            grading_file.write_text(json.dumps(grading_document(context), indent=2))
+        except OSError as e:
+            return failed("infrastructure", f"cannot write the grading file {grading_file}: {e}")
+        values = {"python": sys.executable, "workspace": str(context.workspace),
+                  "answer_file": context.task.answer_file, "grading_file": str(grading_file),
+                  "task_id": context.task.id, "execution_id": context.execution_id,
+                  "taskset_dir": str(self.taskset_dir), "status": context.status,
+                  "partial": "1" if context.partial else "0"}
+        where = f"evaluator {self.name!r}"
+        argv = expand_all(self.config.command, values, where=where + " command")
+        env = {k: os.environ[k] for k in DEFAULT_INHERITED_ENV if k in os.environ}
+        env.setdefault("PATH", os.defpath)
+        env |= {"HOME": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"}  # leave the workspace as the agent did
+        env |= dict(zip(self.config.env, expand_all(list(self.config.env.values()), values, where=where + " env"),
+                        strict=True))
+        stdout, stderr = scratch / "evaluator.stdout", scratch / "evaluator.stderr"
+        try:
+            process = GroupProcess(argv, cwd=context.workspace, env=env, stdout=stdout, stderr=stderr)
+        except OSError as e:
+            return failed("infrastructure", f"cannot start evaluator command {argv[0]!r}: {e}")
+        ended = process.wait(self.config.timeout_s, grace_s=self.config.kill_grace_s)
+        if ended.timed_out:
+            return failed("timeout", f"evaluator timed out after {self.config.timeout_s:g}s; "
+                                     f"stderr: {tail(stderr, MESSAGE_CHARS)}")
+        if ended.returncode != 0:
+            return failed("crash", f"evaluator exited with code {ended.returncode}: {tail(stderr, MESSAGE_CHARS)}")
+        lines = [line for line in stdout.read_text(errors="replace").splitlines() if line.strip()]
+        if not lines:
+            return failed("crash", f"evaluator printed nothing; stderr: {tail(stderr, MESSAGE_CHARS)}")
+        try:
+            result = json.loads(lines[-1])
+        except json.JSONDecodeError as e:
+            return failed("crash", f"evaluator's last line is not JSON ({e}): {lines[-1][:200]!r}")
+        if not isinstance(result, dict):
+            return failed("crash", f"evaluator's last line is not a JSON object: {lines[-1][:200]!r}")
+        if "error" in result:
+            error = result["error"]
+            message = str(result.get("message", ""))
+            if error not in FAILURE_KINDS:
+                return failed("crash", f"evaluator reported unknown error kind {error!r}: {message}")
+            return failed(cast(EvaluationFailure, error), message)
+        return checked_outcome(self.name, result.get("reward"), result.get("details", {}),
+                               partial=context.partial, duration_s=time.monotonic() - started)
+
+
+class PythonEvaluator:
+    """Calls `function(context)` in a daemon thread of this process, bounded by `timeout_s`.
+
+    The function returns a reward, `(reward, details)` or a `Score`; whatever it raises is a crash.
+    Trap: a thread cannot be killed. After a timeout the call is abandoned (reported as `timeout`) but keeps
+    running until it returns; a daemon thread at least never blocks the interpreter's exit.
+    """
+
+    def __init__(self, function: Callable[[EvaluationContext], object], *, name: str = "python",
+                 timeout_s: float = 60.0) -> None:
+        self.function = function
+        self.name = name
+        self.timeout_s = timeout_s
+
+    def evaluate(self, context: EvaluationContext) -> EvaluationOutcome:
+        started = time.monotonic()
+
+        def failed(error: EvaluationFailure, message: str) -> FailureOutcome:
+            return FailureOutcome(self.name, error, message[-MESSAGE_CHARS:], context.partial,
+                                  time.monotonic() - started)
+
+        if not context.workspace.is_dir():
+            return failed("infrastructure", f"workspace {context.workspace} does not exist")
+        future = _call_in_daemon_thread(self.function, context, name=f"gyre-evaluator-{context.execution_id}")
+        try:
+            error = future.exception(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            return failed("timeout", f"evaluator {self.name!r} did not return within {self.timeout_s:g}s")
+        if error is not None:
+            where = traceback.extract_tb(error.__traceback__)[-1:]
+            at = f" at {where[0].filename}:{where[0].lineno}" if where else ""
+            return failed("crash", f"{type(error).__name__}: {error}{at}")
+        result = future.result()
+        if isinstance(result, Score):
+            reward, details = result.reward, result.details
+        elif isinstance(result, tuple) and len(result) == 2:
+            reward, details = result
+        else:
+            reward, details = result, {}
+        return checked_outcome(self.name, reward, details, partial=context.partial,
+                               duration_s=time.monotonic() - started)
+
+
+def _call_in_daemon_thread(function: Callable[[EvaluationContext], object], context: EvaluationContext, *,
+                           name: str) -> concurrent.futures.Future[object]:
+    future: concurrent.futures.Future[object] = concurrent.futures.Future()
+
+    def target() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = function(context)
+        except BaseException as e:  # handed to the caller through the future, as concurrent.futures does
+            future.set_exception(e)
+        else:
+            future.set_result(result)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return future
+
+
+def load_function(reference: str, base_dir: Path) -> Callable[[EvaluationContext], object]:
+    """`module.path:name` (imported) or `file.py:name` (loaded from `base_dir`), as a `ConfigError` if missing."""
+    module_ref, _, attr = reference.rpartition(":")
+    try:
+        if module_ref.endswith(".py"):
+            path = (base_dir / module_ref).resolve()
+            digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
+            spec = importlib.util.spec_from_file_location(f"gyre_evaluator_{path.stem}_{digest}", path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"not a Python file: {path}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_ref)
+    except (ImportError, OSError, SyntaxError) as e:
+        raise ConfigError(f"python evaluator {reference!r}: cannot load {module_ref!r}: {e}") from e
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise ConfigError(f"python evaluator {reference!r}: {module_ref!r} has no callable {attr!r}")
+    return function
+
+
+def build_evaluator(config: EvaluatorConfig, taskset_dir: Path) -> Evaluator:
+    if isinstance(config, CommandEvaluatorConfig):
+        return CommandEvaluator(config, taskset_dir)
+    assert isinstance(config, PythonEvaluatorConfig)
+    return PythonEvaluator(load_function(config.function, taskset_dir), name=config.name,
+                           timeout_s=config.timeout_s)

@@ -1,0 +1,277 @@
+"""The harness runner: executions as subprocesses in their own workspaces, scored when they end.
+
+One execution, start to end:
+    execution_queued    when submitted (it may wait for one of `max_concurrency` slots)
+    execution_started   once the harness process runs (its pid and workspace)
+    execution_finished  completed (exit 0) | timed_out (group killed, workspace kept) | harness_error
+    reward_recorded     the evaluator's score (`partial` after a timeout), or
+    evaluation_failed   the evaluator crashed / timed out / lacked infrastructure: excluded, never reward 0
+
+The runner is thread-based: `submit` returns a `concurrent.futures.Future`, `arun` awaits the same from
+asyncio, `run_group` runs a GSPO group and returns its results in order. Nothing here knows the proxy: the
+harness reaches it through the environment (base URL and the execution's token), like any real harness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gyre.events.fields import ExecutionStatus
+from gyre.events.models import ExecutionFinished, ExecutionQueued, ExecutionStarted
+from gyre.harness.config import HarnessConfig
+from gyre.harness.errors import HarnessError, WorkspaceError
+from gyre.harness.evaluation import EvaluationContext, EvaluationOutcome, RewardOutcome
+from gyre.harness.process import GroupProcess, ProcessOutcome, tail
+from gyre.harness.sink import EventSink
+from gyre.harness.tasks import ID_PATTERN, Task
+from gyre.harness.template import expand_all
+from gyre.harness.workspace import ExecutionDirs, prepare
+
+_ID = re.compile(ID_PATTERN)
+
+
+@dataclass(frozen=True)
+class Execution:
+    """One run of a harness on a task, as the training loop asks for it.
+
+    `token` is the execution token the proxy issued (`Proxy.register_execution(...).token`); `env` adds or
+    overrides variables for this execution only.
+    """
+
+    execution_id: str
+    task: Task
+    group_id: str
+    token: str
+    policy_version: int = 0
+    attempt: int = 0
+    cell_id: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not _ID.match(self.execution_id):
+            raise ValueError(f"execution_id {self.execution_id!r} must match {ID_PATTERN} (it names a directory)")
+        if self.attempt < 0 or self.policy_version < 0:
+            raise ValueError("attempt and policy_version must be >= 0")
+
+
+@dataclass(frozen=True)
+class ExecutionResult:
+    """How an execution ended and how it was scored (`evaluation` is None when it was not evaluated)."""
+
+    execution_id: str
+    task_id: str
+    group_id: str
+    status: ExecutionStatus
+    exit_code: int | None
+    duration_s: float
+    message: str
+    dirs: ExecutionDirs
+    evaluation: EvaluationOutcome | None
+
+    @property
+    def workspace(self) -> Path:
+        return self.dirs.workspace
+
+    @property
+    def reward(self) -> float | None:
+        """The reward, or None when the execution is excluded (not evaluated, or the evaluation failed)."""
+        return self.evaluation.reward if isinstance(self.evaluation, RewardOutcome) else None
+
+
+class HarnessRunner:
+    """Runs executions with bounded concurrency and records their events in `sink`."""
+
+    def __init__(self, config: HarnessConfig, *, sink: EventSink, proxy_url: str, root: str | os.PathLike[str]) -> None:
+        self.config = config
+        self.sink = sink
+        self.proxy_url = proxy_url.rstrip("/")
+        self.root = Path(root).resolve()
+        self._pool = ThreadPoolExecutor(max_workers=config.max_concurrency, thread_name_prefix="gyre-harness")
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        self._queued = 0
+        self._running = 0
+        self._closed = False
+
+    # -- the training loop's API -------------------------------------------------------------------------
+
+    def submit(self, execution: Execution) -> Future[ExecutionResult]:
+        """Record `execution_queued` and schedule the execution; the future resolves once it is scored."""
+        # Under the lock: `queued` must reach the sink before the worker's `started`, and `close` must not
+        # slip in between the check and the pool's submit (which would then refuse a recorded execution).
+        with self._lock:
+            if self._closed:
+                raise HarnessError("the harness runner is closed")
+            self.sink.record(ExecutionQueued(execution_id=execution.execution_id, task_id=execution.task.id,
+                                             group_id=execution.group_id, policy_version=execution.policy_version,
+                                             attempt=execution.attempt, cell_id=execution.cell_id))
+            self._queued += 1
+            return self._pool.submit(self._execute, execution)
+
+    def run(self, execution: Execution) -> ExecutionResult:
+        return self.submit(execution).result()
+
+    async def arun(self, execution: Execution) -> ExecutionResult:
+        return await asyncio.wrap_future(self.submit(execution))
+
+    def run_group(self, executions: Iterable[Execution]) -> list[ExecutionResult]:
+        """Run every execution (at most `max_concurrency` at once); results in the order given."""
+        futures = [self.submit(e) for e in executions]
+        return [f.result() for f in futures]
+
+    @property
+    def queued(self) -> int:
+        with self._lock:
+            return self._queued
+
+    @property
+    def running(self) -> int:
+        with self._lock:
+            return self._running
+
+    def close(self, *, kill_running: bool = False) -> None:
+        """Stop accepting executions and wait for those submitted.
+
+        With `kill_running`, running harnesses are killed (their group, as on a timeout) and queued ones end
+        without starting; both finish as `harness_error` "cancelled" and are not evaluated (Ctrl-C).
+        """
+        with self._lock:
+            self._closed = True
+        if kill_running:
+            self._cancel.set()
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> HarnessRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(kill_running=exc[0] is not None)
+
+    # -- one execution ----------------------------------------------------------------------------------
+
+    def _execute(self, execution: Execution) -> ExecutionResult:
+        with self._lock:
+            self._queued -= 1
+            self._running += 1
+        try:
+            return self._execute_counted(execution)
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def _execute_counted(self, execution: Execution) -> ExecutionResult:
+        began = time.monotonic()
+        dirs = ExecutionDirs.for_execution(self.root, execution.execution_id, execution.attempt)
+
+        def not_started(message: str) -> ExecutionResult:
+            return self._finish(execution, dirs, "harness_error", None, time.monotonic() - began, message, False)
+
+        if self._cancel.is_set():
+            return not_started("cancelled before it started (runner closed)")
+        try:
+            prepare(dirs, execution.task)
+        except WorkspaceError as e:
+            return not_started(str(e))
+        timeout_s = min(self.config.timeout_s, execution.task.spec.timeout_s or self.config.timeout_s)
+        values = self._values(execution, dirs, timeout_s)
+        argv = expand_all(self.config.command, values, where=f"harness {self.config.name!r} command")
+        try:
+            process = GroupProcess(argv, cwd=dirs.workspace, env=self._env(execution, dirs, values),
+                                   stdout=dirs.stdout, stderr=dirs.stderr)
+        except OSError as e:
+            return not_started(f"cannot start harness {argv[0]!r}: {e}")
+        self.sink.record(ExecutionStarted(execution_id=execution.execution_id, cell_id=execution.cell_id,
+                                          workspace=str(dirs.workspace), pid=process.pid))
+        ended = process.wait(timeout_s, grace_s=self.config.kill_grace_s, cancel=self._cancel)
+        status, message = self._status(ended, timeout_s, tail(dirs.stderr, self.config.message_chars))
+        evaluate = status != "harness_error" or (self.config.evaluate_harness_errors and not ended.cancelled)
+        return self._finish(execution, dirs, status, ended.returncode, ended.duration_s, message, evaluate)
+
+    def _finish(self, execution: Execution, dirs: ExecutionDirs, status: ExecutionStatus, exit_code: int | None,
+                duration_s: float, message: str, evaluate: bool) -> ExecutionResult:
+        message = message[-self.config.message_chars:]
+        self.sink.record(ExecutionFinished(execution_id=execution.execution_id, status=status,
+                                           duration_s=duration_s, exit_code=exit_code, message=message))
+        outcome = None
+        if evaluate:
+            context = EvaluationContext(execution_id=execution.execution_id, task=execution.task.spec,
+                                        workspace=dirs.workspace, scratch_dir=dirs.evaluation, status=status)
+            outcome = execution.task.evaluator.evaluate(context)
+            self.sink.record(outcome.event(execution.execution_id))
+        return ExecutionResult(execution.execution_id, execution.task.id, execution.group_id, status, exit_code,
+                               duration_s, message, dirs, outcome)
+
+    @staticmethod
+    def _status(ended: ProcessOutcome, timeout_s: float, stderr_tail: str) -> tuple[ExecutionStatus, str]:
+        said = f": {stderr_tail}" if stderr_tail else ""
+        if ended.cancelled:
+            return "harness_error", f"cancelled (runner closed); process group killed{said}"
+        if ended.timed_out:
+            return "timed_out", f"timed out after {timeout_s:g}s; process group killed{said}"
+        if ended.returncode == 0:
+            return "completed", stderr_tail
+        if ended.returncode < 0:
+            return "harness_error", f"killed by {signal.Signals(-ended.returncode).name}{said}"
+        return "harness_error", f"exit code {ended.returncode}{said}"
+
+    # -- what the harness sees ------------------------------------------------------------------------------
+
+    def _values(self, execution: Execution, dirs: ExecutionDirs, timeout_s: float) -> dict[str, str]:
+        spec = execution.task.spec
+        return {
+            "prompt": spec.prompt,
+            "task_file": str(dirs.task_file),
+            "workspace": str(dirs.workspace),
+            "answer_file": spec.answer_file,
+            "task_id": spec.id,
+            "execution_id": execution.execution_id,
+            "group_id": execution.group_id,
+            "attempt": str(execution.attempt),
+            "policy_version": str(execution.policy_version),
+            "model": self.config.model,
+            "proxy_url": self.proxy_url,
+            "openai_base_url": f"{self.proxy_url}/v1",
+            "home": self._home(dirs),
+            "python": sys.executable,
+            "config_dir": self.config.config_dir or os.getcwd(),
+            "timeout_s": f"{timeout_s:g}",
+        }
+
+    def _home(self, dirs: ExecutionDirs) -> str:
+        if self.config.home == "inherit" and "HOME" in os.environ:
+            return os.environ["HOME"]
+        return str(dirs.home)
+
+    def _env(self, execution: Execution, dirs: ExecutionDirs, values: Mapping[str, str]) -> dict[str, str]:
+        """Inherited basics < the proxy variables < `HarnessConfig.env` < `Execution.env`."""
+        env = {k: os.environ[k] for k in self.config.inherit_env if k in os.environ}
+        env.setdefault("PATH", os.defpath)
+        env["HOME"] = values["home"]
+        token, model = execution.token, self.config.model
+        env |= {
+            "ANTHROPIC_BASE_URL": self.proxy_url,
+            "ANTHROPIC_AUTH_TOKEN": token,
+            "ANTHROPIC_API_KEY": token,
+            "ANTHROPIC_MODEL": model,
+            "OPENAI_BASE_URL": values["openai_base_url"],
+            "OPENAI_API_KEY": token,
+            "OPENAI_MODEL": model,
+            "GYRE_EXECUTION_ID": execution.execution_id,
+            "GYRE_TASK_ID": execution.task.id,
+        }
+        templates = self.config.env
+        expanded = expand_all(list(templates.values()), {**values, "token": token},
+                              where=f"harness {self.config.name!r} env")
+        env |= dict(zip(templates, expanded, strict=True))
+        env |= execution.env
+        return env

@@ -1,0 +1,70 @@
+"""Helpers of the harness tests: tasks built in code, shell harnesses, and small waits."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gyre.harness import (
+    EvaluationContext,
+    Evaluator,
+    Execution,
+    HarnessConfig,
+    PythonEvaluator,
+    Task,
+    TaskSpec,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+TOY_TASKS = REPO / "tasks" / "toy" / "tasks.toml"
+TOY_HARNESS = REPO / "agents" / "toy_agent" / "harness.toml"
+TOKEN = "exec-token-0123456789"
+
+
+def read_answer(context: EvaluationContext) -> tuple[float, dict[str, Any]]:
+    """An in-process evaluator: 1.0 when answer.txt says hello, 0.5 for any other text, 0.0 without a file."""
+    path = context.answer_path
+    if not path.exists():
+        return 0.0, {"missing": True}
+    text = path.read_text().strip()
+    return (1.0 if text == "hello" else 0.5), {"text": text[:40]}
+
+
+def make_task(task_id: str = "t", *, evaluator: Evaluator | None = None, tmp: Path | None = None,
+              **spec: Any) -> Task:
+    fields: dict[str, Any] = {"id": task_id, "prompt": "Write the word hello into answer.txt."} | spec
+    return Task(TaskSpec(**fields), tmp or REPO, evaluator or PythonEvaluator(read_answer, name="read-answer"))
+
+
+def shell(script: str, **config: Any) -> HarnessConfig:
+    """A harness that is a shell script (run with `sh -c`)."""
+    settings: dict[str, Any] = {"name": "sh", "command": ["/bin/sh", "-c", script], "kill_grace_s": 0.2} | config
+    return HarnessConfig(**settings)
+
+
+def execution(task: Task, n: int = 0, *, group: str = "g0", **kw: Any) -> Execution:
+    return Execution(f"{group}-{task.id}-{n}", task, group, token=kw.pop("token", TOKEN), **kw)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def process_gone(pid: int) -> bool:
+    """True when `pid` no longer runs (a zombie waiting for a reaper counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return True
+    return state in ("Z", "X")

@@ -1,0 +1,189 @@
+"""Evaluators: rewards with details, partial scoring after a timeout, and every failure as a failure."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gyre.errors import ConfigError
+from gyre.events.fields import ExecutionStatus
+from gyre.harness import (
+    EVALUATOR_PLACEHOLDERS,
+    CommandEvaluator,
+    CommandEvaluatorConfig,
+    EvaluationContext,
+    FailureOutcome,
+    PythonEvaluator,
+    PythonEvaluatorConfig,
+    RewardOutcome,
+    Score,
+    TaskSpec,
+    build_evaluator,
+)
+from gyre.harness.evaluators import load_function
+from tests.harness.harness_helpers import read_answer
+
+SCRIPT_HEADER = "import json, sys, pathlib\n"
+
+
+def context(tmp_path: Path, status: ExecutionStatus = "completed", answer: str | None = "hello") -> EvaluationContext:
+    workspace = tmp_path / "workspace"
+    workspace.mkdir(exist_ok=True)
+    if answer is not None:
+        (workspace / "answer.txt").write_text(answer)
+    spec = TaskSpec(id="t", prompt="p", grading={"expected": "hello"})
+    return EvaluationContext("e1", spec, workspace, tmp_path / "evaluation", status)
+
+
+def command(tmp_path: Path, body: str, **config: Any) -> CommandEvaluator:
+    script = tmp_path / "judge.py"
+    script.write_text(SCRIPT_HEADER + body)
+    settings = {"type": "command", "name": "judge", "command": ["{python}", str(script), "{grading_file}"]} | config
+    return CommandEvaluator(CommandEvaluatorConfig(**settings), tmp_path)
+
+
+GRADE = """
+doc = json.loads(pathlib.Path(sys.argv[1]).read_text())
+answer = pathlib.Path(doc["answer_file"]).read_text()
+print("some noise first")
+print(json.dumps({"reward": 1.0 if answer == doc["grading"]["expected"] else 0.25,
+                  "details": {"answer": answer, "partial": doc["partial"], "status": doc["status"]}}))
+"""
+
+
+def test_command_evaluator_reward_with_details(tmp_path: Path) -> None:
+    outcome = command(tmp_path, GRADE).evaluate(context(tmp_path))
+    assert isinstance(outcome, RewardOutcome)
+    assert outcome.reward == 1.0 and outcome.evaluator == "judge" and outcome.partial is False
+    assert outcome.details == {"answer": "hello", "partial": False, "status": "completed"}
+    event = outcome.event("e1")
+    assert event.kind == "reward_recorded" and event.reward == 1.0 and '"answer": "hello"' in event.details
+
+
+def test_partial_evaluation_after_a_timeout(tmp_path: Path) -> None:
+    outcome = command(tmp_path, GRADE).evaluate(context(tmp_path, "timed_out", answer="hel"))
+    assert isinstance(outcome, RewardOutcome)
+    assert outcome.partial is True and outcome.reward == 0.25 and outcome.details["partial"] is True
+    assert outcome.event("e1").partial is True
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ("raise RuntimeError('judge exploded')\n", "judge exploded"),
+    ("print('not json')\n", "not JSON"),
+    ("print('[1, 2]')\n", "not a JSON object"),
+    ("pass\n", "printed nothing"),
+    ("print(json.dumps({'reward': 1.5}))\n", "outside [0, 1]"),
+    ("print(json.dumps({'reward': 'high'}))\n", "must be a number"),
+    ("print(json.dumps({'details': {}}))\n", "must be a number"),
+    ("print(json.dumps({'reward': 0.5, 'details': [1]}))\n", "details must be a JSON object"),
+    ("print(json.dumps({'error': 'weird'}))\n", "unknown error kind"),
+])
+def test_command_evaluator_crashes_are_failures_not_zero_rewards(tmp_path: Path, body: str, needle: str) -> None:
+    outcome = command(tmp_path, body).evaluate(context(tmp_path))
+    assert isinstance(outcome, FailureOutcome), outcome
+    assert outcome.error == "crash" and needle in outcome.message
+    event = outcome.event("e1")
+    assert event.kind == "evaluation_failed" and event.error == "crash" and event.evaluator == "judge"
+
+
+def test_command_evaluator_timeout_kills_it(tmp_path: Path) -> None:
+    evaluator = command(tmp_path, "import time\nprint('started', file=sys.stderr, flush=True)\ntime.sleep(300)\n",
+                        timeout_s=0.5, kill_grace_s=0.1)
+    began = time.monotonic()
+    outcome = evaluator.evaluate(context(tmp_path))
+    assert time.monotonic() - began < 5
+    assert isinstance(outcome, FailureOutcome) and outcome.error == "timeout"
+    assert "timed out after 0.5s" in outcome.message and "started" in outcome.message
+
+
+def test_infrastructure_failures(tmp_path: Path) -> None:
+    missing_program = CommandEvaluator(CommandEvaluatorConfig(type="command", command=["/nonexistent/judge"]),
+                                       tmp_path)
+    outcome = missing_program.evaluate(context(tmp_path))
+    assert isinstance(outcome, FailureOutcome) and outcome.error == "infrastructure"
+    assert "cannot start evaluator command" in outcome.message
+    reported = command(tmp_path, "print(json.dumps({'error': 'infrastructure', 'message': 'no docker'}))\n")
+    outcome = reported.evaluate(context(tmp_path))
+    assert isinstance(outcome, FailureOutcome) and (outcome.error, outcome.message) == ("infrastructure", "no docker")
+    gone = context(tmp_path)
+    gone = EvaluationContext(gone.execution_id, gone.task, tmp_path / "deleted", gone.scratch_dir)
+    for evaluator in (command(tmp_path, GRADE), PythonEvaluator(read_answer)):
+        outcome = evaluator.evaluate(gone)
+        assert isinstance(outcome, FailureOutcome) and outcome.error == "infrastructure"
+
+
+def test_command_evaluator_runs_in_the_workspace_with_its_placeholders(tmp_path: Path) -> None:
+    body = "print(json.dumps({'reward': 0.5, 'details': {'argv': sys.argv[1:], 'cwd': str(pathlib.Path.cwd())}}))\n"
+    evaluator = command(tmp_path, body, command=["{python}", str(tmp_path / "judge.py"), "{task_id}", "{status}",
+                                                 "{partial}", "{answer_file}", "{taskset_dir}"])
+    (tmp_path / "judge.py").write_text(SCRIPT_HEADER + body)
+    outcome = evaluator.evaluate(context(tmp_path, "timed_out"))
+    assert isinstance(outcome, RewardOutcome)
+    assert outcome.details["argv"] == ["t", "timed_out", "1", "answer.txt", str(tmp_path)]
+    every = command(tmp_path, body, command=["{python}", str(tmp_path / "judge.py"),
+                                             *[f"{{{n}}}" for n in sorted(EVALUATOR_PLACEHOLDERS)]])
+    outcome = every.evaluate(context(tmp_path))
+    assert isinstance(outcome, RewardOutcome) and len(outcome.details["argv"]) == len(EVALUATOR_PLACEHOLDERS)
+    assert outcome.details["cwd"] == str(tmp_path / "workspace")
+    with pytest.raises(ValueError, match=r"unknown placeholder \{prompt\}"):
+        CommandEvaluatorConfig(type="command", command=["judge", "{prompt}"])
+
+
+def test_python_evaluator_results(tmp_path: Path) -> None:
+    ctx = context(tmp_path)
+    for result, reward, details in [(0.75, 0.75, {}), ((1, {"k": 1}), 1.0, {"k": 1}),
+                                    (Score(0.5, {"why": "half"}), 0.5, {"why": "half"})]:
+        outcome = PythonEvaluator(lambda _c, r=result: r, name="py").evaluate(ctx)
+        assert isinstance(outcome, RewardOutcome) and (outcome.reward, outcome.details) == (reward, details)
+
+
+@pytest.mark.parametrize(("result", "needle"), [
+    (math.nan, "outside [0, 1]"), (-0.1, "outside [0, 1]"), (True, "must be a number"), ("1", "must be a number"),
+    ((0.5, {"bad": object()}), "not JSON-serialisable"), ((0.5, {"x": math.inf}), "not JSON-serialisable"),
+])
+def test_python_evaluator_invalid_results_are_crashes(tmp_path: Path, result: object, needle: str) -> None:
+    outcome = PythonEvaluator(lambda _c: result).evaluate(context(tmp_path))
+    assert isinstance(outcome, FailureOutcome) and outcome.error == "crash" and needle in outcome.message
+
+
+def test_python_evaluator_crash_and_timeout(tmp_path: Path) -> None:
+    def crash(_context: EvaluationContext) -> float:
+        return 1 / 0
+
+    outcome = PythonEvaluator(crash, name="py").evaluate(context(tmp_path))
+    assert isinstance(outcome, FailureOutcome) and outcome.error == "crash"
+    assert outcome.message.startswith("ZeroDivisionError: division by zero at ")
+
+    def exits(_context: EvaluationContext) -> float:
+        sys.exit(3)
+
+    outcome = PythonEvaluator(exits).evaluate(context(tmp_path))
+    assert isinstance(outcome, FailureOutcome) and outcome.error == "crash" and "SystemExit: 3" in outcome.message
+
+    def slow(_context: EvaluationContext) -> float:
+        time.sleep(2)
+        return 1.0
+
+    began = time.monotonic()
+    outcome = PythonEvaluator(slow, timeout_s=0.2).evaluate(context(tmp_path, "timed_out"))
+    assert time.monotonic() - began < 1.5
+    assert isinstance(outcome, FailureOutcome) and outcome.error == "timeout" and outcome.partial is True
+
+
+def test_python_evaluator_loading(tmp_path: Path) -> None:
+    (tmp_path / "judge.py").write_text("def grade(context):\n    return 0.25\n")
+    evaluator = build_evaluator(PythonEvaluatorConfig(type="python", name="j", function="judge.py:grade"), tmp_path)
+    outcome = evaluator.evaluate(context(tmp_path))
+    assert isinstance(outcome, RewardOutcome) and outcome.reward == 0.25 and outcome.evaluator == "j"
+    assert load_function("tests.harness.harness_helpers:read_answer", tmp_path) is read_answer
+    with pytest.raises(ConfigError, match="has no callable 'nope'"):
+        load_function("judge.py:nope", tmp_path)
+    with pytest.raises(ConfigError, match=r"cannot load 'missing\.py'"):
+        load_function("missing.py:grade", tmp_path)
+    with pytest.raises(ConfigError, match="cannot load 'no_such_module_xyz'"):
+        load_function("no_such_module_xyz:grade", tmp_path)
