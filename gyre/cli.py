@@ -10,6 +10,7 @@ from gyre.harness.cli import harness_app
 from gyre.log.cli import log_app
 from gyre.replay.cli import replay_app
 from gyre.sim.cli import sim_app
+from gyre.train.cli import train
 from gyre.trajectory.cli import trajectories_app
 
 app = typer.Typer(no_args_is_help=True, help="Gyre: elastic, event-sourced RL for long-horizon coding agents.")
@@ -19,6 +20,7 @@ app.add_typer(trajectories_app, name="trajectories")
 app.add_typer(sim_app, name="sim")
 app.add_typer(replay_app, name="replay")
 app.add_typer(harness_app, name="harness")
+app.command("train")(train)
 
 schema_app = typer.Typer(no_args_is_help=True, help="The event schema.")
 app.add_typer(schema_app, name="schema")

@@ -1,0 +1,69 @@
+"""`gyre train CONFIG`: the single-machine RL loop with live progress and a summary."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from gyre.errors import GyreError
+
+console = Console()
+
+
+def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g. examples/tiny-cpu.toml")],
+          steps: Annotated[int | None, typer.Option(help="override the number of steps")] = None) -> None:
+    """Train a policy with RL on one machine: engine, proxy, harnesses, trajectories, GSPO.
+
+    Ctrl-C stops cleanly with the log committed.
+    """
+    from gyre.train.config import TrainConfig
+    from gyre.train.loop import StepRecord, TrainingRun
+
+    try:
+        settings = TrainConfig.load(config)
+        if steps is not None:
+            settings = settings.model_copy(update={"steps": steps})
+    except GyreError as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from None
+
+    def progress(phase: str, figures: dict) -> None:
+        if phase == "step":
+            record: StepRecord = figures["record"]
+            reward = "n/a" if record.reward_mean is None else f"{record.reward_mean:.3f}"
+            tokens_per_s = record.trained_tokens / record.train_s if record.train_s else 0.0
+            console.print(f"step {record.step}: reward mean {reward} over {record.scored}/{record.executions} "
+                          f"scored, {record.micro_steps} micro-steps, {record.trained_tokens} trained tokens "
+                          f"({tokens_per_s:.0f}/s), rollout {record.rollout_s:.1f}s, train {record.train_s:.1f}s, "
+                          f"policy v{record.policy_version} -> v{record.policy_version + int(record.micro_steps > 0)}")
+        elif phase == "rollout":
+            console.print(f"[dim]step {figures['step']}: {figures['queued']} executions queued on policy "
+                          f"v{figures['version']}[/dim]")
+        elif phase == "skipped":
+            console.print(f"[yellow]step {figures['step']}: not trained: {figures['reason']}[/yellow]")
+
+    console.print(f"[bold]gyre train[/bold] {settings.name}: {settings.steps} steps, "
+                  f"{settings.rollout.groups_per_step} groups x {settings.rollout.group_size} rollouts per step, "
+                  f"run directory {settings.run_dir}")
+    try:
+        run = TrainingRun(settings, progress)
+        summary = run.run()
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: harnesses stopped, log committed[/yellow]")
+        raise typer.Exit(130) from None
+    except GyreError as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(1) from None
+
+    table = Table("step", "policy", "executions", "scored", "reward mean", "micro-steps", "trained tokens",
+                  "loss", "rollout s", "train s", title=f"{settings.name}: {summary.status}")
+    for r in summary.steps:
+        table.add_row(str(r.step), f"v{r.policy_version}", str(r.executions), str(r.scored),
+                      "n/a" if r.reward_mean is None else f"{r.reward_mean:.3f}", str(r.micro_steps),
+                      str(r.trained_tokens), "n/a" if r.loss is None else f"{r.loss:.4f}",
+                      f"{r.rollout_s:.1f}", f"{r.train_s:.1f}")
+    console.print(table)
+    console.print(f"log: {summary.log}  (final policy v{summary.policy_version})")
+    console.print(f'query it: gyre log sql {summary.log} "SELECT step, policy_version, loss FROM train_steps"')

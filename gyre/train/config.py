@@ -1,0 +1,80 @@
+"""`gyre train` configuration: one TOML file, validated by pydantic, every section with defaults."""
+
+import tomllib
+from pathlib import Path
+from typing import Self
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
+
+from gyre.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RolloutSection(_Section):
+    tasks: Path = Field(Path("tasks/toy/tasks.toml"), description="task set file")
+    task_ids: tuple[str, ...] = Field((), description="tasks to train on (empty: all of the task set)")
+    harness: Path = Field(Path("agents/toy_agent/harness.toml"), description="harness config file")
+    groups_per_step: PositiveInt = Field(2, description="GSPO groups (tasks) per step")
+    group_size: PositiveInt = Field(16, description="rollouts per group (the brief: 16)")
+    max_concurrency: PositiveInt | None = Field(None, description="override the harness's concurrency")
+    timeout_s: PositiveFloat | None = Field(None, description="override the harness's per-execution limit")
+
+
+class EngineSection(_Section):
+    model: str = Field("tiny", description="'tiny' (built in code from seed) or a local checkpoint directory")
+    threads: PositiveInt = 1
+    max_running_requests: PositiveInt = 64
+
+
+class SamplingSection(_Section):
+    """What the proxy imposes on every call, so that the behaviour policy is known."""
+
+    temperature: PositiveFloat = 1.0
+    max_tokens: PositiveInt = Field(128, description="cap on every call's max_tokens")
+
+
+class TrajectorySection(_Section):
+    cap: PositiveInt | None = Field(5, description="trajectories kept per execution (None: all)")
+    min_valid_per_group: PositiveInt = 2
+    token_budget: PositiveInt = Field(32_768, description="tokens per micro-batch")
+    form: str = Field("packed", pattern="^(packed|expanded)$")
+
+
+class TrainerSection(_Section):
+    lr: PositiveFloat = 1e-6
+    eps_low: float = Field(3e-4, ge=0, lt=1)
+    eps_high: float = Field(4e-4, ge=0)
+    tis_cap: PositiveFloat | None = 2.0
+    max_grad_norm: PositiveFloat | None = 1.0
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class TrainConfig(_Section):
+    name: str = Field("tiny-cpu", min_length=1)
+    run_dir: Path = Field(Path("runs/tiny-cpu"), description="log, executions and checkpoints go here")
+    seed: NonNegativeInt = 0
+    steps: PositiveInt = 4
+    rollout: RolloutSection = RolloutSection()
+    engine: EngineSection = EngineSection()
+    sampling: SamplingSection = SamplingSection()
+    trajectory: TrajectorySection = TrajectorySection()
+    trainer: TrainerSection = TrainerSection()
+
+    @classmethod
+    def load(cls, path: str | Path) -> Self:
+        """Read and validate a TOML file; relative paths in it are relative to the current directory."""
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"no config file at {path}") from None
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"{path} is not valid TOML: {error}") from error
+        try:
+            return cls.model_validate(data)
+        except ValidationError as error:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
+            raise ConfigError(f"invalid train config {path}: {problems}") from error
