@@ -8,6 +8,7 @@ import typer
 from gyre.engine.cli import engine_app
 from gyre.harness.cli import harness_app
 from gyre.log.cli import log_app
+from gyre.proxy.cli import proxy_app
 from gyre.replay.cli import replay_app
 from gyre.sim.cli import sim_app
 from gyre.train.cli import train
@@ -16,6 +17,7 @@ from gyre.trajectory.cli import trajectories_app
 app = typer.Typer(no_args_is_help=True, help="Gyre: elastic, event-sourced RL for long-horizon coding agents.")
 app.add_typer(log_app, name="log")
 app.add_typer(engine_app, name="engine")
+app.add_typer(proxy_app, name="proxy")
 app.add_typer(trajectories_app, name="trajectories")
 app.add_typer(sim_app, name="sim")
 app.add_typer(replay_app, name="replay")

@@ -1,0 +1,367 @@
+"""Proxy benchmark: `gyre proxy bench --json [--quick]`.
+
+What it measures: the latency a harness gains by calling the engine through the proxy instead of directly
+(`added = proxied - direct`, per percentile), with N concurrent agent sessions, and the added cost of one
+call in an execution that already holds 100K and 700K tokens.
+
+To isolate the proxy, the engine is an *instant stub* (benchmark-only, labelled in the output): a raw
+asyncio HTTP server that answers every `/generate` at once with the same reply (a tool call),
+without looking at the prompt. Engine, proxy and load generator run as three processes on this machine;
+the proxy writes a real durable log (fsync before each answer, group commit). Sessions model agents: each
+call appends the echoed reply and a tool result, and concurrent sessions pause between calls (`think`,
+0.5-1.5x the level's mean) for what a real engine's generation and the agent's tool would take, so 64 and
+256 sessions offer about 32 and 64 calls per second. `proxy_cpu_ms_per_call` is the capacity figure: one
+proxy process serves about 1000 / it calls per second of CPU. Both paths use the same HTTP client, so
+client costs cancel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ENGINE_LABEL = (
+    "instant stub engine (benchmark-only): answers every /generate at once with the same reply, a tool "
+    "call of {n} tokens, without reading the prompt"
+)
+TOOL_REPLY = 'On it.<tool_call>{"name": "bash", "arguments": {"cmd": "ls"}}</tool_call>'
+EOS = 258
+TOKEN_PREFIX = "bench-token-"
+
+
+def _token(i: int) -> str:
+    return f"{TOKEN_PREFIX}{i:08d}"
+
+
+# -- the instant engine (its own process) ------------------------------------------------------------------
+
+
+def _reply_ids() -> list[int]:
+    from gyre.model.tokenizer import build_tokenizer
+
+    return [*build_tokenizer().encode(TOOL_REPLY, add_special_tokens=False), EOS]
+
+
+def run_instant_engine() -> None:
+    """Serve `/generate` on a free loopback port (printed on stdout) until stdin closes."""
+    ids = _reply_ids()
+    meta = {
+        "finish_reason": {"type": "stop", "matched": EOS} if ids[-1] == EOS else {"type": "length", "length": len(ids)},
+        "prompt_tokens": 0,
+        "completion_tokens": len(ids),
+        "cached_tokens": 0,
+        "weight_version": "0",
+        "output_token_logprobs": [[-0.25, t, None] for t in ids],
+    }
+    head, tail = json.dumps({"text": "", "output_ids": ids, "meta_info": {"id": "RID", **meta}}).split('"RID"')
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                header = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in header.split(b"\r\n"):
+                    if line[:15].lower() == b"content-length:":
+                        length = int(line[15:])
+                body = await reader.readexactly(length) if length else b""
+                at = body.rfind(b'"rid"')
+                rid = body[at:].split(b'"')[3].decode() if at >= 0 else "none"
+                payload = (head + json.dumps(rid) + tail).encode()
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                    % (len(payload), payload)
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0, backlog=4096)
+        print(server.sockets[0].getsockname()[1], flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        os._exit(0)  # stdin closed: the benchmark is over; nothing here needs cleaning up
+
+    asyncio.run(main())
+
+
+# -- the proxy (its own process) ---------------------------------------------------------------------------
+
+
+def run_proxy_process(engine_url: str, executions: int, log_dir: str) -> None:
+    """Serve a proxy with `executions` registered executions (tokens `_token(i)`); URL on stdout."""
+    from gyre.log import LogWriter
+    from gyre.proxy import LogSink, Proxy, ProxyConfig, ProxyServer
+
+    proxy = Proxy(ProxyConfig(engines={"cell0": engine_url}), sink=LogSink(LogWriter(log_dir, run_id="bench")))
+    server = ProxyServer(proxy)
+    server.start()
+    for i in range(executions):
+        server.register_execution(f"bench-{i}", _token(i))
+    print(server.url, flush=True)
+    sys.stdin.read()
+    server.stop()
+    proxy.sink.close()
+
+
+def _spawn(code: str) -> subprocess.Popen[str]:
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root, env=env
+    )
+
+
+# -- sessions -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Session:
+    """One agent conversation (Anthropic Messages), grown the way a harness grows it."""
+
+    index: int
+    result_chars: int
+    messages: list[dict[str, Any]]
+
+    @classmethod
+    def new(cls, index: int, result_chars: int = 400) -> Session:
+        return cls(index, result_chars, [{"role": "user", "content": f"Task {index}: fix the failing test."}])
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "model": "policy",
+            "max_tokens": 64,
+            "system": "You are a coding agent.",
+            "tools": [
+                {
+                    "name": "bash",
+                    "description": "Run a command",
+                    "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+                }
+            ],
+            "messages": self.messages,
+        }
+
+    def extend(self, reply: dict[str, Any], result_chars: int | None = None) -> None:
+        self.messages.append({"role": "assistant", "content": reply["content"]})
+        use = next(b for b in reply["content"] if b["type"] == "tool_use")
+        text = "lorem ipsum dolor sit amet " * (1 + (result_chars or self.result_chars) // 27)
+        self.messages.append(
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": use["id"],
+                        "content": text[: result_chars or self.result_chars],
+                    }
+                ],
+            }
+        )
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (Linux `/proc`)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _proxied_call(http: httpx.AsyncClient, session: Session) -> tuple[float, dict[str, Any]]:
+    start = time.perf_counter()
+    response = await http.post(
+        "/v1/messages",
+        content=json.dumps(session.body()),
+        headers={"x-api-key": _token(session.index), "content-type": "application/json"},
+    )
+    reply = response.json()
+    elapsed = time.perf_counter() - start
+    if response.status_code != 200:
+        raise RuntimeError(f"proxy answered {response.status_code}: {response.text[:300]}")
+    return elapsed, reply
+
+
+async def _direct_call(http: httpx.AsyncClient, ids: list[int], rid: str) -> float:
+    start = time.perf_counter()
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 64, "skip_special_tokens": False},
+        "rid": rid,
+        "return_logprob": True,
+    }
+    response = await http.post("/generate", content=json.dumps(body), headers={"content-type": "application/json"})
+    response.json()
+    elapsed = time.perf_counter() - start
+    if response.status_code != 200:
+        raise RuntimeError(f"engine answered {response.status_code}")
+    return elapsed
+
+
+async def _run_sessions(
+    base_url: str, workers: int, sessions: range, calls: int, think_s: float, *, direct: bool, seed: int
+) -> list[float]:
+    """Latencies of `workers` concurrent agents working through `sessions` (execution indices) of `calls`
+    calls each; an agent pauses `think_s` (0.5-1.5x) between calls, as if running a tool."""
+    limits = httpx.Limits(max_connections=workers + 8, max_keepalive_connections=workers + 8)
+    rng = random.Random(seed)
+    latencies: list[float] = []
+    todo = list(sessions)
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=120) as http:
+
+        async def agent() -> None:
+            await asyncio.sleep(rng.random() * think_s)
+            while todo:
+                session = Session.new(todo.pop())
+                prompt_len = 60
+                for c in range(calls):
+                    if direct:
+                        latencies.append(await _direct_call(http, [65] * prompt_len, f"d{session.index}-{c}"))
+                        prompt_len += 60 + session.result_chars
+                    else:
+                        elapsed, reply = await _proxied_call(http, session)
+                        latencies.append(elapsed)
+                        session.extend(reply)
+                    if think_s:
+                        await asyncio.sleep(think_s * (0.5 + rng.random()))
+
+        await asyncio.gather(*(agent() for _ in range(workers)))
+    return latencies
+
+
+async def _long_context(
+    proxy_url: str, engine_url: str, proxy_pid: int, index: int, sizes: list[int], chunk: int, reps: int
+) -> dict[str, dict[str, float]]:
+    """Per size: median added ms of a call in an execution already holding that many tokens."""
+    out: dict[str, dict[str, float]] = {}
+    session = Session.new(index, result_chars=chunk)
+    async with (
+        httpx.AsyncClient(base_url=proxy_url, timeout=600) as proxy,
+        httpx.AsyncClient(base_url=engine_url, timeout=600) as engine,
+    ):
+        held = 0
+        for size in sizes:
+            while held < size:  # grow the execution (byte tokenizer: about one token per character)
+                _, reply = await _proxied_call(proxy, session)
+                held = reply["usage"]["input_tokens"] + reply["usage"]["output_tokens"]
+                session.extend(reply, min(chunk, max(1, size - held)))
+            proxied, direct = [], []
+            cpu = 0.0
+            for r in range(reps):
+                before = _cpu_s(proxy_pid)
+                elapsed, reply = await _proxied_call(proxy, session)
+                cpu += _cpu_s(proxy_pid) - before
+                proxied.append(elapsed)
+                ids = [65] * reply["usage"]["input_tokens"]
+                direct.append(await _direct_call(engine, ids, f"long-{size}-{r}"))
+                session.extend(reply, 200)
+            p, d = statistics.median(proxied), statistics.median(direct)
+            out[str(size)] = {
+                "added_ms": (p - d) * 1e3,
+                "proxied_ms": p * 1e3,
+                "direct_ms": d * 1e3,
+                "proxy_cpu_ms_per_call": cpu / reps * 1e3,
+                "held_tokens": held,
+            }
+    return out
+
+
+@dataclass(frozen=True)
+class Level:
+    """`workers` concurrent sessions; `sessions` in all, `calls` each (contexts stay a few K tokens)."""
+
+    workers: int
+    sessions: int
+    calls: int
+    think_s: float
+
+
+def _levels(quick: bool) -> list[Level]:
+    if quick:
+        return [Level(1, 6, 25, 0.0), Level(64, 64, 3, 2.0), Level(256, 256, 2, 4.0)]
+    return [Level(1, 40, 25, 0.0), Level(64, 64, 12, 2.0), Level(256, 256, 6, 4.0)]
+
+
+def run_benchmark(*, quick: bool = False, directory: Path | None = None) -> dict[str, Any]:
+    levels = _levels(quick)
+    sizes = [100_000, 700_000]
+    total = sum(level.sessions + 1 for level in levels) + 1  # sessions, one warm-up each, long context
+    with tempfile.TemporaryDirectory(dir=directory, prefix="gyre-proxy-bench-") as tmp:
+        engine = _spawn("from benchmarks.proxy_bench import run_instant_engine; run_instant_engine()")
+        assert engine.stdin is not None and engine.stdout is not None
+        engine_url = f"http://127.0.0.1:{engine.stdout.readline().strip()}"
+        proxy = _spawn(
+            f"from benchmarks.proxy_bench import run_proxy_process; "
+            f"run_proxy_process({engine_url!r}, {total}, {str(Path(tmp) / 'log')!r})"
+        )
+        assert proxy.stdin is not None and proxy.stdout is not None
+        proxy_url = proxy.stdout.readline().strip()
+        try:
+            results: dict[str, Any] = {
+                "engine": ENGINE_LABEL.format(n=len(_reply_ids())),
+                "quick": quick,
+                "cpus": os.cpu_count(),
+                "load_average_at_start": os.getloadavg()[0],
+                "concurrency": {},
+            }
+            first = 0
+            for level in levels:
+                asyncio.run(_run_sessions(proxy_url, 1, range(first, first + 1), 5, 0.0, direct=False, seed=0))
+                first += 1  # warm-up: connections, code paths
+                sessions = range(first, first + level.sessions)
+                first += level.sessions
+                direct = asyncio.run(
+                    _run_sessions(
+                        engine_url, level.workers, sessions, level.calls, level.think_s, direct=True, seed=level.workers
+                    )
+                )
+                cpu = _cpu_s(proxy.pid)
+                proxied = asyncio.run(
+                    _run_sessions(
+                        proxy_url, level.workers, sessions, level.calls, level.think_s, direct=False, seed=level.workers
+                    )
+                )
+                cpu = _cpu_s(proxy.pid) - cpu
+                row: dict[str, Any] = {
+                    "calls": len(proxied),
+                    "think_s": level.think_s,
+                    "offered_calls_per_s": level.workers / level.think_s if level.think_s else None,
+                    "proxy_cpu_ms_per_call": cpu / len(proxied) * 1e3,
+                }
+                for name, q in (("p50", 0.5), ("p99", 0.99)):
+                    d, p = _percentile(direct, q) * 1e3, _percentile(proxied, q) * 1e3
+                    row |= {f"{name}_direct_ms": d, f"{name}_proxied_ms": p, f"{name}_added_ms": p - d}
+                results["concurrency"][str(level.workers)] = row
+            long = asyncio.run(
+                _long_context(
+                    proxy_url, engine_url, proxy.pid, first, sizes, 20_000 if quick else 4_000, 5 if quick else 20
+                )
+            )
+        finally:
+            for process in (proxy, engine):
+                if process.stdin is not None:
+                    process.stdin.close()
+                process.wait(30)
+    results["p50_added_ms"] = {k: v["p50_added_ms"] for k, v in results["concurrency"].items()}
+    results["p99_added_ms"] = {k: v["p99_added_ms"] for k, v in results["concurrency"].items()}
+    results["long_context_added_ms"] = {k: v["added_ms"] for k, v in long.items()}
+    results["long_context"] = long
+    return results
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(json.dumps(run_benchmark(quick="--quick" in sys.argv)))

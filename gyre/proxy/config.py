@@ -1,0 +1,55 @@
+"""Configuration of a proxy: engines per cell, limits, sampling policy, branch markers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from gyre.proxy.branches import MarkersConfig
+
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingOverrides:
+    """Sampling the trainer imposes whatever the harness asks (None: take the request's value).
+
+    RL wants a known behaviour policy; harnesses set their own temperature (often 0 or 1). Set these to
+    make every call sample the same way.
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProxyConfig:
+    engines: Mapping[str, str]
+    """cell id -> engine base URL (SGLang native API)."""
+    tokenizer: str = "tiny"
+    """`tiny` or a local tokenizer directory: must be the engine model's tokenizer."""
+    model_name: str = "gyre-policy"
+    """What `GET /v1/models` lists. Requests may name any model; the reply echoes the name they sent."""
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    default_max_tokens: int = 4096
+    """OpenAI requests may omit `max_tokens`."""
+    max_tokens_cap: int | None = None
+    """Clamp every request's `max_tokens` to this (None: no clamp)."""
+    sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
+    markers: MarkersConfig = field(default_factory=MarkersConfig)
+    engine_timeout_s: float | None = 600.0
+    engine_abort_retries: int = 3
+    """An engine may abort a call on its own (e.g. `pause_generation` in abort mode for a weight update);
+    the call then continues from its partial output, at most this many times."""
+    disconnect_poll_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not self.engines:
+            raise ValueError("ProxyConfig.engines must name at least one cell")
+        if self.max_body_bytes < 1024:
+            raise ValueError("ProxyConfig.max_body_bytes must be at least 1024")
+        if self.default_max_tokens < 1:
+            raise ValueError("ProxyConfig.default_max_tokens must be >= 1")
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            raise ValueError("ProxyConfig.max_tokens_cap must be >= 1")

@@ -1,0 +1,410 @@
+"""The proxy itself, independent of the HTTP APIs: executions, TITO, routing, redirects, recording.
+
+A front end (Anthropic or OpenAI) authenticates a request to an execution, translates it into a
+`Conversation`, and calls `Proxy.begin`, which renders it into units, finds where it attaches in the
+execution's call tree, and records `model_call_started`. `ActiveCall.generations` drives the engine — across
+redirects and engine-side aborts, continuing from the partial output, so the harness only sees latency —
+and `ActiveCall.complete` records `model_call_finished` durably before the front end answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from gyre.engine import (
+    EngineError,
+    EngineProtocolError,
+    FinishReason,
+    GenerateResult,
+    SamplingParams,
+)
+from gyre.events.models import CallRedirected, ModelCallFinished, ModelCallStarted
+from gyre.proxy.branches import Agent
+from gyre.proxy.config import ProxyConfig
+from gyre.proxy.conversation import Conversation, Message
+from gyre.proxy.errors import ApiError
+from gyre.proxy.registry import ExecutionRegistry, ExecutionState, Registration
+from gyre.proxy.render import ChatMLRenderer, ChatRenderer
+from gyre.proxy.routing import Flight, KvMove, KvMover, RecomputeKv, Router
+from gyre.proxy.sink import CallSink, MemorySink
+from gyre.proxy.tito import CallRecord, Plan
+from gyre.proxy.tokens import TokenCodec
+from gyre.proxy.transport import EngineLink, GenerateEngine, Prompt, prompt_of
+
+log = logging.getLogger(__name__)
+
+_RETRY_BACKOFF_S = 0.05
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallSettings:
+    """What a request asks of the model, in API-neutral terms."""
+
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """A call's output so far (cumulative); `finish` is set on the last one."""
+
+    output_ids: list[int]
+    finish: FinishReason | None = None
+
+
+def harness_env(registration: Registration, base_url: str, model: str = "gyre-policy") -> dict[str, str]:
+    """Environment that points Anthropic- and OpenAI-speaking harnesses at the proxy with their token."""
+    base = base_url.rstrip("/")
+    return {
+        "ANTHROPIC_BASE_URL": base,
+        "ANTHROPIC_AUTH_TOKEN": registration.token,
+        "ANTHROPIC_MODEL": model,
+        "OPENAI_BASE_URL": f"{base}/v1",
+        "OPENAI_API_BASE": f"{base}/v1",
+        "OPENAI_API_KEY": registration.token,
+        "OPENAI_MODEL": model,
+    }
+
+
+class Proxy:
+    """Token-in/token-out proxy state: registry, call trees, routing, sink. Lives on one event loop."""
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        *,
+        sink: CallSink | None = None,
+        codec: TokenCodec | None = None,
+        renderer: ChatRenderer | None = None,
+        engines: Mapping[str, GenerateEngine] | None = None,
+        kv_mover: KvMover | None = None,
+    ) -> None:
+        self.config = config
+        self.sink: CallSink = sink if sink is not None else MemorySink()
+        self.codec = codec if codec is not None else TokenCodec.load(config.tokenizer)
+        self.renderer: ChatRenderer = renderer if renderer is not None else ChatMLRenderer()
+        if engines is None:
+            engines = {cell: EngineLink(url, timeout_s=config.engine_timeout_s) for cell, url in config.engines.items()}
+        self.router = Router(engines)
+        self.kv_mover: KvMover = kv_mover if kv_mover is not None else RecomputeKv()
+        self.registry = ExecutionRegistry(self.codec, config.markers)
+        self._active: dict[str, ActiveCall] = {}
+        self._background: set[asyncio.Task[None]] = set()
+
+    # -- the runner's API ------------------------------------------------------------------------------
+
+    def register_execution(
+        self, execution_id: str, token: str | None = None, *, cell_id: str | None = None, policy_version: int = 0
+    ) -> Registration:
+        """Accept calls carrying `token` (generated when None) as `execution_id`, pinned to `cell_id`."""
+        cell = self.router.pin(execution_id, cell_id)
+        try:
+            state = self.registry.add(execution_id, token, cell, policy_version)
+        except ValueError:
+            if cell_id is None or self.router.cell_of(execution_id) == cell:
+                self.router.unpin(execution_id)
+            raise
+        return state.registration
+
+    def unregister_execution(self, execution_id: str) -> None:
+        """Revoke the token and forget the execution's call tree (its calls are in the log)."""
+        self.registry.remove(execution_id)
+        self.router.unpin(execution_id)
+
+    async def redirect(self, from_cell: str, to_cells: list[str]) -> dict[str, str]:
+        """Move `from_cell`'s executions to `to_cells`; its in-flight calls are aborted there and continue on
+        the new cell (a `call_redirected` event each). Returns the new pin of every moved execution."""
+        moved = self.router.repin(from_cell, to_cells)
+        engine = self.router.engine(from_cell)
+        flights = self.router.flights_on(from_cell)
+        for flight in flights:
+            flight.redirect_to = moved.get(flight.execution_id) or self.router.cell_of(flight.execution_id)
+        for flight in flights:
+            try:
+                await engine.abort(flight.rid)
+            except EngineError as e:  # a dead cell: the request fails by itself and the call moves on
+                log.warning("redirect: aborting %s on %s failed: %s", flight.rid, from_cell, e)
+        return moved
+
+    def stats(self) -> dict[str, int]:
+        return {"executions": len(self.registry), "calls_in_flight": len(self._active)}
+
+    async def aclose(self) -> None:
+        for call in list(self._active.values()):
+            call.abandon()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        await self.router.aclose()
+
+    # -- the front ends' API ---------------------------------------------------------------------------
+
+    def authenticate(self, token: str | None) -> ExecutionState | None:
+        return self.registry.by_token(token) if token else None
+
+    def count_prompt_tokens(self, state: ExecutionState, conversation: Conversation) -> int:
+        """Tokens the model would see for this conversation now (read-only)."""
+        return state.tree.plan(self.renderer.units(conversation)).prompt_len
+
+    def begin(
+        self, state: ExecutionState, conversation: Conversation, settings: CallSettings, *, stream: bool
+    ) -> ActiveCall:
+        """Attach the request to the execution's call tree and record `model_call_started`."""
+        params = self._sampling(settings)
+        plan = state.tree.plan(self.renderer.units(conversation))
+        parent_agent = plan.parent.agent if plan.parent is not None else None
+        assert parent_agent is None or isinstance(parent_agent, Agent)
+        agent, branch = state.agents.classify(conversation, parent_agent)
+        call_id = state.next_call_id()
+        record = state.tree.start(plan, call_id, branch=branch, agent=agent)
+        if plan.parent is None:
+            state.roots += 1
+        if plan.drift:
+            state.drifted_calls += 1
+            state.drift_tokens += plan.drift
+        cell = self.router.cell_of(state.execution_id)
+        self.sink.record(
+            ModelCallStarted(
+                execution_id=state.execution_id,
+                call_id=call_id,
+                cell_id=cell,
+                parent_call_id=plan.parent.call_id if plan.parent else None,
+                branch=branch,
+                prompt_tokens=plan.prompt_len,
+                policy_version=state.registration.policy_version,
+            )
+        )
+        call = ActiveCall(self, state, record, plan, params, stream=stream, cell_id=cell)
+        self._active[call_id] = call
+        return call
+
+    def _sampling(self, settings: CallSettings) -> SamplingParams:
+        over = self.config.sampling
+        max_tokens = settings.max_tokens
+        if self.config.max_tokens_cap is not None:
+            max_tokens = min(max_tokens, self.config.max_tokens_cap)
+        chosen = {
+            "temperature": over.temperature if over.temperature is not None else settings.temperature,
+            "top_p": over.top_p if over.top_p is not None else settings.top_p,
+            "top_k": over.top_k if over.top_k is not None else settings.top_k,
+            "stop": list(settings.stop) or None,
+            "sampling_seed": settings.seed,
+        }
+        try:
+            return SamplingParams(
+                max_new_tokens=max_tokens,
+                skip_special_tokens=False,
+                spaces_between_special_tokens=False,
+                no_stop_trim=True,
+                **{k: v for k, v in chosen.items() if v is not None},
+            )
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise ApiError("invalid_request", f"{first['msg']}", ".".join(map(str, first["loc"]))) from e
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+class ActiveCall:
+    """One model call in progress; see the module docstring for its life cycle."""
+
+    def __init__(
+        self,
+        proxy: Proxy,
+        state: ExecutionState,
+        record: CallRecord,
+        plan: Plan,
+        params: SamplingParams,
+        *,
+        stream: bool,
+        cell_id: str,
+    ) -> None:
+        self.proxy = proxy
+        self.state = state
+        self.record = record
+        self.plan = plan
+        self.params = params
+        self.stream = stream
+        self.cell_id = cell_id
+        self.started = time.perf_counter()
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish: FinishReason | None = None
+        self.cached_tokens = 0
+        self.weight_version: str | None = None
+        self.redirects = 0
+        self._flight: Flight | None = None
+        self._last: GenerateResult | None = None
+        self._closed = False
+
+    @property
+    def call_id(self) -> str:
+        return self.record.call_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.record.prompt_len
+
+    async def generations(self) -> AsyncIterator[Generation]:
+        """Cumulative outputs as they come (only the final one unless streaming); raises `EngineError`."""
+        proxy, execution = self.proxy, self.state.execution_id
+        engine_aborts = attempt = 0
+        while True:
+            remaining = self.params.max_new_tokens - len(self.output_ids)
+            if remaining <= 0:
+                self.finish = FinishReason(type="length", length=len(self.output_ids))
+                yield Generation(list(self.output_ids), self.finish)
+                return
+            cell = self.cell_id = proxy.router.cell_of(execution)
+            flight = Flight(execution, self.call_id, cell, f"{self.call_id}#{attempt}")
+            attempt += 1
+            params = self.params.model_copy(update={"max_new_tokens": remaining})
+            prompt = prompt_of(self.record, self.output_ids)
+            self._last = None
+            async for partial in self._attempt(proxy.router.engine(cell), flight, prompt, params):
+                yield partial
+            finish = self._absorb(self._last)
+            if finish is not None and finish.type != "abort":
+                self.finish = finish
+                yield Generation(list(self.output_ids), finish)
+                return
+            if flight.redirect_to is not None:
+                await self._redirected(flight)
+                continue
+            if finish is not None and engine_aborts < proxy.config.engine_abort_retries:
+                engine_aborts += 1  # the engine aborted on its own (a pause for a weight update): continue
+                await asyncio.sleep(_RETRY_BACKOFF_S * engine_aborts)
+                continue
+            self.finish = finish or FinishReason(type="abort", message="the engine stream ended without a result")
+            yield Generation(list(self.output_ids), self.finish)
+            return
+
+    async def _attempt(
+        self, engine: GenerateEngine, flight: Flight, prompt: Prompt, params: SamplingParams
+    ) -> AsyncIterator[Generation]:
+        """One engine request: yields partial outputs while streaming, leaves its last result in `_last`."""
+        router = self.proxy.router
+        router.track(flight)
+        self._flight = flight
+        try:
+            if self.stream:
+                async for result in engine.generate_stream(
+                    prompt, params, flight.rid, routing_key=self.state.execution_id
+                ):
+                    self._last = result
+                    if result.finish_reason is None:
+                        yield Generation(self.output_ids + result.output_ids)
+            else:
+                self._last = await engine.generate(prompt, params, flight.rid, routing_key=self.state.execution_id)
+        except EngineError:
+            if flight.redirect_to is None:
+                raise
+            log.info(
+                "call %s: engine of %s failed while being redirected; continuing on %s",
+                self.call_id,
+                flight.cell_id,
+                flight.redirect_to,
+            )
+        finally:
+            router.untrack(flight)
+            self._flight = None
+
+    def _absorb(self, result: GenerateResult | None) -> FinishReason | None:
+        """Append an attempt's tokens (a partial stream counts too); its finish reason, if it has one."""
+        if result is None:
+            return None
+        if result.output_logprobs is None:
+            raise EngineProtocolError(f"engine answered {result.rid} without output log-probs")
+        self.output_ids.extend(result.output_ids)
+        self.logprobs.extend(result.output_logprobs)
+        self.cached_tokens += result.cached_tokens
+        self.weight_version = result.weight_version or self.weight_version
+        return result.finish_reason
+
+    async def _redirected(self, flight: Flight) -> None:
+        assert flight.redirect_to is not None
+        move = KvMove(
+            self.state.execution_id,
+            self.call_id,
+            flight.cell_id,
+            flight.redirect_to,
+            self.record.ids(0, self.record.prompt_len).tolist() + self.output_ids,
+        )
+        moved = await self.proxy.kv_mover.move(move)
+        self.redirects += 1
+        self.proxy.sink.record(
+            CallRedirected(
+                execution_id=self.state.execution_id,
+                call_id=self.call_id,
+                cell_id=flight.redirect_to,
+                from_cell_id=flight.cell_id,
+                to_cell_id=flight.redirect_to,
+                kv_blocks=moved.blocks,
+                kv_bytes=moved.bytes,
+                tokens_done=len(self.output_ids),
+            )
+        )
+
+    async def complete(self, reply: Message | None) -> None:
+        """Record the finished call durably; `reply` is the assistant turn as the harness was shown it."""
+        body = self.proxy.renderer.assistant_body(reply) if reply is not None else None
+        position = self._close(body)
+        if position is not None:
+            await self.proxy.sink.durable(position)
+
+    def abandon(self) -> None:
+        """The harness is gone or the engine failed: abort the engine request, record what was produced.
+        A no-op once the call is recorded, so front ends call it unconditionally on the way out."""
+        if self._closed:
+            return
+        flight = self._flight
+        if flight is not None:
+            self.proxy._spawn(self._abort(flight))
+        self._close(None)
+
+    async def _abort(self, flight: Flight) -> None:
+        try:
+            await self.proxy.router.engine(flight.cell_id).abort(flight.rid)
+        except EngineError as e:
+            log.warning("call %s: abort of %s failed: %s", self.call_id, flight.rid, e)
+
+    def _close(self, reply_body: str | None) -> int | None:
+        if self._closed:
+            return None
+        self._closed = True
+        self.proxy._active.pop(self.call_id, None)
+        self.state.tree.finish(self.record, self.output_ids, reply_body)
+        finish = self.finish.type if self.finish is not None else "abort"
+        version = self.weight_version
+        policy = int(version) if version is not None and version.isdigit() else self.state.registration.policy_version
+        return self.proxy.sink.record(
+            ModelCallFinished(
+                execution_id=self.state.execution_id,
+                call_id=self.call_id,
+                cell_id=self.cell_id,
+                parent_call_id=self.plan.parent.call_id if self.plan.parent else None,
+                branch=self.record.branch,
+                prefix_len=self.plan.prefix_len,
+                prompt_delta_ids=list(self.plan.delta),
+                output_ids=self.output_ids,
+                output_logprobs=self.logprobs,
+                policy_version=policy,
+                cached_tokens=self.cached_tokens,
+                latency_s=time.perf_counter() - self.started,
+                finish_reason=finish,
+                drift_tokens=self.plan.drift,
+            )
+        )

@@ -1,0 +1,158 @@
+"""HTTP plumbing shared by both front ends: bounded body reading, validation errors, auth, error shapes,
+and running a call while watching for the harness hanging up."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Awaitable
+from typing import Any, Literal, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from gyre.engine import EngineError, EngineHTTPError, EngineProtocolError
+from gyre.proxy.core import Proxy
+from gyre.proxy.errors import ApiError, ErrorKind
+from gyre.proxy.registry import ExecutionState
+
+Api = Literal["anthropic", "openai"]
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+ANTHROPIC_TYPES: dict[ErrorKind, str] = {
+    "invalid_request": "invalid_request_error",
+    "authentication": "authentication_error",
+    "not_found": "not_found_error",
+    "method_not_allowed": "invalid_request_error",
+    "too_large": "request_too_large",
+    "overloaded": "overloaded_error",
+    "api_error": "api_error",
+}
+OPENAI_TYPES: dict[ErrorKind, tuple[str, str | None, int]] = {  # type, code, status
+    "invalid_request": ("invalid_request_error", None, 400),
+    "authentication": ("invalid_request_error", "invalid_api_key", 401),
+    "not_found": ("invalid_request_error", "not_found", 404),
+    "method_not_allowed": ("invalid_request_error", "method_not_allowed", 405),
+    "too_large": ("invalid_request_error", "request_too_large", 413),
+    "overloaded": ("server_error", "engine_unavailable", 503),
+    "api_error": ("server_error", None, 500),
+}
+
+
+class ClientGone(Exception):
+    """The harness closed the connection before the answer was ready."""
+
+
+def request_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+def api_of(path: str) -> Api:
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
+def error_body(api: Api, error: ApiError, rid: str) -> tuple[int, dict[str, Any]]:
+    if api == "anthropic":  # no `param` in this shape: the message names the field
+        message = error.message
+        if error.param and not message.startswith(error.param):
+            message = f"{error.param}: {message}"
+        body = {"type": "error", "error": {"type": ANTHROPIC_TYPES[error.kind], "message": message}, "request_id": rid}
+        return error.status, body
+    kind, code, status = OPENAI_TYPES[error.kind]
+    return status, {"error": {"message": error.message, "type": kind, "param": error.param, "code": code}}
+
+
+def error_response(api: Api, error: ApiError) -> JSONResponse:
+    rid = request_id("req_")
+    status, body = error_body(api, error, rid)
+    headers = {"request-id": rid} if api == "anthropic" else {"x-request-id": rid}
+    if error.kind == "authentication" and api == "openai":
+        headers["www-authenticate"] = "Bearer"
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def from_engine(error: EngineError) -> ApiError:
+    """What a harness is told when the engine fails: retryable unless the engine rejected the request."""
+    if isinstance(error, EngineHTTPError) and 400 <= error.status < 500:
+        return ApiError("invalid_request", f"the engine rejected the request: {error.body[:500]}")
+    if isinstance(error, EngineProtocolError):
+        return ApiError("api_error", f"the engine answered out of protocol: {error}")
+    return ApiError("overloaded", f"the engine is unavailable: {error}")
+
+
+async def read_model(request: Request, model: type[M], limit: int) -> M:
+    """The body validated as `model`; every failure is a typed `ApiError` naming the field."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise ApiError("invalid_request", "Content-Length is not a number", "content-length")
+        if int(declared) > limit:
+            raise ApiError("too_large", f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError("too_large", f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise ApiError("invalid_request", "request body is empty; send a JSON object", "body")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise validation_error(e) from e
+
+
+def validation_error(error: ValidationError) -> ApiError:
+    first = error.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return ApiError("invalid_request", f"request body is not valid JSON: {first['msg']}", "body")
+    loc = [str(p) for p in first["loc"] if not _is_tag(p)]
+    param = ".".join(loc) or "body"
+    if first["type"] == "model_type" and not loc:
+        return ApiError("invalid_request", "request body must be a JSON object", "body")
+    return ApiError("invalid_request", f"{param}: {first['msg']}", param)
+
+
+def _is_tag(part: int | str) -> bool:
+    """pydantic inserts union-member tags (`str`, `list[...]`, `function-after[...]`) into error paths."""
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "none", "list"})
+
+
+def execution_of(proxy: Proxy, request: Request) -> ExecutionState:
+    """The execution whose token the request carries (`Authorization: Bearer` or `x-api-key`)."""
+    candidates = []
+    auth = request.headers.get("authorization")
+    if auth:
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() == "bearer":
+            candidates.append(value.strip())
+    key = request.headers.get("x-api-key")
+    if key:
+        candidates.append(key.strip())
+    for token in candidates:
+        state = proxy.authenticate(token)
+        if state is not None:
+            return state
+    if not candidates:
+        raise ApiError("authentication", "no API key: send the execution token as a Bearer token or x-api-key")
+    raise ApiError("authentication", "invalid API key: it is not the token of a registered execution")
+
+
+async def until_disconnect(request: Request, work: Awaitable[T], poll_s: float) -> T:
+    """Await `work`, but cancel it and raise `ClientGone` if the harness hangs up first."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()

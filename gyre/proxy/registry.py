@@ -1,0 +1,98 @@
+"""Executions the runner registered, found by their token. A harness only ever holds its token.
+
+Tokens are looked up by their SHA-256 digest, so lookup time says nothing about how much of a guessed token
+was right. Registration may happen from any thread (the runner's); lookups come from the proxy's loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import threading
+from dataclasses import dataclass
+
+from gyre.proxy.branches import AgentBook, MarkersConfig
+from gyre.proxy.errors import UnknownExecutionError
+from gyre.proxy.tito import CallTree, Codec
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """What a runner gets back: the token to give the harness and the cell the execution is pinned to."""
+
+    execution_id: str
+    token: str
+    cell_id: str
+    policy_version: int = 0
+
+
+@dataclass(eq=False)
+class ExecutionState:
+    """Everything the proxy keeps per execution: the call tree (exact ids), agents, counters."""
+
+    registration: Registration
+    tree: CallTree
+    agents: AgentBook
+    calls_started: int = 0
+    drift_tokens: int = 0
+    drifted_calls: int = 0
+    roots: int = 0
+
+    @property
+    def execution_id(self) -> str:
+        return self.registration.execution_id
+
+    def next_call_id(self) -> str:
+        self.calls_started += 1
+        return f"{self.execution_id}/{self.calls_started:05d}-{secrets.token_hex(3)}"
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class ExecutionRegistry:
+    def __init__(self, codec: Codec, markers: MarkersConfig) -> None:
+        self._codec = codec
+        self._markers = markers
+        self._lock = threading.Lock()
+        self._by_id: dict[str, ExecutionState] = {}
+        self._by_token: dict[bytes, ExecutionState] = {}
+
+    def add(self, execution_id: str, token: str | None, cell_id: str, policy_version: int = 0) -> ExecutionState:
+        token = token or secrets.token_urlsafe(24)
+        if not execution_id:
+            raise ValueError("execution_id must be non-empty")
+        if len(token) < 16:
+            raise ValueError("an execution token must have at least 16 characters")
+        registration = Registration(execution_id, token, cell_id, policy_version)
+        state = ExecutionState(registration, CallTree(self._codec), AgentBook(self._markers))
+        digest = _digest(token)
+        with self._lock:
+            if execution_id in self._by_id:
+                raise ValueError(f"execution {execution_id!r} is already registered")
+            if digest in self._by_token:
+                raise ValueError("that token is already in use by another execution")
+            self._by_id[execution_id] = state
+            self._by_token[digest] = state
+        return state
+
+    def remove(self, execution_id: str) -> ExecutionState:
+        with self._lock:
+            state = self._by_id.pop(execution_id, None)
+            if state is None:
+                raise UnknownExecutionError(f"execution {execution_id!r} is not registered")
+            self._by_token.pop(_digest(state.registration.token), None)
+        return state
+
+    def get(self, execution_id: str) -> ExecutionState:
+        state = self._by_id.get(execution_id)
+        if state is None:
+            raise UnknownExecutionError(f"execution {execution_id!r} is not registered")
+        return state
+
+    def by_token(self, token: str) -> ExecutionState | None:
+        return self._by_token.get(_digest(token))
+
+    def __len__(self) -> int:
+        return len(self._by_id)

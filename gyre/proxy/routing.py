@@ -1,0 +1,132 @@
+"""Which engine serves an execution, the calls in flight on each, and the hook for moving KV on redirect.
+
+Each execution is pinned to one cell (its engine keeps the execution's prefix cache warm). Whoever schedules
+sets the pins (`register_execution(cell_id=...)`, `redirect`); without a choice, an execution goes to the
+cell with the fewest pinned executions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from gyre.proxy.errors import UnknownCellError
+from gyre.proxy.transport import GenerateEngine
+
+
+@dataclass(eq=False)
+class Flight:
+    """One engine request in progress (one attempt of a call)."""
+
+    execution_id: str
+    call_id: str
+    cell_id: str
+    rid: str
+    redirect_to: str | None = None
+    """Set by `redirect`: the request is being aborted and the call continues on this cell."""
+
+
+class Router:
+    """Cells and their engines, execution pins, and flights per cell. Used from the proxy's event loop."""
+
+    def __init__(self, engines: Mapping[str, GenerateEngine]) -> None:
+        if not engines:
+            raise ValueError("the proxy needs at least one engine (cell)")
+        self._engines: dict[str, GenerateEngine] = dict(engines)
+        self._lock = threading.Lock()  # pins change from the runner's thread too (register_execution)
+        self._pins: dict[str, str] = {}
+        self._flights: dict[str, set[Flight]] = {cell: set() for cell in engines}
+
+    @property
+    def cells(self) -> list[str]:
+        return list(self._engines)
+
+    def engine(self, cell_id: str) -> GenerateEngine:
+        try:
+            return self._engines[cell_id]
+        except KeyError:
+            raise UnknownCellError(f"no engine for cell {cell_id!r}; cells: {', '.join(self._engines)}") from None
+
+    def add_cell(self, cell_id: str, engine: GenerateEngine) -> None:
+        self._engines[cell_id] = engine
+        self._flights.setdefault(cell_id, set())
+
+    def pin(self, execution_id: str, cell_id: str | None = None) -> str:
+        """Pin an execution to `cell_id`, or to the cell with the fewest pinned executions."""
+        with self._lock:
+            if cell_id is None:
+                load = dict.fromkeys(self._engines, 0)
+                for pinned in self._pins.values():
+                    load[pinned] = load.get(pinned, 0) + 1
+                cell_id = min(load, key=lambda c: load[c])
+            self.engine(cell_id)
+            self._pins[execution_id] = cell_id
+        return cell_id
+
+    def unpin(self, execution_id: str) -> None:
+        with self._lock:
+            self._pins.pop(execution_id, None)
+
+    def cell_of(self, execution_id: str) -> str:
+        return self._pins[execution_id]
+
+    def repin(self, from_cell: str, to_cells: Sequence[str]) -> dict[str, str]:
+        """Move every execution pinned to `from_cell` onto `to_cells`, spread evenly; returns the new pins."""
+        for cell in to_cells:
+            self.engine(cell)
+        if not to_cells:
+            raise ValueError("redirect needs at least one target cell")
+        targets = itertools.cycle(to_cells)
+        with self._lock:
+            moved = {execution: next(targets) for execution, cell in self._pins.items() if cell == from_cell}
+            self._pins.update(moved)
+        return moved
+
+    def track(self, flight: Flight) -> None:
+        self._flights.setdefault(flight.cell_id, set()).add(flight)
+
+    def untrack(self, flight: Flight) -> None:
+        self._flights.get(flight.cell_id, set()).discard(flight)
+
+    def flights_on(self, cell_id: str) -> list[Flight]:
+        return list(self._flights.get(cell_id, ()))
+
+    async def aclose(self) -> None:
+        for engine in self._engines.values():
+            await engine.aclose()
+
+
+@dataclass(frozen=True, slots=True)
+class KvMove:
+    """A redirected call's state: the ids whose KV the old engine holds and the new one will need."""
+
+    execution_id: str
+    call_id: str
+    from_cell: str
+    to_cell: str
+    token_ids: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class KvMoveResult:
+    blocks: int = 0
+    bytes: int = 0
+
+
+class KvMover(Protocol):
+    """Moves KV blocks between engines before a redirected call continues (a Mooncake mover comes later).
+
+    Called after the old engine aborted the request and before the call is re-issued on the new one.
+    """
+
+    async def move(self, move: KvMove) -> KvMoveResult: ...
+
+
+class RecomputeKv:
+    """Moves nothing: the new engine recomputes the prefix (from its own prefix cache where it has one)."""
+
+    async def move(self, move: KvMove) -> KvMoveResult:
+        return KvMoveResult()

@@ -1,0 +1,63 @@
+"""Text <-> token ids for the proxy, through the `tokenizers` backend (no torch, no Python-side loops).
+
+The proxy encodes only what it renders new and decodes only what the model wrote; it never decodes a
+recorded prompt to re-encode it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gyre.proxy.bytelevel import byte_level_bytes
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerBase
+
+TINY_TOKENIZER = "tiny"
+
+
+class TokenCodec:
+    """Encode/decode with special tokens kept as text, so a reply decodes to what the template renders."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        backend: Tokenizer | None = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise TypeError("the proxy needs a fast (Rust `tokenizers`) tokenizer")
+        self.tokenizer = tokenizer
+        self._backend = backend
+        self.special_ids = frozenset(int(i) for i in tokenizer.all_special_ids)
+
+    @classmethod
+    def load(cls, name: str) -> TokenCodec:
+        """`"tiny"` (the in-code tiny tokenizer) or a local tokenizer directory; nothing is downloaded."""
+        if name == TINY_TOKENIZER:
+            from gyre.model.tokenizer import build_tokenizer
+
+            return cls(build_tokenizer())
+        from transformers import AutoTokenizer
+
+        if not Path(name).is_dir():
+            raise FileNotFoundError(f"tokenizer {name!r} is neither 'tiny' nor a local directory")
+        return cls(AutoTokenizer.from_pretrained(name, local_files_only=True))
+
+    def encode(self, text: str) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        if len(texts) <= 16:  # a batch goes through a thread pool: slower than a loop for a few units
+            return [self._backend.encode(t, add_special_tokens=False).ids for t in texts]
+        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self._backend.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """UTF-8 bytes of one token as OpenAI logprobs report them (byte-level tokens may be partial chars)."""
+        piece = self._backend.id_to_token(token_id)
+        return b"" if piece is None else byte_level_bytes(piece)

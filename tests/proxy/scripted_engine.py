@@ -1,0 +1,107 @@
+"""A test engine that speaks SGLang's `/generate` but answers from a script, so a test can make the
+(random) model "write" a tool call. It records every request it receives; its log-probs are made up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gyre.model.tokenizer import build_tokenizer
+
+EOS = 258
+
+
+class ScriptedEngine:
+    def __init__(self) -> None:
+        self.tokenizer = build_tokenizer()
+        self.replies: deque[list[int]] = deque()
+        self.requests: list[dict[str, Any]] = []
+        self.url = ""
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def say(self, *texts: str, eos: bool = True) -> None:
+        """Queue replies: each text, encoded, then `<|im_end|>` (as the model would stop)."""
+        for text in texts:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            self.replies.append([*ids, EOS] if eos else ids)
+
+    def _result(self, rid: str, prompt: list[int], ids: list[int], params: dict[str, Any], done: bool) -> dict:
+        limit = params.get("max_new_tokens", 128)
+        finish = None
+        if done:
+            finish = (
+                {"type": "stop", "matched": EOS} if ids and ids[-1] == EOS else {"type": "length", "length": len(ids)}
+            )
+            if len(ids) >= limit and ids[-1] != EOS:
+                finish = {"type": "length", "length": len(ids)}
+        return {
+            "text": "",
+            "output_ids": ids,
+            "meta_info": {
+                "id": rid,
+                "finish_reason": finish,
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(ids),
+                "cached_tokens": 0,
+                "weight_version": "7",
+                "output_token_logprobs": [[-0.5, t, None] for t in ids],
+            },
+        }
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/generate")
+        async def generate(request: Request) -> Any:
+            body = json.loads(await request.body())
+            self.requests.append(body)
+            params = body.get("sampling_params", {})
+            reply = self.replies.popleft() if self.replies else [EOS]
+            ids = reply[: params.get("max_new_tokens", 128)]
+            rid, prompt = body["rid"], body["input_ids"]
+            if not body.get("stream"):
+                return JSONResponse(self._result(rid, prompt, ids, params, True))
+
+            async def chunks():
+                for k in range(1, len(ids) + 1):
+                    yield f"data: {json.dumps(self._result(rid, prompt, ids[:k], params, k == len(ids)))}\n\n"
+                    await asyncio.sleep(0)
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(chunks(), media_type="text/event-stream")
+
+        @app.post("/abort_request")
+        async def abort() -> Any:
+            return {"success": True, "aborted": 0}
+
+        return app
+
+    def start(self) -> str:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(self.app(), log_level="warning", lifespan="off"))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            assert time.monotonic() < deadline, "scripted engine did not start"
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(5)

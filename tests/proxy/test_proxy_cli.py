@@ -1,0 +1,91 @@
+"""`gyre proxy serve` in a subprocess answers an SDK call and logs it; `bench` prints its keys as JSON."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from typer.testing import CliRunner
+
+from gyre.log import LogReader
+from gyre.proxy.cli import proxy_app
+
+TOKEN = "cli-token-0123456789abcdef"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_in_a_subprocess(scripted, tmp_path: Path) -> None:
+    port = _free_port()
+    log_dir = tmp_path / "log"
+    markers = tmp_path / "markers.toml"
+    markers.write_text('summary_request = ["SUMMARISE"]\n')
+    command = [
+        sys.executable,
+        "-c",
+        "from gyre.proxy.cli import proxy_app; proxy_app()",
+        "serve",
+        "--engine",
+        f"cell0={scripted.url}",
+        "--port",
+        str(port),
+        "--log-dir",
+        str(log_dir),
+        "--execution",
+        f"exec-cli={TOKEN}",
+        "--markers",
+        str(markers),
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).raise_for_status()
+                break
+            except httpx.TransportError:
+                assert process.poll() is None and time.monotonic() < deadline, "proxy did not start"
+                time.sleep(0.1)
+        scripted.say("Hello.")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=TOKEN, max_retries=0)
+        reply = client.chat.completions.create(
+            model="m", max_tokens=20, messages=[{"role": "user", "content": "SUMMARISE"}]
+        )
+        assert reply.choices[0].message.content == "Hello."
+    finally:
+        process.terminate()
+        process.wait(20)
+    (call,) = [e for e in LogReader(log_dir).events() if e.kind == "model_call_finished"]
+    assert call.execution_id == "exec-cli" and call.branch == "main-summary"
+
+
+def test_bench_json_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
+    import benchmarks.proxy_bench as bench
+
+    row = {"calls": 1, "proxy_cpu_ms_per_call": 1.0, "p50_added_ms": 0.5, "p99_added_ms": 0.9}
+    fake = {
+        "engine": "stub",
+        "concurrency": {"1": row},
+        "p50_added_ms": {"1": 0.5},
+        "p99_added_ms": {"1": 0.9},
+        "long_context_added_ms": {"100000": 0.1},
+        "long_context": {"100000": {"added_ms": 0.1, "proxied_ms": 1.0, "direct_ms": 0.9}},
+    }
+    seen = {}
+    monkeypatch.setattr(bench, "run_benchmark", lambda **kw: seen.update(kw) or fake)
+    result = CliRunner().invoke(proxy_app, ["bench", "--json", "--quick"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output) == fake and seen["quick"] is True
+    text = CliRunner().invoke(proxy_app, ["bench"])
+    assert text.exit_code == 0 and "p50 +0.50 ms" in text.output

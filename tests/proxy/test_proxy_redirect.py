@@ -1,0 +1,102 @@
+"""Redirect in the middle of a call: the old engine aborts it, the new one continues from the partial output,
+the harness sees one uninterrupted reply, and the log has a `call_redirected` event."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import openai
+import pytest
+from openai.types.chat import ChatCompletion
+
+from gyre.engine import SyncHttpEngineClient
+from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
+from gyre.model.tokenizer import build_tokenizer
+from gyre.proxy import Proxy
+from tests.proxy.proxy_helpers import TOKEN, Seen, StartProxy, capture
+
+MESSAGES = [{"role": "user", "content": "Write a long answer."}]
+SEED = 11  # the seed-0 tiny model samples 64 tokens for this prompt and seed without an end-of-turn
+
+
+Engines = tuple[LocalEngineServer, LocalEngineServer, dict[str, Seen]]
+
+
+@pytest.fixture
+def two_engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[Engines]:
+    servers = [LocalEngineServer(LocalEngine(LocalEngineConfig(seed=0))) for _ in range(2)]
+    seen: dict[str, Seen] = {}
+    for server in servers:
+        server.start()
+        capture(server, monkeypatch, seen)
+    yield servers[0], servers[1], seen
+    for server in servers:
+        server.stop()
+
+
+def _wait(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_redirect_mid_stream_continues_on_the_new_engine(two_engines: Engines, start_proxy: StartProxy) -> None:
+    a, b, seen = two_engines
+    p = start_proxy({"a": a.url, "b": b.url})
+    assert p.registration.cell_id == "a"
+    client = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+    stream = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=64, seed=SEED, stream=True)
+    text = []
+    with SyncHttpEngineClient(a.url) as old:
+        for chunk in stream:
+            delta = chunk.choices[0].delta.content if chunk.choices else None
+            if delta:
+                text.append(delta)
+                if len(text) == 1:  # mid-generation: freeze the old engine, then move the execution
+                    old.pause("in_place")
+                    assert p.server.redirect("a", ["b"]) == {"exec-1": "b"}
+        old.resume()
+    redirects = p.events("call_redirected")
+    finished = p.events("model_call_finished")
+    assert len(redirects) == 1 and len(finished) == 1
+    moved, call = redirects[0], finished[0]
+    assert (moved.from_cell_id, moved.to_cell_id, moved.call_id) == ("a", "b", call.call_id)
+    first, second = seen[f"{call.call_id}#0"], seen[f"{call.call_id}#1"]
+    partial = first.output_ids
+    assert partial and moved.tokens_done == len(partial)
+    assert second.input_ids == first.input_ids + partial  # the new engine continues from the partial output
+    assert call.output_ids == partial + second.output_ids and call.cell_id == "b"
+    assert len(call.output_logprobs) == len(call.output_ids) <= 64
+    assert "".join(text) == build_tokenizer().decode(call.output_ids)
+    assert p.proxy.router.cell_of("exec-1") == "b"
+
+
+def test_redirect_of_a_waiting_call(two_engines: Engines, start_proxy: StartProxy) -> None:
+    a, b, seen = two_engines
+    p = start_proxy({"a": a.url, "b": b.url})
+    client = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+    result: dict[str, ChatCompletion] = {}
+    with SyncHttpEngineClient(a.url) as old:
+        old.pause("in_place")
+        worker = threading.Thread(
+            target=lambda: result.update(
+                reply=client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=8, seed=1)
+            )
+        )
+        worker.start()
+        _wait(lambda: p.server.call(_flights(p.proxy, "a")) > 0)
+        p.server.redirect("a", ["b"])
+        worker.join(30)
+        old.resume()
+    assert result["reply"].choices[0].finish_reason in ("stop", "length")
+    (moved,) = p.events("call_redirected")
+    (call,) = p.events("model_call_finished")
+    assert moved.tokens_done == 0 and call.cell_id == "b"
+    assert seen[f"{call.call_id}#1"].input_ids == seen[f"{call.call_id}#0"].input_ids
+
+
+async def _flights(proxy: Proxy, cell: str) -> int:
+    return len(proxy.router.flights_on(cell))
