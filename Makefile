@@ -16,7 +16,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m gyre.demo
+	rm -rf runs/tiny-cpu
+	$(BIN)/gyre train examples/tiny-cpu.toml
+	$(BIN)/gyre log sql runs/tiny-cpu/log "SELECT s.step, s.policy_version, round(s.loss, 4) AS loss, \
+	  count(r.seq) AS rewards, round(avg(r.reward), 3) AS reward_mean FROM train_steps s \
+	  JOIN executions_queued q ON q.policy_version = s.policy_version - 1 \
+	  LEFT JOIN rewards r ON r.execution_id = q.execution_id GROUP BY ALL ORDER BY s.step"
 
 test: $(STAMP)
 	$(BIN)/ruff check gyre tests benchmarks agents tasks

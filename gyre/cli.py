@@ -12,6 +12,7 @@ from gyre.proxy.cli import proxy_app
 from gyre.replay.cli import replay_app
 from gyre.sim.cli import sim_app
 from gyre.train.cli import train
+from gyre.trainer.cli import trainer_app
 from gyre.trajectory.cli import trajectories_app
 
 app = typer.Typer(no_args_is_help=True, help="Gyre: elastic, event-sourced RL for long-horizon coding agents.")
@@ -23,6 +24,7 @@ app.add_typer(sim_app, name="sim")
 app.add_typer(replay_app, name="replay")
 app.add_typer(harness_app, name="harness")
 app.command("train")(train)
+app.add_typer(trainer_app, name="trainer")
 
 schema_app = typer.Typer(no_args_is_help=True, help="The event schema.")
 app.add_typer(schema_app, name="schema")

@@ -1,0 +1,203 @@
+"""The core's step coordinator: the one writer of training events, deciding claims on the projection.
+
+Every training fact is an event appended here — step started, micro-step claimed and finished (with the
+cell that did it), step finished (with the new policy version), weights published, satellite joined or
+left — and the same event is folded into a ``TrainerView`` state right away, so the state the claims are
+decided on is exactly the fold of the log (a restart replays the log to the same state). Thread-safe:
+the core's own replica and the threads serving satellites call it concurrently.
+"""
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gyre.events.models import (
+    Event,
+    MicroStepClaimed,
+    MicroStepFinished,
+    SatelliteJoined,
+    SatelliteLeft,
+    TrainStepFinished,
+    TrainStepStarted,
+    WeightsPublished,
+)
+from gyre.log import LogWriter
+from gyre.state import TrainerState, TrainerView, replay
+from gyre.trainer.claims import Claim, decide, open_step
+from gyre.trainer.errors import StepProtocolError
+from gyre.trainer.loss import LossStats
+from gyre.trainer.protocol import MicroStepResult, StepResult
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """What the finished micro-steps of a step added up to (from their results, in memory)."""
+
+    step: int
+    stats: LossStats
+    tokens: int
+    samples: int
+
+
+class StepCoordinator:
+    """Arbiter of micro-step claims for one trainer (the core cell owns it, with the log writer)."""
+
+    def __init__(self, writer: LogWriter, state: TrainerState | None = None) -> None:
+        self.writer = writer
+        self.view = TrainerView()
+        if state is None:
+            writer.commit()
+            state, _ = replay(self.view, writer.path)
+        self.state = state
+        self._lock = threading.Condition()
+        self._ready: dict[int, int] = {}
+        self._stats = LossStats()
+        self._tokens = 0
+        self._executions: set[str] = set()
+
+    # -- steps -------------------------------------------------------------------------------------------
+
+    def start_step(self, planned_micro_steps: int, *, groups: int = 0, trajectories: int = 0) -> int:
+        """Open the next step at the current policy version; its micro-steps are claimable once ready."""
+        with self._lock:
+            if open_step(self.state) is not None:
+                raise StepProtocolError(f"step {self.state.current_step} is still open")
+            step = max(self.state.steps, default=-1) + 1
+            self._ready, self._stats, self._tokens, self._executions = {}, LossStats(), 0, set()
+            self._append(
+                TrainStepStarted(
+                    step=step,
+                    policy_version=self.state.policy_version,
+                    planned_micro_steps=planned_micro_steps,
+                    groups=groups,
+                    trajectories=trajectories,
+                ),
+                commit=True,
+            )
+            return step
+
+    def mark_ready(self, tokens: Mapping[int, int], executions: Mapping[int, tuple[str, ...]] | None = None) -> None:
+        """Micro-steps whose data now exists (micro-step -> tokens); wakes replicas waiting for work."""
+        with self._lock:
+            step = open_step(self.state)
+            if step is None:
+                raise StepProtocolError("mark_ready with no open step")
+            for m, n in tokens.items():
+                if not 0 <= m < step.planned_micro_steps:
+                    raise StepProtocolError(f"micro-step {m} is outside step {step.step}'s plan")
+                self._ready[m] = n
+            for ids in (executions or {}).values():
+                self._executions.update(ids)
+            self._lock.notify_all()
+
+    def claim(self, cell_id: str) -> Claim:
+        with self._lock:
+            decision = decide(self.state, self._ready)
+            if decision.status != "claimed":
+                return decision
+            assert decision.step is not None and decision.micro_step is not None
+            tokens = self._ready[decision.micro_step]
+            self._append(
+                MicroStepClaimed(step=decision.step, cell_id=cell_id, micro_step=decision.micro_step, tokens=tokens),
+                commit=True,
+            )
+            return Claim("claimed", decision.step, decision.micro_step, tokens)
+
+    def wait_for_work(self, timeout_s: float) -> None:
+        """Block until something changes (a micro-step ready, a step opened or closed) or the timeout."""
+        with self._lock:
+            self._lock.wait(timeout_s)
+
+    def finish(self, cell_id: str, step: int, micro_step: int, result: MicroStepResult) -> None:
+        with self._lock:
+            current = self.state.steps.get(step)
+            if current is None or current.closed:
+                raise StepProtocolError(f"{cell_id} finished micro-step {micro_step} of step {step}, which is not open")
+            if current.claimed.get(micro_step) != cell_id:
+                owner = current.claimed.get(micro_step)
+                raise StepProtocolError(f"{cell_id} finished micro-step {micro_step} of step {step}, owned by {owner}")
+            if micro_step in current.finished:
+                raise StepProtocolError(f"micro-step {micro_step} of step {step} finished twice")
+            self._append(
+                MicroStepFinished(
+                    step=step,
+                    cell_id=cell_id,
+                    micro_step=micro_step,
+                    tokens=result.tokens,
+                    loss=result.loss,
+                    duration_s=result.duration_s,
+                ),
+                commit=True,
+            )
+            self._stats = self._stats + result.stats
+            self._tokens += result.tokens
+            self._lock.notify_all()
+
+    def all_finished(self) -> bool:
+        with self._lock:
+            step = open_step(self.state)
+            return step is not None and not step.pending
+
+    def wait_all_finished(self, timeout_s: float) -> None:
+        with self._lock:
+            if not self._lock.wait_for(self._finished_locked, timeout_s):
+                raise StepProtocolError(f"step {self.state.current_step} did not finish within {timeout_s} s")
+
+    def _finished_locked(self) -> bool:
+        step = open_step(self.state)
+        return step is not None and not step.pending
+
+    def close_step(self, result: StepResult, *, duration_s: float = 0.0) -> StepSummary:
+        """Log the applied optimizer step (the version it produced) and close the step."""
+        with self._lock:
+            step = open_step(self.state)
+            if step is None or step.pending:
+                raise StepProtocolError("close_step before every planned micro-step finished")
+            summary = StepSummary(step.step, self._stats, self._tokens, len(self._executions))
+            self._append(
+                TrainStepFinished(
+                    step=step.step,
+                    policy_version=result.policy_version,
+                    micro_steps=step.planned_micro_steps,
+                    samples=summary.samples,
+                    tokens=summary.tokens,
+                    loss=self._stats.loss_sum / result.normalizer,
+                    grad_norm=result.grad_norm,
+                    duration_s=duration_s,
+                ),
+                commit=True,
+            )
+            self._lock.notify_all()
+            return summary
+
+    def publish(
+        self, policy_version: int, *, tensors: int, nbytes: int, location: str, duration_s: float = 0.0
+    ) -> None:
+        event = WeightsPublished(
+            policy_version=policy_version, tensors=tensors, bytes=nbytes, location=location, duration_s=duration_s
+        )
+        with self._lock:
+            self._append(event, commit=True)
+            self._lock.notify_all()
+
+    # -- membership --------------------------------------------------------------------------------------
+
+    def join(self, cell_id: str, *, transfer_s: float = 0.0) -> None:
+        with self._lock:
+            step = self.state.current_step if self.state.current_step is not None else 0
+            version = self.state.policy_version
+            self._append(
+                SatelliteJoined(cell_id=cell_id, step=step, policy_version=version, transfer_s=transfer_s), commit=True
+            )
+            self._lock.notify_all()
+
+    def leave(self, cell_id: str, reason: str = "") -> None:
+        with self._lock:
+            self._append(SatelliteLeft(cell_id=cell_id, step=self.state.current_step, reason=reason), commit=True)
+            self._lock.notify_all()
+
+    def _append(self, event: Event, *, commit: bool) -> None:
+        self.writer.append(event)
+        if commit:
+            self.writer.commit()
+        self.view.apply(self.state, event)
