@@ -29,8 +29,15 @@ def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from None
 
+    status = console.status("starting the engine, the proxy and the trainer")
+
     def progress(phase: str, figures: dict) -> None:
-        if phase == "step":
+        if phase == "rolling":
+            status.update(f"step {figures['step']}: {figures['running']} running, {figures['queued']} queued, "
+                          f"{figures['done']} done on policy v{figures['version']}")
+        elif phase == "training":
+            status.update(f"step {figures['step']}: training {figures['micro_steps']} micro-steps")
+        elif phase == "step":
             record: StepRecord = figures["record"]
             reward = "n/a" if record.reward_mean is None else f"{record.reward_mean:.3f}"
             tokens_per_s = record.trained_tokens / record.train_s if record.train_s else 0.0
@@ -48,8 +55,9 @@ def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e
                   f"{settings.rollout.groups_per_step} groups x {settings.rollout.group_size} rollouts per step, "
                   f"run directory {settings.run_dir}")
     try:
-        run = TrainingRun(settings, progress)
-        summary = run.run()
+        with status:
+            run = TrainingRun(settings, progress)
+            summary = run.run()
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: harnesses stopped, log committed[/yellow]")
         raise typer.Exit(130) from None

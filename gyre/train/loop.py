@@ -11,9 +11,9 @@ records the two role switches it makes (rollout -> training -> rollout).
 """
 
 import json
-import random
 import time
 from collections.abc import Callable
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,7 +141,6 @@ class TrainingRun:
             self.close()
             raise
         self.policy_version = self.coordinator.state.policy_version
-        self.rng = random.Random(config.seed)
 
     # -- one step ---------------------------------------------------------------------------------------
 
@@ -163,7 +162,11 @@ class TrainingRun:
                                             cell_id=CELL))
         self.progress("rollout", {"step": step, "queued": len(executions), "version": self.policy_version})
         started = time.monotonic()
-        results = self.runner.run_group(executions)
+        futures = [self.runner.submit(e) for e in executions]
+        while wait(futures, timeout=0.5).not_done:
+            self.progress("rolling", {"step": step, "queued": self.runner.queued, "running": self.runner.running,
+                                      "done": sum(f.done() for f in futures), "version": self.policy_version})
+        results = [f.result() for f in futures]
         for execution in executions:
             self.proxy.proxy.unregister_execution(execution.execution_id)
         self.writer.commit()
