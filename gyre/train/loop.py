@@ -83,7 +83,6 @@ class TrainingRun:
         self.run_id = f"{config.name}-{int(time.time())}"
         self._closers: list[Callable[[], None]] = []
         self.writer = LogWriter(self.log_path, run_id=self.run_id)
-        self._closers.append(self.writer.close)
         try:
             self.tasks = TaskSet.load(config.rollout.tasks)
             known = [t.id for t in self.tasks]
@@ -248,12 +247,19 @@ class TrainingRun:
             status = "failed"
             raise
         finally:
+            self._stop_components()  # nothing may write after run_finished
             self.writer.append(RunFinished(run_id=self.run_id, status=status,
                                            message=json.dumps({"steps": len(records)})))
             self.close()
         return RunSummary(self.log_path, records, status, self.policy_version)
 
-    def close(self) -> None:
-        """Stop the harnesses, the proxy and the engine, then commit and close the log. Idempotent."""
+    def _stop_components(self) -> None:
         while self._closers:
             self._closers.pop()()
+
+    def close(self) -> None:
+        """Stop the harnesses, the proxy and the engine, then commit and close the log. Idempotent."""
+        try:
+            self._stop_components()
+        finally:
+            self.writer.close()

@@ -44,3 +44,32 @@ def test_two_steps_end_to_end(tmp_path: Path) -> None:
     assert published == [(1,), (2,)]
     claims = con.execute("select step, cell_id, count(*) from micro_step_claims group by all order by 1").fetchall()
     assert all(cell == "cell0" for _, cell, _ in claims)
+
+
+def test_ctrl_c_stops_cleanly_with_the_log_committed(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    import pytest
+
+    config = TrainConfig(
+        name="interrupt", run_dir=tmp_path / "run", seed=1, steps=3,
+        rollout=RolloutSection(task_ids=("hello",), groups_per_step=1, group_size=2, max_concurrency=2,
+                               timeout_s=60),
+        sampling=SamplingSection(max_tokens=16),
+    )
+    sent = []
+
+    def progress(phase: str, figures: dict) -> None:
+        if phase == "rolling" and not sent:  # harnesses are running: interrupt as a user would
+            sent.append(figures["running"])
+            os.kill(os.getpid(), signal.SIGINT)
+
+    run = TrainingRun(config, progress)
+    with pytest.raises(KeyboardInterrupt):
+        run.run()
+    assert sent
+    last = list(LogReader(config.run_dir / "log").events())[-1]
+    assert last.kind == "run_finished" and last.status == "interrupted"
+    LogReader(config.run_dir / "log").verify()
+    assert run.runner.running == 0  # the harness process groups were killed, not left behind
