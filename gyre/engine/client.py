@@ -192,7 +192,7 @@ def parse_generate(data: Any, rid: str, latency: float, *, final: bool = True) -
     )
 
 
-def _sse_payload(line: str) -> Any | None:
+def sse_payload(line: str) -> Any | None:
     """The JSON of one SSE `data:` line; None for blank/comment lines and `[DONE]`."""
     if not line.startswith("data:"):
         return None
@@ -334,7 +334,7 @@ class HttpEngineClient:
                     await resp.aread()
                     _check(resp)
                 async for line in resp.aiter_lines():
-                    data = _sse_payload(line)
+                    data = sse_payload(line)
                     if data is not None:
                         result = parse_generate(data, rid, time.perf_counter() - start, final=False)
                         yield result
@@ -465,7 +465,7 @@ class SyncHttpEngineClient:
                     resp.read()
                     _check(resp)
                 for line in resp.iter_lines():
-                    data = _sse_payload(line)
+                    data = sse_payload(line)
                     if data is not None:
                         yield parse_generate(data, rid, time.perf_counter() - start, final=False)
         except httpx.TransportError as e:

@@ -39,7 +39,7 @@ QWEN2_SPLIT_REGEX = (
 EOS_TOKEN = "<|im_end|>"
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (the alphabet of `ByteLevel`)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars = list(printable)
@@ -60,7 +60,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    byte_map = _bytes_to_unicode()
+    byte_map = bytes_to_unicode()
     vocab = {byte_map[b]: b for b in range(BYTE_VOCAB_SIZE)}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
     core.normalizer = normalizers.NFC()

@@ -2,18 +2,12 @@
 
 from functools import lru_cache
 
+from gyre.model.tokenizer import bytes_to_unicode
+
 
 @lru_cache(maxsize=1)
 def _unicode_to_byte() -> dict[str, int]:
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def byte_level_bytes(piece: str) -> bytes:

@@ -29,7 +29,7 @@ from gyre.engine import (
     GenerateResult,
     SamplingParams,
 )
-from gyre.engine.client import ROUTING_KEY_HEADER, parse_generate
+from gyre.engine.client import ROUTING_KEY_HEADER, parse_generate, sse_payload
 from gyre.proxy.tito import CallRecord
 from gyre.proxy.wire import WireError, WirePool
 
@@ -177,7 +177,7 @@ class EngineLink:
                     await response.aread()
                     raise EngineHTTPError(self.base_url + "/generate", response.status_code, response.text)
                 async for line in response.aiter_lines():
-                    data = _sse_data(line)
+                    data = sse_payload(line)
                     if data is not None:
                         yield parse_generate(data, rid, time.perf_counter() - start, final=False)
         except httpx.TransportError as e:
@@ -203,16 +203,3 @@ class EngineLink:
         return EngineUnreachableError(self.base_url, f"{type(error).__name__}: {error}")
 
 
-def _sse_data(line: str) -> Any | None:
-    if not line.startswith("data:"):
-        return None
-    payload = line[5:].strip()
-    if payload == "[DONE]":
-        return None
-    try:
-        data = json.loads(payload)
-    except json.JSONDecodeError as e:
-        raise EngineProtocolError(f"stream chunk is not JSON: {payload[:200]!r}") from e
-    if isinstance(data, dict) and "error" in data:
-        raise EngineProtocolError(f"engine reported an error mid-stream: {data['error']}")
-    return data
