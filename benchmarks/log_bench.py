@@ -135,6 +135,28 @@ def payload_efficiency(root: Path, commits: int, calls_per_commit: int, rounds: 
     return out
 
 
+def payload_efficiency_by_commit_size(root: Path, sizes: tuple[int, ...], megabytes: int, rounds: int) -> dict:
+    """Single-producer efficiency as a function of calls per commit: the log's per-append CPU is fixed, so
+    its share shrinks as commits grow (the raw baseline commits the same bytes per fsync)."""
+    rng = np.random.default_rng(2)
+    out = {}
+    for calls in sizes:
+        batches = [model_call_batch(i * calls, calls, TOKENS_PER_CALL, rng) for i in range(4)]
+        commits = max(8, (megabytes << 20) // (calls * TOKENS_PER_CALL * 8))
+        ratios = []
+        for round_ in range(rounds):
+            path = root / f"by_size{calls}-{round_}"
+            log_time, log_bytes, fsyncs = _log_payload(path, batches, commits, 1)
+            chunk = os.urandom(log_bytes // fsyncs)
+            raw_time = (_raw_write(root / "raw_a", chunk, fsyncs) + _raw_write(root / "raw_b", chunk, fsyncs)) / 2
+            ratios.append((log_bytes / log_time) / (len(chunk) * fsyncs / raw_time))
+            shutil.rmtree(path)
+        out[str(calls)] = statistics.median(ratios)
+    for name in ("raw_a", "raw_b"):
+        (root / name).unlink(missing_ok=True)
+    return {"payload_efficiency_by_calls_per_commit": out}
+
+
 def payload_event_api(root: Path, commits: int, calls_per_commit: int) -> dict:
     """The same payload through pydantic events (``append(event)``), for comparison with the columnar path."""
     rng = np.random.default_rng(1)
@@ -343,6 +365,7 @@ def run_benchmark(quick: bool = False, directory: Path | None = None, kill_point
         scale = 1 if quick else 4
         results: dict = {"quick": quick, "machine": f"{os.cpu_count()} cpu", "directory": str(root)}
         results.update(payload_efficiency(root, commits=64 * scale, calls_per_commit=16, rounds=5))
+        results.update(payload_efficiency_by_commit_size(root, (16, 64, 128), megabytes=32 * scale, rounds=3))
         results.update(payload_event_api(root, commits=10 * scale, calls_per_commit=16))
         results["batch_events_per_s"] = batch_events_per_s(root, batches=10 * scale, rows=100_000)
         results.update(event_api_speedup(root, n=20_000 * scale, per_commit=1000, rounds=3))
