@@ -24,7 +24,7 @@ demo: $(STAMP)
 	  LEFT JOIN rewards r ON r.execution_id = q.execution_id GROUP BY ALL ORDER BY s.step"
 
 test: $(STAMP)
-	$(BIN)/ruff check gyre tests benchmarks agents tasks
+	$(BIN)/ruff check gyre tests benchmarks agents tasks scripts
 	$(BIN)/python -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 
 lint: $(STAMP)
