@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from gyre.errors import EventValidationError
 from gyre.events.models import ENVELOPE_FIELDS, EVENT_TYPES, Event, event_type
-from gyre.events.schema import ENVELOPE_TYPES, TS_TYPE, event_schema, evolve, payload_type
+from gyre.events.schema import ENVELOPE_TYPES, TS_TYPE, event_schema, evolve, payload_type, required_envelope
 
 
 def now_us() -> int:
@@ -90,7 +90,7 @@ def encode(events: Sequence[Event], first_seq: int, stamps_us: Sequence[int] | i
     for kind in sorted(groups, key=_KIND_ORDER.__getitem__):  # schema order
         members = [events[i] for i in groups[kind]] if len(groups) > 1 else events
         fields = list(zip(*[e.__dict__.values() for e in members], strict=True))
-        for position, name in enumerate(ENVELOPE_FIELDS):
+        for position, name in enumerate(ENVELOPE_FIELDS[1:], start=1):  # seq is assigned, not read
             envelope[position].append(_envelope_array(name, fields[position]))
         struct_type = payload_type(kind)
         dumped = _dumped_fields(kind)
@@ -280,7 +280,7 @@ def _conform_exact(array: pa.Array, target: pa.DataType) -> pa.Array:
 def _required(kind: str) -> tuple[tuple[str, ...], tuple[tuple[int, str], ...]]:
     """Required envelope ids and (index, name) of required payload fields of a kind."""
     model = event_type(kind)
-    envelope = tuple(n for n in ENVELOPE_FIELDS[2:] if model.model_fields[n].is_required())
+    envelope = tuple(required_envelope(model))
     payload = tuple((i, f.name) for i, f in enumerate(payload_type(kind)) if model.model_fields[f.name].is_required())
     return envelope, payload
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from gyre.events.models import ENVELOPE_FIELDS, EVENT_TYPES
-from gyre.events.schema import event_schema
+from gyre.events.models import EVENT_TYPES
+from gyre.events.schema import ENVELOPE_COLUMNS, event_schema
 from gyre.log.seal import segment_table, usable_sealed_copy
 from gyre.log.segment import list_segments
 
-_ENVELOPE_SELECT = ", ".join(["seq", "ts", "kind", *ENVELOPE_FIELDS[2:]])
+_ENVELOPE_SELECT = ", ".join(ENVELOPE_COLUMNS)
 
 
 def connect(path: str | Path, con: duckdb.DuckDBPyConnection | None = None) -> duckdb.DuckDBPyConnection:
@@ -45,8 +45,3 @@ def connect(path: str | Path, con: duckdb.DuckDBPyConnection | None = None) -> d
             f"FROM events WHERE kind = '{kind}'"
         )
     return con
-
-
-def view_names() -> dict[str, str]:
-    """Kind -> view name."""
-    return {kind: model.view for kind, model in EVENT_TYPES.items()}

@@ -68,6 +68,8 @@ class Projection(Generic[S]):
     """Bump when the handlers change meaning: snapshots of other versions are ignored."""
     state_type: ClassVar[type]
     handlers: ClassVar[dict[str, Handler]]
+    kind_values: ClassVar[pa.Array]
+    """The handled kinds as an Arrow array: the value set of replay's kind filter."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -80,6 +82,7 @@ class Projection(Generic[S]):
                         raise TypeError(f"{cls.__name__} has two handlers for {handler.kind}")
                     handlers[handler.kind] = handler
         cls.handlers = handlers
+        cls.kind_values = pa.array(sorted(handlers), pa.string())
 
     @property
     def kinds(self) -> frozenset[str]:
@@ -103,7 +106,7 @@ class Projection(Generic[S]):
         and other payload never get copied or turned into Python objects.
         """
         kind_column = batch.column("kind")
-        relevant = pc.is_in(kind_column, value_set=self._kind_values())
+        relevant = pc.is_in(kind_column, value_set=self.kind_values)
         if not pc.any(relevant).as_py():
             return state
         order = pc.filter(kind_column, relevant).to_pylist()
@@ -117,12 +120,6 @@ class Projection(Generic[S]):
             method, values = feeds[kind]
             method(state, *next(values))
         return state
-
-    def _kind_values(self) -> pa.Array:
-        values = self.__dict__.get("_kinds_array")
-        if values is None:
-            values = self.__dict__["_kinds_array"] = pa.array(sorted(self.handlers), pa.string())
-        return values
 
     # -- snapshots ---------------------------------------------------------------------------------------
 
