@@ -104,6 +104,22 @@ def _log_payload(path: Path, batches: list[pa.RecordBatch], commits: int, produc
         return elapsed, writer.stats.bytes, writer.stats.fsyncs
 
 
+def _payload_round(root: Path, batches: list[pa.RecordBatch], commits: int, producers: int) -> tuple[float, float, int]:
+    """One round: the log's and the raw baseline's durable bytes/s, and the bytes per fsync.
+
+    The raw baseline writes the same bytes in the same number of fsyncs, twice, averaged: one raw run is
+    noisier than the log run.
+    """
+    path = root / "payload"
+    log_time, log_bytes, fsyncs = _log_payload(path, batches, commits, producers)
+    shutil.rmtree(path)
+    chunk = os.urandom(log_bytes // fsyncs)
+    raw_time = (_raw_write(root / "raw_a", chunk, fsyncs) + _raw_write(root / "raw_b", chunk, fsyncs)) / 2
+    for name in ("raw_a", "raw_b"):
+        os.unlink(root / name)
+    return log_bytes / log_time, len(chunk) * fsyncs / raw_time, log_bytes // fsyncs
+
+
 def payload_efficiency(root: Path, commits: int, calls_per_commit: int, rounds: int,
                        producers: int = 4) -> dict:
     """Durable MB/s of model-call events against raw write + fsync of the same bytes in the same number of
@@ -112,24 +128,11 @@ def payload_efficiency(root: Path, commits: int, calls_per_commit: int, rounds: 
     batches = [model_call_batch(i * calls_per_commit, calls_per_commit, TOKENS_PER_CALL, rng) for i in range(8)]
     out: dict = {}
     for label, threads in (("", producers), ("_single_producer", 1)):
-        ratios, log_rates, raw_rates = [], [], []
-        for round_ in range(rounds):
-            path = root / f"payload{label}{round_}"
-            log_time, log_bytes, fsyncs = _log_payload(path, batches, commits, threads)
-            chunk = os.urandom(log_bytes // fsyncs)
-            # The same bytes in the same number of fsyncs, twice, averaged: one raw run is noisier than the log run.
-            raw_time = (_raw_write(root / f"raw{round_}", chunk, fsyncs)
-                        + _raw_write(root / f"raw{round_}b", chunk, fsyncs)) / 2
-            log_rates.append(log_bytes / log_time)
-            raw_rates.append(len(chunk) * fsyncs / raw_time)
-            ratios.append(log_rates[-1] / raw_rates[-1])
-            shutil.rmtree(path)
-            for name in (f"raw{round_}", f"raw{round_}b"):
-                os.unlink(root / name)
-        out[f"payload_efficiency{label}"] = statistics.median(ratios)
-        out[f"payload_log_mb_per_s{label}"] = statistics.median(log_rates) / 1e6
-        out[f"payload_raw_mb_per_s{label}"] = statistics.median(raw_rates) / 1e6
-        out[f"payload_bytes_per_fsync{label}"] = log_bytes // fsyncs
+        measured = [_payload_round(root, batches, commits, threads) for _ in range(rounds)]
+        out[f"payload_efficiency{label}"] = statistics.median(log / raw for log, raw, _ in measured)
+        out[f"payload_log_mb_per_s{label}"] = statistics.median(log for log, _, _ in measured) / 1e6
+        out[f"payload_raw_mb_per_s{label}"] = statistics.median(raw for _, raw, _ in measured) / 1e6
+        out[f"payload_bytes_per_fsync{label}"] = measured[-1][2]
     out.update({"payload_producers": producers, "payload_calls_per_append": calls_per_commit,
                 "payload_tokens_per_call": TOKENS_PER_CALL})
     return out
@@ -143,17 +146,8 @@ def payload_efficiency_by_commit_size(root: Path, sizes: tuple[int, ...], megaby
     for calls in sizes:
         batches = [model_call_batch(i * calls, calls, TOKENS_PER_CALL, rng) for i in range(4)]
         commits = max(8, (megabytes << 20) // (calls * TOKENS_PER_CALL * 8))
-        ratios = []
-        for round_ in range(rounds):
-            path = root / f"by_size{calls}-{round_}"
-            log_time, log_bytes, fsyncs = _log_payload(path, batches, commits, 1)
-            chunk = os.urandom(log_bytes // fsyncs)
-            raw_time = (_raw_write(root / "raw_a", chunk, fsyncs) + _raw_write(root / "raw_b", chunk, fsyncs)) / 2
-            ratios.append((log_bytes / log_time) / (len(chunk) * fsyncs / raw_time))
-            shutil.rmtree(path)
-        out[str(calls)] = statistics.median(ratios)
-    for name in ("raw_a", "raw_b"):
-        (root / name).unlink(missing_ok=True)
+        measured = [_payload_round(root, batches, commits, 1) for _ in range(rounds)]
+        out[str(calls)] = statistics.median(log / raw for log, raw, _ in measured)
     return {"payload_efficiency_by_calls_per_commit": out}
 
 
