@@ -9,12 +9,16 @@ The mask of a block is the tree mask from ``subtree_end``: query ``i`` sees key 
 ``j <= i < subtree_end[j]``. A padding position sees only itself, so no softmax row is empty.
 """
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from gyre.trainer.batch import TrainBatch
+from gyre.trainer.config import GSPOConfig
+from gyre.trainer.loss import LossStats, gspo_loss
+from gyre.trainer.protocol import MicroStepResult
 
 MIN_FILL = 0.75
 """A block joins a pass only if real tokens stay at least this share of the pass's padded tokens."""
@@ -120,4 +124,46 @@ def _build(batch: TrainBatch, members: list[int], lengths: list[int], lo: list[i
         trained=trained,
         parent_slots=torch.cat(slot_parts),
         targets=batch.input_ids[batch.trained[trained]],
+    )
+
+
+def forward_backward(
+    batch: TrainBatch,
+    logprobs_of: Callable[["ForwardPass"], torch.Tensor],
+    *,
+    loss: GSPOConfig,
+    device: str,
+    max_tokens: int,
+    max_area: int,
+    loss_scale: float = 1.0,
+) -> MicroStepResult:
+    """Forward, GSPO loss and backward pass by pass, accumulating gradients: what every backend does with a
+    micro-batch, whatever computes the trained tokens' log-probs (``logprobs_of``, in trained order)."""
+    started = time.perf_counter()
+    stats = LossStats()
+    padded = count = 0
+    for group in plan(batch, max_tokens, max_area):
+        if group.trained.numel() == 0:
+            continue
+        picked = group.trained
+        loss_sum, part = gspo_loss(
+            logprobs_of(group),
+            batch.behaviour_logprobs[picked].to(device),
+            batch.advantages[picked].to(device),
+            batch.token_weights[picked].to(device),
+            batch.unit_ids[picked].to(device),
+            batch.num_units,
+            loss,
+        )
+        (loss_sum * loss_scale).backward()
+        stats = stats + part
+        padded += group.padded_tokens
+        count += 1
+    return MicroStepResult(
+        index=batch.index,
+        tokens=batch.tokens,
+        padded_tokens=padded,
+        passes=count,
+        stats=stats,
+        duration_s=time.perf_counter() - started,
     )

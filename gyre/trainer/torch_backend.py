@@ -8,7 +8,6 @@ blocks), so gradients accumulate across groups and micro-steps without keeping t
 """
 
 import json
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,6 @@ from gyre.trainer import passes
 from gyre.trainer.batch import TrainBatch
 from gyre.trainer.config import TorchBackendConfig
 from gyre.trainer.errors import CheckpointError, TrainerConfigError, TrainerError
-from gyre.trainer.loss import LossStats, gspo_loss
 from gyre.trainer.protocol import MicroStepResult, NamedTensors, StepResult
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -95,35 +93,11 @@ class TorchBackend:
             self.policy_version = policy_version
 
     def forward_backward(self, batch: TrainBatch, *, loss_scale: float = 1.0) -> MicroStepResult:
-        started = time.perf_counter()
         self.model.train()
-        stats = LossStats()
-        padded = count = 0
-        for group in passes.plan(batch, self.config.max_forward_tokens, self.config.max_attention_area):
-            if group.trained.numel() == 0:
-                continue
-            logprobs = self._logprobs(group)
-            picked = group.trained
-            loss_sum, part = gspo_loss(
-                logprobs,
-                batch.behaviour_logprobs[picked].to(self.config.device),
-                batch.advantages[picked].to(self.config.device),
-                batch.token_weights[picked].to(self.config.device),
-                batch.unit_ids[picked].to(self.config.device),
-                batch.num_units,
-                self.config.loss,
-            )
-            (loss_sum * loss_scale).backward()
-            stats = stats + part
-            padded += group.padded_tokens
-            count += 1
-        return MicroStepResult(
-            index=batch.index,
-            tokens=batch.tokens,
-            padded_tokens=padded,
-            passes=count,
-            stats=stats,
-            duration_s=time.perf_counter() - started,
+        return passes.forward_backward(
+            batch, self._logprobs, loss=self.config.loss, device=self.config.device,
+            max_tokens=self.config.max_forward_tokens, max_area=self.config.max_attention_area,
+            loss_scale=loss_scale,
         )
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:

@@ -9,7 +9,6 @@ raises ``BackendUnavailableError`` instead of pretending to train.
 """
 
 import json
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,6 @@ import torch
 from gyre.trainer import passes
 from gyre.trainer.batch import TrainBatch
 from gyre.trainer.errors import CheckpointError, TrainerError
-from gyre.trainer.loss import LossStats, gspo_loss
 from gyre.trainer.megatron import weights
 from gyre.trainer.megatron.config import MegatronBackendConfig
 from gyre.trainer.megatron.model import DTYPES, build_model, pass_logprobs, transformer_config
@@ -121,35 +119,12 @@ class MegatronBackend:
             self.policy_version = policy_version
 
     def forward_backward(self, batch: TrainBatch, *, loss_scale: float = 1.0) -> MicroStepResult:
-        started = time.perf_counter()
         self.model.train()
-        stats = LossStats()
-        padded = count = 0
         device = self.config.device
-        for group in passes.plan(batch, self.config.max_forward_tokens, self.config.max_attention_area):
-            if group.trained.numel() == 0:
-                continue
-            picked = group.trained
-            loss_sum, part = gspo_loss(
-                pass_logprobs(self.model, group, device, self.pad_token_id),
-                batch.behaviour_logprobs[picked].to(device),
-                batch.advantages[picked].to(device),
-                batch.token_weights[picked].to(device),
-                batch.unit_ids[picked].to(device),
-                batch.num_units,
-                self.config.loss,
-            )
-            (loss_sum * loss_scale).backward()
-            stats = stats + part
-            padded += group.padded_tokens
-            count += 1
-        return MicroStepResult(
-            index=batch.index,
-            tokens=batch.tokens,
-            padded_tokens=padded,
-            passes=count,
-            stats=stats,
-            duration_s=time.perf_counter() - started,
+        return passes.forward_backward(
+            batch, lambda group: pass_logprobs(self.model, group, device, self.pad_token_id),
+            loss=self.config.loss, device=device, max_tokens=self.config.max_forward_tokens,
+            max_area=self.config.max_attention_area, loss_scale=loss_scale,
         )
 
     def gradient_buffers(self) -> list[torch.Tensor]:
