@@ -70,7 +70,11 @@ def test_redirect_mid_stream_continues_on_the_new_engine(two_engines: Engines, s
     assert second.input_ids == first.input_ids + partial  # the new engine continues from the partial output
     assert call.output_ids == partial + second.output_ids and call.cell_id == "b"
     assert len(call.output_logprobs) == len(call.output_ids) <= 64
-    assert "".join(text) == build_tokenizer().decode(call.output_ids)
+    tokenizer = build_tokenizer()
+    visible = call.output_ids
+    if call.finish_reason == "stop" and visible and visible[-1] in tokenizer.all_special_ids:
+        visible = visible[:-1]  # the stop token that ended the reply is recorded, but it is not text
+    assert "".join(text) == tokenizer.decode(visible)
     assert p.proxy.router.cell_of("exec-1") == "b"
 
 
