@@ -81,18 +81,21 @@ def _raw_write(path: Path, chunk: bytes, commits: int) -> float:
         os.close(fd)
 
 
-def _log_payload(path: Path, batches: list[pa.RecordBatch], commits: int, producers: int) -> tuple[float, int, int]:
-    """``producers`` threads each appending a model-call batch and committing it, ``commits`` in all.
+def _log_payload(path: Path, batches: list[pa.RecordBatch], commits: int, producers: int,
+                 wait: bool) -> tuple[float, int, int]:
+    """``producers`` threads each appending model-call batches, ``commits`` appends in all, each followed
+    by a commit. Returns (seconds until all of it is durable, bytes written, fsyncs).
 
-    Returns (seconds, bytes written, fsyncs). Several producers is how a proxy serving concurrent calls
-    uses the log: their framing overlaps the fsync of the group before theirs.
+    ``wait=True``: every commit waits for its fsync (a synchronous caller). ``wait=False``: a producer
+    asks for the commit and goes on appending, as the proxy's event loop does (it awaits durability
+    asynchronously); the clock stops when the last commit is durable.
     """
     per_producer = commits // producers
     with LogWriter(path, seal=False, segment_bytes=1 << 30) as writer:
         def produce(worker: int) -> None:
             for i in range(per_producer):
                 seqs = writer.append_batch(batches[(worker + i) % len(batches)])
-                writer.commit(seqs.last)
+                writer.commit(seqs.last, wait=wait)
 
         threads = [threading.Thread(target=produce, args=(w,)) for w in range(producers)]
         start = time.perf_counter()  # steady state: opening the log is not part of the write path
@@ -100,18 +103,20 @@ def _log_payload(path: Path, batches: list[pa.RecordBatch], commits: int, produc
             thread.start()
         for thread in threads:
             thread.join()
+        writer.commit()
         elapsed = time.perf_counter() - start
         return elapsed, writer.stats.bytes, writer.stats.fsyncs
 
 
-def _payload_round(root: Path, batches: list[pa.RecordBatch], commits: int, producers: int) -> tuple[float, float, int]:
+def _payload_round(root: Path, batches: list[pa.RecordBatch], commits: int, producers: int,
+                   wait: bool) -> tuple[float, float, int]:
     """One round: the log's and the raw baseline's durable bytes/s, and the bytes per fsync.
 
     The raw baseline writes the same bytes in the same number of fsyncs, twice, averaged: one raw run is
     noisier than the log run.
     """
     path = root / "payload"
-    log_time, log_bytes, fsyncs = _log_payload(path, batches, commits, producers)
+    log_time, log_bytes, fsyncs = _log_payload(path, batches, commits, producers, wait)
     shutil.rmtree(path)
     chunk = os.urandom(log_bytes // fsyncs)
     raw_time = (_raw_write(root / "raw_a", chunk, fsyncs) + _raw_write(root / "raw_b", chunk, fsyncs)) / 2
@@ -120,33 +125,41 @@ def _payload_round(root: Path, batches: list[pa.RecordBatch], commits: int, prod
     return log_bytes / log_time, len(chunk) * fsyncs / raw_time, log_bytes // fsyncs
 
 
-def payload_efficiency(root: Path, commits: int, calls_per_commit: int, rounds: int,
-                       producers: int = 4) -> dict:
+PAYLOAD_MODES = {
+    "": (1, False),  # the headline: a producer that does not block on each commit (the proxy's case)
+    "_blocking": (4, True),  # four threads, each waiting for every commit it makes
+    "_single_producer": (1, True),  # one thread waiting for every commit: no overlap is possible
+}
+"""Suffix of the JSON keys -> (producer threads, whether each commit waits for its fsync)."""
+
+
+def payload_efficiency(root: Path, commits: int, calls_per_commit: int, rounds: int) -> dict:
     """Durable MB/s of model-call events against raw write + fsync of the same bytes in the same number of
     fsyncs, measured back to back in each round."""
     rng = np.random.default_rng(0)
     batches = [model_call_batch(i * calls_per_commit, calls_per_commit, TOKENS_PER_CALL, rng) for i in range(8)]
     out: dict = {}
-    for label, threads in (("", producers), ("_single_producer", 1)):
-        measured = [_payload_round(root, batches, commits, threads) for _ in range(rounds)]
+    for label, (producers, wait) in PAYLOAD_MODES.items():
+        measured = [_payload_round(root, batches, commits, producers, wait) for _ in range(rounds)]
         out[f"payload_efficiency{label}"] = statistics.median(log / raw for log, raw, _ in measured)
         out[f"payload_log_mb_per_s{label}"] = statistics.median(log for log, _, _ in measured) / 1e6
         out[f"payload_raw_mb_per_s{label}"] = statistics.median(raw for _, raw, _ in measured) / 1e6
-        out[f"payload_bytes_per_fsync{label}"] = measured[-1][2]
-    out.update({"payload_producers": producers, "payload_calls_per_append": calls_per_commit,
-                "payload_tokens_per_call": TOKENS_PER_CALL})
+        out[f"payload_bytes_per_fsync{label}"] = statistics.median(b for _, _, b in measured)
+        out[f"payload_producers{label}"] = producers
+        out[f"payload_commits_wait{label}"] = wait
+    out.update({"payload_calls_per_append": calls_per_commit, "payload_tokens_per_call": TOKENS_PER_CALL})
     return out
 
 
 def payload_efficiency_by_commit_size(root: Path, sizes: tuple[int, ...], megabytes: int, rounds: int) -> dict:
-    """Single-producer efficiency as a function of calls per commit: the log's per-append CPU is fixed, so
+    """Single, blocking producer's efficiency as a function of calls per commit: the log's per-append CPU is fixed, so
     its share shrinks as commits grow (the raw baseline commits the same bytes per fsync)."""
     rng = np.random.default_rng(2)
     out = {}
     for calls in sizes:
         batches = [model_call_batch(i * calls, calls, TOKENS_PER_CALL, rng) for i in range(4)]
         commits = max(8, (megabytes << 20) // (calls * TOKENS_PER_CALL * 8))
-        measured = [_payload_round(root, batches, commits, 1) for _ in range(rounds)]
+        measured = [_payload_round(root, batches, commits, 1, True) for _ in range(rounds)]
         out[str(calls)] = statistics.median(log / raw for log, raw, _ in measured)
     return {"payload_efficiency_by_calls_per_commit": out}
 
@@ -358,7 +371,7 @@ def run_benchmark(quick: bool = False, directory: Path | None = None, kill_point
     try:
         scale = 1 if quick else 4
         results: dict = {"quick": quick, "machine": f"{os.cpu_count()} cpu", "directory": str(root)}
-        results.update(payload_efficiency(root, commits=64 * scale, calls_per_commit=16, rounds=5))
+        results.update(payload_efficiency(root, commits=256 * scale, calls_per_commit=16, rounds=5))
         results.update(payload_efficiency_by_commit_size(root, (16, 64, 128), megabytes=32 * scale, rounds=3))
         results.update(payload_event_api(root, commits=10 * scale, calls_per_commit=16))
         results["batch_events_per_s"] = batch_events_per_s(root, batches=10 * scale, rows=100_000)

@@ -10,11 +10,13 @@ import os
 import random
 import signal
 import struct
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre.events.codec import encode
 from gyre.events.models import Event, ModelCallFinished, ModelCallStarted, RewardRecorded
 from gyre.log.reader import LogReader
 from gyre.log.writer import LogRecoveryWarning, LogWriter
@@ -38,17 +40,33 @@ def expected_event(seq: int) -> Event:
 
 
 def _victim(path: Path, ack_fd: int, seed: int, segment_bytes: int) -> None:
-    """Child process body: append and commit forever, acknowledging each commit."""
-    rng = random.Random(seed)
+    """Child process body: two threads append and commit forever, acknowledging each waited commit.
+
+    They mix the event API with the columnar ``append_batch`` and waiting commits with ones that do not
+    wait (``commit(wait=False)``), so kills land in every stage of the write / sync pipeline.
+    """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LogRecoveryWarning)
         writer = LogWriter(path, segment_bytes=segment_bytes)
-    while True:
-        for _ in range(rng.randint(1, 3)):
-            first = writer.next_seq
-            writer.append([expected_event(s) for s in range(first, first + rng.randint(1, 24))])
-        durable = writer.commit()
-        os.write(ack_fd, _ACK.pack(durable))
+    order = threading.Lock()  # the content of an event is a function of its seq: take seqs in turn
+
+    def work(rng: random.Random) -> None:
+        while True:
+            for _ in range(rng.randint(1, 3)):
+                with order:
+                    first = writer.next_seq
+                    events = [expected_event(s) for s in range(first, first + rng.randint(1, 24))]
+                    if rng.random() < 0.5:
+                        writer.append(events)
+                    else:
+                        writer.append_batch(encode(events, first).drop_columns(["seq", "ts"]))
+            if rng.random() < 0.25:
+                writer.commit(wait=False)
+            else:
+                os.write(ack_fd, _ACK.pack(writer.commit()))
+
+    threading.Thread(target=work, args=(random.Random(seed + 1),), daemon=True).start()
+    work(random.Random(seed))
 
 
 @dataclass
