@@ -8,14 +8,16 @@ from the last event that reached the disk whole.
 Group commit is a two-stage pipeline, as in MySQL's binlog group commit:
 
 - **write**: a committer takes *everything* buffered so far (every producer's events) and writes it with
-  one ``pwritev``, under the write lock, so frames reach the file in seq order;
-- **sync**: the writer's flusher thread fdatasyncs the file whenever a committer waits on written but
-  unsynced events, then wakes every committer the sync covered.
+  one ``pwritev``; one writer at a time, so frames reach the file in seq order, and committers whose
+  events are in a write under way only wait for it;
+- **sync**: the committer fdatasyncs itself when no sync is under way; otherwise the writer's flusher
+  thread syncs everything written as soon as the current sync ends, and wakes every committer it covered.
 
 The next group's framing (producer threads, holding the GIL) and writing (a memory copy that releases
-it) overlap the current group's fsync, so the disk is seldom idle. Making each committer in turn the
-leader that both writes and syncs measured 0.6 of the disk's speed with 4 producers on 2 cores; the
-pipeline measured 0.8 to 1.0 (docs/design.md).
+it) overlap the current group's fsync, so the disk is seldom idle; ``commit(wait=False)`` lets a producer
+go on appending meanwhile. Making each committer in turn the leader that both writes and syncs measured
+about 0.5 of a raw write + fsync of the same bytes on 2 cores; the pipeline with a non-waiting producer
+measured 0.86 to 1.3 (docs/benchmarks.md).
 """
 
 import fcntl
@@ -166,7 +168,6 @@ class LogWriter:
         self._pending_first = 0
         self._chunks: list[_ReadyFrame | _EventRun] = []
         self.stats = WriterStats()
-        self._requested = -1
         self._stopping = False
         self._failed: BaseException | None = None
         self._closed = False
@@ -175,6 +176,8 @@ class LogWriter:
         try:
             self.recovery = self._recover()
         except BaseException:
+            if self._sealer is not None:
+                self._sealer.close()
             self._release_lock()
             raise
         self._next_seq = self.recovery.next_seq
@@ -183,6 +186,7 @@ class LogWriter:
         self._writing_upto: int | None = None
         """While a committer writes a group: the last seq of that group (one writer at a time)."""
         self._requested = self._durable_seq
+        """The highest seq a commit asked the flusher to make durable."""
         self._pending_first = self._next_seq
         self._flusher = threading.Thread(target=self._flush_loop, name="gyre-log-flusher", daemon=True)
         self._flusher.start()
@@ -501,7 +505,7 @@ class LogWriter:
         self._work.notify()
 
     def _rotate(self, first_seq: int) -> None:
-        """Seal the full segment durably and continue in a new one (under the write lock)."""
+        """Sync the full segment and continue in a new one (by the thread writing the current group)."""
         with self._sync_lock:
             os.fdatasync(self._fd)
             self.stats.fsyncs += 1
