@@ -23,6 +23,8 @@ given and returns it. Copy (or snapshot) a state you want to keep.
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
+from itertools import repeat
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -99,26 +101,33 @@ class Projection(Generic[S]):
             getattr(self, handler.method)(state, *(_event_value(event, f) for f in handler.fields))
         return state
 
-    def apply_batch(self, state: S, batch: pa.RecordBatch) -> S:
+    def apply_batch(self, state: S, batch: pa.RecordBatch, rows: pa.Array | None = None) -> S:
         """Fold a log batch (sparse or full, any schema version, rows in seq order) into ``state``.
 
         Only the declared fields are read, each as one column filtered to its kind's rows: token lists
-        and other payload never get copied or turned into Python objects.
+        and other payload never get copied or turned into Python objects. ``rows`` (a boolean mask)
+        limits the fold to some rows: a projection that knows some events cancel out skips them.
         """
         kind_column = batch.column("kind")
         relevant = pc.is_in(kind_column, value_set=self.kind_values)
+        if rows is not None:
+            relevant = pc.and_(relevant, rows)
         if not pc.any(relevant).as_py():
             return state
-        order = pc.filter(kind_column, relevant).to_pylist()
-        feeds: dict[str, tuple[Callable, Iterable]] = {}
-        for kind in set(order):
+        kinds = pc.filter(kind_column, relevant)
+        present = pc.unique(kinds)
+        # The loop below runs once per event: it only indexes two lists and makes one call (a handler
+        # bound to the state, fed the next tuple of its kind's columns).
+        order = pc.index_in(kinds, value_set=present).to_numpy(zero_copy_only=False).tolist()
+        handlers, next_values = [], []
+        for kind in present.to_pylist():
             handler = self.handlers[kind]
-            rows = pc.equal(kind_column, kind)
-            columns = [_column_values(batch, rows, kind, name) for name in handler.fields]
-            feeds[kind] = (getattr(self, handler.method), iter(zip(*columns, strict=True)))
-        for kind in order:
-            method, values = feeds[kind]
-            method(state, *next(values))
+            kind_rows = pc.equal(kind_column, kind) if rows is None else pc.and_(pc.equal(kind_column, kind), rows)
+            columns = [_column_values(batch, kind_rows, kind, name) for name in handler.fields]
+            handlers.append(partial(getattr(self, handler.method), state))
+            next_values.append(iter(zip(*columns, strict=True)).__next__ if columns else repeat(()).__next__)
+        for i in order:
+            handlers[i](*next_values[i]())
         return state
 
     # -- snapshots ---------------------------------------------------------------------------------------

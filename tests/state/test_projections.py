@@ -94,6 +94,42 @@ def test_batch_driver_equals_the_per_event_fold(events: list, chunk: int) -> Non
         assert projection.dump(by_event) == projection.dump(by_batch)
 
 
+few_calls = st.sampled_from(["k0", "k1", "k2"])
+few_executions = st.sampled_from(["e0", "e1"])
+call_event = st.one_of(
+    st.builds(ModelCallStarted, execution_id=few_executions, call_id=few_calls, cell_id=cells),
+    st.builds(lambda e, k: ModelCallFinished(execution_id=e, call_id=k, cell_id="c0", output_ids=[1],
+                                             output_logprobs=[-0.5]), few_executions, few_calls),
+    st.builds(CallRedirected, execution_id=few_executions, call_id=few_calls, from_cell_id=cells, to_cell_id=cells),
+    st.builds(ExecutionFinished, execution_id=few_executions, duration_s=st.just(1.0), status=st.just("completed")),
+)
+
+
+@given(st.lists(call_event, max_size=80), st.integers(1, 12))
+@settings(max_examples=300, deadline=None)
+def test_cluster_view_skipping_calls_done_within_a_batch_changes_nothing(events: list, chunk: int) -> None:
+    """Call-heavy streams in big batches: repeated ids, finishes before starts, mismatched executions."""
+    events = logged(events) if events else []
+    projection = ClusterView()
+    batches = [encode(events[i:i + chunk], i, [1_000_000 + j for j in range(i, min(i + chunk, len(events)))])
+               for i in range(0, len(events), chunk)]
+    assert projection.dump(fold_batches(projection, batches)) == projection.dump(fold(projection, events))
+
+
+def test_cluster_view_skips_the_rows_of_a_call_done_within_the_batch() -> None:
+    from gyre.state.cluster import _calls_not_done_within
+
+    events = logged([ModelCallStarted(execution_id="e", call_id="done", cell_id="c"),
+                     ModelCallStarted(execution_id="e", call_id="open", cell_id="c"),
+                     ModelCallFinished(execution_id="e", call_id="done", cell_id="c"),
+                     ModelCallStarted(execution_id="e", call_id="twice", cell_id="c"),
+                     ModelCallFinished(execution_id="e", call_id="twice", cell_id="c")])
+    batch = encode(events, 0)
+    assert _calls_not_done_within(batch, {}).to_pylist() == [False, True, False, False, False]
+    # "twice" was in flight before this batch: its start here overwrites that, so both rows are folded.
+    assert _calls_not_done_within(batch, {"twice": "c"}).to_pylist() == [False, True, False, True, True]
+
+
 @given(st.lists(any_event, max_size=60), st.floats(0, 1))
 @settings(max_examples=80, deadline=None)
 def test_snapshot_plus_rest_equals_full_replay(events: list, where: float) -> None:
