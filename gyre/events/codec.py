@@ -199,6 +199,13 @@ def validate_batch(batch: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
     and ``ts`` may be absent (the writer assigns them). Unknown columns or kinds, wrong types and missing
     required fields are refused with an error that names them. The result is sparse, in schema order.
     """
+    columns = validated_columns(batch)
+    return pa.RecordBatch.from_arrays(list(columns.values()), schema=_column_plan(tuple(columns)).out_schema)
+
+
+def validated_columns(batch: pa.RecordBatch | pa.Table) -> dict[str, pa.Array]:
+    """``validate_batch`` without building the result: its columns by name, in schema order, with their
+    stored types (the log writer builds its stored batch from them, with seqs and timestamps, at once)."""
     if isinstance(batch, pa.Table):
         batch = batch.combine_chunks()
         batch = batch.to_batches()[0] if batch.num_rows else batch.schema.empty_table().to_batches()[0]
@@ -209,13 +216,11 @@ def validate_batch(batch: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
             raise EventValidationError("column 'kind' has null entries")
         event_type(kind)
     columns: dict[str, pa.Array] = {}
-    exact = True
     for name, index, target in plan.columns:
         array = batch.column(index)
         if array.type.equals(target):
             columns[name] = array
             continue
-        exact = False
         try:
             columns[name] = _conform_exact(array, target)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as error:
@@ -225,9 +230,7 @@ def validate_batch(batch: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
     for name in plan.kinds - set(present_kinds):
         if columns[name].null_count != batch.num_rows:
             raise EventValidationError(f"payload column {name!r} is set on rows of another kind")
-    if exact:
-        return pa.RecordBatch.from_arrays(list(columns.values()), schema=plan.out_schema)
-    return _sparse_batch(columns, event_schema())
+    return columns
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gyre.errors import EventValidationError, LogClosedError, LogError, LogLockedError
-from gyre.events.codec import check_events, encode, now_us, validate_batch
+from gyre.events.codec import check_events, encode, now_us, validated_columns
 from gyre.events.models import Event
 from gyre.events.schema import TS_TYPE, event_schema
 from gyre.log.frames import MAX_PAYLOAD
@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 
 LOCK_FILE = "LOCK"
 _INT64 = pa.int64()
+_MAX_BATCH_BYTES = MAX_PAYLOAD - (1 << 20)
+"""Room for the IPC message's metadata and padding within one frame's payload."""
 DEFAULT_SEGMENT_BYTES = 64 << 20
 
 
@@ -118,16 +120,14 @@ def _stored_schema(names: tuple[str, ...]) -> pa.Schema:
     return pa.schema([full.field(n) for n in ("seq", "ts", *names)], metadata=full.metadata)
 
 
-def _with_run_id(batch: pa.RecordBatch, run_id: str, schema: pa.Schema) -> pa.RecordBatch:
+def _with_run_id(columns: dict[str, pa.Array], rows: int, run_id: str, schema: pa.Schema) -> dict[str, pa.Array]:
     """Stamp the writer's run id where the producer left it empty (as ``encode`` does for events)."""
-    columns = dict(zip(batch.schema.names, batch.columns, strict=True))
     current = columns.get("run_id")
     if current is not None and current.null_count == 0:
-        return batch
+        return columns
     stamp = pa.scalar(run_id, pa.string())
-    columns["run_id"] = pa.repeat(stamp, batch.num_rows) if current is None else pc.fill_null(current, stamp)
-    fields = [f for f in schema if f.name in columns]
-    return pa.RecordBatch.from_arrays([columns[f.name] for f in fields], schema=pa.schema(fields))
+    stamped = {**columns, "run_id": pa.repeat(stamp, rows) if current is None else pc.fill_null(current, stamp)}
+    return {f.name: stamped[f.name] for f in schema if f.name in stamped}  # schema order
 
 
 class LogWriter:
@@ -312,13 +312,14 @@ class LogWriter:
         here, in the producer's thread and outside the writer's lock, once its seqs are taken: framing
         overlaps other producers' framing, the current write and the current fsync.
         """
-        checked = validate_batch(batch)
-        n = checked.num_rows
-        if checked.nbytes > MAX_PAYLOAD - (1 << 20):
-            raise EventValidationError(f"a batch of {checked.nbytes} bytes does not fit in one frame (4 GiB); "
+        columns = validated_columns(batch)
+        n = len(columns["kind"])
+        size = sum(column.get_total_buffer_size() for column in columns.values())
+        if size > _MAX_BATCH_BYTES and sum(column.nbytes for column in columns.values()) > _MAX_BATCH_BYTES:
+            raise EventValidationError(f"a batch of {size} bytes does not fit in one frame (4 GiB); "
                                        f"append it in slices")
         if self.run_id is not None:
-            checked = _with_run_id(checked, self.run_id, self._schema)
+            columns = _with_run_id(columns, n, self.run_id, self._schema)
         stamp = now_us()
         with self._lock:
             self._check_usable()
@@ -331,8 +332,7 @@ class LogWriter:
         try:
             seq = pa.Array.from_buffers(_INT64, n, [None, pa.py_buffer(np.arange(first, first + n, dtype=np.int64))])
             ts = pa.Array.from_buffers(TS_TYPE, n, [None, pa.py_buffer(np.full(n, stamp, dtype=np.int64))])
-            full = pa.RecordBatch.from_arrays([seq, ts, *checked.columns],
-                                              schema=_stored_schema(tuple(checked.schema.names)))
+            full = pa.RecordBatch.from_arrays([seq, ts, *columns.values()], schema=_stored_schema(tuple(columns)))
             parts = batch_frame_parts(full, first, self._schema)
         except BaseException as error:  # its seqs are taken: without this frame the log cannot stay gapless
             self._fail(error)
