@@ -1,5 +1,7 @@
-"""Shared fixtures: small, realistic event streams and fresh log directories."""
+"""Shared fixtures: small, realistic event streams, fresh log directories, threads that report failures."""
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,3 +42,27 @@ def run_events(executions: int = 4, calls: int = 3) -> list[Event]:
 @pytest.fixture
 def log_dir(tmp_path: Path) -> Path:
     return tmp_path / "log"
+
+
+class Threads:
+    """Run each target in its own thread; ``join`` waits for all of them and re-raises the first exception
+    one raised (an assertion that fails in a thread must fail the test, not just print)."""
+
+    def __init__(self, *targets: Callable[[], object]) -> None:
+        self.errors: list[BaseException] = []
+        self.threads = [threading.Thread(target=self._guarded, args=(t,), daemon=True) for t in targets]
+        for thread in self.threads:
+            thread.start()
+
+    def _guarded(self, target: Callable[[], object]) -> None:
+        try:
+            target()
+        except BaseException as error:
+            self.errors.append(error)
+
+    def join(self, timeout_s: float = 60) -> None:
+        for thread in self.threads:
+            thread.join(timeout_s)
+            assert not thread.is_alive(), f"a thread still runs after {timeout_s} s"
+        if self.errors:
+            raise self.errors[0]

@@ -13,6 +13,7 @@ from gyre.events import encode
 from gyre.events.models import RewardRecorded
 from gyre.log import LogReader, LogWriter
 from gyre.log import writer as writer_module
+from tests.conftest import Threads
 
 
 def _reward(name: str) -> RewardRecorded:
@@ -55,21 +56,17 @@ def test_commits_during_a_sync_are_coalesced_into_the_next_one(log_dir: Path, mo
     with LogWriter(log_dir) as writer:
         monkeypatch.setattr(writer_module.os, "fdatasync", held)
         writer.append(_reward("first"))
-        first = threading.Thread(target=writer.commit)
-        first.start()
+        first = Threads(writer.commit)
         assert held.entered.wait(10)
         # While that sync is held, eight more producers append and commit: they all wait on one sync.
-        threads = [threading.Thread(target=lambda i=i: writer.commit(writer.append(_reward(f"w{i}")).last))
-                   for i in range(8)]
-        for thread in threads:
-            thread.start()
+        others = Threads(*(lambda i=i: writer.commit(writer.append(_reward(f"w{i}")).last) for i in range(8)))
         for _ in range(1000):  # until all eight are written (in seq order, so seq 8 means all)
             if writer._written_seq == 8:
                 break
             threading.Event().wait(0.01)
         held.release.set()
-        for thread in [first, *threads]:
-            thread.join(10)
+        first.join()
+        others.join()
         assert writer.durable_seq == 8
         assert held.calls == 2
     assert len(list(LogReader(log_dir).events())) == 9
@@ -88,7 +85,7 @@ def test_a_commit_waits_for_a_producer_still_framing_its_batch(log_dir: Path, mo
     monkeypatch.setattr(writer_module, "batch_frame_parts", slow_frame)
     with LogWriter(log_dir) as writer:
         producer = threading.Thread(target=writer.append_batch, args=(_batch(["slow0", "slow1"]),),
-                                    name="slow-producer")
+                                    name="slow-producer")  # the name is what slows its framing down
         producer.start()
         assert framing.wait(10)  # its seqs 0-1 are taken, its frame is not built yet
         after = writer.append(_reward("after"))
@@ -119,11 +116,7 @@ def test_many_producers_mixing_both_append_paths_and_commit_modes(log_dir: Path)
                 else:
                     assert writer.commit(seqs.last) >= seqs.last
 
-        threads = [threading.Thread(target=produce, args=(w,)) for w in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        Threads(*(lambda w=w: produce(w) for w in range(8))).join()
     events = list(LogReader(log_dir).events())
     assert len(LogReader(log_dir).segments()) > 1
     assert [e.seq for e in events] == list(range(len(appended)))
@@ -147,11 +140,7 @@ def test_a_failed_fsync_fails_every_committer_and_keeps_what_was_durable(log_dir
             except BaseException as error:
                 errors.append(error)
 
-        threads = [threading.Thread(target=commit_one, args=(i,)) for i in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(10)
+        Threads(*(lambda i=i: commit_one(i) for i in range(4))).join()
         assert len(errors) == 4
         assert all(isinstance(e, OSError | LogClosedError) for e in errors)
         assert any("input/output error" in str(e) or "input/output error" in repr(e.__cause__) for e in errors)
@@ -170,11 +159,19 @@ def test_commit_beyond_the_last_appended_seq_is_refused(log_dir: Path) -> None:
 
 def test_a_group_commit_window_gathers_commits_into_one_sync(log_dir: Path) -> None:
     with LogWriter(log_dir, group_commit_window_s=0.5) as writer:
-        threads = [threading.Thread(target=lambda i=i: writer.commit(writer.append(_reward(f"w{i}")).last))
-                   for i in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(10)
+        Threads(*(lambda i=i: writer.commit(writer.append(_reward(f"w{i}")).last) for i in range(8))).join()
         assert writer.durable_seq == 7
         assert writer.stats.fsyncs <= 2  # without the window, each of the first commits syncs on its own
+
+
+def test_group_commit_from_many_threads(log_dir: Path) -> None:
+    with LogWriter(log_dir) as writer:
+        def produce(worker: int) -> None:
+            for i in range(50):
+                seqs = writer.append(_reward(f"w{worker}-{i}"))
+                assert writer.commit(seqs.last) >= seqs.last
+
+        Threads(*(lambda w=w: produce(w) for w in range(16))).join()
+        assert writer.stats.fsyncs < 16 * 50  # commits were coalesced
+    ids = [e.execution_id for e in LogReader(log_dir).events()]
+    assert sorted(ids) == sorted(f"w{w}-{i}" for w in range(16) for i in range(50))

@@ -114,22 +114,3 @@ def test_reader_of_a_missing_log_says_so(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(LogError, match="no segment files"):
         LogReader(tmp_path / "empty")
-
-
-def test_group_commit_from_many_threads(log_dir: Path) -> None:
-    import threading
-
-    with LogWriter(log_dir) as writer:
-        def produce(worker: int) -> None:
-            for i in range(50):
-                seqs = writer.append(RewardRecorded(execution_id=f"w{worker}-{i}", reward=0.5))
-                assert writer.commit(seqs.last) >= seqs.last
-
-        threads = [threading.Thread(target=produce, args=(w,)) for w in range(16)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert writer.stats.fsyncs < 16 * 50  # commits were coalesced
-    ids = [e.execution_id for e in LogReader(log_dir).events()]
-    assert sorted(ids) == sorted(f"w{w}-{i}" for w in range(16) for i in range(50))
