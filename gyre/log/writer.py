@@ -110,7 +110,7 @@ class _ReadyFrame:
 
     def fill(self, parts: list) -> None:
         self.size = sum(len(memoryview(p)) for p in parts)
-        self.parts = parts
+        self.parts = parts  # last: whoever sees parts sees the size
 
 
 @lru_cache(maxsize=256)
@@ -169,15 +169,19 @@ class LogWriter:
         self._chunks: list[_ReadyFrame | _EventRun] = []
         self.stats = WriterStats()
         self._stopping = False
+        self._closing = False
         self._failed: BaseException | None = None
         self._closed = False
         self._fd = -1
-        self._sealer = _Sealer(self.path) if seal else None
+        self._sealer: _Sealer | None = None
         try:
+            self._sealer = _Sealer(self.path) if seal else None
             self.recovery = self._recover()
         except BaseException:
             if self._sealer is not None:
                 self._sealer.close()
+            if self._fd >= 0:
+                os.close(self._fd)
             self._release_lock()
             raise
         self._next_seq = self.recovery.next_seq
@@ -188,8 +192,8 @@ class LogWriter:
         self._requested = self._durable_seq
         """The highest seq a commit asked the flusher to make durable."""
         self._pending_first = self._next_seq
-        self._flusher = threading.Thread(target=self._flush_loop, name="gyre-log-flusher", daemon=True)
-        self._flusher.start()
+        self._flusher: threading.Thread | None = None
+        """Started by the first commit that leaves its sync to it (one thread and one caller: never)."""
 
     # -- opening -----------------------------------------------------------------------------------------
 
@@ -203,8 +207,12 @@ class LogWriter:
             raise LogLockedError(
                 f"log {self.path} is already open for writing (holder pid {holder}); a log has one writer"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)  # closing the file releases the lock too
+            raise
         return fd
 
     def _release_lock(self) -> None:
@@ -242,6 +250,8 @@ class LogWriter:
             if self._sealer is not None:
                 for _, older in segments[:-1]:
                     self._sealer.submit(older)
+            if batches:  # the crashed writer may have written it without syncing: it is durable from now
+                _sync_file(path)
             same_schema = found.schema.equals(self._schema, check_metadata=True)
             if same_schema:
                 self._fd = os.open(path, os.O_WRONLY)
@@ -262,9 +272,13 @@ class LogWriter:
         path = self.path / segment_name(first_seq)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         header = schema_frame(self._schema, first_seq)
-        _write_all(fd, [header], 0)
-        os.fsync(fd)
-        fsync_dir(self.path)
+        try:
+            _write_all(fd, [header], 0)
+            os.fsync(fd)
+            fsync_dir(self.path)
+        except BaseException:
+            os.close(fd)  # a segment with an incomplete schema frame is removed by the next recovery
+            raise
         self._fd, self._offset, self._segment, self._segment_first = fd, len(header), path, first_seq
 
     # -- appending ---------------------------------------------------------------------------------------
@@ -283,7 +297,7 @@ class LogWriter:
         stamp = time.time_ns() // 1000
         if isinstance(events, Event) and type(events) is not Event:  # one event: the hot path, no lists
             with self._cond:
-                if self._closed or self._failed is not None:
+                if self._closing or self._failed is not None:
                     self._check_usable()
                 first = self._next_seq
                 self._pending_events.append(events)
@@ -314,8 +328,8 @@ class LogWriter:
         """
         columns = validated_columns(batch)
         n = len(columns["kind"])
-        size = sum(column.get_total_buffer_size() for column in columns.values())
-        if size > _MAX_BATCH_BYTES and sum(column.nbytes for column in columns.values()) > _MAX_BATCH_BYTES:
+        size = sum(column.get_total_buffer_size() for column in columns.values()) + 16 * n  # + seq and ts
+        if size > _MAX_BATCH_BYTES and sum(c.nbytes for c in columns.values()) + 16 * n > _MAX_BATCH_BYTES:
             raise EventValidationError(f"a batch of {size} bytes does not fit in one frame (4 GiB); "
                                        f"append it in slices")
         if self.run_id is not None:
@@ -333,13 +347,12 @@ class LogWriter:
             seq = pa.Array.from_buffers(_INT64, n, [None, pa.py_buffer(np.arange(first, first + n, dtype=np.int64))])
             ts = pa.Array.from_buffers(TS_TYPE, n, [None, pa.py_buffer(np.full(n, stamp, dtype=np.int64))])
             full = pa.RecordBatch.from_arrays([seq, ts, *columns.values()], schema=_stored_schema(tuple(columns)))
-            parts = batch_frame_parts(full, first, self._schema)
+            frame.fill(batch_frame_parts(full, first, self._schema))  # atomic: a writer may read it now
         except BaseException as error:  # its seqs are taken: without this frame the log cannot stay gapless
             self._fail(error)
             raise
         with self._lock:
-            frame.fill(parts)
-            self._framed.notify_all()
+            self._framed.notify_all()  # (a writer waiting for it also looks again every 50 ms)
         return SeqRange(first, first + n - 1)
 
     def _cut_event_chunk(self) -> None:
@@ -371,11 +384,14 @@ class LogWriter:
             if self._durable_seq >= target:
                 return self._durable_seq
             self._check_failed()
+            if self._closed:
+                raise LogClosedError(f"log writer for {self.path} is closed")
             self._write_stage(target, covered_by_a_write_under_way=True)
             if not wait:
                 self._request_sync(target)
                 return self._durable_seq
-        if self.group_commit_window_s == 0 and self._sync_lock.acquire(blocking=False):
+            written = self._written_seq >= target  # else a write under way covers it: sync after it
+        if written and self.group_commit_window_s == 0 and self._sync_lock.acquire(blocking=False):
             try:
                 self._sync()
             finally:
@@ -405,31 +421,41 @@ class LogWriter:
     def _request_sync(self, target: int) -> None:
         if target > self._requested:
             self._requested = target
+            if self._flusher is None and not self._stopping:
+                self._flusher = threading.Thread(target=self._flush_loop, name="gyre-log-flusher", daemon=True)
+                self._flusher.start()
             self._work.notify()
 
     def _write_group(self) -> None:
         """Write everything buffered (anyone's), in seq order. Called holding ``_lock``, which it releases
-        while it frames events and writes, and holds again when it returns."""
+        while it frames events and writes, and holds again when it returns (or raises)."""
         self._cut_event_chunk()
         chunks, self._chunks = self._chunks, []
         last = self._writing_upto = self._next_seq - 1
-        while any(type(c) is _ReadyFrame and c.parts is None for c in chunks):
-            self._framed.wait()
-            if self._failed is not None:
-                self._writing_upto = None
+        try:
+            while any(type(c) is _ReadyFrame and c.parts is None for c in chunks):
+                self._framed.wait(0.05)
                 self._check_failed()
+        except BaseException:  # nothing is written yet: the group goes back for the next writer
+            self._chunks[:0] = chunks
+            self._writing_upto = None
+            self._write_turn.notify_all()
+            raise
         self._lock.release()
+        error: BaseException | None = None
         try:
             self._write(chunks)
-        except BaseException as error:
-            self._lock.acquire()
-            self._writing_upto = None
-            self._fail_locked(error)
-            raise
-        self._lock.acquire()
+        except BaseException as failed:  # the file holds part of a group: nothing more may follow it
+            error = failed
+        interrupted = _acquire_uninterruptibly(self._lock)
         self._writing_upto = None
+        if error is not None:
+            self._fail_locked(error)
+            raise error
         self._written_seq = last
         self._write_turn.notify_all()
+        if interrupted is not None:
+            raise interrupted
 
     def _write(self, chunks: list) -> None:
         """Write frames in seq order, rotating between frames when the segment is full."""
@@ -477,12 +503,15 @@ class LogWriter:
     def _sync(self) -> None:
         """fdatasync what is written and publish it as durable. Called holding ``_sync_lock`` only."""
         with self._lock:
+            # After a failed fsync Linux reports the error once and marks the pages clean: a second
+            # fsync would succeed without them. So nothing syncs, or counts as durable, after a failure.
+            self._check_failed()
             target = self._written_seq  # every frame up to here is in the file
             if target <= self._durable_seq:
                 return
         try:
             os.fdatasync(self._fd)
-        except BaseException as error:  # fsync errors cannot be retried: the dirty pages may be gone
+        except OSError as error:  # fsync errors cannot be retried: the dirty pages may be gone
             self._fail(error)
             raise
         with self._cond:
@@ -507,6 +536,8 @@ class LogWriter:
     def _rotate(self, first_seq: int) -> None:
         """Sync the full segment and continue in a new one (by the thread writing the current group)."""
         with self._sync_lock:
+            with self._lock:
+                self._check_failed()  # see _sync: never fsync again after a failed one
             os.fdatasync(self._fd)
             self.stats.fsyncs += 1
             with self._cond:  # everything in the old segment is durable now
@@ -519,7 +550,7 @@ class LogWriter:
             self._sealer.submit(old)
 
     def _check_usable(self) -> None:
-        if self._closed:
+        if self._closing:
             raise LogClosedError(f"log writer for {self.path} is closed")
         self._check_failed()
 
@@ -532,9 +563,12 @@ class LogWriter:
     # -- closing -----------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Commit what was appended, then release the log. Idempotent."""
-        if self._closed:
-            return
+        """Commit what was appended, then release the log. Idempotent; appends are refused from the start
+        of a close, so nothing accepted is left unwritten."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
         try:
             if self._failed is None:
                 self.commit()
@@ -542,20 +576,47 @@ class LogWriter:
             with self._work:
                 self._stopping = True
                 self._work.notify()
-            self._flusher.join()
-            self._closed = True
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
-            if self._sealer is not None:
-                self._sealer.close()
-            self._release_lock()
+                flusher = self._flusher
+            if flusher is not None:
+                flusher.join()
+            with self._lock:
+                self._closed = True
+                fd, self._fd = self._fd, -1
+            try:
+                if fd >= 0:
+                    os.close(fd)
+            finally:
+                try:
+                    if self._sealer is not None:
+                        self._sealer.close()
+                finally:
+                    self._release_lock()
 
     def __enter__(self) -> "LogWriter":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _sync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def _acquire_uninterruptibly(lock: threading.Lock) -> BaseException | None:
+    """Take ``lock`` even if a signal handler raises meanwhile (Ctrl-C); return what it raised, if anything,
+    for the caller to raise once its state is consistent again."""
+    interrupted = None
+    while True:
+        try:
+            lock.acquire()
+            return interrupted
+        except BaseException as error:
+            interrupted = error
 
 
 def _write_all(fd: int, parts: list, offset: int) -> None:

@@ -175,3 +175,94 @@ def test_group_commit_from_many_threads(log_dir: Path) -> None:
         assert writer.stats.fsyncs < 16 * 50  # commits were coalesced
     ids = [e.execution_id for e in LogReader(log_dir).events()]
     assert sorted(ids) == sorted(f"w{w}-{i}" for w in range(16) for i in range(50))
+
+
+def test_nothing_counts_as_durable_after_a_failed_fsync(log_dir: Path, monkeypatch) -> None:
+    """Linux reports a writeback error to one fsync and marks the pages clean, so the next fsync of the
+    same file succeeds without them: a sync queued behind the failed one must not publish anything."""
+    real = writer_module.os.fdatasync
+    entered, release = threading.Event(), threading.Event()
+    calls = []
+
+    def error_once(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == 1:
+            entered.set()
+            assert release.wait(10)
+            raise OSError(errno.EIO, "input/output error")
+        real(fd)
+
+    with LogWriter(log_dir) as writer:
+        monkeypatch.setattr(writer_module.os, "fdatasync", error_once)
+        writer.append(_reward("a"))
+        first = Threads(writer.commit)  # syncs inline, and fails
+        assert entered.wait(10)
+        writer.append(_reward("b"))
+        writer.commit(wait=False)  # the flusher queues behind the failing sync
+        release.set()
+        with pytest.raises(OSError, match="input/output error"):
+            first.join()
+        with pytest.raises(LogClosedError, match="failed and accepts nothing more"):
+            writer.commit()
+        assert writer.durable_seq == -1
+        assert len(calls) == 1  # no second fsync ran
+
+
+def test_an_interrupt_while_waiting_for_a_frame_loses_nothing(log_dir: Path, monkeypatch) -> None:
+    framing, resume = threading.Event(), threading.Event()
+    real_frame = writer_module.batch_frame_parts
+
+    def slow_frame(*args, **kwargs):
+        if threading.current_thread().name == "slow-producer":
+            framing.set()
+            assert resume.wait(10)
+        return real_frame(*args, **kwargs)
+
+    monkeypatch.setattr(writer_module, "batch_frame_parts", slow_frame)
+    with LogWriter(log_dir) as writer:
+        producer = threading.Thread(target=writer.append_batch, args=(_batch(["x0", "x1"]),), name="slow-producer")
+        producer.start()
+        assert framing.wait(10)
+        writer.append(_reward("after"))
+
+        def interrupted(timeout=None):  # Ctrl-C lands while the commit waits for the frame
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(writer._framed, "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            writer.commit()
+        monkeypatch.undo()
+        resume.set()
+        producer.join(10)
+        assert writer.commit() == 2  # the group went back to the buffer: the next commit writes it
+    assert [e.execution_id for e in LogReader(log_dir).events()] == ["x0", "x1", "after"]
+
+
+def test_close_refuses_appends_from_its_start_and_keeps_every_accepted_one(log_dir: Path) -> None:
+    accepted: list[str] = []
+    writer = LogWriter(log_dir)
+    started = threading.Event()
+
+    def produce(worker: int) -> None:
+        for i in range(100_000):
+            try:
+                writer.append(_reward(f"w{worker}-{i}"))
+            except LogClosedError:
+                return
+            accepted.append(f"w{worker}-{i}")
+            started.set()
+
+    producers = Threads(*(lambda w=w: produce(w) for w in range(3)))
+    assert started.wait(10)
+    writer.close()
+    producers.join()
+    assert sorted(e.execution_id for e in LogReader(log_dir).events()) == sorted(accepted)
+
+
+def test_a_writer_used_from_one_thread_runs_no_flusher(log_dir: Path) -> None:
+    with LogWriter(log_dir, seal=False) as writer:
+        for i in range(20):
+            writer.commit(writer.append(_reward(f"e{i}")).last)
+        assert writer._flusher is None  # every commit synced inline: no thread was needed
+        writer.commit(writer.append(_reward("late")).last, wait=False)
+        assert writer._flusher is not None

@@ -13,7 +13,7 @@ def test_payload_modes_measure_the_same_bytes_as_their_raw_baseline(tmp_path: Pa
         assert out[f"payload_producers{label}"] == producers and out[f"payload_commits_wait{label}"] == wait
         # A commit carries at least one append (2 calls of 2,048 tokens), and at most all eight of them.
         one_append = 2 * log_bench.TOKENS_PER_CALL * 8
-        assert one_append <= out[f"payload_bytes_per_fsync{label}"] <= 8 * one_append + 8192
+        assert one_append <= out[f"payload_bytes_per_fsync{label}"] <= 8 * one_append * 1.2  # + framing
     assert out["payload_bytes_per_fsync_single_producer"] < 2 * 2 * log_bench.TOKENS_PER_CALL * 8  # one each
     assert not list(tmp_path.iterdir())  # every round cleans up its files
 
