@@ -134,3 +134,33 @@ def test_a_log_written_with_the_older_schema_stays_readable(tmp_path: Path) -> N
     con = reader.duckdb()
     assert con.execute("select count(*) from model_calls").fetchone()[0] == 1 + 3
     assert con.execute("select max(reward) from rewards").fetchone()[0] == 0.75
+
+
+def test_small_frames_are_merged_into_batches_in_seq_order(tmp_path: Path, monkeypatch) -> None:
+    """A log committed event by event (frames of one kind each) reads as few batches, same rows as frame
+    by frame, in seq order, with ranges and kind filters applied."""
+    events = run_events(executions=6, calls=4)
+    with LogWriter(tmp_path / "log", segment_bytes=16 << 10) as writer:  # several segments
+        for event in events:
+            writer.append(event)
+            writer.commit()
+    reader = LogReader(tmp_path / "log")
+    per_frame = list(reader.read(batch_rows=0))
+    merged = list(reader.read())
+    assert len(per_frame) == len(events) and len(merged) == len(reader.segments()) < len(per_frame)
+    assert pa.Table.from_batches(merged).equals(pa.Table.from_batches(per_frame))
+
+    sparse = list(reader.read(full_schema=False))
+    assert all(b.column("seq").to_pylist() == sorted(b.column("seq").to_pylist()) for b in sparse)
+    names = [f.name for f in sparse[0].schema]
+    assert names == [n for n in pa.Table.from_batches(per_frame).schema.names if n in names]  # schema order
+
+    ranged = pa.Table.from_batches(list(reader.read(from_seq=10, to_seq=60, kinds=["model_call_finished"])))
+    table = pa.Table.from_batches(per_frame)
+    seqs = table.column("seq").to_pylist()
+    kinds = table.column("kind").to_pylist()
+    assert ranged.column("seq").to_pylist() == [s for s, k in zip(seqs, kinds, strict=True)
+                                                if 10 <= s <= 60 and k == "model_call_finished"]
+
+    monkeypatch.setattr("gyre.log.reader.MERGE_BYTES", 1)  # a byte bound below one frame: no merging
+    assert len(list(reader.read())) == len(events)
