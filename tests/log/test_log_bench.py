@@ -26,5 +26,7 @@ def test_the_other_figures_run_at_tiny_sizes(tmp_path: Path) -> None:
     assert 0 < latency["commit_p50_ms"] <= latency["commit_p99_ms"]
     replay = log_bench.replay_speed(tmp_path, executions=5, calls=4)
     assert replay["replay_events_per_s"] == replay["replay_executions_events_per_s"] > 0
+    small = log_bench.replay_small_frames(tmp_path, executions=2, calls=3)
+    assert small["replay_small_frames_events"] == 2 * (3 + 2 * 3) and small["replay_small_frames_events_per_s"] > 0
     recovery = log_bench.recovery_speed(tmp_path, megabytes=1)
     assert recovery["recovery_bytes"] > 1 << 20
