@@ -70,8 +70,13 @@ def run_replicas(run: ReplicaRun, satellites: int = 1) -> None:
         p.start()
     deadline = time.monotonic() + run.timeout_s
     try:  # one failure stops the rest at once: the others would wait on it until the deadline
-        while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
-            wait([p.sentinel for p in processes if p.is_alive()], timeout=max(0.0, deadline - time.monotonic()))
+        while time.monotonic() < deadline:
+            # One list, checked before waiting: a process that ends between two is_alive() calls would
+            # otherwise leave wait() an empty list, and it would sleep until the deadline.
+            alive = [p.sentinel for p in processes if p.is_alive()]
+            if not alive:
+                break
+            wait(alive, timeout=max(0.0, deadline - time.monotonic()))
             if any(p.exitcode not in (None, 0) for p in processes):
                 break
     finally:
