@@ -87,7 +87,7 @@ class LogReader:
             pending: list[pa.RecordBatch] = []
             rows = size = 0
             for frame in data.batch_frames(found):
-                if frame.last_seq < from_seq:
+                if frame.last_seq < from_seq or not frame.count:
                     continue
                 if to_seq is not None and frame.first_seq > to_seq:
                     break
@@ -212,8 +212,8 @@ class LogReader:
             for frame in data.batch_frames(found):
                 batch = data.decode(frame)
                 seqs = batch.column("seq")
-                if batch.num_rows != frame.count or seqs[0].as_py() != frame.first_seq or (
-                        seqs[-1].as_py() != frame.last_seq):
+                if batch.num_rows != frame.count or (frame.count and (
+                        seqs[0].as_py() != frame.first_seq or seqs[-1].as_py() != frame.last_seq)):
                     raise LogCorruptionError(str(path), frame.offset, "frame header disagrees with its batch")
                 report.events += frame.count
                 expected = frame.last_seq + 1

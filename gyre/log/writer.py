@@ -328,6 +328,10 @@ class LogWriter:
         """
         columns = validated_columns(batch)
         n = len(columns["kind"])
+        if not n:  # nothing to frame (a 0-row frame would be a batch that readers must skip)
+            with self._lock:
+                self._check_usable()
+                return SeqRange(self._next_seq, self._next_seq - 1)
         size = sum(column.get_total_buffer_size() for column in columns.values()) + 16 * n  # + seq and ts
         if size > _MAX_BATCH_BYTES and sum(c.nbytes for c in columns.values()) + 16 * n > _MAX_BATCH_BYTES:
             raise EventValidationError(f"a batch of {size} bytes does not fit in one frame (4 GiB); "

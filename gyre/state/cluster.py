@@ -69,7 +69,7 @@ class ClusterView(Projection[ClusterState]):
         """
         if rows is not None:
             return super().apply_batch(state, batch, rows)
-        keep = _calls_not_done_within(batch, state.call_cell)
+        keep = _calls_not_done_within(batch, state)
         if keep is None:
             return super().apply_batch(state, batch)
         super().apply_batch(state, batch, keep)
@@ -150,11 +150,12 @@ class ClusterView(Projection[ClusterState]):
         s.now_us = ts
 
 
-def _calls_not_done_within(batch: pa.RecordBatch, in_flight: dict[str, str]) -> pa.Array | None:
+def _calls_not_done_within(batch: pa.RecordBatch, state: ClusterState) -> pa.Array | None:
     """Mask of the rows to fold: all but the start and finish of each call that begins and ends within
-    ``batch``, once each, start first, under one execution, and was not in flight before (a second start
-    of an in-flight call overwrites it, and its finish would then end the earlier one). None: nothing to skip.
-    """
+    ``batch``, once each, start first, under one execution, and that the state does not know yet (a second
+    start of an in-flight call overwrites it, and its finish would then end the earlier one; a call left in
+    an execution's set, by a finish under another execution, would be removed by the pair). None: nothing
+    to skip."""
     kind = batch.column("kind")
     started, finished = pc.equal(kind, "model_call_started"), pc.equal(kind, "model_call_finished")
     if not (pc.any(started).as_py() and pc.any(finished).as_py()):
@@ -168,7 +169,8 @@ def _calls_not_done_within(batch: pa.RecordBatch, in_flight: dict[str, str]) -> 
     once_each = pc.and_(pc.equal(pairs["row_count"], 1), pc.equal(pairs["row_count_finish"], 1))
     start_first = pc.less(pairs["row_min"], pairs["row_min_finish"])
     one_execution = pc.equal(pairs["execution_min"], pairs["execution_min_finish"])
-    new_call = pc.invert(pc.is_in(pairs["call"], value_set=pa.array(list(in_flight), pa.string())))
+    known = set(state.call_cell).union(*state.execution_calls.values())
+    new_call = pc.invert(pc.is_in(pairs["call"], value_set=pa.array(list(known), pa.string())))
     done = pc.fill_null(pc.and_(pc.and_(once_each, start_first), pc.and_(one_execution, new_call)), False)
     pairs = pairs.filter(done)
     if not pairs.num_rows:

@@ -114,3 +114,14 @@ def test_reader_of_a_missing_log_says_so(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(LogError, match="no segment files"):
         LogReader(tmp_path / "empty")
+
+
+def test_an_empty_batch_takes_no_seq_and_writes_no_frame(log_dir: Path) -> None:
+    empty = encode([RewardRecorded(execution_id="e", reward=0.5)], 0).drop_columns(["seq", "ts"]).slice(0, 0)
+    with LogWriter(log_dir) as writer:
+        got = writer.append_batch(empty)
+        assert (got.first, got.last) == (0, -1)
+        writer.append(RewardRecorded(execution_id="e", reward=0.5))
+    reader = LogReader(log_dir)
+    assert [b.num_rows for b in reader.read(batch_rows=0)] == [1]  # one frame: the empty batch made none
+    assert reader.verify().ok
