@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gyre.events.schema import event_schema, evolve
-from gyre.log.segment import SegmentData, fsync_dir, sealed_copies, sealed_path
+from gyre.log.segment import SegmentData, fsync_path, sealed_copies, sealed_path
 
 ROW_GROUP_ROWS = 32_768
 
@@ -38,7 +38,7 @@ def seal_segment(segment: Path) -> Path:
     stale = sealed_copies(segment)
     target = sealed_path(segment, crc)
     os.replace(tmp, target)
-    fsync_dir(segment.parent)
+    fsync_path(segment.parent)
     for old in stale:
         if old != target:
             old.unlink(missing_ok=True)

@@ -205,8 +205,9 @@ class SegmentData:
         return False
 
 
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """fsync a directory (so that the names in it are durable) or a file written through another fd."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

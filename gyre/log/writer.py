@@ -45,7 +45,7 @@ from gyre.log.frames import MAX_PAYLOAD
 from gyre.log.segment import (
     SegmentData,
     batch_frame_parts,
-    fsync_dir,
+    fsync_path,
     list_segments,
     schema_frame,
     segment_name,
@@ -232,7 +232,7 @@ class LogWriter:
                 warnings.warn(f"removing {path.name}: its schema frame was never completed",
                               LogRecoveryWarning, stacklevel=3)
                 path.unlink()
-                fsync_dir(self.path)
+                fsync_path(self.path)
                 segments.pop()
                 continue
             dropped = 0
@@ -251,7 +251,7 @@ class LogWriter:
                 for _, older in segments[:-1]:
                     self._sealer.submit(older)
             if batches:  # the crashed writer may have written it without syncing: it is durable from now
-                _sync_file(path)
+                fsync_path(path)
             same_schema = found.schema.equals(self._schema, check_metadata=True)
             if same_schema:
                 self._fd = os.open(path, os.O_WRONLY)
@@ -275,7 +275,7 @@ class LogWriter:
         try:
             _write_all(fd, [header], 0)
             os.fsync(fd)
-            fsync_dir(self.path)
+            fsync_path(self.path)
         except BaseException:
             os.close(fd)  # a segment with an incomplete schema frame is removed by the next recovery
             raise
@@ -601,14 +601,6 @@ class LogWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _sync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
 
 
 def _acquire_uninterruptibly(lock: threading.Lock) -> BaseException | None:

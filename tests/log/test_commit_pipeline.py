@@ -38,6 +38,28 @@ class _HeldSync:
         self.real(fd)
 
 
+class _HeldFraming:
+    """Stands in for the writer's framing: a thread named ``slow-producer`` stops in it until released."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.real = writer_module.batch_frame_parts
+        monkeypatch.setattr(writer_module, "batch_frame_parts", self)
+
+    def __call__(self, *args, **kwargs):
+        if threading.current_thread().name == "slow-producer":
+            self.entered.set()
+            assert self.release.wait(10)
+        return self.real(*args, **kwargs)
+
+    def start_producer(self, writer: LogWriter, names: list[str]) -> threading.Thread:
+        """A producer appending ``names`` as a batch; returns once its seqs are taken and it is framing."""
+        producer = threading.Thread(target=writer.append_batch, args=(_batch(names),), name="slow-producer")
+        producer.start()
+        assert self.entered.wait(10)
+        return producer
+
+
 def test_commit_without_waiting_returns_while_the_disk_syncs(log_dir: Path, monkeypatch) -> None:
     held = _HeldSync(writer_module.os.fdatasync)
     with LogWriter(log_dir) as writer:
@@ -73,28 +95,16 @@ def test_commits_during_a_sync_are_coalesced_into_the_next_one(log_dir: Path, mo
 
 
 def test_a_commit_waits_for_a_producer_still_framing_its_batch(log_dir: Path, monkeypatch) -> None:
-    framing, resume = threading.Event(), threading.Event()
-    real_frame = writer_module.batch_frame_parts
-
-    def slow_frame(*args, **kwargs):
-        if threading.current_thread().name == "slow-producer":
-            framing.set()
-            assert resume.wait(10)
-        return real_frame(*args, **kwargs)
-
-    monkeypatch.setattr(writer_module, "batch_frame_parts", slow_frame)
+    framing = _HeldFraming(monkeypatch)
     with LogWriter(log_dir) as writer:
-        producer = threading.Thread(target=writer.append_batch, args=(_batch(["slow0", "slow1"]),),
-                                    name="slow-producer")  # the name is what slows its framing down
-        producer.start()
-        assert framing.wait(10)  # its seqs 0-1 are taken, its frame is not built yet
+        producer = framing.start_producer(writer, ["slow0", "slow1"])  # seqs 0-1 taken, frame not built
         after = writer.append(_reward("after"))
         assert after.first == 2
         committer = threading.Thread(target=writer.commit)
         committer.start()
         committer.join(0.2)
         assert committer.is_alive() and writer.durable_seq == -1  # waiting for the frame, not skipping it
-        resume.set()
+        framing.release.set()
         producer.join(10)
         committer.join(10)
         assert writer.durable_seq == 2
@@ -209,20 +219,9 @@ def test_nothing_counts_as_durable_after_a_failed_fsync(log_dir: Path, monkeypat
 
 
 def test_an_interrupt_while_waiting_for_a_frame_loses_nothing(log_dir: Path, monkeypatch) -> None:
-    framing, resume = threading.Event(), threading.Event()
-    real_frame = writer_module.batch_frame_parts
-
-    def slow_frame(*args, **kwargs):
-        if threading.current_thread().name == "slow-producer":
-            framing.set()
-            assert resume.wait(10)
-        return real_frame(*args, **kwargs)
-
-    monkeypatch.setattr(writer_module, "batch_frame_parts", slow_frame)
+    framing = _HeldFraming(monkeypatch)
     with LogWriter(log_dir) as writer:
-        producer = threading.Thread(target=writer.append_batch, args=(_batch(["x0", "x1"]),), name="slow-producer")
-        producer.start()
-        assert framing.wait(10)
+        producer = framing.start_producer(writer, ["x0", "x1"])
         writer.append(_reward("after"))
 
         def interrupted(timeout=None):  # Ctrl-C lands while the commit waits for the frame
@@ -232,7 +231,7 @@ def test_an_interrupt_while_waiting_for_a_frame_loses_nothing(log_dir: Path, mon
         with pytest.raises(KeyboardInterrupt):
             writer.commit()
         monkeypatch.undo()
-        resume.set()
+        framing.release.set()
         producer.join(10)
         assert writer.commit() == 2  # the group went back to the buffer: the next commit writes it
     assert [e.execution_id for e in LogReader(log_dir).events()] == ["x0", "x1", "after"]
