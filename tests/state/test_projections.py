@@ -158,7 +158,7 @@ def test_snapshot_plus_rest_equals_full_replay(events: list, where: float) -> No
         full = fold(projection, events)
         snapshot = take_snapshot(projection, fold(projection, events[:cut]), seq=cut - 1)
         resumed = fold(projection, events[cut:], restore(projection, snapshot))
-        assert projection.dump(resumed) == projection.dump(full)
+        assert resumed == full  # by meaning: a set restored from a snapshot may iterate in another order
 
 
 def test_replay_from_a_log_with_a_snapshot_file(tmp_path: Path) -> None:
@@ -179,7 +179,7 @@ def test_replay_from_a_log_with_a_snapshot_file(tmp_path: Path) -> None:
         writer.append(later)
     resumed, seq = replay(view, log, snapshot=load_snapshot(tmp_path / "cluster.json"))
     full, _ = replay(view, log)
-    assert seq == 5 and view.dump(resumed) == view.dump(full)
+    assert seq == 5 and resumed == full
     assert resumed.inflight("c0") == ["k"]
     assert resumed.rollout_capacity == 0  # c0 is leaving rollout
     with pytest.raises(ValueError, match="cannot restore"):
