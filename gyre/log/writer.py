@@ -142,6 +142,7 @@ class LogWriter:
         group_commit_window_s: float = 0.0,
         seal: bool = True,
         max_pending_events: int = 1_000_000,
+        max_unsynced_bytes: int = 2 << 20,
     ) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
@@ -149,6 +150,7 @@ class LogWriter:
         self.segment_bytes = segment_bytes
         self.group_commit_window_s = group_commit_window_s
         self.max_pending_events = max_pending_events
+        self.max_unsynced_bytes = max_unsynced_bytes
         self._schema = event_schema()
         self._lock_fd = self._acquire_lock()
         self._lock = threading.Lock()
@@ -170,6 +172,8 @@ class LogWriter:
         self.stats = WriterStats()
         self._stopping = False
         self._closing = False
+        self._synced_bytes = 0
+        """``stats.bytes`` as of the last fdatasync: what lies beyond it is written but not yet durable."""
         self._failed: BaseException | None = None
         self._closed = False
         self._fd = -1
@@ -377,7 +381,11 @@ class LogWriter:
 
         With ``wait=False`` the caller writes, asks the flusher for the sync and returns: a producer that
         goes on appending keeps the CPU busy while the disk syncs. A later ``commit()`` (or
-        ``durable_seq``) tells when the events are durable. (Leaving the write to the flusher as well was
+        ``durable_seq``) tells when the events are durable. It does wait while more than
+        ``max_unsynced_bytes`` are written but not durable: that bounds what a machine crash can take back
+        and the size of a group (unbounded, the producer ran megabytes ahead of the disk and the groups
+        grew until the memory copies, not the fsync latency, set the pace: 0.93–0.98 of the raw speed
+        against 1.07–1.16 with the bound). (Leaving the write to the flusher as well was
         measured slower on 2 cores: the producer then runs ahead and the groups grow to megabytes, where a
         raw write is bound by memory copies, not by the fsync latency the log hides its work behind.)
         """
@@ -393,6 +401,9 @@ class LogWriter:
             self._write_stage(target, covered_by_a_write_under_way=True)
             if not wait:
                 self._request_sync(target)
+                while self.stats.bytes - self._synced_bytes > self.max_unsynced_bytes and self._durable_seq < target:
+                    self._check_failed()
+                    self._cond.wait()
                 return self._durable_seq
             written = self._written_seq >= target  # else a write under way covers it: sync after it
         if written and self.group_commit_window_s == 0 and self._sync_lock.acquire(blocking=False):
@@ -511,6 +522,7 @@ class LogWriter:
             # fsync would succeed without them. So nothing syncs, or counts as durable, after a failure.
             self._check_failed()
             target = self._written_seq  # every frame up to here is in the file
+            written_bytes = self.stats.bytes
             if target <= self._durable_seq:
                 return
         try:
@@ -521,6 +533,7 @@ class LogWriter:
         with self._cond:
             self.stats.fsyncs += 1
             self._durable_seq = max(self._durable_seq, target)
+            self._synced_bytes = max(self._synced_bytes, written_bytes)
             self._cond.notify_all()
 
     def _fail(self, error: BaseException) -> None:
@@ -546,6 +559,7 @@ class LogWriter:
             self.stats.fsyncs += 1
             with self._cond:  # everything in the old segment is durable now
                 self._durable_seq = max(self._durable_seq, first_seq - 1)
+                self._synced_bytes = max(self._synced_bytes, self.stats.bytes)
                 self._cond.notify_all()
             old, old_fd = self._segment, self._fd
             self._open_segment(first_seq)

@@ -265,3 +265,18 @@ def test_a_writer_used_from_one_thread_runs_no_flusher(log_dir: Path) -> None:
         assert writer._flusher is None  # every commit synced inline: no thread was needed
         writer.commit(writer.append(_reward("late")).last, wait=False)
         assert writer._flusher is not None
+
+
+def test_a_commit_without_waiting_waits_once_too_much_is_unsynced(log_dir: Path, monkeypatch) -> None:
+    held = _HeldSync(writer_module.os.fdatasync)
+    with LogWriter(log_dir, max_unsynced_bytes=1) as writer:
+        monkeypatch.setattr(writer_module.os, "fdatasync", held)
+        writer.append(_reward("e0"))
+        committer = threading.Thread(target=writer.commit, kwargs={"wait": False})
+        committer.start()
+        assert held.entered.wait(10)
+        committer.join(0.2)
+        assert committer.is_alive()  # its bytes are written, the sync is held: it waits for the backlog
+        held.release.set()
+        committer.join(10)
+        assert not committer.is_alive() and writer.durable_seq == 0
