@@ -10,6 +10,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -300,23 +301,28 @@ def commit_latency(root: Path, producers: int, commits_each: int) -> dict:
 # -- replay and recovery -----------------------------------------------------------------------------------
 
 
+def execution_events(e: int, calls: int, tokens: Callable[[], int]) -> list:
+    """One execution of a run: queued, started, ``calls`` model calls (start + finish), finished."""
+    execution, cell = f"e{e}", f"cell{e % 4}"
+    events = [ExecutionQueued(execution_id=execution, task_id=f"t{e // 16}", group_id=f"g{e // 16}"),
+              ExecutionStarted(execution_id=execution, cell_id=cell)]
+    for c in range(calls):
+        call, n = f"{execution}-c{c}", tokens()
+        events.append(ModelCallStarted(execution_id=execution, call_id=call, cell_id=cell))
+        events.append(ModelCallFinished(execution_id=execution, call_id=call, cell_id=cell,
+                                        output_ids=[1] * n, output_logprobs=[-0.5] * n))
+    events.append(ExecutionFinished(execution_id=execution, status="completed", duration_s=1.0))
+    return events
+
+
 def realistic_log(path: Path, executions: int, calls_per_execution: int) -> int:
     """A run-shaped log: executions queued/started/finished, call starts and finishes, rewards."""
     rng = np.random.default_rng(7)
     n = 0
     with LogWriter(path, seal=True, segment_bytes=32 << 20) as writer:
         for e in range(executions):
-            execution = f"e{e}"
-            events = [ExecutionQueued(execution_id=execution, task_id=f"t{e // 16}", group_id=f"g{e // 16}"),
-                      ExecutionStarted(execution_id=execution, cell_id=f"cell{e % 4}")]
-            for c in range(calls_per_execution):
-                call = f"{execution}-c{c}"
-                tokens = int(rng.integers(1, 64))
-                events.append(ModelCallStarted(execution_id=execution, call_id=call, cell_id=f"cell{e % 4}"))
-                events.append(ModelCallFinished(execution_id=execution, call_id=call, cell_id=f"cell{e % 4}",
-                                                output_ids=[1] * tokens, output_logprobs=[-0.5] * tokens))
-            events.append(ExecutionFinished(execution_id=execution, status="completed", duration_s=1.0))
-            events.append(RewardRecorded(execution_id=execution, reward=0.5))
+            events = execution_events(e, calls_per_execution, lambda: int(rng.integers(1, 64)))
+            events.append(RewardRecorded(execution_id=f"e{e}", reward=0.5))
             writer.append(events)
             n += len(events)
             if e % 64 == 63:
@@ -351,14 +357,7 @@ def replay_small_frames(root: Path, executions: int, calls: int) -> dict:
     n = 0
     with LogWriter(path, seal=False) as writer:
         for e in range(executions):
-            execution = f"e{e}"
-            events = [ExecutionQueued(execution_id=execution, task_id="t", group_id="g"),
-                      ExecutionStarted(execution_id=execution, cell_id="cell0")]
-            for c in range(calls):
-                events += [ModelCallStarted(execution_id=execution, call_id=f"{execution}-c{c}", cell_id="cell0"),
-                           ModelCallFinished(execution_id=execution, call_id=f"{execution}-c{c}", cell_id="cell0",
-                                             output_ids=[1] * 32, output_logprobs=[-0.5] * 32)]
-            events.append(ExecutionFinished(execution_id=execution, status="completed", duration_s=1.0))
+            events = execution_events(e, calls, lambda: 32)
             for event in events:
                 writer.append(event)
                 writer.commit(wait=False)  # one frame per event, without an fsync each
