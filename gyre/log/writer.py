@@ -515,13 +515,14 @@ class LogWriter:
                 except BaseException:
                     return
 
-    def _sync(self) -> None:
-        """fdatasync what is written and publish it as durable. Called holding ``_sync_lock`` only."""
+    def _sync(self, upto: int | None = None) -> None:
+        """fdatasync the segment and publish as durable everything written (or, from a rotation, which
+        knows more than the written mark, everything up to seq ``upto``). Called holding ``_sync_lock``."""
         with self._lock:
             # After a failed fsync Linux reports the error once and marks the pages clean: a second
             # fsync would succeed without them. So nothing syncs, or counts as durable, after a failure.
             self._check_failed()
-            target = self._written_seq  # every frame up to here is in the file
+            target = self._written_seq if upto is None else upto  # every frame up to here is in the file
             written_bytes = self.stats.bytes
             if target <= self._durable_seq:
                 return
@@ -542,8 +543,8 @@ class LogWriter:
 
     def _fail_locked(self, error: BaseException) -> None:
         """The log accepts nothing more; every waiting and later committer learns why."""
-        log.error("log %s: writing failed, the writer accepts nothing more: %r", self.path, error)
         if self._failed is None:
+            log.error("log %s: writing failed, the writer accepts nothing more: %r", self.path, error)
             self._failed = error
         self._cond.notify_all()
         self._write_turn.notify_all()
@@ -553,14 +554,7 @@ class LogWriter:
     def _rotate(self, first_seq: int) -> None:
         """Sync the full segment and continue in a new one (by the thread writing the current group)."""
         with self._sync_lock:
-            with self._lock:
-                self._check_failed()  # see _sync: never fsync again after a failed one
-            os.fdatasync(self._fd)
-            self.stats.fsyncs += 1
-            with self._cond:  # everything in the old segment is durable now
-                self._durable_seq = max(self._durable_seq, first_seq - 1)
-                self._synced_bytes = max(self._synced_bytes, self.stats.bytes)
-                self._cond.notify_all()
+            self._sync(first_seq - 1)  # everything in the old segment
             old, old_fd = self._segment, self._fd
             self._open_segment(first_seq)
             os.close(old_fd)
