@@ -1,9 +1,11 @@
 """`gyre log ...`: verify, inspect, tail, query and benchmark a log."""
 
+import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, ParamSpec
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -17,7 +19,7 @@ from gyre.log.reader import LogReader
 
 log_app = typer.Typer(no_args_is_help=True, help="Inspect, verify, query and benchmark a Gyre log.")
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 PathArg = Annotated[Path, typer.Argument(help="log directory")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of a table")]
@@ -36,9 +38,36 @@ def _reader(path: Path) -> LogReader:
         raise
 
 
+P = ParamSpec("P")
+
+
+def _clear_errors(command: Callable[P, None]) -> Callable[P, None]:
+    """A damaged log (or any Gyre error) ends a command with one line naming what is wrong and where
+    (segment and byte offset), exit status 1, never a traceback."""
+
+    @functools.wraps(command)
+    def run(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            command(*args, **kwargs)
+        except GyreError as error:
+            _fail(str(error))
+        except OSError as error:
+            _fail(f"cannot read the log: {error}")
+
+    return run
+
+
 @log_app.command()
-def verify(path: PathArg, as_json: JsonOpt = False) -> None:
-    """Check every frame's checksum, the seq chain and the sealed copies. Exit 1 on corruption."""
+@_clear_errors
+def verify(path: PathArg, as_json: JsonOpt = False,
+           allow_torn_tail: Annotated[bool, typer.Option(
+               "--allow-torn-tail", help="exit 0 when the log ends in a proven torn write (a crashed writer "
+                                         "leaves one; the next writer quarantines it)")] = False) -> None:
+    """Check every frame's checksum, the seq chain and the sealed copies.
+
+    Exit 1 on corruption, and on damage at the end of the log: a torn tail (unless --allow-torn-tail)
+    or bytes that nothing proves were, or were not, acknowledged.
+    """
     try:
         report = _reader(path).verify()
     except LogCorruptionError as error:
@@ -46,21 +75,34 @@ def verify(path: PathArg, as_json: JsonOpt = False) -> None:
             print(json.dumps({"ok": False, "segment": error.segment, "offset": error.offset,
                               "reason": error.reason}))
             raise typer.Exit(1) from None
-        _fail(str(error))
-    out = {"ok": report.ok, "segments": report.segments, "events": report.events, "bytes": report.bytes,
+        raise
+    ok = report.torn_tail_ok if allow_torn_tail else report.ok
+    out = {"ok": ok, "segments": report.segments, "events": report.events, "bytes": report.bytes,
            "first_seq": report.first_seq, "last_seq": report.last_seq, "sealed": report.sealed,
-           "torn_tail_bytes": report.torn_tail_bytes, "problems": report.problems}
+           "torn_tail_bytes": report.torn_tail_bytes, "tail": report.tail_verdict,
+           "tail_segment": report.tail_segment, "tail_offset": report.tail_offset,
+           "tail_reason": report.tail_reason, "tail_frames": report.tail_frames, "tail_events": report.tail_events,
+           "quarantined": report.quarantined, "problems": report.problems}
     if as_json:
         print(json.dumps(out))
     else:
-        status = "[green]ok[/green]" if report.ok else "[yellow]problems[/yellow]"
+        status = "[green]ok[/green]" if ok else "[yellow]problems[/yellow]"
         console.print(f"{status}: {report.events} events in {report.segments} segments "
                       f"({report.bytes / 1e6:.1f} MB), seq {report.first_seq}..{report.last_seq}")
-        if report.torn_tail_bytes:
-            console.print(f"torn tail of {report.torn_tail_bytes} bytes (the next writer cuts it)")
+        if report.tail_verdict == "torn":
+            console.print(f"torn tail of {report.torn_tail_bytes} bytes at byte offset {report.tail_offset} of "
+                          f"{report.tail_segment} ({report.tail_frames} frame(s), {report.tail_events} event(s), "
+                          f"never acknowledged; the next writer quarantines it): {report.tail_reason}")
+        elif report.tail_verdict == "ambiguous":
+            console.print(f"[yellow]damaged tail of {report.torn_tail_bytes} bytes at byte offset "
+                          f"{report.tail_offset} of {report.tail_segment} ({report.tail_frames} frame(s), "
+                          f"{report.tail_events} event(s)) that nothing proves unacknowledged: "
+                          f"{report.tail_reason}[/yellow]")
+        for name in report.quarantined:
+            console.print(f"quarantined by an earlier recovery: {name} (see {name}.json)")
         for problem in report.problems:
             console.print(f"[yellow]- {problem}[/yellow]")
-    if not report.ok:
+    if not ok:
         raise typer.Exit(1)
 
 
@@ -89,6 +131,7 @@ def log_stats(path: Path) -> dict:
 
 
 @log_app.command()
+@_clear_errors
 def stats(path: PathArg, as_json: JsonOpt = False) -> None:
     """Events per kind, seq and time range, size on disk."""
     out = log_stats(path)
@@ -105,6 +148,7 @@ def stats(path: PathArg, as_json: JsonOpt = False) -> None:
 
 
 @log_app.command()
+@_clear_errors
 def tail(path: PathArg,
          n: Annotated[int, typer.Option("-n", help="how many of the last events")] = 20,
          kind: Annotated[list[str] | None, typer.Option("--kind", help="only these kinds")] = None,
@@ -113,17 +157,14 @@ def tail(path: PathArg,
     reader = _reader(path)
     last = reader.last_seq()
     kinds = kind or None
-    try:
-        batches = list(reader.read(from_seq=max(0, last - n + 1) if not kinds else 0, kinds=kinds))
-        rows = [e for b in batches for e in decode(b)][-n:]
-        for event in rows:
-            print(_json_line(event), flush=True)
-        if follow:
-            for batch in reader.follow(from_seq=last + 1, kinds=kinds):
-                for event in decode(batch):
-                    print(_json_line(event), flush=True)
-    except GyreError as error:
-        _fail(str(error))
+    batches = list(reader.read(from_seq=max(0, last - n + 1) if not kinds else 0, kinds=kinds))
+    rows = [e for b in batches for e in decode(b)][-n:]
+    for event in rows:
+        print(_json_line(event), flush=True)
+    if follow:
+        for batch in reader.follow(from_seq=last + 1, kinds=kinds):
+            for event in decode(batch):
+                print(_json_line(event), flush=True)
 
 
 def _json_line(event) -> str:
@@ -131,6 +172,7 @@ def _json_line(event) -> str:
 
 
 @log_app.command()
+@_clear_errors
 def sql(path: PathArg, query: Annotated[str, typer.Argument(help="SQL over the events and per-kind views")],
         as_json: JsonOpt = False,
         limit: Annotated[int, typer.Option(help="rows to show in the table")] = 50) -> None:

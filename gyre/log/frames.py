@@ -1,45 +1,155 @@
 """The on-disk framing of a log segment: every piece of data sits in a checksummed frame.
 
-A frame is a 32-byte header followed by its payload::
+Every frame starts with a 32-byte header::
 
-    magic "GYRF" | type u8 | flags u8 | reserved u16 | length u32 | count u32 | first_seq i64 |
-    crc32c u32 | reserved u32
+    magic "GYRF" | type u8 | flags u8 | chunk_shift u8 | reserved u8 | length u32 | count u32 |
+    first_seq i64 | crc u32 | head_crc u32
 
-``crc32c`` covers header bytes 4..24 (everything but the magic and the checksum itself) and the payload,
-so a flipped bit anywhere in a frame is caught. Arrow IPC has no checksums of its own; this framing is
-the Kafka / SQLite-WAL answer to that.
+``length`` is the payload's size. The format is versioned through ``flags``:
+
+- **v0** (flags 0; written by Gyre before the chunked format, e.g. ``tests/fixtures/log-v0``): the payload
+  follows the header; ``crc`` is a CRC32C over header bytes 4..24 and the payload; ``head_crc`` is zero.
+- **v1** (``FLAG_CHUNKED``): the header is followed by an *extension*, then the payload. The extension
+  holds one CRC32C per ``2**chunk_shift`` bytes of payload, zero padding to 8 bytes, and the writer's
+  durable watermark (i64: the highest seq already fsynced when this frame was written). ``crc`` covers
+  the extension, ``head_crc`` covers header bytes 4..28: the header verifies on its own (its length can
+  be trusted before the rest is read), the extension on its own, and each chunk on its own.
+
+Why: a torn write and a damaged durable frame look alike to a whole-frame checksum. Per-chunk checksums
+tell them apart (a write that did not finish leaves a bad *suffix*; a flipped bit leaves one bad chunk
+between good ones), and the watermark lets a later frame vouch that an earlier one was acknowledged, at
+no cost of an fsync. ``classify_tail`` turns that evidence into a verdict.
 
 A segment starts with one SCHEMA frame (the Arrow schema it was written with) and continues with BATCH
-frames. A BATCH payload is ``u16 mask_len | column mask | Arrow IPC record-batch message``: the mask says
-which of the segment schema's columns the batch carries (kinds absent from a batch are not stored).
+frames (``u16 mask_len | column mask | Arrow IPC record-batch message``: the mask says which of the
+segment schema's columns the batch carries) and CLOSE frames (no payload, v1 only: a writer closed cleanly
+here, with everything before it durable).
 """
 
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import crc32c
 
 MAGIC = b"GYRF"
-HEADER = struct.Struct("<4sBBHIIqII")
+HEADER = struct.Struct("<4sBBBBIIqII")
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 32
+_U32 = struct.Struct("<I")
+_I64 = struct.Struct("<q")
 
 SCHEMA_FRAME = 1
 BATCH_FRAME = 2
+CLOSE_FRAME = 3
+FRAME_TYPES = (SCHEMA_FRAME, BATCH_FRAME, CLOSE_FRAME)
 MAX_PAYLOAD = 2**32 - 1
+
+FLAG_CHUNKED = 0x01
+"""Format v1: header checksum of its own, per-chunk payload checksums, durable watermark."""
+KNOWN_FLAGS = FLAG_CHUNKED
+FORMAT_V0, FORMAT_V1 = 0, 1
+FORMATS = (FORMAT_V0, FORMAT_V1)
+
+CHUNK_SHIFT = 14
+"""16 KiB chunks. 4 KiB chunks cost a Python call per 4 KiB: +22 µs on a 265 KB batch, ~5% of a
+blocking producer's write + fsync on the development VM; 16 KiB costs +8 µs and tells a torn write from a
+flipped bit as well, except inside a frame's last chunk."""
+
+
+def _pad8(n: int) -> int:
+    return (8 - n % 8) % 8
+
+
+def chunk_count(length: int, shift: int) -> int:
+    return (length + (1 << shift) - 1) >> shift
+
+
+def ext_size(length: int, shift: int) -> int:
+    """Bytes of a v1 frame's extension: chunk checksums, padding, watermark."""
+    table = 4 * chunk_count(length, shift)
+    return table + _pad8(table) + 8
+
+
+# -- writing ---------------------------------------------------------------------------------------------
 
 
 def frame_header(frame_type: int, first_seq: int, count: int, parts: list | tuple) -> bytes:
-    """The header of a frame whose payload is ``parts`` concatenated; write it right before them."""
-    length = sum(len(memoryview(p)) for p in parts)
-    if length > MAX_PAYLOAD:
-        raise ValueError(f"frame payload of {length} bytes exceeds the 4 GiB frame limit")
-    partial = HEADER.pack(MAGIC, frame_type, 0, 0, length, count, first_seq, 0, 0)
+    """The v0 header of a frame whose payload is ``parts`` concatenated; write it right before them."""
+    length = _length(parts)
+    partial = HEADER.pack(MAGIC, frame_type, 0, 0, 0, length, count, first_seq, 0, 0)
     crc = crc32c.crc32c(partial[4:24])
     for part in parts:
         crc = crc32c.crc32c(part, crc)
-    return HEADER.pack(MAGIC, frame_type, 0, 0, length, count, first_seq, crc, 0)
+    return HEADER.pack(MAGIC, frame_type, 0, 0, 0, length, count, first_seq, crc, 0)
+
+
+def _length(parts: list | tuple) -> int:
+    length = sum(len(memoryview(p).cast("B")) for p in parts)
+    if length > MAX_PAYLOAD:
+        raise ValueError(f"frame payload of {length} bytes exceeds the 4 GiB frame limit")
+    return length
+
+
+def chunk_checksums(parts: list | tuple, shift: int = CHUNK_SHIFT) -> list[int]:
+    """CRC32C of each ``2**shift``-byte chunk of ``parts`` concatenated (without concatenating them)."""
+    size = 1 << shift
+    out: list[int] = []
+    crc = filled = 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        n, pos = len(view), 0
+        if filled:  # finish the chunk the previous part began
+            take = min(size - filled, n)
+            crc = crc32c.crc32c(view[:take], crc)
+            filled += take
+            pos = take
+            if filled == size:
+                out.append(crc)
+                crc = filled = 0
+        whole = pos + (n - pos) // size * size
+        out.extend(crc32c.crc32c(view[i:i + size]) for i in range(pos, whole, size))
+        if whole < n:
+            crc, filled = crc32c.crc32c(view[whole:]), n - whole
+    if filled:
+        out.append(crc)
+    return out
+
+
+class OpenHead:
+    """A v1 header and extension whose watermark is filled in when the frame is written (``seal``).
+
+    ``partial`` is the extension's CRC up to the watermark, so sealing costs two CRCs of a few bytes.
+    """
+
+    __slots__ = ("buffer", "partial")
+
+    def __init__(self, frame_type: int, first_seq: int, count: int, parts: list | tuple,
+                 shift: int = CHUNK_SHIFT) -> None:
+        length = _length(parts)
+        crcs = chunk_checksums(parts, shift)
+        buffer = bytearray(HEADER_SIZE + ext_size(length, shift))
+        HEADER.pack_into(buffer, 0, MAGIC, frame_type, FLAG_CHUNKED, shift, 0, length, count, first_seq, 0, 0)
+        struct.pack_into(f"<{len(crcs)}I", buffer, HEADER_SIZE, *crcs)
+        self.buffer = buffer
+        self.partial = crc32c.crc32c(memoryview(buffer)[HEADER_SIZE:-8])
+
+    def seal(self, watermark: int) -> bytearray:
+        """Record ``watermark`` (the durable seq when the frame is written) and the checksums over it."""
+        buffer = self.buffer
+        _I64.pack_into(buffer, len(buffer) - 8, watermark)
+        _U32.pack_into(buffer, 24, crc32c.crc32c(memoryview(buffer)[-8:], self.partial))
+        _U32.pack_into(buffer, 28, crc32c.crc32c(memoryview(buffer)[4:28]))
+        return buffer
+
+
+def close_frame(next_seq: int, durable_seq: int) -> bytes:
+    """The marker a writer leaves on a clean close: everything up to ``durable_seq`` is durable."""
+    return bytes(OpenHead(CLOSE_FRAME, next_seq, 0, []).seal(durable_seq))
+
+
+# -- reading ---------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,81 +159,258 @@ class Frame:
     first_seq: int
     count: int
     payload: memoryview
-
-    @property
-    def end(self) -> int:
-        return self.offset + HEADER_SIZE + len(self.payload)
+    end: int
+    watermark: int | None = None
+    """v1: the highest seq durable when the frame was written (-1: none); v0: unknown."""
+    chunk_shift: int = 0
+    chunk_crcs: memoryview | None = None
+    """v1: the extension's chunk checksums (u32 each); None for v0 frames, which have one CRC."""
+    crc: int = 0
 
     @property
     def last_seq(self) -> int:
         return self.first_seq + self.count - 1
 
+    @property
+    def chunked(self) -> bool:
+        return self.chunk_crcs is not None
+
+
+BadKind = Literal["short", "short_verified", "header", "extension", "extension_consistent", "payload",
+                  "crc", "format"]
+
 
 @dataclass(frozen=True, slots=True)
 class BadFrame:
-    """Where scanning stopped, and why. Whether it is a torn tail or corruption is the caller's call."""
+    """Where scanning stopped, and why. Whether it is a torn tail or corruption is ``classify_tail``'s call.
+
+    ``kind``: ``short`` the data ends inside an unverifiable header or frame; ``short_verified`` the
+    header verified and the data ends before the frame does (a write that did not finish); ``header``
+    the header does not verify; ``extension`` a v1 chunk table that does not verify;
+    ``extension_consistent`` the same, but every chunk matches the table (damage in the watermark or its
+    checksum); ``payload`` bad chunks in ``bad_chunks`` of ``chunks``; ``crc`` a v0 frame's checksum;
+    ``format`` a frame this version cannot read (unknown flags or type), never a torn write.
+    """
 
     offset: int
     reason: str
-    frame_end: int | None
+    kind: BadKind = "header"
+    frame_end: int | None = None
     """End of the bad frame if its header is intact and its length fits in the file, else None."""
+    first_seq: int | None = None
+    count: int | None = None
+    bad_chunks: tuple[int, ...] = ()
+    chunks: int = 0
+
+
+def read_frame(data: memoryview, offset: int, verify: bool = True) -> Frame | BadFrame:
+    """The frame at ``offset``. v1 headers and extensions are always verified (cheap); payloads (v1 chunks,
+    v0 whole frames) only with ``verify``."""
+    size = len(data)
+    if size - offset < HEADER_SIZE:
+        return BadFrame(offset, f"incomplete frame header ({size - offset} of {HEADER_SIZE} bytes)", "short")
+    magic, ftype, flags, shift, _r, length, count, first_seq, crc, head_crc = HEADER.unpack_from(data, offset)
+    if magic != MAGIC:
+        return BadFrame(offset, f"bad frame magic {bytes(magic)!r}", "header")
+    if flags & ~KNOWN_FLAGS:
+        return BadFrame(offset, f"unknown frame format flags {flags:#x} (a newer Gyre wrote this log, or its "
+                                f"header is damaged)", "format")
+    if not flags & FLAG_CHUNKED:
+        return _read_v0(data, offset, ftype, length, count, first_seq, crc, head_crc, verify)
+    if crc32c.crc32c(data[offset + 4:offset + 28]) != head_crc:
+        return BadFrame(offset, "frame header checksum mismatch", "header")
+    if ftype not in FRAME_TYPES:
+        return BadFrame(offset, f"unknown frame type {ftype}", "format")
+    start = offset + HEADER_SIZE
+    body = start + ext_size(length, shift)
+    end = body + length
+    if end > size:
+        return BadFrame(offset, f"frame of {length} bytes runs past the end of the data ({size - offset - HEADER_SIZE} "
+                                f"bytes after its header): a write that did not finish", "short_verified",
+                        first_seq=first_seq, count=count)
+    n = chunk_count(length, shift)
+    table = data[start:start + 4 * n]
+    payload = data[body:end]
+    if crc32c.crc32c(data[start:body]) != crc:
+        kind: BadKind = "extension_consistent" if not _bad_chunks(payload, table, shift) else "extension"
+        return BadFrame(offset, "frame extension (chunk checksums, watermark) checksum mismatch", kind, end,
+                        first_seq, count)
+    if verify:
+        bad = _bad_chunks(payload, table, shift)
+        if bad:
+            return BadFrame(offset, f"checksum mismatch in {len(bad)} of {n} chunks of {1 << shift} bytes "
+                                    f"(first: chunk {bad[0]})", "payload", end, first_seq, count, tuple(bad), n)
+    (watermark,) = _I64.unpack_from(data, body - 8)
+    return Frame(offset, ftype, first_seq, count, payload, end, watermark, shift, table, crc)
+
+
+def _read_v0(data: memoryview, offset: int, ftype: int, length: int, count: int, first_seq: int, crc: int,
+             reserved: int, verify: bool) -> Frame | BadFrame:
+    if reserved:  # the only header bytes outside the checksum must be zero
+        return BadFrame(offset, f"non-zero reserved header bytes ({reserved:#x})", "header")
+    end = offset + HEADER_SIZE + length
+    if end > len(data):
+        return BadFrame(offset, f"frame of {length} bytes runs past the end of the file", "short")
+    payload = data[offset + HEADER_SIZE:end]
+    if verify:
+        actual = crc32c.crc32c(payload, crc32c.crc32c(data[offset + 4:offset + 24]))
+        if actual != crc:
+            return BadFrame(offset, f"checksum mismatch (stored {crc:#010x}, computed {actual:#010x})", "crc", end)
+    if ftype not in (SCHEMA_FRAME, BATCH_FRAME):
+        return BadFrame(offset, f"unknown frame type {ftype}", "format", end)
+    return Frame(offset, ftype, first_seq, count, payload, end, crc=crc)
+
+
+def _bad_chunks(payload: memoryview, table: memoryview, shift: int) -> list[int]:
+    size = 1 << shift
+    stored = struct.unpack(f"<{len(table) // 4}I", table)
+    return [i for i, want in enumerate(stored) if crc32c.crc32c(payload[i * size:(i + 1) * size]) != want]
+
+
+def verify_payload(frame: Frame) -> BadFrame | None:
+    """Check a frame returned by an unverified scan; the ``BadFrame`` it would have been, if any."""
+    if frame.chunk_crcs is not None:
+        bad = _bad_chunks(frame.payload, frame.chunk_crcs, frame.chunk_shift)
+        if not bad:
+            return None
+        n = len(frame.chunk_crcs) // 4
+        return BadFrame(frame.offset, f"checksum mismatch in {len(bad)} of {n} chunks of {1 << frame.chunk_shift} "
+                                      f"bytes (first: chunk {bad[0]})", "payload", frame.end, frame.first_seq,
+                        frame.count, tuple(bad), n)
+    head = HEADER.pack(MAGIC, frame.frame_type, 0, 0, 0, len(frame.payload), frame.count, frame.first_seq, 0, 0)
+    actual = crc32c.crc32c(frame.payload, crc32c.crc32c(head[4:24]))
+    if actual == frame.crc:
+        return None
+    return BadFrame(frame.offset, f"checksum mismatch (stored {frame.crc:#010x}, computed {actual:#010x})", "crc",
+                    frame.end)
 
 
 def scan(data: memoryview, start: int = 0, verify: bool = True) -> Iterator[Frame | BadFrame]:
     """Yield the frames of ``data`` from ``start``; a ``BadFrame`` ends the scan.
 
-    With ``verify=False`` checksums are skipped (use it only to seek past frames that are not returned).
+    With ``verify=False`` payload checksums are skipped (use it only to seek past frames that are not
+    returned, or verify them with ``verify_payload`` before use); v1 headers are verified regardless.
     """
-    size = len(data)
     offset = start
+    size = len(data)
     while offset < size:
-        if size - offset < HEADER_SIZE:
-            yield BadFrame(offset, f"incomplete frame header ({size - offset} of {HEADER_SIZE} bytes)", None)
+        item = read_frame(data, offset, verify)
+        yield item
+        if isinstance(item, BadFrame):
             return
-        magic, ftype, _flags, _r, length, count, first_seq, crc, reserved = HEADER.unpack_from(data, offset)
-        if magic != MAGIC:
-            yield BadFrame(offset, f"bad frame magic {bytes(magic)!r}", None)
-            return
-        if reserved:  # the only header bytes outside the checksum must be zero
-            yield BadFrame(offset, f"non-zero reserved header bytes ({reserved:#x})", None)
-            return
-        end = offset + HEADER_SIZE + length
-        if end > size:
-            yield BadFrame(offset, f"frame of {length} bytes runs past the end of the file", None)
-            return
-        payload = data[offset + HEADER_SIZE:end]
-        if verify:
-            actual = crc32c.crc32c(payload, crc32c.crc32c(data[offset + 4:offset + 24]))
-            if actual != crc:
-                yield BadFrame(offset, f"checksum mismatch (stored {crc:#010x}, computed {actual:#010x})", end)
-                return
-        if ftype not in (SCHEMA_FRAME, BATCH_FRAME):
-            yield BadFrame(offset, f"unknown frame type {ftype}", end)
-            return
-        yield Frame(offset, ftype, first_seq, count, payload)
-        offset = end
+        offset = item.end
 
 
-def is_torn_tail(data: memoryview, bad: BadFrame) -> bool:
-    """A bad frame is a torn tail when nothing valid follows it: what a crash mid-write leaves behind.
+# -- torn or corrupt -------------------------------------------------------------------------------------
 
-    A bad frame followed by an intact frame (a flipped byte in the middle of a segment) is corruption.
-    A damaged *last* frame is indistinguishable from a torn write and is treated as one, as Kafka and
-    SQLite's WAL do.
+
+Verdict = Literal["corrupt", "torn", "ambiguous"]
+
+
+@dataclass(frozen=True, slots=True)
+class TailVerdict:
+    """What the bytes from a bad frame to the end of the newest segment are."""
+
+    verdict: Verdict
+    offset: int
+    size: int
+    reason: str
+    frames: int = 0
+    """Frames in those bytes whose header could be read (v1 headers verified), and their events."""
+    events: int = 0
+
+
+def classify_tail(data: memoryview, bad: BadFrame, expected_seq: int) -> TailVerdict:
+    """Is the damage from ``bad`` to the end of ``data`` (the newest segment) a torn write, corruption, or
+    something nothing can prove either way? ``expected_seq`` is the seq the bad frame should start at.
+
+    - *corrupt* (an error, nothing is cut): a later intact frame records a durable watermark at or past
+      ``expected_seq`` (a CLOSE marker included: the bad bytes were acknowledged); or a later intact frame
+      without a watermark (v0), or after a damaged schema frame (which is fsynced when the segment is
+      created); or a v1 frame with a bad chunk followed by a good one (a flipped bit: a torn write leaves
+      a bad suffix); or a frame this version cannot read.
+    - *torn* (proven never acknowledged): fewer bytes than a header, or only zeros; a verified header whose
+      frame runs past the end (the write did not finish); two or more bad chunks forming the suffix of a
+      frame.
+    - *ambiguous*: anything else (a damaged header, only the last chunk bad, a v0 frame's checksum).
     """
-    if bad.frame_end is not None and bad.frame_end < len(data):
-        return False
-    # The header itself may be damaged: look for any intact frame later in the data.
-    position = bad.offset + 1
+    size = len(data) - bad.offset
+    frames, events = _count_frames(data, bad.offset)
+
+    def verdict(kind: Verdict, reason: str) -> TailVerdict:
+        return TailVerdict(kind, bad.offset, size, reason, frames, events)
+
+    if bad.kind == "format":
+        return verdict("corrupt", bad.reason)
+    later = _later_evidence(data, bad.frame_end if bad.frame_end is not None else bad.offset + 1)
+    if later is not None:
+        offset, watermark = later
+        if watermark is None:
+            return verdict("corrupt", f"{bad.reason}; an intact frame follows at byte offset {offset}")
+        if watermark >= expected_seq:
+            return verdict("corrupt", f"{bad.reason}; the frame at byte offset {offset} was written after "
+                                      f"seq {watermark} was durable, so this one was acknowledged")
+        if bad.offset == 0:
+            return verdict("corrupt", f"{bad.reason}; the schema frame is durable before any other frame")
+    if bad.kind == "payload":
+        first_good_after = [i for i in range(bad.bad_chunks[0], bad.chunks) if i not in bad.bad_chunks]
+        if first_good_after:
+            return verdict("corrupt", f"{bad.reason}; chunk {first_good_after[0]} after it is intact, which a "
+                                      f"write that did not finish cannot leave (a damaged, written frame)")
+        if len(bad.bad_chunks) >= 2:
+            return verdict("torn", f"{bad.reason}: the frame's last {len(bad.bad_chunks)} chunks are bad, "
+                                   f"as a write that did not finish leaves them")
+        return verdict("ambiguous", f"{bad.reason}: only the frame's last chunk is bad, which a torn write "
+                                    f"and a flipped bit both leave")
+    if bad.kind == "extension_consistent":
+        return verdict("corrupt", f"{bad.reason}, while every chunk matches its checksum (a damaged, "
+                                  f"written frame)")
+    if bad.kind == "short_verified":
+        return verdict("torn", bad.reason)
+    if bad.kind == "short" and size < HEADER_SIZE:
+        return verdict("torn", bad.reason)
+    if not any(data[bad.offset:]):  # a size update that reached the disk before the data did
+        return verdict("torn", f"{bad.reason}: {size} zero bytes")
+    return verdict("ambiguous", f"{bad.reason}: nothing proves whether it was acknowledged")
+
+
+def _later_evidence(data: memoryview, start: int) -> tuple[int, int | None] | None:
+    """The first intact frame at or after ``start`` and the highest watermark of the frames that follow it
+    (None for a v0 frame, whose header says nothing about durability)."""
+    position = start
     while True:
         position = _find(data, MAGIC, position)
         if position < 0:
-            return True
-        for item in scan(data[position:], 0):
-            if isinstance(item, Frame):
-                return False
-            break
+            return None
+        item = read_frame(data, position, verify=False)
+        if isinstance(item, Frame) and (item.chunked or isinstance(read_frame(data, position), Frame)):
+            if not item.chunked:
+                return position, None
+            best = item.watermark if item.watermark is not None else -1
+            for later in scan(data, item.end, verify=False):
+                if isinstance(later, Frame) and later.watermark is not None:
+                    best = max(best, later.watermark)
+            return position, best
         position += 1
+
+
+def _count_frames(data: memoryview, offset: int) -> tuple[int, int]:
+    """Frames (and their events) in the bytes from ``offset`` whose headers can be read."""
+    frames = events = 0
+    while offset < len(data):
+        item = read_frame(data, offset, verify=False)
+        if isinstance(item, Frame):
+            frames, events, offset = frames + 1, events + item.count, item.end
+            continue
+        if item.kind in ("short_verified", "extension", "payload", "extension_consistent") and item.count:
+            frames, events = frames + 1, events + item.count
+        elif item.kind == "crc" or (item.kind == "short" and len(data) - offset >= HEADER_SIZE):
+            frames += 1  # a v0 header: its count is not verified
+            events += HEADER.unpack_from(data, offset)[6]
+        if item.frame_end is None:
+            break
+        offset = item.frame_end
+    return frames, events
 
 
 def _find(data: memoryview, needle: bytes, start: int) -> int:

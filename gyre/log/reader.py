@@ -2,7 +2,8 @@
 
 Readers never take the writer's lock and never modify files. Every batch they return comes from a frame
 whose checksum they verified; a partial frame at the end of the newest segment is a write in progress
-(or a torn tail the next writer will cut) and is simply not returned yet.
+(or a torn tail the next writer will quarantine) and is simply not returned yet. Damage that the log can
+prove was acknowledged is a ``LogCorruptionError`` naming the segment and byte offset.
 """
 
 import threading
@@ -19,9 +20,9 @@ from gyre.errors import LogCorruptionError, LogError
 from gyre.events.codec import decode
 from gyre.events.models import EVENT_TYPES, Event, event_type
 from gyre.events.schema import evolve
-from gyre.log.frames import SCHEMA_FRAME, BadFrame, scan
+from gyre.log.frames import BATCH_FRAME, SCHEMA_FRAME, BadFrame, scan
 from gyre.log.seal import usable_sealed_copy
-from gyre.log.segment import SegmentData, list_segments, sealed_copies
+from gyre.log.segment import SegmentData, list_segments, quarantine_files, sealed_copies
 
 if typing.TYPE_CHECKING:
     import duckdb
@@ -38,12 +39,28 @@ class VerifyReport:
     first_seq: int | None = None
     last_seq: int | None = None
     torn_tail_bytes: int = 0
+    """Size of the damage at the end of the newest segment (``tail_verdict`` says what it is)."""
+    tail_verdict: str | None = None
+    """``torn`` (a write that never finished: nothing acknowledged in it), ``ambiguous`` (nothing proves
+    whether it was acknowledged), or None (no damage at the end). Corruption raises instead."""
+    tail_segment: str | None = None
+    tail_offset: int | None = None
+    tail_reason: str | None = None
+    tail_frames: int = 0
+    tail_events: int = 0
     sealed: int = 0
+    quarantined: list[str] = field(default_factory=list)
+    """Quarantine files left beside segments by earlier recoveries (for a person to look at)."""
     problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        """No problem and no damaged tail (``torn_tail_ok`` for a log that may end in a torn write)."""
+        return not self.problems and self.tail_verdict is None
+
+    @property
+    def torn_tail_ok(self) -> bool:
+        return not self.problems and self.tail_verdict in (None, "torn")
 
 
 class LogReader:
@@ -93,7 +110,8 @@ class LogReader:
                     break
                 if wanted is not None and not data.has_any_column(frame, wanted):
                     continue
-                data.check(frame)
+                if not data.check(frame, tail_ok=last):
+                    break  # a torn (or unprovable) tail of the newest segment: nothing after it is returned
                 batch = data.decode(frame)
                 if frame.first_seq < from_seq or (to_seq is not None and frame.last_seq > to_seq) or wanted:
                     batch = _select(batch, frame.first_seq, from_seq, to_seq, wanted)
@@ -133,6 +151,8 @@ class LogReader:
         first_seq, path = self.segments()[-1]
         data = SegmentData(path)
         frames = data.batch_frames(data.scan(verify=False, tail_ok=True))
+        if frames and not data.check(frames[-1], tail_ok=True):  # the last frame may begin a torn tail
+            frames.pop()
         return frames[-1].last_seq if frames else first_seq - 1
 
     def duckdb(self) -> "duckdb.DuckDBPyConnection":
@@ -168,7 +188,7 @@ class LogReader:
                     break
                 if item.frame_type == SCHEMA_FRAME:
                     data.schema = pa.ipc.read_schema(pa.py_buffer(item.payload))
-                else:
+                elif item.frame_type == BATCH_FRAME:
                     if item.last_seq >= next_seq and (wanted is None or data.has_any_column(item, wanted)):
                         batch = evolve(_select(data.decode(item), item.first_seq, next_seq, None, wanted))
                         if batch.num_rows:
@@ -202,8 +222,12 @@ class LogReader:
             found = data.scan(verify=True, tail_ok=last)
             report.segments += 1
             report.bytes += found.size
-            report.torn_tail_bytes += found.torn_bytes
-            if found.frames[0].first_seq != first_seq:
+            if found.tail is not None:
+                tail = found.tail
+                report.torn_tail_bytes = tail.size
+                report.tail_verdict, report.tail_segment, report.tail_offset = tail.verdict, str(path), tail.offset
+                report.tail_reason, report.tail_frames, report.tail_events = tail.reason, tail.frames, tail.events
+            if found.frames and found.frames[0].first_seq != first_seq:
                 raise LogCorruptionError(str(path), 0, f"schema frame says seq {found.frames[0].first_seq}, "
                                                        f"file name says {first_seq}")
             if expected is not None and first_seq != expected:
@@ -225,6 +249,7 @@ class LogReader:
                 else:
                     report.problems.append(f"{path.name}: sealed copy is damaged or stale (queries use frames)")
         report.last_seq = expected - 1 if expected is not None else None
+        report.quarantined = [p.name for p in quarantine_files(self.path)]
         return report
 
 

@@ -1,19 +1,35 @@
 """Segment files: naming, the schema frame, and batch payloads (column mask + Arrow IPC message)."""
 
+import json
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
 
 import pyarrow as pa
 
 from gyre.errors import LogCorruptionError
-from gyre.log.frames import BATCH_FRAME, SCHEMA_FRAME, BadFrame, Frame, frame_header, is_torn_tail, scan
+from gyre.log.frames import (
+    BATCH_FRAME,
+    FORMAT_V1,
+    SCHEMA_FRAME,
+    BadFrame,
+    Frame,
+    OpenHead,
+    TailVerdict,
+    classify_tail,
+    frame_header,
+    read_frame,
+    scan,
+    verify_payload,
+)
 
 SEGMENT_SUFFIX = ".seg"
 SEALED_SUFFIX = ".parquet"
+QUARANTINE_SUFFIX = ".quarantine"
 _MASK_LEN = struct.Struct("<H")
 
 
@@ -44,9 +60,13 @@ def _pad8(n: int) -> int:
     return (8 - n % 8) % 8
 
 
-def schema_frame(schema: pa.Schema, first_seq: int) -> bytes:
+def schema_frame(schema: pa.Schema, first_seq: int, fmt: int = FORMAT_V1) -> bytes:
+    """The first frame of a segment. Its watermark is ``first_seq - 1``: a segment is created only once
+    everything before it is durable (a new log, a rotation, a recovery that fsynced the old tail)."""
     payload = schema.serialize().to_pybytes()
     payload += b"\0" * _pad8(len(payload))
+    if fmt == FORMAT_V1:
+        return bytes(OpenHead(SCHEMA_FRAME, first_seq, 0, [payload]).seal(first_seq - 1)) + payload
     return frame_header(SCHEMA_FRAME, first_seq, 0, [payload]) + payload
 
 
@@ -78,8 +98,9 @@ def _column_mask(names: tuple[str, ...], key: _SchemaKey) -> bytes:
     return bytes(bits)
 
 
-def batch_frame_parts(batch: pa.RecordBatch, first_seq: int, full: pa.Schema) -> list:
-    """Header, column-mask prefix and IPC message of one batch frame, ready for one ``os.pwritev``.
+def batch_frame_parts(batch: pa.RecordBatch, first_seq: int, full: pa.Schema, fmt: int = FORMAT_V1) -> list:
+    """Header, column-mask prefix and IPC message of one batch frame, for one ``os.pwritev``. In format v1
+    the header is an ``OpenHead``: the writer seals it with its durable watermark when it writes it.
 
     (Writing the IPC message from the batch's own buffers instead of ``serialize()`` was tried: it saves a
     memcpy but costs a Python call per buffer, and measured no faster.)
@@ -91,6 +112,8 @@ def batch_frame_parts(batch: pa.RecordBatch, first_seq: int, full: pa.Schema) ->
     parts = [prefix, memoryview(body)]
     if body.size % 8:
         parts.append(b"\0" * _pad8(body.size))
+    if fmt == FORMAT_V1:
+        return [OpenHead(BATCH_FRAME, first_seq, batch.num_rows, parts), *parts]
     return [frame_header(BATCH_FRAME, first_seq, batch.num_rows, parts), *parts]
 
 
@@ -103,8 +126,15 @@ class SegmentScan:
     frames: list[Frame]
     valid_end: int
     size: int
-    torn_bytes: int
-    """Bytes after the last whole frame that belong to a torn write (0 for a clean segment)."""
+    tail: TailVerdict | None = None
+    """Damage after the last whole frame of the newest segment: a torn write, or bytes nothing can prove
+    either way (``verdict`` says which); None for a clean segment. Corruption raises instead."""
+    next_seq: int | None = None
+    """The seq after the last whole frame's events."""
+
+    @property
+    def torn_bytes(self) -> int:
+        return self.tail.size if self.tail is not None else 0
 
 
 class SegmentData:
@@ -132,47 +162,68 @@ class SegmentData:
         self.schema: pa.Schema | None = schema
 
     def scan(self, verify: bool = True, tail_ok: bool = True) -> SegmentScan:
-        """Scan all frames; raise on corruption, report a torn tail (an error unless ``tail_ok``).
+        """Scan all frames; raise on corruption; report damage at the end (an error unless ``tail_ok``:
+        only the newest segment can end in a write that did not finish) as ``tail``.
 
         Frame offsets are relative to ``start``.
         """
         frames: list[Frame] = []
         valid_end = 0
-        torn = 0
+        tail = None
         expected = None
         for item in scan(self.data, 0, verify=verify):
             if isinstance(item, BadFrame):
-                if not tail_ok or not is_torn_tail(self.data, item):
-                    raise LogCorruptionError(str(self.path), self.start + item.offset, item.reason)
-                torn = len(self.data) - item.offset
+                tail = self._tail(item, expected, tail_ok)
                 break
             if self.start == 0 and not frames:
-                if not verify:
-                    self.check(item)  # everything decoded from this segment depends on its schema
+                if not verify:  # everything decoded from this segment depends on its schema: verify it
+                    checked = read_frame(self.data, 0, verify=True)
+                    if isinstance(checked, BadFrame):
+                        tail = self._tail(checked, expected, tail_ok)
+                        break
                 if item.frame_type != SCHEMA_FRAME:
                     raise LogCorruptionError(str(self.path), item.offset, "segment does not start with a schema")
                 self.schema = pa.ipc.read_schema(pa.py_buffer(item.payload))
                 expected = item.first_seq
-            elif item.frame_type != BATCH_FRAME:
+            elif item.frame_type == SCHEMA_FRAME:
                 raise LogCorruptionError(str(self.path), self.start + item.offset, "stray schema frame")
             else:
                 if expected is not None and item.first_seq != expected:
                     raise LogCorruptionError(
                         str(self.path), self.start + item.offset,
                         f"sequence gap: frame starts at seq {item.first_seq}, expected {expected}")
-                expected = item.first_seq + item.count
+                expected = item.first_seq + item.count  # (a CLOSE frame holds no event: count 0)
             frames.append(item)
             valid_end = item.end
-        return SegmentScan(self.path, self.schema, frames, valid_end, len(self.data), torn)
+        return SegmentScan(self.path, self.schema, frames, valid_end, len(self.data), tail, expected)
 
-    def check(self, frame: Frame) -> None:
-        """Verify one frame's checksum (for scans that skipped verification to seek cheaply)."""
-        for item in scan(self.data[frame.offset:frame.end], 0, verify=True):
-            if isinstance(item, BadFrame):
-                raise LogCorruptionError(str(self.path), self.start + frame.offset, item.reason)
-            return
+    def _tail(self, bad: BadFrame, expected: int | None, tail_ok: bool) -> TailVerdict:
+        """Classify damage that ends a scan: raise if it is corruption (or anywhere but the newest segment)."""
+        if not tail_ok:
+            raise LogCorruptionError(str(self.path), self.start + bad.offset, bad.reason)
+        if expected is None:
+            stem = self.path.name.split(".")[0]
+            expected = int(stem) if stem.isdigit() else 0
+        verdict = classify_tail(self.data, bad, expected)
+        if verdict.verdict == "corrupt":
+            raise LogCorruptionError(str(self.path), self.start + bad.offset, verdict.reason)
+        return verdict
+
+    def check(self, frame: Frame, tail_ok: bool = False) -> bool:
+        """Verify one frame's checksums (for scans that skipped verification to seek cheaply).
+
+        A bad frame raises ``LogCorruptionError``, unless ``tail_ok`` (the newest segment) and it begins
+        damage that is a torn (or unprovable) tail: then False, and neither it nor anything after it is
+        to be returned.
+        """
+        bad = verify_payload(frame)
+        if bad is None:
+            return True
+        self._tail(bad, frame.first_seq, tail_ok)
+        return False
 
     def batch_frames(self, scan_result: SegmentScan) -> list[Frame]:
+        """The frames that hold events (not the schema, not CLOSE markers)."""
         return [f for f in scan_result.frames if f.frame_type == BATCH_FRAME]
 
     def kinds_mask(self, frame: Frame) -> bytes:
@@ -212,3 +263,44 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def quarantine(segment: Path, tail: TailVerdict) -> Path:
+    """Move the bytes from ``tail.offset`` to the end of ``segment`` into a file beside it (with a JSON note
+    of the offset and the reason), then cut the segment there. Never deletes: a crash midway leaves the
+    bytes in the segment, or in both places, and the next recovery does it again."""
+    with open(segment, "r+b") as f:
+        f.seek(tail.offset)
+        data = f.read()
+        target = _quarantine_name(segment, tail.offset, data)
+        note = {"segment": segment.name, "offset": tail.offset, "bytes": len(data),
+                **{k: v for k, v in asdict(tail).items() if k not in ("offset", "size")},
+                "time": datetime.now(UTC).isoformat()}
+        for path, content in ((target.with_name(target.name + ".json"), json.dumps(note, indent=1).encode()),
+                              (target, data)):
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "wb") as out:
+                out.write(content)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        fsync_path(segment.parent)
+        f.truncate(tail.offset)
+        os.fsync(f.fileno())
+    return target
+
+
+def _quarantine_name(segment: Path, offset: int, data: bytes) -> Path:
+    """``<segment>.<offset>.quarantine``; the same bytes quarantined again reuse it, other bytes get
+    ``<offset>-<n>``."""
+    n = 0
+    while True:
+        name = f"{segment.name}.{offset}{'' if not n else f'-{n}'}{QUARANTINE_SUFFIX}"
+        path = segment.with_name(name)
+        if not path.exists() or path.read_bytes() == data:
+            return path
+        n += 1
+
+
+def quarantine_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob(f"*{QUARANTINE_SUFFIX}"))

@@ -37,16 +37,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gyre.errors import EventValidationError, LogClosedError, LogError, LogLockedError
+from gyre.errors import LogClosedError, LogError, LogLockedError
 from gyre.events.codec import check_events, encode, now_us, validated_columns
 from gyre.events.models import Event
 from gyre.events.schema import TS_TYPE, event_schema
-from gyre.log.frames import MAX_PAYLOAD
+from gyre.log.frames import FORMAT_V1, FORMATS, OpenHead, TailVerdict, close_frame
 from gyre.log.segment import (
     SegmentData,
     batch_frame_parts,
     fsync_path,
     list_segments,
+    quarantine,
     schema_frame,
     segment_name,
 )
@@ -55,9 +56,11 @@ log = logging.getLogger(__name__)
 
 LOCK_FILE = "LOCK"
 _INT64 = pa.int64()
-_MAX_BATCH_BYTES = MAX_PAYLOAD - (1 << 20)
-"""Room for the IPC message's metadata and padding within one frame's payload."""
 DEFAULT_SEGMENT_BYTES = 64 << 20
+MAX_FRAME_ROWS = 65_536
+MAX_FRAME_BYTES = 8 << 20
+"""Frames are bounded (a batch is split into frames of at most this many rows and about this many bytes;
+one row is never split): one damaged frame can never hold a whole run."""
 
 
 class SeqRange(NamedTuple):
@@ -68,14 +71,18 @@ class SeqRange(NamedTuple):
 
 
 class LogRecoveryWarning(UserWarning):
-    """Opening a log cut back a torn tail left by a crash."""
+    """Opening a log moved damaged bytes at its end (a torn tail, or bytes nothing proves acknowledged)
+    into a quarantine file."""
 
 
 @dataclass(frozen=True)
 class Recovery:
     segment: str | None
     dropped_bytes: int
+    """Bytes moved from the end of the newest segment into ``quarantined``."""
     next_seq: int
+    quarantined: str | None = None
+    tail: TailVerdict | None = None
 
 
 @dataclass
@@ -97,6 +104,7 @@ class _ReadyFrame:
     """A batch framed in its producer's thread (``append_batch``): the writer only writes it.
 
     Its place in seq order is taken before it is framed; ``parts`` stays None until the frame is built.
+    A v1 frame's first part is an ``OpenHead`` that the writer seals with its durable watermark.
     """
 
     __slots__ = ("first_seq", "parts", "size")
@@ -109,8 +117,16 @@ class _ReadyFrame:
             self.fill(parts)
 
     def fill(self, parts: list) -> None:
-        self.size = sum(len(memoryview(p)) for p in parts)
+        head = parts[0]
+        self.size = sum(len(memoryview(p)) for p in parts[1:]) + len(head.buffer if type(head) is OpenHead else head)
         self.parts = parts  # last: whoever sees parts sees the size
+
+
+def _frame_rows(rows: int, nbytes: int) -> int:
+    """Rows per frame that keep a batch of ``rows`` rows and ``nbytes`` bytes within the frame bounds."""
+    if rows <= MAX_FRAME_ROWS and nbytes <= MAX_FRAME_BYTES:
+        return rows
+    return max(1, min(MAX_FRAME_ROWS, rows * MAX_FRAME_BYTES // max(nbytes, 1)))
 
 
 @lru_cache(maxsize=256)
@@ -143,7 +159,13 @@ class LogWriter:
         seal: bool = True,
         max_pending_events: int = 1_000_000,
         max_unsynced_bytes: int = 2 << 20,
+        frame_format: int = FORMAT_V1,
     ) -> None:
+        """``frame_format`` 0 writes the framing of Gyre before format v1 (no chunk checksums, watermark or
+        close marker): kept for the log benchmark's A/B of the two writers, not for production use."""
+        if frame_format not in FORMATS:
+            raise ValueError(f"frame_format must be one of {FORMATS}, not {frame_format}")
+        self.frame_format = frame_format
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
@@ -226,31 +248,27 @@ class LogWriter:
             self._lock_fd = -1
 
     def _recover(self) -> Recovery:
+        """Find where the log ends. Corruption raises (nothing is touched); damage at the end of the newest
+        segment that a crash can leave, or that nothing proves acknowledged, is moved to a quarantine
+        file beside the segment, never deleted (see ``classify_tail`` for which is which)."""
         segments = list_segments(self.path)
         while segments:
             first_seq, path = segments[-1]
             data = SegmentData(path)
             found = data.scan(tail_ok=True)
             if found.schema is None:
-                # Crashed while creating this segment: it holds no event, drop it.
-                warnings.warn(f"removing {path.name}: its schema frame was never completed",
-                              LogRecoveryWarning, stacklevel=3)
+                # Crashed while creating this segment: it holds no event. Keep its bytes, drop the file.
+                if found.tail is not None:
+                    self._quarantine(path, found.tail)
                 path.unlink()
                 fsync_path(self.path)
                 segments.pop()
                 continue
-            dropped = 0
-            if found.torn_bytes:
-                dropped = found.torn_bytes
-                with open(path, "r+b") as f:
-                    f.truncate(found.valid_end)
-                    os.fsync(f.fileno())
-                message = (f"log {self.path}: cut a torn tail of {dropped} bytes from {path.name} at byte "
-                           f"offset {found.valid_end} (a crash mid-write; no acknowledged event was in it)")
-                warnings.warn(message, LogRecoveryWarning, stacklevel=3)
-                log.warning(message)
-            batches = found.frames[1:]
-            next_seq = batches[-1].first_seq + batches[-1].count if batches else first_seq
+            dropped, moved = 0, None
+            if found.tail is not None:
+                dropped, moved = found.tail.size, self._quarantine(path, found.tail)
+            batches = [f for f in found.frames[1:] if f.count]
+            next_seq = found.next_seq if found.next_seq is not None else first_seq
             if self._sealer is not None:
                 for _, older in segments[:-1]:
                     self._sealer.submit(older)
@@ -268,14 +286,29 @@ class LogWriter:
                 if self._sealer is not None:
                     self._sealer.submit(path)
                 self._open_segment(next_seq)
-            return Recovery(path.name, dropped, next_seq)
+            return Recovery(path.name, dropped, next_seq, moved.name if moved else None, found.tail)
         self._open_segment(0)
         return Recovery(None, 0, 0)
+
+    def _quarantine(self, path: Path, tail: TailVerdict) -> Path:
+        moved = quarantine(path, tail)
+        held = f"{tail.frames} frame(s) holding {tail.events} event(s) by their headers"
+        if tail.verdict == "torn":
+            message = (f"log {self.path}: cut a torn tail of {tail.size} bytes from {path.name} at byte offset "
+                       f"{tail.offset} ({held}; a write that never finished, so no acknowledged event was in "
+                       f"it): {tail.reason}. The bytes are kept in {moved.name}")
+        else:
+            message = (f"log {self.path}: moved {tail.size} damaged bytes at the end of {path.name} (byte offset "
+                       f"{tail.offset}; {held}) to {moved.name}: {tail.reason}. Nothing proves whether they "
+                       f"were acknowledged: check them before deleting that file")
+        warnings.warn(message, LogRecoveryWarning, stacklevel=4)
+        log.warning(message)
+        return moved
 
     def _open_segment(self, first_seq: int) -> None:
         path = self.path / segment_name(first_seq)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        header = schema_frame(self._schema, first_seq)
+        header = schema_frame(self._schema, first_seq, self.frame_format)
         try:
             _write_all(fd, [header], 0)
             os.fsync(fd)
@@ -326,8 +359,9 @@ class LogWriter:
     def append_batch(self, batch: pa.RecordBatch | pa.Table) -> SeqRange:
         """Columnar fast path: append a producer-built batch (envelope ids, ``kind``, payload structs).
 
-        It is validated before it gets seqs (a bad batch raises and nothing is buffered). It is framed
-        here, in the producer's thread and outside the writer's lock, once its seqs are taken: framing
+        It is validated before it gets seqs (a bad batch raises and nothing is buffered). A batch beyond
+        ``MAX_FRAME_ROWS`` / ``MAX_FRAME_BYTES`` becomes several frames. It is framed here, in the
+        producer's thread and outside the writer's lock, once its seqs are taken: framing
         overlaps other producers' framing, the current write and the current fsync.
         """
         columns = validated_columns(batch)
@@ -336,10 +370,7 @@ class LogWriter:
             with self._lock:
                 self._check_usable()
                 return SeqRange(self._next_seq, self._next_seq - 1)
-        size = sum(column.get_total_buffer_size() for column in columns.values()) + 16 * n  # + seq and ts
-        if size > _MAX_BATCH_BYTES and sum(c.nbytes for c in columns.values()) + 16 * n > _MAX_BATCH_BYTES:
-            raise EventValidationError(f"a batch of {size} bytes does not fit in one frame (4 GiB); "
-                                       f"append it in slices")
+        per_frame = _frame_rows(n, sum(c.nbytes for c in columns.values()) + 16 * n)  # + seq and ts
         if self.run_id is not None:
             columns = _with_run_id(columns, n, self.run_id, self._schema)
         stamp = now_us()
@@ -347,15 +378,17 @@ class LogWriter:
             self._check_usable()
             first = self._next_seq
             self._cut_event_chunk()
-            frame = _ReadyFrame(first)
-            self._chunks.append(frame)
+            frames = [_ReadyFrame(first + start) for start in range(0, n, per_frame)]
+            self._chunks.extend(frames)
             self._next_seq += n
             self._pending_first = self._next_seq
         try:
             seq = pa.Array.from_buffers(_INT64, n, [None, pa.py_buffer(np.arange(first, first + n, dtype=np.int64))])
             ts = pa.Array.from_buffers(TS_TYPE, n, [None, pa.py_buffer(np.full(n, stamp, dtype=np.int64))])
             full = pa.RecordBatch.from_arrays([seq, ts, *columns.values()], schema=_stored_schema(tuple(columns)))
-            frame.fill(batch_frame_parts(full, first, self._schema))  # atomic: a writer may read it now
+            for frame in frames:  # each fill is atomic: a writer may write that frame from then on
+                part = full if len(frames) == 1 else full.slice(frame.first_seq - first, per_frame)
+                frame.fill(batch_frame_parts(part, frame.first_seq, self._schema, self.frame_format))
         except BaseException as error:  # its seqs are taken: without this frame the log cannot stay gapless
             self._fail(error)
             raise
@@ -476,18 +509,34 @@ class LogWriter:
         """Write frames in seq order, rotating between frames when the segment is full."""
         parts: list = []
         size = 0
-        for chunk in chunks:
-            if isinstance(chunk, _EventRun):
-                batch = encode(chunk.events, chunk.first_seq, chunk.stamps, run_id=self.run_id)
-                chunk = _ReadyFrame(chunk.first_seq, batch_frame_parts(batch, chunk.first_seq, self._schema))
+        for chunk in self._frames(chunks):
             if self._offset + size >= self.segment_bytes and chunk.first_seq > self._segment_first:
                 self._write_parts(parts, size)
                 self._rotate(chunk.first_seq)
                 parts, size = [], 0
-            parts.extend(chunk.parts)
+            head = chunk.parts[0]
+            if type(head) is OpenHead:
+                # The durable watermark as of now (read without the lock: a stale value is lower, still
+                # true): a later frame vouches that the earlier ones were acknowledged.
+                head = head.seal(self._durable_seq)
+            parts.append(head)
+            parts.extend(chunk.parts[1:])
             size += chunk.size
         if parts:
             self._write_parts(parts, size)
+
+    def _frames(self, chunks: list) -> Iterable[_ReadyFrame]:
+        """The group's frames in seq order: event runs are encoded here, in bounded frames."""
+        for chunk in chunks:
+            if type(chunk) is _ReadyFrame:
+                yield chunk
+                continue
+            batch = encode(chunk.events, chunk.first_seq, chunk.stamps, run_id=self.run_id)
+            per_frame = _frame_rows(batch.num_rows, batch.nbytes)
+            for start in range(0, batch.num_rows, per_frame):
+                part = batch if per_frame >= batch.num_rows else batch.slice(start, per_frame)
+                first = chunk.first_seq + start
+                yield _ReadyFrame(first, batch_frame_parts(part, first, self._schema, self.frame_format))
 
     def _write_parts(self, parts: list, size: int) -> None:
         _write_all(self._fd, parts, self._offset)
@@ -584,6 +633,7 @@ class LogWriter:
         try:
             if self._failed is None:
                 self.commit()
+                self._mark_clean_close()
         finally:
             with self._work:
                 self._stopping = True
@@ -603,6 +653,24 @@ class LogWriter:
                         self._sealer.close()
                 finally:
                     self._release_lock()
+
+    def _mark_clean_close(self) -> None:
+        """Write a CLOSE marker: it vouches that every frame before it was acknowledged, the last one
+        included, which no later frame would otherwise do. Not synced: without it, nothing is lost but
+        that evidence (the next writer's recovery syncs the segment)."""
+        if self.frame_format != FORMAT_V1 or self._fd < 0:
+            return
+        with self._lock:  # appends are refused and everything is durable: no one else writes now
+            if self._failed is not None:
+                return
+            marker = close_frame(self._next_seq, self._durable_seq)
+            offset = self._offset
+        try:
+            _write_all(self._fd, [marker], offset)
+        except OSError as error:
+            self._fail(error)
+            raise
+        self._offset = offset + len(marker)
 
     def __enter__(self) -> "LogWriter":
         return self
