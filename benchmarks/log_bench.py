@@ -26,6 +26,7 @@ from gyre.events.models import (
     RewardRecorded,
 )
 from gyre.events.schema import event_schema, payload_type
+from gyre.log.frames import BATCH_FRAME, FORMAT_V0, FORMAT_V1, Frame, scan
 from gyre.log.reader import LogReader
 from gyre.log.writer import LogWriter
 from gyre.state import ClusterView, ExecutionsView, TrainerView, fold_batches
@@ -83,7 +84,7 @@ def _raw_write(path: Path, chunk: bytes, commits: int) -> float:
 
 
 def _log_payload(path: Path, batches: list[pa.RecordBatch], commits: int, producers: int,
-                 wait: bool) -> tuple[float, int, int]:
+                 wait: bool, frame_format: int = FORMAT_V1) -> tuple[float, int, int]:
     """``producers`` threads each appending model-call batches, ``commits`` appends in all, each followed
     by a commit. Returns (seconds until all of it is durable, bytes written, fsyncs).
 
@@ -92,7 +93,7 @@ def _log_payload(path: Path, batches: list[pa.RecordBatch], commits: int, produc
     asynchronously); the clock stops when the last commit is durable.
     """
     per_producer = commits // producers
-    with LogWriter(path, seal=False, segment_bytes=1 << 30) as writer:
+    with LogWriter(path, seal=False, segment_bytes=1 << 30, frame_format=frame_format) as writer:
         def produce(worker: int) -> None:
             for i in range(per_producer):
                 seqs = writer.append_batch(batches[(worker + i) % len(batches)])
@@ -315,11 +316,11 @@ def execution_events(e: int, calls: int, tokens: Callable[[], int]) -> list:
     return events
 
 
-def realistic_log(path: Path, executions: int, calls_per_execution: int) -> int:
+def realistic_log(path: Path, executions: int, calls_per_execution: int, frame_format: int = FORMAT_V1) -> int:
     """A run-shaped log: executions queued/started/finished, call starts and finishes, rewards."""
     rng = np.random.default_rng(7)
     n = 0
-    with LogWriter(path, seal=True, segment_bytes=32 << 20) as writer:
+    with LogWriter(path, seal=True, segment_bytes=32 << 20, frame_format=frame_format) as writer:
         for e in range(executions):
             events = execution_events(e, calls_per_execution, lambda: int(rng.integers(1, 64)))
             events.append(RewardRecorded(execution_id=f"e{e}", reward=0.5))
@@ -372,6 +373,11 @@ def replay_small_frames(root: Path, executions: int, calls: int) -> dict:
     return {"replay_small_frames_events_per_s": n / best, "replay_small_frames_events": n}
 
 
+def _frame_offsets(segment: Path) -> list[int]:
+    data = memoryview(segment.read_bytes())
+    return [f.offset for f in scan(data, verify=False) if isinstance(f, Frame) and f.frame_type == BATCH_FRAME]
+
+
 def recovery_speed(root: Path, megabytes: int) -> dict:
     """Time to open a log whose live segment holds ``megabytes`` (scan + checksum every frame)."""
     path = root / "recovery"
@@ -381,8 +387,12 @@ def recovery_speed(root: Path, megabytes: int) -> dict:
         while writer._offset < megabytes << 20:
             writer.append_batch(batch)
             writer.commit()
-    with open(next(path.glob("*.seg")), "ab") as f:  # a torn tail, as a crash would leave
-        f.write(b"GYRF" + os.urandom(1000))
+    segment = next(path.glob("*.seg"))
+    with open(segment, "rb") as f:  # the first 1,000 bytes of a frame: a torn write, as a crash leaves it
+        f.seek(_frame_offsets(segment)[-1])
+        torn = f.read(1000)
+    with open(segment, "ab") as f:
+        f.write(torn)
     size = sum(p.stat().st_size for p in path.glob("*.seg"))
     start = time.perf_counter()
     import warnings
@@ -392,6 +402,54 @@ def recovery_speed(root: Path, megabytes: int) -> dict:
         LogWriter(path, seal=False).close()
     elapsed = time.perf_counter() - start
     return {"recovery_s_per_gb": elapsed / (size / 1e9), "recovery_bytes": size}
+
+
+# -- A/B: the writer before frame format v1 against the current one ------------------------------------------
+
+AB_WRITERS = {"old": FORMAT_V0, "new": FORMAT_V1}
+"""The old writer is the current pipeline writing format v0 frames (one CRC per frame, no watermark, no
+CLOSE marker): what format v1 adds to the write path is exactly the difference between the two."""
+
+
+def ab_benchmark(root: Path, rounds: int = 10, commits: int = 256, calls_per_commit: int = 16,
+                 replay_executions: int = 200) -> dict:
+    """Old and new writers alternating in one run (the order flips every round, so drift in the machine's
+    load hits both), ``rounds`` rounds each: durable MB/s in every payload mode, and replay (read, verify,
+    fold) of a run-shaped log in each format. Medians per writer, and the median of per-round ratios."""
+    rng = np.random.default_rng(0)
+    batches = [model_call_batch(i * calls_per_commit, calls_per_commit, TOKENS_PER_CALL, rng) for i in range(8)]
+    out: dict = {"ab_rounds": rounds, "ab_commits": commits, "ab_calls_per_append": calls_per_commit}
+    for label, (producers, wait) in PAYLOAD_MODES.items():
+        speeds: dict[str, list[float]] = {name: [] for name in AB_WRITERS}
+        for round_ in range(rounds):
+            order = list(AB_WRITERS) if round_ % 2 == 0 else list(reversed(AB_WRITERS))
+            for name in order:
+                path = root / f"ab_{name}"
+                elapsed, written, _ = _log_payload(path, batches, commits, producers, wait, AB_WRITERS[name])
+                shutil.rmtree(path)
+                speeds[name].append(written / elapsed / 1e6)
+        _ab_summary(out, f"payload{label}_mb_per_s", speeds)
+    logs = {}
+    for name, fmt in AB_WRITERS.items():
+        logs[name] = root / f"ab_replay_{name}"
+        events = realistic_log(logs[name], replay_executions, 200, frame_format=fmt)
+    speeds = {name: [] for name in AB_WRITERS}
+    for round_ in range(rounds):
+        order = list(AB_WRITERS) if round_ % 2 == 0 else list(reversed(AB_WRITERS))
+        for name in order:
+            start = time.perf_counter()
+            fold_batches(ExecutionsView(), LogReader(logs[name]).read(full_schema=False))
+            speeds[name].append(events / (time.perf_counter() - start))
+    _ab_summary(out, "replay_events_per_s", speeds)
+    for path in logs.values():
+        shutil.rmtree(path)
+    return out
+
+
+def _ab_summary(out: dict, key: str, speeds: dict[str, list[float]]) -> None:
+    for name, values in speeds.items():
+        out[f"ab_{key}_{name}"] = statistics.median(values)
+    out[f"ab_{key}_new_over_old"] = statistics.median(n / o for n, o in zip(speeds["new"], speeds["old"], strict=True))
 
 
 def run_benchmark(quick: bool = False, directory: Path | None = None, kill_points: int = 0) -> dict:
@@ -414,6 +472,18 @@ def run_benchmark(quick: bool = False, directory: Path | None = None, kill_point
             report = run_crash_points(root / "crash", kill_points, seed=12345)
             results.update({"kill_points": report.points, "kill_acknowledged_lost": report.lost,
                             "kill_failures": len(report.failures), "kill_torn_tails_cut": report.torn_tails_cut})
+        return results
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run_ab(quick: bool = False, directory: Path | None = None, rounds: int = 10) -> dict:
+    """`gyre log bench --ab`: the old and new writers alternating (see ``ab_benchmark``)."""
+    root = Path(tempfile.mkdtemp(prefix="gyre-log-ab-", dir=directory))
+    try:
+        scale = 1 if quick else 4
+        results: dict = {"quick": quick, "machine": f"{os.cpu_count()} cpu", "directory": str(root)}
+        results.update(ab_benchmark(root, rounds=rounds, commits=256 * scale, replay_executions=100 * scale))
         return results
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -209,13 +209,20 @@ def bench(as_json: JsonOpt = False,
           directory: Annotated[Path | None, typer.Option("--dir", help="where to write (default: a temp dir "
                                                          "under the current directory's disk)")] = None,
           kill_points: Annotated[int | None, typer.Option(
-              help="kill -9 crash points to run (default: 1000, or 0 with --quick)")] = None) -> None:
+              help="kill -9 crash points to run (default: 1000, or 0 with --quick)")] = None,
+          ab: Annotated[bool, typer.Option(
+              "--ab", help="only compare the old writer (frame format v0) with the current one, alternating "
+                           "in one run")] = False,
+          rounds: Annotated[int, typer.Option(min=1, help="rounds per writer with --ab (medians)")] = 10) -> None:
     """Measure the log's durable throughput, commit latency, replay and recovery speed."""
-    from benchmarks.log_bench import run_benchmark
+    from benchmarks.log_bench import run_ab, run_benchmark
 
-    if kill_points is None:
-        kill_points = 0 if quick else 1000
-    results = run_benchmark(quick=quick, directory=directory, kill_points=kill_points)
+    if ab:
+        results = run_ab(quick=quick, directory=directory, rounds=rounds)
+    else:
+        if kill_points is None:
+            kill_points = 0 if quick else 1000
+        results = run_benchmark(quick=quick, directory=directory, kill_points=kill_points)
     if as_json:
         print(json.dumps(results))
         return

@@ -213,8 +213,10 @@ def read_frame(data: memoryview, offset: int, verify: bool = True) -> Frame | Ba
     if magic != MAGIC:
         return BadFrame(offset, f"bad frame magic {bytes(magic)!r}", "header")
     if flags & ~KNOWN_FLAGS:
-        return BadFrame(offset, f"unknown frame format flags {flags:#x} (a newer Gyre wrote this log, or its "
-                                f"header is damaged)", "format")
+        if ftype in FRAME_TYPES and not _r:  # a well-formed header of a format this version does not know
+            return BadFrame(offset, f"unknown frame format flags {flags:#x} (a newer Gyre wrote this log?)",
+                            "format")
+        return BadFrame(offset, f"unknown frame format flags {flags:#x} in a damaged header", "header")
     if not flags & FLAG_CHUNKED:
         return _read_v0(data, offset, ftype, length, count, first_seq, crc, head_crc, verify)
     if crc32c.crc32c(data[offset + 4:offset + 28]) != head_crc:
