@@ -74,7 +74,12 @@ class WandbExporter:
         return Path(self._run.dir).parent
 
     def close(self) -> None:
+        import wandb
+
         self._run.finish()
+        # finish() can return before W&B's service process has written the last records; teardown waits for
+        # that process to exit, so the offline run file is complete when close() returns
+        wandb.teardown()
 
 
 def make_exporters(names: Sequence[str], run_dir: str | Path, *, run_name: str, project: str = "gyre"
