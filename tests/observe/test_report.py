@@ -109,6 +109,7 @@ def rendered(page: Path, tmp_path: Path) -> _Plots:
     return parser
 
 
+@pytest.mark.integration
 def test_every_plot_renders_in_a_headless_browser(run_dir: Path, tmp_path: Path) -> None:
     page = write_report(run_dir)
     text = page.read_text()
@@ -121,6 +122,7 @@ def test_every_plot_renders_in_a_headless_browser(run_dir: Path, tmp_path: Path)
     assert all(dom.series.get(name, 0) > 0 for name in dom.plots), dom.series
 
 
+@pytest.mark.integration
 def test_a_log_without_training_renders_empty_plots_not_errors(tmp_path: Path) -> None:
     with LogWriter(tmp_path / "log", run_id="r") as writer:
         writer.append(RunStarted(run_id="r", name="empty", policy="colocate", policy_version="x"))
