@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint venv clean
+.PHONY: check browser
 
 venv: $(STAMP)
 
@@ -32,3 +33,16 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The fast tier for everyday work: lint plus pure and unit tests (under 90 s on 2 cores). `make test` stays the
+# full suite that CI runs; the integration tier is marked in tests/conftest.py.
+check: $(STAMP)
+	$(BIN)/ruff check gyre tests benchmarks agents tasks scripts
+	$(BIN)/python -m pytest -m "not integration and not slow" -p no:cacheprovider
+
+# Debian's chromium, which the report test opens headless (installed once; as root, or through sudo).
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
+browser:
+	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y --no-install-recommends chromium; }
+test: browser

@@ -8,6 +8,7 @@ import typer
 from gyre.engine.cli import engine_app
 from gyre.harness.cli import harness_app
 from gyre.log.cli import log_app
+from gyre.observe.cli import export, report
 from gyre.proxy.cli import proxy_app
 from gyre.replay.cli import replay_app
 from gyre.sim.cli import sim_app
@@ -25,6 +26,8 @@ app.add_typer(replay_app, name="replay")
 app.add_typer(harness_app, name="harness")
 app.command("train")(train)
 app.add_typer(trainer_app, name="trainer")
+app.command("report")(report)
+app.command("export")(export)
 
 schema_app = typer.Typer(no_args_is_help=True, help="The event schema.")
 app.add_typer(schema_app, name="schema")

@@ -66,3 +66,26 @@ class Threads:
             assert not thread.is_alive(), f"a thread still runs after {timeout_s} s"
         if self.errors:
             raise self.errors[0]
+
+
+# -- tiers ---------------------------------------------------------------------------------------------------
+# `make check` runs the fast tier: pure and unit tests (`-m "not integration and not slow"`). Tests that start
+# engines or proxies, run harness subprocesses, a training loop, notebooks, Megatron or a browser are the
+# integration tier, named here by path so that test modules need no marker of their own; `make test` runs both.
+INTEGRATION = (
+    "tests/engine/",
+    "tests/proxy/",
+    "tests/harness/",
+    "tests/train/",
+    "tests/notebooks/",
+    "tests/trainer/test_trainer_megatron.py",
+    "tests/trainer/test_trainer_backend_conformance.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(config.rootpath)
+    for item in items:
+        path = Path(item.path).relative_to(root).as_posix()
+        if any(path.startswith(prefix) for prefix in INTEGRATION):
+            item.add_marker(pytest.mark.integration)

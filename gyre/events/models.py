@@ -302,10 +302,41 @@ class TrainStepFinished(Event):
     policy_version: NonNegativeInt = Field(description="the version the step produced")
     micro_steps: NonNegativeInt
     samples: NonNegativeInt = Field(0, description="executions whose data the step consumed")
-    tokens: NonNegativeInt = 0
+    tokens: NonNegativeInt = Field(0, description="tokens forwarded through the model (packed: shared prefixes "
+                                                  "once, padding not counted)")
     loss: float | None = None
     grad_norm: float | None = None
     duration_s: NonNegativeFloat = 0.0
+    # -- metrics (all optional: producers fill what they measure; older logs have none) --
+    tokens_trained: NonNegativeInt | None = Field(None, description="policy tokens the loss was taken over")
+    tokens_padded: NonNegativeInt | None = Field(None, description="forwarded tokens including the padding "
+                                                                   "of each forward pass")
+    tokens_per_s: NonNegativeFloat | None = Field(None, description="forwarded tokens per second of "
+                                                                    "forward-backward")
+    clip_fraction: float | None = Field(None, description="token weight share whose GSPO clip was active")
+    tis_truncated_fraction: float | None = Field(None, description="token weight share whose importance "
+                                                                   "weight the TIS cap truncated")
+    log_ratio_mean: NonNegativeFloat | None = Field(None, description="mean |log pi_trainer - log pi_engine| "
+                                                                      "per trained token")
+    log_ratio_max: NonNegativeFloat | None = Field(None, description="max |log pi_trainer - log pi_engine|")
+    kl: float | None = Field(None, description="KL(engine || trainer) per token, k3 estimate")
+    entropy: float | None = Field(None, description="policy entropy per token, estimated from the "
+                                                    "sampled tokens (mean -log pi_trainer)")
+    response_tokens_mean: NonNegativeFloat | None = Field(None, description="policy tokens per used execution")
+    response_tokens_max: NonNegativeInt | None = None
+    reward_mean: float | None = Field(None, description="mean reward of the executions the step used")
+    reward_std: NonNegativeFloat | None = Field(None, description="std of the rewards the step used")
+    group_reward_std: NonNegativeFloat | None = Field(None, description="mean within-group reward std")
+    groups_zero_variance: NonNegativeInt | None = Field(None, description="groups whose rewards were all "
+                                                                          "equal (zero advantage)")
+    advantage_mean: float | None = None
+    advantage_std: NonNegativeFloat | None = None
+    advantage_min: float | None = None
+    advantage_max: float | None = None
+    rollout_s: NonNegativeFloat | None = Field(None, description="phase: rollouts of the step's groups")
+    batch_s: NonNegativeFloat | None = Field(None, description="phase: building the batches from the log")
+    forward_backward_s: NonNegativeFloat | None = Field(None, description="phase: sum of the micro-steps")
+    optimizer_s: NonNegativeFloat | None = Field(None, description="phase: the optimizer step")
 
 
 class WeightsPublished(Event):
@@ -333,6 +364,27 @@ class SatelliteLeft(Event):
     cell_id: str
     step: NonNegativeInt | None = None
     reason: str = ""
+
+
+# --- held-out evaluation -----------------------------------------------------------------------------------
+
+
+class HeldOutEvaluated(Event):
+    """The current policy ran a held-out task set (never trained on): its pass rate and mean reward."""
+
+    kind: ClassVar[str] = "heldout_evaluated"
+    view: ClassVar[str] = "heldout_evaluations"
+    step: NonNegativeInt = Field(description="the train steps done before it (0: the initial policy)")
+    policy_version: NonNegativeInt
+    tasks: NonNegativeInt
+    executions: NonNegativeInt
+    scored: NonNegativeInt = Field(description="executions the evaluators scored (failures are excluded)")
+    passed: NonNegativeInt = Field(description="scored executions whose reward reached pass_threshold")
+    pass_threshold: float
+    pass_rate: float | None = Field(None, description="passed / scored; None when nothing was scored")
+    reward_mean: float | None = None
+    duration_s: NonNegativeFloat = 0.0
+    group_prefix: str = Field("", description="group_id prefix of its executions, to tell them from training")
 
 
 def event_type(kind: str) -> type[Event]:

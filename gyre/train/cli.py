@@ -1,13 +1,19 @@
 """`gyre train CONFIG`: the single-machine RL loop with live progress and a summary."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from gyre.errors import GyreError
+from gyre.observe.summary import step_rows, summary_table
+from gyre.report import write_report
+
+if TYPE_CHECKING:
+    from gyre.train.config import TrainConfig
 
 console = Console()
 
@@ -44,34 +50,52 @@ def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e
             console.print(f"step {record.step}: reward mean {reward} over {record.scored}/{record.executions} "
                           f"scored, {record.micro_steps} micro-steps, {record.trained_tokens} trained tokens "
                           f"({tokens_per_s:.0f}/s), rollout {record.rollout_s:.1f}s, train {record.train_s:.1f}s, "
-                          f"policy v{record.policy_version} -> v{record.policy_version + int(record.micro_steps > 0)}")
+                          f"policy v{record.policy_version} -> v{record.policy_version + int(record.micro_steps > 0)}",
+                          overflow="fold")
         elif phase == "rollout":
             console.print(f"[dim]step {figures['step']}: {figures['queued']} executions queued on policy "
                           f"v{figures['version']}[/dim]")
+        elif phase == "heldout":
+            event = figures["event"]
+            rate = "n/a" if event.pass_rate is None else f"{event.pass_rate:.0%}"
+            console.print(f"held-out before step {event.step}: pass rate {rate} ({event.passed}/{event.scored}) on "
+                          f"policy v{event.policy_version}")
         elif phase == "skipped":
             console.print(f"[yellow]step {figures['step']}: not trained: {figures['reason']}[/yellow]")
 
     console.print(f"[bold]gyre train[/bold] {settings.name}: {settings.steps} steps, "
                   f"{settings.rollout.groups_per_step} groups x {settings.rollout.group_size} rollouts per step, "
                   f"run directory {settings.run_dir}")
+    run = None
     try:
         with status:
             run = TrainingRun(settings, progress)
-            summary = run.run()
+            with observing(settings, run.log_path, run.run_id):
+                summary = run.run()
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: harnesses stopped, log committed[/yellow]")
         raise typer.Exit(130) from None
     except GyreError as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(1) from None
+    finally:
+        if run is not None and settings.observe.report:
+            console.print(f"report: {write_report(settings.run_dir)}")
 
-    table = Table("step", "policy", "executions", "scored", "reward mean", "micro-steps", "trained tokens",
-                  "loss", "rollout s", "train s", title=f"{settings.name}: {summary.status}")
-    for r in summary.steps:
-        table.add_row(str(r.step), f"v{r.policy_version}", str(r.executions), str(r.scored),
-                      "n/a" if r.reward_mean is None else f"{r.reward_mean:.3f}", str(r.micro_steps),
-                      str(r.trained_tokens), "n/a" if r.loss is None else f"{r.loss:.4f}",
-                      f"{r.rollout_s:.1f}", f"{r.train_s:.1f}")
-    console.print(table)
+    console.print(summary_table(step_rows(summary.log), console.width, title=f"{settings.name}: {summary.status}"))
     console.print(f"log: {summary.log}  (final policy v{summary.policy_version})")
     console.print(f'query it: gyre log sql {summary.log} "SELECT step, policy_version, loss FROM train_steps"')
+
+
+@contextmanager
+def observing(settings: "TrainConfig", log: Path, run_id: str) -> Iterator[None]:
+    """Exporters following the run's log while it runs (and catching up when it ends), per `[observe]`."""
+    if not settings.observe.exporters:
+        yield
+        return
+    from gyre.observe import LogFollower, make_exporters
+
+    exporters = make_exporters(settings.observe.exporters, settings.run_dir, run_name=run_id,
+                               project=settings.observe.wandb_project)
+    with LogFollower(log, exporters):
+        yield

@@ -2,7 +2,7 @@
 
 import tomllib
 from pathlib import Path
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
 
@@ -52,6 +52,26 @@ class TrainerSection(_Section):
     weight_decay: float = Field(0.0, ge=0)
 
 
+class EvaluationSection(_Section):
+    """Held-out evaluation: every ``every`` steps the current policy runs tasks it never trains on."""
+
+    every: NonNegativeInt = Field(0, description="evaluate every N steps, the initial and final policy too (0: off)")
+    tasks: Path | None = Field(None, description="task set file (default: rollout.tasks)")
+    task_ids: tuple[str, ...] = Field((), description="held-out tasks (empty: those rollout.task_ids leaves out)")
+    samples: PositiveInt = Field(1, description="rollouts per held-out task")
+    pass_threshold: float = Field(1.0, ge=0, le=1, description="reward at or above which an execution passes")
+
+
+class ObserveSection(_Section):
+    """What follows the log of a run: exporters (while it runs) and the HTML report (when it ends)."""
+
+    exporters: tuple[Literal["tensorboard", "wandb"], ...] = Field(
+        (), description="tensorboard: event files in RUN_DIR/tensorboard; wandb: an offline run in RUN_DIR/wandb"
+    )
+    wandb_project: str = Field("gyre", min_length=1)
+    report: bool = Field(True, description="write RUN_DIR/report.html when gyre train ends")
+
+
 class TrainConfig(_Section):
     name: str = Field("tiny-cpu", min_length=1)
     run_dir: Path = Field(Path("runs/tiny-cpu"), description="log, executions and checkpoints go here")
@@ -62,6 +82,8 @@ class TrainConfig(_Section):
     sampling: SamplingSection = SamplingSection()
     trajectory: TrajectorySection = TrajectorySection()
     trainer: TrainerSection = TrainerSection()
+    evaluation: EvaluationSection = EvaluationSection()
+    observe: ObserveSection = ObserveSection()
 
     @classmethod
     def load(cls, path: str | Path) -> Self:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gyre.events.models import (
     CellRegistered,
@@ -26,6 +27,10 @@ from gyre.events.models import (
 )
 from gyre.log import LogWriter
 from gyre.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from gyre.evaluation import HeldOutEvaluator
+    from gyre.events.models import Event
 
 CELL = "cell0"
 
@@ -136,6 +141,7 @@ class TrainingRun:
                 optimizer=OptimizerConfig(lr=trainer.lr, weight_decay=trainer.weight_decay,
                                           max_grad_norm=trainer.max_grad_norm)))
             self.coordinator = StepCoordinator(self.writer)
+            self.heldout = self._heldout_evaluator(HarnessSink(self.writer).record)
         except BaseException:
             self.close()
             raise
@@ -187,6 +193,7 @@ class TrainingRun:
         builder = BatchBuilder(TrajectoryConfig(cap=section.cap, min_valid_per_group=section.min_valid_per_group,
                                                 token_budget=section.token_budget, form=section.form))
         micro = list(builder.batches(g for g in LogSource(self.log_path).groups() if g.group_id in groups))
+        phases = {"rollout_s": record.rollout_s, "batch_s": time.monotonic() - started}
         report = builder.report.to_dict()
         record.excluded = {k: v for k, v in report.items()
                            if (k.startswith("excluded_") or k.startswith("groups_")) and isinstance(v, int) and v}
@@ -202,8 +209,11 @@ class TrainingRun:
         self.progress("training", {"step": step, "micro_steps": len(batches)})
         self.backend.zero_grad()
         work(self.backend, self.coordinator, CELL, batches.__getitem__)
+        optimizer_started = time.monotonic()
         result = self.backend.optimizer_step(normalizer=float(len(executions)))
-        summary = self.coordinator.close_step(result, duration_s=time.monotonic() - started)
+        phases["optimizer_s"] = time.monotonic() - optimizer_started
+        summary = self.coordinator.close_step(result, duration_s=time.monotonic() - started,
+                                              metrics={**builder.report.step_metrics(), **phases})
         self._publish(result.policy_version)
         self._switch("training", "rollout", "weights published; back to rollouts")
         record.micro_steps = len(batches)
@@ -238,8 +248,10 @@ class TrainingRun:
         status = "completed"
         try:
             for step in range(self.config.steps):
+                self._evaluate(step)
                 records.append(self.step(step))
                 self.progress("step", {"record": records[-1]})
+            self._evaluate(self.config.steps)
         except KeyboardInterrupt:
             status = "interrupted"
             raise
@@ -252,6 +264,27 @@ class TrainingRun:
                                            message=json.dumps({"steps": len(records)})))
             self.close()
         return RunSummary(self.log_path, records, status, self.policy_version)
+
+    def _heldout_evaluator(self, record: Callable[["Event"], object]) -> "HeldOutEvaluator":
+        from gyre.evaluation import HeldOutEvaluator, plan_heldout
+        from gyre.harness.tasks import TaskSet
+
+        section = self.config.evaluation
+        tasks = TaskSet.load(section.tasks) if section.tasks is not None else self.tasks
+        trained = self.task_ids if section.tasks is None else ()
+        plan = plan_heldout(section.every, tasks, section.task_ids, trained, section.samples, section.pass_threshold)
+
+        def register(execution_id: str, version: int) -> str:
+            return self.proxy.register_execution(execution_id, cell_id=CELL, policy_version=version).token
+
+        return HeldOutEvaluator(plan, tasks, submit=self.runner.submit, register=register,
+                                unregister=self.proxy.proxy.unregister_execution, record=record, cell_id=CELL)
+
+    def _evaluate(self, steps_done: int) -> None:
+        """Held-out evaluation of the policy the engine serves now, when the plan says it is due."""
+        event = self.heldout.maybe_run(steps_done, self.config.steps, self.policy_version)
+        if event is not None:
+            self.progress("heldout", {"event": event})
 
     def _stop_components(self) -> None:
         while self._closers:

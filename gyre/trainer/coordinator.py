@@ -10,6 +10,7 @@ the core's own replica and the threads serving satellites call it concurrently.
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from gyre.events.models import (
     Event,
@@ -37,6 +38,9 @@ class StepSummary:
     stats: LossStats
     tokens: int
     samples: int
+    padded_tokens: int = 0
+    forward_backward_s: float = 0.0
+    """Sum of the micro-steps' durations (replicas in parallel add up: compute time, not wall time)."""
 
 
 class StepCoordinator:
@@ -53,6 +57,8 @@ class StepCoordinator:
         self._ready: dict[int, int] = {}
         self._stats = LossStats()
         self._tokens = 0
+        self._padded = 0
+        self._busy_s = 0.0
         self._executions: set[str] = set()
 
     # -- steps -------------------------------------------------------------------------------------------
@@ -64,6 +70,7 @@ class StepCoordinator:
                 raise StepProtocolError(f"step {self.state.current_step} is still open")
             step = max(self.state.steps, default=-1) + 1
             self._ready, self._stats, self._tokens, self._executions = {}, LossStats(), 0, set()
+            self._padded, self._busy_s = 0, 0.0
             self._append(
                 TrainStepStarted(
                     step=step,
@@ -131,6 +138,8 @@ class StepCoordinator:
             )
             self._stats = self._stats + result.stats
             self._tokens += result.tokens
+            self._padded += result.padded_tokens
+            self._busy_s += result.duration_s
             self._lock.notify_all()
 
     def all_finished(self) -> bool:
@@ -147,13 +156,20 @@ class StepCoordinator:
         step = open_step(self.state)
         return step is not None and not step.pending
 
-    def close_step(self, result: StepResult, *, duration_s: float = 0.0) -> StepSummary:
-        """Log the applied optimizer step (the version it produced) and close the step."""
+    def close_step(
+        self, result: StepResult, *, duration_s: float = 0.0, metrics: Mapping[str, Any] | None = None
+    ) -> StepSummary:
+        """Log the applied optimizer step (the version it produced) and close the step.
+
+        The event carries the loss statistics and token counts of the finished micro-steps; ``metrics`` adds
+        what only the caller knows (batch statistics, phase times: fields of ``TrainStepFinished``).
+        """
         with self._lock:
             step = open_step(self.state)
             if step is None or step.pending:
                 raise StepProtocolError("close_step before every planned micro-step finished")
-            summary = StepSummary(step.step, self._stats, self._tokens, len(self._executions))
+            summary = StepSummary(step.step, self._stats, self._tokens, len(self._executions), self._padded,
+                                  self._busy_s)
             self._append(
                 TrainStepFinished(
                     step=step.step,
@@ -164,6 +180,8 @@ class StepCoordinator:
                     loss=self._stats.loss_sum / result.normalizer,
                     grad_norm=result.grad_norm,
                     duration_s=duration_s,
+                    **step_metrics(summary),
+                    **(metrics or {}),
                 ),
                 commit=True,
             )
@@ -201,3 +219,21 @@ class StepCoordinator:
         if commit:
             self.writer.commit()
         self.view.apply(self.state, event)
+
+
+def step_metrics(summary: StepSummary) -> dict[str, Any]:
+    """The ``TrainStepFinished`` metrics that the micro-steps' results determine."""
+    stats = summary.stats
+    measured = stats.tokens > 0
+    return {
+        "tokens_trained": stats.tokens,
+        "tokens_padded": summary.padded_tokens,
+        "tokens_per_s": summary.tokens / summary.forward_backward_s if summary.forward_backward_s > 0 else None,
+        "forward_backward_s": summary.forward_backward_s,
+        "clip_fraction": stats.clip_fraction if measured else None,
+        "tis_truncated_fraction": stats.truncated_fraction if measured else None,
+        "log_ratio_mean": stats.mean_abs_token_log_ratio if measured else None,
+        "log_ratio_max": stats.max_abs_token_log_ratio if measured else None,
+        "kl": stats.kl if measured else None,
+        "entropy": stats.entropy if measured else None,
+    }

@@ -18,6 +18,7 @@ ratio depends on its own tokens only; the gradient of an unclipped unit is ``-W_
 of its tokens' score functions, ``W_i`` being the unit's total token weight.
 """
 
+import operator
 from dataclasses import dataclass, fields
 
 import torch
@@ -42,9 +43,19 @@ class LossStats:
     """Sum over units of the mean log-ratio ``log s_i`` (unclamped)."""
     abs_token_log_ratio_sum: float = 0.0
     """Sum over tokens of ``|log pi_theta - log pi_behaviour|``: the engine/trainer (and staleness) mismatch."""
+    max_abs_token_log_ratio: float = 0.0
+    """Largest ``|log pi_theta - log pi_behaviour|`` of one token (merged by max, not summed)."""
+    kl_sum: float = 0.0
+    """Sum over tokens of the k3 estimator ``r - 1 - log r`` (``r = pi_theta / pi_behaviour``, tokens sampled
+    from the behaviour policy): its mean estimates KL(behaviour || theta) without bias and is never negative."""
+    neg_logprob_sum: float = 0.0
+    """Sum over tokens of ``-log pi_theta``: its mean estimates the policy's entropy (the tokens were sampled
+    from the behaviour policy, which is the trainer's up to the mismatch above)."""
 
     def __add__(self, other: "LossStats") -> "LossStats":
-        return LossStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+        return LossStats(
+            *(_MERGE.get(f.name, operator.add)(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
+        )
 
     @property
     def loss(self) -> float:
@@ -66,6 +77,18 @@ class LossStats:
     @property
     def mean_abs_token_log_ratio(self) -> float:
         return self.abs_token_log_ratio_sum / self.tokens if self.tokens else 0.0
+
+    @property
+    def kl(self) -> float:
+        return self.kl_sum / self.tokens if self.tokens else 0.0
+
+    @property
+    def entropy(self) -> float:
+        return self.neg_logprob_sum / self.tokens if self.tokens else 0.0
+
+
+_MERGE = {"max_abs_token_log_ratio": max}
+"""Fields that do not add up when stats merge (every other field is a sum)."""
 
 
 def sequence_log_ratios(log_ratio: torch.Tensor, unit_ids: torch.Tensor, num_units: int) -> torch.Tensor:
@@ -135,5 +158,8 @@ def gspo_loss(
             truncated_weight=float(weight[truncated].sum()),
             log_ratio_sum=float(unit_log_ratio.detach()[present].sum()),
             abs_token_log_ratio_sum=float(token_log_ratio.detach().abs().sum()),
+            max_abs_token_log_ratio=float(token_log_ratio.detach().abs().max()) if n else 0.0,
+            kl_sum=float(torch.expm1(token_log_ratio.detach()).sub(token_log_ratio.detach()).sum()),
+            neg_logprob_sum=float(-logprobs.detach().sum()),
         )
     return loss_sum, stats

@@ -72,8 +72,12 @@ class BatchBuilder:
         if np.all(rewards == rewards[0]):
             report.groups_zero_variance += 1
         report.groups_used += 1
+        report.rewards.add(rewards)
+        report.group_reward_std.add([rewards.std()])
+        group_advantages = advantages(rewards, self.config.advantage_eps)
+        report.advantages.add(group_advantages)
         plans = []
-        for (member, selection), advantage in zip(valid, advantages(rewards, self.config.advantage_eps), strict=True):
+        for (member, selection), advantage in zip(valid, group_advantages, strict=True):
             plans.append(
                 ExecutionPlan(
                     member.outcome,
@@ -127,6 +131,7 @@ class BatchBuilder:
         report.trajectories_capped += selection.capped
         report.trajectories_redundant += selection.redundant
         report.policy_tokens_total += calls.num_policy_tokens
+        report.response_tokens.add([calls.num_policy_tokens])
         report.policy_tokens_trained += selection.policy_tokens_trained
         report.policy_tokens_dropped_by_cap += calls.num_policy_tokens - selection.policy_tokens_trained
         report.tokens_total += calls.num_tokens

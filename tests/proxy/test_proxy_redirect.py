@@ -3,9 +3,11 @@ the harness sees one uninterrupted reply, and the log has a `call_redirected` ev
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -15,6 +17,7 @@ from gyre.engine import SyncHttpEngineClient
 from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
 from gyre.model.tokenizer import build_tokenizer
 from gyre.proxy import Proxy
+from tests.conftest import Threads
 from tests.proxy.proxy_helpers import TOKEN, Seen, StartProxy, capture
 
 MESSAGES = [{"role": "user", "content": "Write a long answer."}]
@@ -36,29 +39,59 @@ def two_engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[Engines]:
         server.stop()
 
 
-def _wait(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+def _wait(predicate: Callable[[], bool], timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.005)
 
 
-def test_redirect_mid_stream_continues_on_the_new_engine(two_engines: Engines, start_proxy: StartProxy) -> None:
+def _freeze_after_first_token(server: LocalEngineServer, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Pause `server`'s engine right after it emits the first streamed token of a call, from its scheduler
+    thread: the pause is queued there and runs before the next decode step, so the call is mid-generation
+    with exactly one token done, however fast or loaded the machine. The event is set once it is frozen."""
+    scheduler = server.engine.scheduler
+    original = scheduler.submit
+    frozen = threading.Event()
+
+    def submit(request: Any) -> Any:
+        inner = request.sink
+
+        def sink(out: Any) -> None:
+            if not frozen.is_set() and not out.finished and out.output_ids:
+                scheduler.pause("in_place")
+                frozen.set()
+            inner(out)
+
+        return original(dataclasses.replace(request, sink=sink))
+
+    monkeypatch.setattr(scheduler, "submit", submit)
+    return frozen
+
+
+def test_redirect_mid_stream_continues_on_the_new_engine(
+    two_engines: Engines, start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
     a, b, seen = two_engines
     p = start_proxy({"a": a.url, "b": b.url})
     assert p.registration.cell_id == "a"
-    client = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)
-    stream = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=64, seed=SEED, stream=True)
-    text = []
-    with SyncHttpEngineClient(a.url) as old:
+    frozen = _freeze_after_first_token(a, monkeypatch)
+    client = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+    text: list[str] = []
+
+    def consume() -> None:
+        stream = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=64, seed=SEED, stream=True)
         for chunk in stream:
             delta = chunk.choices[0].delta.content if chunk.choices else None
             if delta:
                 text.append(delta)
-                if len(text) == 1:  # mid-generation: freeze the old engine, then move the execution
-                    old.pause("in_place")
-                    assert p.server.redirect("a", ["b"]) == {"exec-1": "b"}
+
+    consumer = Threads(consume)
+    assert frozen.wait(120), "engine a never streamed a token"
+    assert p.server.redirect("a", ["b"]) == {"exec-1": "b"}  # the old engine is frozen mid-generation
+    with SyncHttpEngineClient(a.url) as old:
         old.resume()
+    consumer.join(120)
     redirects = p.events("call_redirected")
     finished = p.events("model_call_finished")
     assert len(redirects) == 1 and len(finished) == 1
@@ -66,7 +99,7 @@ def test_redirect_mid_stream_continues_on_the_new_engine(two_engines: Engines, s
     assert (moved.from_cell_id, moved.to_cell_id, moved.call_id) == ("a", "b", call.call_id)
     first, second = seen[f"{call.call_id}#0"], seen[f"{call.call_id}#1"]
     partial = first.output_ids
-    assert partial and moved.tokens_done == len(partial)
+    assert len(partial) == 1 and moved.tokens_done == 1  # frozen right after its first token
     assert second.input_ids == first.input_ids + partial  # the new engine continues from the partial output
     assert call.output_ids == partial + second.output_ids and call.cell_id == "b"
     assert len(call.output_logprobs) == len(call.output_ids) <= 64

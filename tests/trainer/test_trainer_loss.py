@@ -181,3 +181,35 @@ def test_the_loss_module_imports_no_servers_or_models():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_mismatch_statistics_match_a_float64_reference_and_merge():
+    """KL (k3), entropy estimate and |log-ratio| mean/max, per call and merged across passes."""
+    g = torch.Generator().manual_seed(3)
+    n = 40
+    units = torch.randint(0, 4, (n,), generator=g)
+    logp, behaviour = -torch.rand(n, generator=g, dtype=F64) * 3, -torch.rand(n, generator=g, dtype=F64) * 3
+    adv, w = torch.randn(4, generator=g, dtype=F64)[units], torch.rand(n, generator=g, dtype=F64)
+    config = GSPOConfig(eps_low=0.2, eps_high=0.2, tis_cap=2.0)
+    _, stats = gspo_loss(logp, behaviour, adv, w, units, 4, config)
+    ratio = (logp - behaviour).tolist()
+    k3 = [math.exp(r) - 1 - r for r in ratio]
+    assert stats.kl == pytest.approx(sum(k3) / n, rel=1e-12) and stats.kl > 0
+    assert stats.entropy == pytest.approx(-sum(logp.tolist()) / n, rel=1e-12)
+    assert stats.mean_abs_token_log_ratio == pytest.approx(sum(abs(r) for r in ratio) / n, rel=1e-12)
+    assert stats.max_abs_token_log_ratio == pytest.approx(max(abs(r) for r in ratio), rel=1e-12)
+    merged = LossStats()
+    for chosen in (units < 2, units >= 2):
+        _, part = gspo_loss(logp[chosen], behaviour[chosen], adv[chosen], w[chosen], units[chosen], 4, config)
+        merged = merged + part
+    assert merged.max_abs_token_log_ratio == stats.max_abs_token_log_ratio  # merged by max, not summed
+    assert merged.kl == pytest.approx(stats.kl, rel=1e-12)
+    assert merged.entropy == pytest.approx(stats.entropy, rel=1e-12)
+
+
+def test_on_policy_tokens_have_no_mismatch():
+    logp = torch.tensor([-0.5, -1.5, -2.0], dtype=F64)
+    _, stats = gspo_loss(logp, logp.clone(), torch.ones(3, dtype=F64), torch.ones(3, dtype=F64),
+                         torch.zeros(3, dtype=torch.long), 1, GSPOConfig())
+    assert stats.kl == 0.0 and stats.max_abs_token_log_ratio == 0.0 and stats.clip_fraction == 0.0
+    assert stats.entropy == pytest.approx(4.0 / 3)

@@ -144,3 +144,32 @@ def _events_table(events: list) -> pa.Table:
             "seq": list(range(len(events))),
         }
     )
+
+
+def test_step_metrics_summarise_rewards_advantages_and_response_lengths() -> None:
+    """The batch statistics a train step logs: over used executions only, group spread per group."""
+    first = group([(outcome("a", reward=1.0, group="g1"), simple("a", (7, 8, 9))),
+                   (outcome("b", reward=0.0, group="g1"), simple("b")),
+                   (outcome("x", reward=None, error="crash", group="g1"), simple("x"))], "g1")
+    second = group([(outcome("c", reward=0.5, group="g2"), simple("c")),
+                    (outcome("d", reward=0.5, group="g2"), simple("d", (5,)))], "g2")
+    _, report = build([first, second])
+    metrics = report.step_metrics()
+    assert metrics["reward_mean"] == pytest.approx(0.5)
+    assert metrics["reward_std"] == pytest.approx(np.std([1.0, 0.0, 0.5, 0.5]))
+    assert metrics["group_reward_std"] == pytest.approx((0.5 + 0.0) / 2)
+    assert metrics["groups_zero_variance"] == 1
+    assert metrics["advantage_mean"] == pytest.approx(0.0, abs=1e-9)
+    assert metrics["advantage_min"] == pytest.approx(-1.0, abs=1e-5)
+    assert metrics["advantage_max"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["response_tokens_mean"] == pytest.approx((3 + 2 + 2 + 1) / 4)
+    assert metrics["response_tokens_max"] == 3
+    summary = report.to_dict()["rewards"]
+    assert summary["count"] == 4 and summary["mean"] == pytest.approx(0.5)
+
+
+def test_step_metrics_of_an_empty_build_are_missing_not_zero() -> None:
+    _, report = build([])
+    metrics = report.step_metrics()
+    assert metrics["reward_mean"] is None and metrics["advantage_std"] is None
+    assert metrics["response_tokens_max"] is None
