@@ -44,14 +44,17 @@ class SimResult:
 
 
 def policy_params(scenario: Scenario, policy: Policy, overrides: dict[str, Any] | None = None) -> PolicyParams:
-    """The scenario's parameters for a policy: the shared staleness plus the policy's own section."""
+    """The scenario's parameters for a policy: the shared staleness plus the policy's own section.
+
+    Elastic's expected switch costs default to the scenario's (an operator configures measured costs);
+    the policy replaces them with the log's own measurements as switches happen.
+    """
     values: dict[str, Any] = {}
-    if policy.name != "colocate":
-        values["staleness"] = scenario.policy.staleness
     if policy.name == "elastic":
-        values.update(scenario.policy.elastic.model_dump())
-    elif policy.name == "async":
-        values.update(scenario.policy.async_.model_dump())
+        values.update(switch_to_training_s=scenario.switch.to_training_s,
+                      switch_to_rollout_s=scenario.switch.to_rollout_s,
+                      satellite_join_s=scenario.training.satellite_join_s)
+    values.update(scenario.policy.values(policy.name))
     values.update(overrides or {})
     return policy.params(values)
 
