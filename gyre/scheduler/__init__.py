@@ -36,7 +36,23 @@ def get_policy(name: str, version: str | None = None) -> Policy:
 
 
 __all__ = [
-    "ASYNC", "COLOCATE", "DECISION_KINDS", "ELASTIC", "ELASTIC_V1", "POLICIES", "AsyncParams", "CellSpec", "ColocateParams",
-    "ElasticParams", "InsufficientCapacityError", "Policy", "PolicyParams", "SchedulerFold", "SchedulerView",
-    "VERSIONS", "WorkState", "WorkView", "get_policy",
+    "ASYNC",
+    "COLOCATE",
+    "DECISION_KINDS",
+    "ELASTIC",
+    "ELASTIC_V1",
+    "POLICIES",
+    "VERSIONS",
+    "AsyncParams",
+    "CellSpec",
+    "ColocateParams",
+    "ElasticParams",
+    "InsufficientCapacityError",
+    "Policy",
+    "PolicyParams",
+    "SchedulerFold",
+    "SchedulerView",
+    "WorkState",
+    "WorkView",
+    "get_policy",
 ]

@@ -40,7 +40,8 @@ def lower_bound(scenario: Scenario, workload: Workload, staleness: int) -> Bound
         group_s = _group_costs(batch, s_per_mtoken)
         work += sum(group_s) + training.optimizer_s
         start = published[max(0, step - staleness)]
-        ready = start + max(e.duration_s / lone_rate + (0.0 if e.status == "harness_error" else e.eval_s) for e in batch)
+        ready = start + max(e.duration_s / lone_rate + (0.0 if e.status == "harness_error" else e.eval_s)
+                            for e in batch)
         last_micro = min(group_s) / scenario.batch.micro_steps_per_group
         train_end = max(ready, train_end) + last_micro + training.optimizer_s
         published.append(train_end + training.publish_s)

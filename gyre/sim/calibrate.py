@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gyre.sim.runner import compare
-from gyre.sim.scenario import Scenario, load_scenario, parse_scenario
+from gyre.sim.scenario import Scenario, load_scenario, with_values
 
 
 @dataclass(frozen=True)
@@ -33,19 +33,6 @@ class Fit:
     @property
     def score(self) -> float:
         return self.error + 10 * self.outside
-
-
-def with_values(scenario: Scenario, values: dict[str, Any]) -> Scenario:
-    data = json.loads(scenario.model_dump_json(by_alias=True))
-    for dotted, value in values.items():
-        *path, key = dotted.split(".")
-        node = data
-        for part in path:
-            node = node[part]
-        if key not in node:
-            raise KeyError(f"scenario has no parameter {dotted!r}")
-        node[key] = value
-    return parse_scenario(data, source=f"{scenario.name} with {values}")
 
 
 def evaluate(scenario: Scenario, values: dict[str, Any], steps: int | None = None) -> Fit:

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from gyre.errors import ConfigError, GyreError
 from gyre.sim.runner import COMPARED, ablate, compare, simulate
-from gyre.sim.scenario import Scenario, load_scenario, scenario_names, with_policy_values
+from gyre.sim.scenario import Scenario, load_scenario, scenario_names, with_policy_values, with_values
 
 sim_app = typer.Typer(help="Simulate a cluster scenario under a scheduling policy.", add_completion=False,
                     context_settings={"allow_interspersed_args": True})
@@ -29,7 +29,8 @@ def sim(
     staleness: Annotated[int | None, typer.Option(min=0, help="override the shared staleness bound")] = None,
     settings: Annotated[list[str] | None, typer.Option(
         "--set", help="a policy parameter, POLICY.FIELD=VALUE (e.g. colocate.stream_micro_steps=true, "
-                      "async.training_cells=3); repeatable")] = None,
+                      "async.training_cells=3) or any scenario parameter, SECTION.FIELD=VALUE "
+                      "(switch.to_training_s=1800); repeatable")] = None,
     log: Annotated[Path | None, typer.Option(help="write the run's log here (with --compare: one per policy)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
@@ -53,18 +54,29 @@ def sim(
 
 
 def _configured(sc: Scenario, staleness: int | None, settings: list[str]) -> Scenario:
-    values: dict[str, Any] = {}
+    """Apply ``--staleness`` and ``--set``: policy parameters (POLICY.FIELD, staleness) or any other
+    scenario parameter by its dotted path (``switch.to_training_s=1800``)."""
+    policy_values: dict[str, Any] = {}
+    scenario_values: dict[str, Any] = {}
     if staleness is not None:
-        values["staleness"] = staleness
+        policy_values["staleness"] = staleness
     for item in settings:
         key, eq, raw = item.partition("=")
+        key = key.strip()
         if not eq or not key:
-            raise ConfigError(f"--set {item!r}: expected POLICY.FIELD=VALUE")
+            raise ConfigError(f"--set {item!r}: expected POLICY.FIELD=VALUE or SECTION.FIELD=VALUE")
         try:
-            values[key.strip()] = json.loads(raw)
+            value = json.loads(raw)
         except json.JSONDecodeError:
-            values[key.strip()] = raw  # a bare string
-    return with_policy_values(sc, values) if values else sc
+            value = raw  # a bare string
+        is_policy = key == "staleness" or key.split(".")[0] in ("elastic", "colocate", "async", "policy")
+        if is_policy:
+            policy_values[key.removeprefix("policy.")] = value
+        else:
+            scenario_values[key] = value
+    if scenario_values:
+        sc = with_values(sc, scenario_values)
+    return with_policy_values(sc, policy_values) if policy_values else sc
 
 
 def _print_table(runs: list[dict[str, Any]], comparison: dict[str, Any] | None) -> None:

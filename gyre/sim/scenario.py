@@ -211,6 +211,21 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
     return parse_scenario(data, source=str(path))
 
 
+def with_values(scenario: Scenario, values: dict[str, Any]) -> Scenario:
+    data = json.loads(scenario.model_dump_json(by_alias=True))
+    for dotted, value in values.items():
+        *path, key = dotted.split(".")
+        node = data
+        for part in path:
+            if not isinstance(node, dict) or part not in node:
+                raise ConfigError(f"scenario has no parameter {dotted!r}")
+            node = node[part]
+        if not isinstance(node, dict) or key not in node:
+            raise ConfigError(f"scenario has no parameter {dotted!r}")
+        node[key] = value
+    return parse_scenario(data, source=f"{scenario.name} with {values}")
+
+
 def with_policy_values(scenario: Scenario, values: dict[str, Any]) -> Scenario:
     """The scenario with policy parameters set: ``staleness`` (shared) or ``POLICY.FIELD`` (one policy)."""
     data = scenario.policy.model_dump(by_alias=True)
