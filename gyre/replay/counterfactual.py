@@ -3,8 +3,10 @@
 The executions keep what the log says about them: duration, calls, tokens, evaluation time (from the
 finish to the reward or evaluator failure), reward, status, step and group; only the scheduling changes.
 Time an execution spent paused while its KV blocks migrated after a redirect is taken out first, since
-another policy would redirect differently. Re-timing a simulated log under its own policy therefore
-reproduces its recorded makespan exactly.
+another policy would redirect differently (migrations out of one cell at one instant shared its egress,
+as the simulator models them). Re-timing a simulated log under its own policy therefore reproduces its
+recorded makespan exactly when decode speed does not depend on load (``decode.share = 0``); otherwise the
+recorded durations, taken under the recorded load, are re-timed as if they were full-cell durations.
 """
 
 import json
@@ -17,6 +19,7 @@ from gyre.log import LogReader
 from gyre.replay.exact import ReplayError, recorded_policy
 from gyre.scheduler import get_policy
 from gyre.sim.clock import US, to_us
+from gyre.sim.rollouts import shared_transfer_s
 from gyre.sim.runner import SimResult, policy_params, simulate
 from gyre.sim.scenario import Scenario, load_scenario, parse_scenario
 from gyre.sim.workload import ExecutionSpec, Workload
@@ -51,15 +54,27 @@ def run_scenario(start: RunStarted, scenario: str | None) -> Scenario:
                           f"--scenario NAME to borrow its cluster and cost parameters") from error
 
 
+def _migration_pauses(con, scenario: Scenario) -> dict[str, int]:
+    """Microseconds each execution waited for its KV blocks after redirects (see ``shared_transfer_s``)."""
+    rollout = scenario.rollout
+    cell_bw = rollout.kv_cell_gb_per_s * 1e9 if rollout.kv_cell_gb_per_s is not None else None
+    departures: dict[tuple, list[tuple[str, int]]] = {}
+    for execution_id, kv_bytes, ts, from_cell in con.execute(
+            "SELECT execution_id, kv_bytes, epoch_us(ts), from_cell_id FROM call_redirects ORDER BY seq").fetchall():
+        departures.setdefault((ts, from_cell), []).append((execution_id, kv_bytes or 0))
+    pauses: dict[str, int] = {}
+    for moved in departures.values():
+        seconds = shared_transfer_s([float(b) for _, b in moved], rollout.kv_gb_per_s * 1e9, cell_bw)
+        for (execution_id, _), pause_s in zip(moved, seconds, strict=True):
+            pauses[execution_id] = pauses.get(execution_id, 0) + to_us(pause_s)
+    return pauses
+
+
 def workload_from_log(log_path: str | Path, scenario: Scenario) -> Workload:
     """The recorded executions, batched by step (only steps whose every execution finished)."""
     con = LogReader(log_path).duckdb()
     rows = con.execute(_EXECUTIONS).fetchall()
-    pauses: dict[str, int] = {}
-    bandwidth = scenario.rollout.kv_gb_per_s * 1e9
-    redirects = con.execute("SELECT execution_id, kv_bytes FROM call_redirects ORDER BY seq").fetchall()
-    for execution_id, kv_bytes in redirects:
-        pauses[execution_id] = pauses.get(execution_id, 0) + to_us(kv_bytes / bandwidth)
+    pauses = _migration_pauses(con, scenario)
     queued = {step: n for step, n in con.execute(
         "SELECT coalesce(step, -1), count(*) FROM executions_queued GROUP BY 1").fetchall()}
     batches: dict[int, list[ExecutionSpec]] = {}

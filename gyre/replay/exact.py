@@ -15,7 +15,7 @@ from typing import Any
 from gyre.errors import GyreError
 from gyre.events.models import Event, RoleSwitchRequested, RunStarted
 from gyre.log import LogReader
-from gyre.scheduler import DECISION_KINDS, Policy, PolicyParams, SchedulerFold, get_policy
+from gyre.scheduler import DECISION_KINDS, VERSIONS, Policy, PolicyParams, SchedulerFold, get_policy
 
 COMPARED_ENVELOPE = ("cell_id",)
 
@@ -73,12 +73,17 @@ def decision_record(event: RoleSwitchRequested) -> dict[str, Any]:
 def recorded_policy(start: RunStarted, policy: str | None = None,
                     params: dict[str, Any] | None = None) -> tuple[Policy, PolicyParams]:
     try:
-        chosen = get_policy(policy or start.policy)
+        chosen = get_policy(policy) if policy else get_policy(start.policy, _shipped(start))
     except GyreError as error:
         raise ReplayError(f"cannot replay run {start.run_id}: {error}") from error
     if params is None:
         return chosen, chosen.params(start.policy_params)
     return chosen, chosen.params(params)
+
+
+def _shipped(start: RunStarted) -> str | None:
+    """The recorded policy version when it is still shipped (else the current one, to report the drift)."""
+    return start.policy_version if start.policy_version in VERSIONS else None
 
 
 def replay_decisions(log_path: str | Path, params: dict[str, Any] | None = None) -> ReplayReport:

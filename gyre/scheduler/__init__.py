@@ -6,26 +6,53 @@ Nothing here imports a server, a clock or a random generator; see ``policy.py`` 
 from gyre.errors import ConfigError
 from gyre.scheduler.colocate import COLOCATE
 from gyre.scheduler.decisions import InsufficientCapacityError
-from gyre.scheduler.elastic import ELASTIC
+from gyre.scheduler.elastic import ELASTIC, ELASTIC_V1
 from gyre.scheduler.fixed_pools import ASYNC
 from gyre.scheduler.params import AsyncParams, ColocateParams, ElasticParams, PolicyParams
 from gyre.scheduler.policy import CellSpec, Policy
 from gyre.scheduler.view import SchedulerFold, SchedulerView, WorkState, WorkView
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (ELASTIC, COLOCATE, ASYNC)}
+"""The current version of each policy, by name."""
+VERSIONS: dict[str, Policy] = {p.version: p for p in (ELASTIC_V1, ELASTIC, COLOCATE, ASYNC)}
+"""Every version still shipped, so a recorded run replays under the policy that made it."""
 DECISION_KINDS = frozenset({"role_switch_requested"})
 """Event kinds a policy emits; everything else in a log is the world reacting."""
 
 
-def get_policy(name: str) -> Policy:
+def get_policy(name: str, version: str | None = None) -> Policy:
+    """The current version of policy ``name``, or the given ``version`` of it when that is still shipped."""
     try:
-        return POLICIES[name]
+        current = POLICIES[name]
     except KeyError:
         raise ConfigError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}") from None
+    if version is None or version == current.version:
+        return current
+    chosen = VERSIONS.get(version)
+    if chosen is None or chosen.name != name:
+        known = ", ".join(v for v, p in VERSIONS.items() if p.name == name)
+        raise ConfigError(f"unknown version {version!r} of policy {name!r}; shipped versions: {known}")
+    return chosen
 
 
 __all__ = [
-    "ASYNC", "COLOCATE", "DECISION_KINDS", "ELASTIC", "POLICIES", "AsyncParams", "CellSpec", "ColocateParams",
-    "ElasticParams", "InsufficientCapacityError", "Policy", "PolicyParams", "SchedulerFold", "SchedulerView",
-    "WorkState", "WorkView", "get_policy",
+    "ASYNC",
+    "COLOCATE",
+    "DECISION_KINDS",
+    "ELASTIC",
+    "ELASTIC_V1",
+    "POLICIES",
+    "VERSIONS",
+    "AsyncParams",
+    "CellSpec",
+    "ColocateParams",
+    "ElasticParams",
+    "InsufficientCapacityError",
+    "Policy",
+    "PolicyParams",
+    "SchedulerFold",
+    "SchedulerView",
+    "WorkState",
+    "WorkView",
+    "get_policy",
 ]

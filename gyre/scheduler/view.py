@@ -26,6 +26,16 @@ class StepWork:
 
 
 @dataclass
+class Mean:
+    total: float = 0.0
+    count: int = 0
+
+    def add(self, value: float) -> None:
+        self.total += value
+        self.count += 1
+
+
+@dataclass
 class WorkState:
     placement: dict[str, str] = field(default_factory=dict)
     """Running execution -> the cell whose slot it holds now (follows redirects)."""
@@ -39,6 +49,17 @@ class WorkState:
     steps: dict[int, StepWork] = field(default_factory=dict)
     trained: set[int] = field(default_factory=set)
     """Steps whose train step finished."""
+    durations: dict[str, Mean] = field(default_factory=dict)
+    """Measured means, for policies that weigh a switch against what it buys: ``execution`` (finished
+    executions that did not crash), ``micro_step``, ``to_training``/``to_rollout`` (role switches) and
+    ``join`` (satellite weight pulls)."""
+    planned_micro_steps: int = 0
+    """Micro-steps planned by the most recent train step."""
+
+    def mean(self, what: str) -> float | None:
+        """Measured mean duration of ``what`` in seconds, or None before the first one."""
+        m = self.durations.get(what)
+        return m.total / m.count if m is not None and m.count else None
 
     @property
     def training_pending(self) -> bool:
@@ -48,6 +69,7 @@ class WorkState:
 
 class WorkView(Projection[WorkState]):
     name = "work"
+    version = 2
     state_type = WorkState
 
     @on("execution_queued", "execution_id", "group_id", "step")
@@ -83,8 +105,10 @@ class WorkView(Projection[WorkState]):
         if execution_id in s.placement:
             self._place(s, execution_id, to_cell_id)
 
-    @on("execution_finished", "execution_id", "status")
-    def _finished(self, s: WorkState, execution_id, status) -> None:
+    @on("execution_finished", "execution_id", "status", "duration_s")
+    def _finished(self, s: WorkState, execution_id, status, duration_s) -> None:
+        if status != "harness_error":
+            self._measure(s, "execution", duration_s)
         self._place(s, execution_id, None)
         for call in s.execution_inflight.pop(execution_id, ()):  # abandoned with the harness
             del s.call_execution[call]
@@ -98,6 +122,27 @@ class WorkView(Projection[WorkState]):
     @on("evaluation_failed", "execution_id")
     def _evaluation_failed(self, s: WorkState, execution_id) -> None:
         self._done(s, execution_id)
+
+    @on("train_step_started", "planned_micro_steps")
+    def _step_started(self, s: WorkState, planned_micro_steps) -> None:
+        s.planned_micro_steps = planned_micro_steps
+
+    @on("micro_step_finished", "duration_s")
+    def _micro_finished(self, s: WorkState, duration_s) -> None:
+        self._measure(s, "micro_step", duration_s)
+
+    @on("role_switch_completed", "to_role", "duration_s")
+    def _switched(self, s: WorkState, to_role, duration_s) -> None:
+        self._measure(s, f"to_{to_role}", duration_s)
+
+    @on("satellite_joined", "transfer_s")
+    def _joined(self, s: WorkState, transfer_s) -> None:
+        self._measure(s, "join", transfer_s)
+
+    @staticmethod
+    def _measure(s: WorkState, what: str, seconds: float | None) -> None:
+        if seconds is not None:
+            s.durations.setdefault(what, Mean()).add(seconds)
 
     @on("train_step_finished", "step")
     def _trained(self, s: WorkState, step) -> None:

@@ -5,10 +5,14 @@ optimizer holds the core. Critical path: batch ``s`` cannot start before version
 published, its data is not complete before its slowest execution plus evaluation, the step cannot end
 before its cheapest micro-step trains after that and the optimizer after it, and the next version is only
 published ``publish_s`` later. Switching costs and slot limits are ignored, so no policy can beat it.
+With load-dependent decode an execution can run faster than its sampled (full-cell) duration: the work
+term divides by the fastest rate a full cell reaches (empty contexts), the critical path by the fastest
+rate of a lone request, and the optimizer is counted without the all-reduce (one contributing cell).
 """
 
 from dataclasses import dataclass
 
+from gyre.sim.rollouts import DecodeCurve
 from gyre.sim.scenario import Scenario
 from gyre.sim.workload import ExecutionSpec, Workload
 
@@ -25,15 +29,19 @@ class Bound:
 
 def lower_bound(scenario: Scenario, workload: Workload, staleness: int) -> Bound:
     cluster, training = scenario.cluster, scenario.training
+    curve = DecodeCurve(scenario)
+    full_rate, lone_rate = curve.rate(cluster.slots_per_cell, 0), curve.rate(1, 0)
+    s_per_mtoken = training.cell_s_per_mtoken(cluster.gpus_per_cell)
     work = 0.0
     published = [0.0]  # time version v is on the rollout engines
     train_end = 0.0
     for step, batch in enumerate(workload.batches):
-        work += sum(e.duration_s for e in batch) / cluster.slots_per_cell
-        group_s = _group_costs(batch, training.s_per_mtoken)
+        work += sum(e.duration_s for e in batch) / cluster.slots_per_cell / full_rate
+        group_s = _group_costs(batch, s_per_mtoken)
         work += sum(group_s) + training.optimizer_s
         start = published[max(0, step - staleness)]
-        ready = start + max(e.duration_s + (0.0 if e.status == "harness_error" else e.eval_s) for e in batch)
+        ready = start + max(e.duration_s / lone_rate + (0.0 if e.status == "harness_error" else e.eval_s)
+                            for e in batch)
         last_micro = min(group_s) / scenario.batch.micro_steps_per_group
         train_end = max(ready, train_end) + last_micro + training.optimizer_s
         published.append(train_end + training.publish_s)

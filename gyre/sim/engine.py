@@ -138,8 +138,7 @@ class Simulation:
         self.stats.switches += 1
         sw = self.scenario.switch
         if d.to_role == "training":
-            for redirect in d.redirects:
-                self.rollouts.redirect(redirect, cell)
+            self.rollouts.redirect_all(d.redirects, cell)
             for execution in self.rollouts.on_cell(cell):
                 raise SimulationError(f"execution {execution} still holds a slot on {cell}, which left rollout")
             self.after(sw.to_training_s, lambda: self._switched(d, requested))

@@ -1,12 +1,22 @@
-"""Rollout mechanics: the queue, slots, simulated model calls, redirects, evaluation.
+"""Rollout mechanics: the queue, slots, simulated model calls, decode speed, redirects, evaluation.
 
 Mechanism, not policy: queued executions start FIFO on the settled rollout cell with the most free slots
 (lowest id on ties). A running execution always has exactly one simulated call in flight; each stands for
-``sim_call_s`` of real agent time. A redirected call pauses its execution while its KV blocks migrate.
+``sim_call_s`` of agent time on a full cell.
+
+Decode speed depends on load (``DecodeSpec``): each cell keeps a virtual clock that advances at the rate
+its current batch allows (1 at the reference load, faster on a lighter cell), and a call ends when its
+cell's clock has advanced by the call's reference length. The clock is re-rated whenever the batch or its
+context changes, so only the cell's next due call is on the agenda. A redirected call's execution holds
+its slot on the new cell but decodes nothing while its KV blocks migrate; migrations out of one leaving
+cell share that cell's egress (``kv_cell_gb_per_s``), each capped at one path (``kv_gb_per_s``).
 """
 
+import heapq
+import itertools
+import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gyre.events.models import (
@@ -21,35 +31,95 @@ from gyre.events.models import (
     RewardRecorded,
 )
 from gyre.sim.clock import US, to_us
+from gyre.sim.scenario import Scenario
 from gyre.sim.workload import ExecutionSpec
 
 if TYPE_CHECKING:
     from gyre.sim.engine import Simulation
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Running:
     spec: ExecutionSpec
     cell: str
     start_us: int
     call_us: int
-    """Length of one simulated call."""
+    """Reference length of one simulated call (on a full cell)."""
     call: int = 0
-    pause_us: int = 0
+    call_started_us: int = 0
+    vdue: float = 0.0
+    """When the current call ends, on its cell's virtual clock."""
+    remaining: float = 0.0
+    """Reference microseconds left in the current call while the execution migrates."""
+    active: bool = False
+    """Decoding on ``cell`` (false while its KV migrates)."""
     epoch: int = 0
-    """Bumped when the schedule shifts, so stale agenda entries are ignored."""
+    """Bumped whenever the execution leaves a cell's heap or a pending arrival, so stale entries are ignored."""
     since_us: int = 0
     """When the execution arrived on its current cell (for busy-time accounting)."""
 
     def call_id(self, index: int | None = None) -> str:
         return f"{self.spec.execution_id}-c{self.call if index is None else index}"
 
-    def next_due(self) -> int:
-        return self.start_us + self.pause_us + (self.call + 1) * self.call_us
+    @property
+    def context(self) -> int:
+        """Context tokens of the call in flight (the trajectory grows evenly over its calls)."""
+        return self.spec.tokens * (self.call + 1) // self.spec.calls
 
     @property
     def last_call(self) -> bool:
         return self.call == self.spec.calls - 1
+
+
+@dataclass(slots=True)
+class CellClock:
+    """A cell's decode clock: ``v`` reference microseconds have passed on it by wall time ``t``."""
+
+    v: float = 0.0
+    t: int = 0
+    rate: float = 1.0
+    active: int = 0
+    context: int = 0
+    epoch: int = 0
+    heap: list = field(default_factory=list)
+
+    def advance(self, now: int) -> None:
+        self.v += (now - self.t) * self.rate
+        self.t = now
+
+
+class DecodeCurve:
+    """Progress rate of an execution on a cell as a function of the cell's batch (``DecodeSpec``)."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        d = scenario.decode
+        self.share = d.share
+        self.spec = d
+        n = scenario.cluster.slots_per_cell
+        self.reference_ms = self.step_ms(n, n * d.reference_context_tokens)  # > 0 when share > 0 (validated)
+
+    def step_ms(self, requests: int, context_tokens: int) -> float:
+        d = self.spec
+        return d.step_ms + requests * d.per_request_ms + context_tokens / 1e6 * d.per_mtoken_ms
+
+    def rate(self, requests: int, context_tokens: int) -> float:
+        if not self.share or not requests:
+            return 1.0
+        slowdown = self.step_ms(requests, context_tokens) / self.reference_ms
+        return 1.0 / ((1.0 - self.share) + self.share * slowdown)
+
+
+def shared_transfer_s(sizes: list[float], per_flow: float, total: float | None) -> list[float]:
+    """Seconds until each of ``sizes`` bytes, started together, arrives when the flows share ``total``
+    bytes/s equally, each capped at ``per_flow`` (the smallest finishes first, then the rest speed up)."""
+    out = [0.0] * len(sizes)
+    active, sent, t = len(sizes), 0.0, 0.0
+    for i in sorted(range(len(sizes)), key=sizes.__getitem__):
+        rate = per_flow if total is None else min(per_flow, total / active)
+        t += (sizes[i] - sent) / rate
+        sent, out[i] = sizes[i], t
+        active -= 1
+    return out
 
 
 class Rollouts:
@@ -58,6 +128,9 @@ class Rollouts:
         self.queue: deque[ExecutionSpec] = deque()
         self.running: dict[str, Running] = {}
         self.finished = 0
+        self.curve = DecodeCurve(sim.scenario)
+        self.clocks: dict[str, CellClock] = {c.cell_id: CellClock() for c in sim.cells}
+        self._order = itertools.count()
 
     def enqueue(self, batch: tuple[ExecutionSpec, ...], policy_version: int) -> None:
         sim = self.sim
@@ -72,12 +145,16 @@ class Rollouts:
         view = self.sim.view
         cells = view.cells_in("rollout")
         free = [[c.slots - view.load(c.cell_id), c.cell_id] for c in cells]
+        touched = set()
         while self.queue:
             best = max(free, key=lambda f: f[0], default=None)  # first of equals: lowest id
             if best is None or best[0] <= 0:
-                return
+                break
             best[0] -= 1
             self._start(self.queue.popleft(), best[1])
+            touched.add(best[1])
+        for cell in sorted(touched):
+            self._retime(cell)
 
     def _start(self, spec: ExecutionSpec, cell: str) -> None:
         sim = self.sim
@@ -87,10 +164,79 @@ class Rollouts:
         self.running[spec.execution_id] = run
         sim.emit(ExecutionStarted(ts=sim.ts, execution_id=spec.execution_id, cell_id=cell))
         self._call_started(run)
-        self._schedule(run)
+        self._activate(run, cell, call_us, retime=False)
+
+    # -- the cells' decode clocks ------------------------------------------------------------------------
+
+    def _activate(self, run: Running, cell: str, remaining: float, retime: bool = True) -> None:
+        clock = self.clocks[cell]
+        clock.advance(self.sim.now)
+        run.active, run.vdue = True, clock.v + remaining
+        heapq.heappush(clock.heap, (run.vdue, next(self._order), run, run.epoch))
+        clock.active += 1
+        clock.context += run.context
+        if retime:
+            self._retime(cell)
+
+    def _deactivate(self, run: Running) -> float:
+        """Take ``run`` off its cell's clock; return the reference microseconds left in its call."""
+        run.epoch += 1
+        if not run.active:
+            return run.remaining  # still migrating: its pending arrival is now stale
+        clock = self.clocks[run.cell]
+        clock.advance(self.sim.now)
+        run.active = False
+        clock.active -= 1
+        clock.context -= run.context
+        self._retime(run.cell)
+        return max(0.0, run.vdue - clock.v)
+
+    def _retime(self, cell: str) -> None:
+        """Re-rate the cell's clock for its batch and put its next due call on the agenda."""
+        sim, clock = self.sim, self.clocks[cell]
+        clock.advance(sim.now)
+        clock.rate = self.curve.rate(clock.active, clock.context)
+        heap = clock.heap
+        while heap and (heap[0][3] != heap[0][2].epoch or not heap[0][2].active):
+            heapq.heappop(heap)
+        clock.epoch += 1
+        if heap:
+            wait = math.ceil((heap[0][0] - clock.v) / clock.rate - 1e-6)
+            epoch = clock.epoch
+            sim.agenda.at(sim.now + max(1, wait), lambda: self._wake(cell, epoch))
+
+    def _wake(self, cell: str, epoch: int) -> None:
+        clock = self.clocks[cell]
+        if epoch != clock.epoch:
+            return
+        clock.advance(self.sim.now)
+        heap = clock.heap
+        while heap and heap[0][0] <= clock.v + 1e-3:
+            _, _, run, run_epoch = heapq.heappop(heap)
+            if run_epoch == run.epoch and run.active:
+                self._advance(run, clock)
+        self._retime(cell)
+
+    def _advance(self, run: Running, clock: CellClock) -> None:
+        self._call_finished(run)
+        if run.last_call:
+            run.active = False
+            clock.active -= 1
+            clock.context -= run.context
+            self._end(run)
+            return
+        before = run.context
+        run.call += 1
+        clock.context += run.context - before
+        self._call_started(run)
+        run.vdue += run.call_us
+        heapq.heappush(clock.heap, (run.vdue, next(self._order), run, run.epoch))
+
+    # -- events ------------------------------------------------------------------------------------------
 
     def _call_started(self, run: Running) -> None:
         sim = self.sim
+        run.call_started_us = sim.now
         prompt = run.spec.tokens * run.call // run.spec.calls
         sim.emit(ModelCallStarted(ts=sim.ts, execution_id=run.spec.execution_id, call_id=run.call_id(),
                                   cell_id=run.cell, prompt_tokens=prompt, policy_version=sim.trainer.published,
@@ -100,23 +246,8 @@ class Rollouts:
         sim = self.sim
         sim.emit(ModelCallFinished(ts=sim.ts, execution_id=run.spec.execution_id, call_id=run.call_id(),
                                    cell_id=run.cell, policy_version=sim.trainer.published,
-                                   latency_s=run.call_us / US,
+                                   latency_s=(sim.now - run.call_started_us) / US,
                                    parent_call_id=run.call_id(run.call - 1) if run.call else None))
-
-    def _schedule(self, run: Running) -> None:
-        epoch = run.epoch
-        self.sim.agenda.at(max(self.sim.now + 1, run.next_due()), lambda: self._advance(run, epoch))
-
-    def _advance(self, run: Running, epoch: int) -> None:
-        if epoch != run.epoch or run.spec.execution_id not in self.running:
-            return  # rescheduled by a redirect
-        self._call_finished(run)
-        if run.last_call:
-            self._end(run)
-            return
-        run.call += 1
-        self._call_started(run)
-        self._schedule(run)
 
     def _end(self, run: Running) -> None:
         sim, spec = self.sim, run.spec
@@ -141,24 +272,43 @@ class Rollouts:
                                     evaluator="sim", partial=spec.status == "timed_out", duration_s=spec.eval_s))
         sim.trainer.data_done(spec)
 
-    def redirect(self, redirect: Redirect, from_cell: str) -> None:
-        """Move an in-flight call (and its execution's slot) off a cell that leaves rollout."""
+    # -- redirects ---------------------------------------------------------------------------------------
+
+    def redirect_all(self, redirects: list[Redirect], from_cell: str) -> None:
+        """Move the in-flight calls (and their executions' slots) off a cell that leaves rollout.
+
+        The calls' KV blocks leave together, so they share the cell's egress: each execution decodes
+        nothing until its own blocks have arrived.
+        """
         sim = self.sim
-        run = self.running[redirect.execution_id]
         rollout = sim.scenario.rollout
-        context = run.spec.tokens * (run.call + 1) // run.spec.calls
-        kv_bytes = context * rollout.kv_bytes_per_token
-        sim.emit(CallRedirected(ts=sim.ts, execution_id=redirect.execution_id, call_id=redirect.call_id,
-                                from_cell_id=from_cell, to_cell_id=redirect.to_cell_id,
-                                kv_blocks=-(-context // 16), kv_bytes=kv_bytes))
-        sim.stats.rollout_busy(run.cell, sim.now - run.since_us)
-        sim.stats.redirects += 1
-        run.cell, run.since_us = redirect.to_cell_id, sim.now
-        pause = to_us(kv_bytes / (rollout.kv_gb_per_s * 1e9))
-        if pause:
-            run.pause_us += pause
-            run.epoch += 1
-            self._schedule(run)
+        runs = [self.running[r.execution_id] for r in redirects]
+        sizes = [run.context * rollout.kv_bytes_per_token for run in runs]
+        cell_bw = rollout.kv_cell_gb_per_s * 1e9 if rollout.kv_cell_gb_per_s is not None else None
+        pauses = shared_transfer_s([float(b) for b in sizes], rollout.kv_gb_per_s * 1e9, cell_bw)
+        targets = set()
+        for redirect, run, kv_bytes, pause_s in zip(redirects, runs, sizes, pauses, strict=True):
+            sim.emit(CallRedirected(ts=sim.ts, execution_id=redirect.execution_id, call_id=redirect.call_id,
+                                    from_cell_id=from_cell, to_cell_id=redirect.to_cell_id,
+                                    kv_blocks=-(-run.context // 16), kv_bytes=kv_bytes))
+            sim.stats.rollout_busy(run.cell, sim.now - run.since_us)
+            sim.stats.redirects += 1
+            remaining = self._deactivate(run)
+            run.cell, run.since_us = redirect.to_cell_id, sim.now
+            pause = to_us(pause_s)
+            if pause:
+                run.remaining = remaining
+                epoch = run.epoch
+                sim.agenda.at(sim.now + pause, lambda r=run, e=epoch: self._arrive(r, e))
+            else:
+                self._activate(run, run.cell, remaining, retime=False)
+                targets.add(run.cell)
+        for cell in sorted(targets):
+            self._retime(cell)
+
+    def _arrive(self, run: Running, epoch: int) -> None:
+        if epoch == run.epoch and run.spec.execution_id in self.running:
+            self._activate(run, run.cell, run.remaining)
 
     def on_cell(self, cell: str) -> list[str]:
         return sorted(e for e, run in self.running.items() if run.cell == cell)

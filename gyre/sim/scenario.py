@@ -4,9 +4,10 @@ Every field is validated (unknown keys are errors) and every error names the fil
 parameter means, and where its value comes from, is in ``docs/simulator.md``.
 """
 
+import json
 import tomllib
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -63,7 +64,28 @@ class RolloutSpec(_Section):
     sim_call_s: PositiveFloat = Field(description="execution time one simulated model call stands for")
     max_sim_calls: PositiveInt = 12
     kv_bytes_per_token: NonNegativeInt = 0
-    kv_gb_per_s: PositiveFloat = Field(50.0, description="KV migration bandwidth for one redirected call")
+    kv_gb_per_s: PositiveFloat = Field(50.0, description="KV migration bandwidth of one redirected call's path")
+    kv_cell_gb_per_s: PositiveFloat | None = Field(
+        None, description="a leaving cell's total egress, shared by its concurrent migrations (None: unlimited)")
+
+
+class DecodeSpec(_Section):
+    """Per-request decode speed as a function of the batch a cell serves (a batching curve).
+
+    One decode iteration of a cell costs ``step_ms + n * per_request_ms + context_mtokens * per_mtoken_ms``
+    for ``n`` requests holding ``context_mtokens`` million tokens of KV; every request gets one token per
+    iteration. Sampled execution durations are those of a full cell (``slots_per_cell`` requests) at
+    ``reference_context_tokens`` each; a request on a lighter cell decodes faster. ``share`` is the part
+    of an execution's time spent waiting on decode (the rest is tools and the environment); 0 turns the
+    curve off (load-independent decode).
+    """
+
+    share: Share = Field(0.0, description="share of an execution's time spent decoding (0: load-independent)")
+    step_ms: NonNegativeFloat = Field(0.0, description="per iteration whatever the batch: weights, collectives")
+    per_request_ms: NonNegativeFloat = Field(0.0, description="per request per iteration (compute)")
+    per_mtoken_ms: NonNegativeFloat = Field(0.0, description="per million context tokens per iteration (KV reads)")
+    reference_context_tokens: PositiveInt = Field(
+        100_000, description="context of one request at which the sampled durations hold")
 
 
 class EvaluationSpec(_Section):
@@ -77,6 +99,19 @@ class TrainingSpec(_Section):
     optimizer_s: NonNegativeFloat = Field(description="gradient all-reduce plus optimizer step, per train step")
     publish_s: NonNegativeFloat = Field(description="pushing new weights to the rollout engines")
     satellite_join_s: NonNegativeFloat = Field(description="a satellite pulling the core's weights")
+    gradient_sync_s: NonNegativeFloat = Field(
+        0.0, description="ring all-reduce of gradients between two cells; k contributing cells cost 2(k-1)/k of it")
+    share_core_link: bool = Field(
+        False, description="satellite weight pulls and publishes share the core's egress (each time is alone)")
+    reference_gpus: PositiveInt | None = Field(
+        None, description="cell size s_per_mtoken was measured on (None: this scenario's cells)")
+    scaling_exponent: NonNegativeFloat = Field(
+        1.0, description="training time scales as (reference_gpus / gpus_per_cell) ** scaling_exponent")
+
+    def cell_s_per_mtoken(self, gpus_per_cell: int) -> float:
+        """Seconds per million tokens on a cell of ``gpus_per_cell`` GPUs."""
+        reference = self.reference_gpus or gpus_per_cell
+        return self.s_per_mtoken * (reference / gpus_per_cell) ** self.scaling_exponent
 
 
 class SwitchSpec(_Section):
@@ -84,20 +119,21 @@ class SwitchSpec(_Section):
     to_rollout_s: NonNegativeFloat = 3.46
 
 
-class ElasticSection(_Section):
-    hysteresis_slots: NonNegativeInt = 2
-
-
-class AsyncSection(_Section):
-    training_cells: PositiveInt = 1
-
-
 class PolicySection(_Section):
-    staleness: NonNegativeInt = 0
-    elastic: ElasticSection = ElasticSection()
-    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    """``staleness`` is shared (matched comparisons); ``[policy.NAME]`` sets any parameter of one policy
+    (``docs/scheduler.md``), e.g. ``stream_micro_steps`` for a baseline, or its own ``staleness``."""
 
-    async_: AsyncSection = Field(AsyncSection(), alias="async")
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    staleness: NonNegativeInt = 0
+    elastic: dict[str, Any] = {}
+    colocate: dict[str, Any] = {}
+    async_: dict[str, Any] = Field({}, alias="async")
+
+    def values(self, policy: str) -> dict[str, Any]:
+        """The scenario's parameters for ``policy``: the shared staleness (not colocate's), then its section."""
+        out: dict[str, Any] = {} if policy == "colocate" else {"staleness": self.staleness}
+        out.update({"elastic": self.elastic, "colocate": self.colocate, "async": self.async_}[policy])
+        return out
 
 
 class RewardSpec(_Section):
@@ -126,6 +162,7 @@ class Scenario(_Section):
     rollout: RolloutSpec
     evaluation: EvaluationSpec
     training: TrainingSpec
+    decode: DecodeSpec = DecodeSpec()
     switch: SwitchSpec = SwitchSpec()
     policy: PolicySection = PolicySection()
     reward: RewardSpec = RewardSpec()
@@ -133,9 +170,19 @@ class Scenario(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Scenario":
-        if self.policy.async_.training_cells >= self.cluster.cells:
-            raise ValueError(f"policy.async.training_cells ({self.policy.async_.training_cells}) must leave at "
-                             f"least one of the {self.cluster.cells} cells for rollout")
+        from gyre.scheduler import POLICIES
+
+        for name, policy in POLICIES.items():
+            try:
+                params = policy.params(self.policy.values(name))
+            except ConfigError as error:
+                raise ValueError(f"[policy.{name}]: {error}") from None
+            if name == "async" and params.training_cells >= self.cluster.cells:
+                raise ValueError(f"policy.async.training_cells ({params.training_cells}) must leave at "
+                                 f"least one of the {self.cluster.cells} cells for rollout")
+        d = self.decode
+        if d.share and not (d.step_ms or d.per_request_ms or d.per_mtoken_ms):
+            raise ValueError("decode.share > 0 needs a decode step cost (step_ms, per_request_ms or per_mtoken_ms)")
         if self.rollout.median_s > self.rollout.timeout_s:
             raise ValueError("rollout.median_s exceeds rollout.timeout_s")
         return self
@@ -146,20 +193,56 @@ def scenario_names() -> list[str]:
 
 
 def load_scenario(name_or_path: str | Path) -> Scenario:
-    """A scenario by name (``seed-2.4t``) or path to a TOML file, with errors that name the problem."""
+    """A scenario by name (``seed-2.4t``) or path to a TOML file (any name), with errors that name the problem."""
     path = Path(name_or_path)
-    if path.suffix != ".toml":
+    if not path.is_file():
         path = SCENARIO_DIR / f"{name_or_path}.toml"
+        if not path.exists() and Path(name_or_path).suffix == ".toml":
+            raise ConfigError(f"scenario file {name_or_path} does not exist")
         if not path.exists():
             raise ConfigError(f"unknown scenario {str(name_or_path)!r}; known scenarios: "
-                              f"{', '.join(scenario_names())} (or give a path to a .toml file)")
+                              f"{', '.join(scenario_names())} (or give the path of a scenario file)")
     try:
         data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"scenario file {path} does not exist") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"scenario {path} is not a text file: {error}") from error
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"scenario {path} is not valid TOML: {error}") from error
     return parse_scenario(data, source=str(path))
+
+
+def with_values(scenario: Scenario, values: dict[str, Any]) -> Scenario:
+    data = json.loads(scenario.model_dump_json(by_alias=True))
+    for dotted, value in values.items():
+        *path, key = dotted.split(".")
+        node = data
+        for part in path:
+            if not isinstance(node, dict) or part not in node:
+                raise ConfigError(f"scenario has no parameter {dotted!r}")
+            node = node[part]
+        if not isinstance(node, dict) or key not in node:
+            raise ConfigError(f"scenario has no parameter {dotted!r}")
+        node[key] = value
+    return parse_scenario(data, source=f"{scenario.name} with {values}")
+
+
+def with_policy_values(scenario: Scenario, values: dict[str, Any]) -> Scenario:
+    """The scenario with policy parameters set: ``staleness`` (shared) or ``POLICY.FIELD`` (one policy)."""
+    data = scenario.policy.model_dump(by_alias=True)
+    for key, value in values.items():
+        name, dot, field = key.partition(".")
+        if not dot:
+            if key != "staleness":
+                raise ConfigError(f"policy parameter {key!r}: give POLICY.FIELD (e.g. colocate.stream_micro_steps) "
+                                  "or staleness")
+            data["staleness"] = value
+        elif name not in ("elastic", "colocate", "async"):
+            raise ConfigError(f"policy parameter {key!r}: unknown policy {name!r}; known: elastic, colocate, async")
+        else:
+            data[name] = {**data[name], field: value}
+    whole = json.loads(scenario.model_dump_json(by_alias=True))
+    whole["policy"] = data
+    return parse_scenario(whole, source=f"{scenario.name} with {values}")
 
 
 def parse_scenario(data: dict, source: str = "<scenario>") -> Scenario:

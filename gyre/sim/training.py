@@ -6,9 +6,17 @@ order groups complete. Any settled training cell that has joined the step claims
 A step starts once the core is training and its first micro-step is ready (or, without streaming, once
 the whole batch is), ends with the optimizer, then the new weights are published to the rollout engines.
 Batch ``s`` is queued once the published version is at least ``s - staleness``.
+
+Costs that depend on the layout: a micro-step's time scales with the cell's size
+(``TrainingSpec.cell_s_per_mtoken``); the optimizer step adds a ring all-reduce over the ``k`` cells that
+trained micro-steps of the step (``gradient_sync_s * 2(k-1)/k``); with ``share_core_link`` satellite
+weight pulls and publishes share the core's egress (processor sharing), so joins that overlap each other
+or a publish take longer.
 """
 
-from dataclasses import dataclass
+import itertools
+import math
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gyre.events.models import (
@@ -39,6 +47,53 @@ class OpenStep:
     finished: int = 0
     tokens: int = 0
     samples: int = 0
+    cells: set[str] = field(default_factory=set)
+    """Cells that trained a micro-step of this step: their gradients are all-reduced."""
+
+
+class SharedLink:
+    """Transfers out of one endpoint share its bandwidth equally (processor sharing).
+
+    Each transfer is given as the time it would take alone; ``done`` receives the time it took.
+    """
+
+    def __init__(self, sim: "Simulation") -> None:
+        self.sim = sim
+        self.active: dict[int, list] = {}
+        self.t = 0
+        self.epoch = 0
+        self._ids = itertools.count()
+
+    def start(self, alone_s: float, done: "Callable[[float], None]") -> None:
+        self._progress()
+        self.active[next(self._ids)] = [float(max(1, to_us(alone_s))), self.sim.now, done]
+        self._retime()
+
+    def _progress(self) -> None:
+        now = self.sim.now
+        if self.active:
+            share = (now - self.t) / len(self.active)
+            for transfer in self.active.values():
+                transfer[0] -= share
+        self.t = now
+
+    def _retime(self) -> None:
+        self.epoch += 1
+        if self.active:
+            first = min(t[0] for t in self.active.values())
+            epoch = self.epoch
+            wait = max(1, math.ceil(first * len(self.active) - 1e-6))
+            self.sim.agenda.at(self.sim.now + wait, lambda: self._wake(epoch))
+
+    def _wake(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            return
+        self._progress()
+        done = [key for key, t in self.active.items() if t[0] <= 1e-3]
+        finished = [self.active.pop(key) for key in done]
+        self._retime()
+        for _, started, callback in finished:
+            callback((self.sim.now - started) / US)
 
 
 class Trainer:
@@ -54,6 +109,9 @@ class Trainer:
         self.leaving: dict[str, Callable[[], None]] = {}
         self.group_tokens: dict[str, int] = {}
         self.group_samples: dict[str, int] = {}
+        self.link = SharedLink(sim) if sim.scenario.training.share_core_link else None
+        sc = sim.scenario
+        self.s_per_mtoken = sc.training.cell_s_per_mtoken(sc.cluster.gpus_per_cell)
 
     @property
     def done(self) -> bool:
@@ -119,8 +177,9 @@ class Trainer:
         if share == 0:
             step.samples += self.group_samples.get(group, 0)
         self.busy[cell] = m
+        step.cells.add(cell)
         sim.emit(MicroStepClaimed(ts=sim.ts, step=step.step, cell_id=cell, micro_step=m, tokens=tokens))
-        duration = max(1, to_us(tokens / 1e6 * sim.scenario.training.s_per_mtoken))
+        duration = max(1, to_us(tokens / 1e6 * self.s_per_mtoken))
         sim.stats.training_busy(cell, duration)
         sim.agenda.at(sim.now + duration, lambda: self._micro_finished(cell, step, m, tokens, duration))
 
@@ -134,7 +193,8 @@ class Trainer:
         if then is not None:
             then()
         if step.finished == step.planned:
-            optimizer = max(1, to_us(sim.scenario.training.optimizer_s))
+            training, k = sim.scenario.training, max(1, len(step.cells))
+            optimizer = max(1, to_us(training.optimizer_s + training.gradient_sync_s * 2 * (k - 1) / k))
             sim.stats.training_busy(sim.core_id, optimizer)
             self.busy[sim.core_id] = -1  # the core runs the optimizer step
             sim.agenda.at(sim.now + optimizer, lambda: self._step_finished(step))
@@ -149,13 +209,17 @@ class Trainer:
         self.open = None
         self.next_train += 1
         version = self.version
-        sim.after(sim.scenario.training.publish_s, lambda: self._published(version))
+        publish_s = sim.scenario.training.publish_s
+        if self.link is not None:
+            self.link.start(publish_s, lambda took: self._published(version, took))
+        else:
+            sim.after(publish_s, lambda: self._published(version, publish_s))
 
-    def _published(self, version: int) -> None:
+    def _published(self, version: int, took_s: float) -> None:
         sim = self.sim
         self.published = version
         sim.emit(WeightsPublished(ts=sim.ts, policy_version=version, location="sim://rollout-engines",
-                                  duration_s=sim.scenario.training.publish_s))
+                                  duration_s=took_s))
 
     # -- cells joining and leaving -----------------------------------------------------------------------
 
@@ -165,7 +229,11 @@ class Trainer:
         if cell == sim.core_id:
             self.joined.add(cell)
             return
-        sim.after(sim.scenario.training.satellite_join_s, lambda: self._join(cell))
+        join_s = sim.scenario.training.satellite_join_s
+        if self.link is not None:
+            self.link.start(join_s, lambda took: self._join(cell, took))
+        else:
+            sim.after(join_s, lambda: self._join(cell, join_s))
 
     def join_now(self, cell: str, transfer_s: float = 0.0) -> None:
         sim = self.sim
@@ -175,10 +243,10 @@ class Trainer:
             sim.emit(SatelliteJoined(ts=sim.ts, cell_id=cell, step=step, policy_version=self.version,
                                      transfer_s=transfer_s))
 
-    def _join(self, cell: str) -> None:
+    def _join(self, cell: str, took_s: float) -> None:
         state = self.sim.view.cluster.cells[cell]
         if state.role == "training" and state.switching_to is None:  # not recalled meanwhile
-            self.join_now(cell, self.sim.scenario.training.satellite_join_s)
+            self.join_now(cell, took_s)
 
     def release(self, cell: str, then: "Callable[[], None]") -> None:
         """Stop handing ``cell`` micro-steps; run ``then`` once its current micro-step (if any) is done."""

@@ -47,4 +47,4 @@ def test_async_pools_are_sized_by_one_rule():
     """Half the cells train in every published scenario: the baseline is not tuned per workload."""
     for name in PUBLISHED:
         sc = load_scenario(name)
-        assert sc.policy.async_.training_cells == sc.cluster.cells // 2
+        assert sc.policy.async_["training_cells"] == sc.cluster.cells // 2

@@ -6,14 +6,24 @@ import pytest
 
 from gyre.scheduler import get_policy
 from gyre.sim.runner import policy_params, simulate
-from gyre.sim.scenario import load_scenario
+from gyre.sim.scenario import load_scenario, with_values
 from gyre.sim.sink import MemorySink
 
-CASES = [("elastic", 0), ("elastic", 1), ("colocate", 0), ("async", 0), ("async", 1)]
+CASES = [("elastic", 0, False), ("elastic", 1, False), ("colocate", 0, False), ("async", 0, False),
+         ("async", 1, False), ("elastic", 0, True), ("elastic", 1, True), ("colocate", 0, True), ("async", 1, True)]
+MECHANISMS = {
+    "decode.share": 0.6, "decode.step_ms": 5.0, "decode.per_request_ms": 1.0, "decode.per_mtoken_ms": 20.0,
+    "rollout.kv_cell_gb_per_s": 2.0, "training.gradient_sync_s": 7.0, "training.share_core_link": True,
+    "training.reference_gpus": 16, "policy.colocate": {"stream_micro_steps": True},
+    "policy.async": {"stream_micro_steps": True, "training_cells": 1},
+}
+"""Every load- and layout-dependent cost switched on, streaming for every policy."""
 
 
-def run(policy: str, staleness: int, seed: int = 0, steps: int | None = None):
+def run(policy: str, staleness: int, seed: int = 0, steps: int | None = None, mechanisms: bool = False):
     scenario = load_scenario("tiny")
+    if mechanisms:
+        scenario = with_values(scenario, MECHANISMS)
     overrides = {} if policy == "colocate" else {"staleness": staleness}
     sink = MemorySink()
     result = simulate(scenario, policy, seed=seed, steps=steps, sink=sink,
@@ -21,7 +31,7 @@ def run(policy: str, staleness: int, seed: int = 0, steps: int | None = None):
     return scenario, result, sink.events
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{p}-k{k}" for p, k in CASES])
+@pytest.fixture(scope="module", params=CASES, ids=[f"{p}-k{k}{'-costs' if m else ''}" for p, k, m in CASES])
 def simulated(request):
     return run(*request.param)
 
