@@ -471,7 +471,8 @@ def run_benchmark(quick: bool = False, directory: Path | None = None, kill_point
 
             report = run_crash_points(root / "crash", kill_points, seed=12345)
             results.update({"kill_points": report.points, "kill_acknowledged_lost": report.lost,
-                            "kill_failures": len(report.failures), "kill_torn_tails_cut": report.torn_tails_cut})
+                            "kill_failures": len(report.failures), "kill_torn_tails_cut": report.torn_tails_cut,
+                            "kill_ambiguous_tails": report.ambiguous_tails})
         return results
     finally:
         shutil.rmtree(root, ignore_errors=True)
