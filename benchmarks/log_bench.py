@@ -25,9 +25,10 @@ from gyre.events.models import (
     ModelCallStarted,
     RewardRecorded,
 )
-from gyre.events.schema import event_schema, payload_type
-from gyre.log.frames import BATCH_FRAME, FORMAT_V0, FORMAT_V1, Frame, scan
+from gyre.events.schema import TS_TYPE, event_schema, payload_type
+from gyre.log.frames import BATCH_FRAME, FORMAT_V0, FORMAT_V1, Frame, OpenHead, scan
 from gyre.log.reader import LogReader
+from gyre.log.segment import batch_frame_parts
 from gyre.log.writer import LogWriter
 from gyre.state import ClusterView, ExecutionsView, TrainerView, fold_batches
 
@@ -429,6 +430,7 @@ def ab_benchmark(root: Path, rounds: int = 10, commits: int = 256, calls_per_com
                 shutil.rmtree(path)
                 speeds[name].append(written / elapsed / 1e6)
         _ab_summary(out, f"payload{label}_mb_per_s", speeds)
+    out.update(_ab_framing(batches, rounds))
     logs = {}
     for name, fmt in AB_WRITERS.items():
         logs[name] = root / f"ab_replay_{name}"
@@ -443,6 +445,33 @@ def ab_benchmark(root: Path, rounds: int = 10, commits: int = 256, calls_per_com
     _ab_summary(out, "replay_events_per_s", speeds)
     for path in logs.values():
         shutil.rmtree(path)
+    return out
+
+
+def _ab_framing(batches: list[pa.RecordBatch], rounds: int, appends: int = 200) -> dict:
+    """The CPU the write path adds per append, without the disk's noise: framing a payload batch (and, in
+    v1, sealing its header as the writer does), in appends per CPU second (process time: on a shared
+    machine, wall time would count other processes' turns)."""
+    schema = event_schema()
+    stored = []
+    for i, batch in enumerate(batches):
+        n = batch.num_rows
+        seq = pa.array(np.arange(i * n, (i + 1) * n, dtype=np.int64))
+        ts = pa.array(np.zeros(n, np.int64), TS_TYPE)
+        full = pa.RecordBatch.from_arrays([seq, ts, *batch.columns], names=["seq", "ts", *batch.schema.names])
+        stored.append(full.cast(pa.schema([schema.field(name) for name in full.schema.names])))
+    speeds: dict[str, list[float]] = {name: [] for name in AB_WRITERS}
+    for round_ in range(rounds):
+        order = list(AB_WRITERS) if round_ % 2 == 0 else list(reversed(AB_WRITERS))
+        for name in order:
+            start = time.process_time()
+            for i in range(appends):
+                parts = batch_frame_parts(stored[i % len(stored)], i, schema, AB_WRITERS[name])
+                if isinstance(parts[0], OpenHead):
+                    parts[0].seal(i - 1)
+            speeds[name].append(appends / (time.process_time() - start))
+    out: dict = {}
+    _ab_summary(out, "framing_appends_per_s", speeds)
     return out
 
 
@@ -471,7 +500,8 @@ def run_benchmark(quick: bool = False, directory: Path | None = None, kill_point
 
             report = run_crash_points(root / "crash", kill_points, seed=12345)
             results.update({"kill_points": report.points, "kill_acknowledged_lost": report.lost,
-                            "kill_failures": len(report.failures), "kill_torn_tails_cut": report.torn_tails_cut})
+                            "kill_failures": len(report.failures), "kill_torn_tails_cut": report.torn_tails_cut,
+                            "kill_ambiguous_tails": report.ambiguous_tails})
         return results
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -76,6 +76,8 @@ class CrashReport:
     """Highest acknowledged seq + 1 over all rounds (events the writer promised)."""
     lost: int = 0
     torn_tails_cut: int = 0
+    ambiguous_tails: int = 0
+    """Recoveries that quarantined bytes nothing proved torn (a kill -9 should leave none)."""
     events_checked: int = 0
     failures: list[str] = field(default_factory=list)
 
@@ -151,6 +153,7 @@ def run_crash_points(directory: Path, points: int, seed: int = 0, segment_bytes:
             warnings.simplefilter("always", LogRecoveryWarning)
             LogWriter(path, seal=False).close()
         report.torn_tails_cut += sum("torn tail" in str(w.message) for w in caught)
+        report.ambiguous_tails += sum("Nothing proves" in str(w.message) for w in caught)
         checked, failures = check_log(path, max_acked)
         report.points += 1
         report.events_checked += checked

@@ -126,7 +126,8 @@ def _frame_rows(rows: int, nbytes: int) -> int:
     """Rows per frame that keep a batch of ``rows`` rows and ``nbytes`` bytes within the frame bounds."""
     if rows <= MAX_FRAME_ROWS and nbytes <= MAX_FRAME_BYTES:
         return rows
-    return max(1, min(MAX_FRAME_ROWS, rows * MAX_FRAME_BYTES // max(nbytes, 1)))
+    # Aim at 7/8 of the bound: rows differ in size, and the IPC message adds offsets and padding.
+    return max(1, min(MAX_FRAME_ROWS, rows * (MAX_FRAME_BYTES - MAX_FRAME_BYTES // 8) // max(nbytes, 1)))
 
 
 @lru_cache(maxsize=256)

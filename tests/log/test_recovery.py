@@ -28,9 +28,9 @@ def _frames(segment: Path) -> list[Frame]:
 
 
 def _big_call(i: int) -> ModelCallFinished:
-    """A call whose frame spans several 16 KiB chunks (8,000 tokens: ~64 KB)."""
+    """A call whose frame spans several 64 KiB chunks (30,000 tokens: ~240 KB)."""
     return ModelCallFinished(execution_id="e0", call_id=f"c{i}", cell_id="cell0",
-                             output_ids=[(i + t) % 1000 for t in range(8000)], output_logprobs=[-0.5] * 8000)
+                             output_ids=[(i + t) % 1000 for t in range(30_000)], output_logprobs=[-0.5] * 30_000)
 
 
 def _write(path: Path) -> None:
@@ -189,7 +189,8 @@ def test_a_later_frame_vouches_for_an_earlier_one(crashed: Path, tmp_path: Path)
     assert follower.watermark >= victim.last_seq  # one commit per frame: each was durable before the next
     data = bytearray(segment.read_bytes())
     start = victim.end - len(victim.payload)
-    data[start + 16384:victim.end] = bytes(victim.end - start - 16384)  # every chunk after the first
+    chunk = 1 << victim.chunk_shift
+    data[start + chunk:victim.end] = bytes(victim.end - start - chunk)  # every chunk after the first
     segment.write_bytes(bytes(data))
     with pytest.raises(LogCorruptionError, match="was written after seq") as error:
         LogWriter(path)
