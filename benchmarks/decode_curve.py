@@ -60,7 +60,7 @@ def main() -> None:
         return
     for p in points:
         print(f"  n={p['requests']:3d} context={p['context']:5d}: {p['step_ms']:8.3f} ms per decode step")
-    print("[decode]  # fitted; worst point off by {:.0%}".format(worst))
+    print(f"[decode]  # fitted; worst point off by {worst:.0%}")
     for key, value in fit.items():
         print(f"{key} = {value}")
 
