@@ -31,6 +31,8 @@ class ShippedLog:
     policy: str
     seed: int
     params: dict[str, Any] = field(default_factory=dict)
+    version: str | None = None
+    """The policy version that recorded it (default: the current one)."""
 
     @property
     def path(self) -> Path:
@@ -63,11 +65,11 @@ def write_golden(path: Path, decisions: list[dict[str, Any]]) -> None:
 def regenerate(log: ShippedLog) -> None:
     """Re-simulate a shipped log from its recipe and rewrite its golden file."""
     scenario = load_scenario(log.scenario)
-    policy = get_policy(log.policy)
+    policy = get_policy(log.policy, log.version)
     if log.path.exists():
         shutil.rmtree(log.path)
     simulate(scenario, log.policy, seed=log.seed, log_dir=log.path,
-             params=policy_params(scenario, policy, log.params))
+             params=policy_params(scenario, policy, log.params), version=policy.version)
     (log.path / "LOCK").unlink(missing_ok=True)  # a writer's lock file: not part of the record
     GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
     write_golden(log.golden, golden_decisions(log.path))
@@ -76,8 +78,11 @@ def regenerate(log: ShippedLog) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--regenerate", action="store_true", help="re-simulate shipped logs, rewrite golden files")
+    parser.add_argument("--only", action="append", help="just this shipped log (repeatable)")
     args = parser.parse_args()
     for log in shipped_logs():
+        if args.only and log.name not in args.only:
+            continue
         if args.regenerate:
             regenerate(log)
             print(f"regenerated {log.path} and {log.golden}")

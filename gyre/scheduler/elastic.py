@@ -19,7 +19,8 @@ params' priors before the first measurement — so it stays pure and replayable:
   someone must train. Before any micro-step is measured the gain is unknown and the cell leaves.
 - A recall must pay for itself: a training cell returns only if the queue the rollout cells would take
   to absorb without it, ``shortfall x mean execution time / rollout capacity``, is longer than a round
-  trip. With no rollout capacity at all a cell always returns (else nothing could run).
+  trip. With no rollout capacity at all a cell always returns (else nothing could run). Cells already
+  on their way back count as capacity (elastic/1 recalls again while they travel).
 - ``migrate=False`` keeps a cell in rollout until it holds no execution (the ablation without migration).
 With cheap switches these guards pass and elastic/2 decides like elastic/1; with switches of hours it
 settles into a fixed split after the first step, which is what the better baseline does.
@@ -76,8 +77,9 @@ def decide_v2(view: SchedulerView, params: ElasticParams) -> list[RoleSwitchRequ
     capacity = view.capacity(rollout)
     watermark = view.watermark
     costs = SwitchCosts.of(view, params)
-    if watermark > capacity:
-        return _return_to_rollout(view, watermark - capacity, costs=costs, capacity=capacity)
+    coming = view.capacity(view.entering("rollout"))  # already on their way back: count them as served
+    if watermark > capacity + coming:
+        return _return_to_rollout(view, watermark - capacity - coming, costs=costs, capacity=capacity + coming)
     if not view.training_pending:
         return []
     return _lend_to_training(view, rollout, capacity, watermark, params.hysteresis_slots, costs=costs,

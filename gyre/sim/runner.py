@@ -61,8 +61,9 @@ def policy_params(scenario: Scenario, policy: Policy, overrides: dict[str, Any] 
 
 def simulate(scenario: Scenario, policy_name: str, *, seed: int | None = None, steps: int | None = None,
              log_dir: str | Path | None = None, sink: EventSink | None = None, workload: Workload | None = None,
-             params: PolicyParams | None = None) -> SimResult:
-    policy = get_policy(policy_name)
+             params: PolicyParams | None = None, version: str | None = None) -> SimResult:
+    """One policy (its current version, or ``version`` when still shipped) on the scenario's work."""
+    policy = get_policy(policy_name, version)
     params = params or policy_params(scenario, policy)
     seed = scenario.seed if seed is None else seed
     workload = workload or sample_workload(scenario, seed, steps)

@@ -3,7 +3,9 @@
 import pytest
 
 from gyre.errors import ConfigError
-from gyre.sim.scenario import SCENARIO_DIR, load_scenario, scenario_names
+from gyre.scheduler import get_policy
+from gyre.sim.runner import policy_params
+from gyre.sim.scenario import SCENARIO_DIR, load_scenario, scenario_names, with_policy_values, with_values
 from gyre.sim.workload import sample_workload
 
 
@@ -68,3 +70,31 @@ def test_workloads_are_heavy_tailed_with_a_mass_at_the_timeout():
     timeout_share = sum(d >= sc.rollout.timeout_s for d in durations) / len(durations)
     median = durations[len(durations) // 2]
     assert 0.1 < timeout_share < 0.4 and median < sc.rollout.timeout_s / 2
+
+
+def test_any_file_is_a_scenario_and_sets_any_policy_parameter(tmp_path):
+    path = _variant(tmp_path, "[policy.async]\n", "[policy.colocate]\nstream_micro_steps = true\n\n[policy.async]\n"
+                    "stream_micro_steps = true\nstaleness = 1\n")
+    plain = tmp_path / "my-cluster.conf"
+    plain.write_text(path.read_text())
+    sc = load_scenario(plain)
+    assert policy_params(sc, get_policy("colocate")).stream_micro_steps is True
+    async_params = policy_params(sc, get_policy("async"))
+    assert async_params.stream_micro_steps is True and async_params.staleness == 1
+    assert policy_params(sc, get_policy("elastic")).staleness == 0  # the shared value
+
+
+def test_a_bad_policy_parameter_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"\[policy\.colocate\]: .*staleness"):
+        load_scenario(_variant(tmp_path, "[policy.async]\n", "[policy.colocate]\nstaleness = 1\n\n[policy.async]\n"))
+    with pytest.raises(ConfigError, match=r"decode\.share > 0 needs a decode step cost"):
+        load_scenario(_variant(tmp_path, "[reward]\n", "[decode]\nshare = 0.5\n\n[reward]\n"))
+
+
+def test_policy_values_are_set_by_dotted_name():
+    sc = with_policy_values(load_scenario("tiny"), {"colocate.stream_micro_steps": True, "staleness": 1})
+    assert sc.policy.colocate == {"stream_micro_steps": True} and sc.policy.staleness == 1
+    with pytest.raises(ConfigError, match="unknown policy 'greedy'"):
+        with_policy_values(sc, {"greedy.x": 1})
+    with pytest.raises(ConfigError, match=r"no parameter 'switch\.warp'"):
+        with_values(sc, {"switch.warp": 1})

@@ -44,3 +44,17 @@ def test_errors_are_one_line_and_exit_2():
     assert "unknown scenario 'seed-9t'" in result.output
     result = runner.invoke(app, ["sim", "tiny", "--policy", "greedy"])
     assert result.exit_code == 2 and "unknown policy 'greedy'" in result.output
+
+
+def test_ablate_and_set(tmp_path):
+    result = runner.invoke(app, ["sim", "tiny", "--ablate", "--steps", "1", "--json",
+                                 "--set", "switch.to_training_s=20"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert {"runs", "decomposition", "verdict", "speedup_vs_best_baseline", "best_async"} <= set(out)
+    assert any(r["variant"] == "colocate + streaming" for r in out["runs"])
+    result = runner.invoke(app, ["sim", "tiny", "--policy", "colocate", "--steps", "1", "--json",
+                                 "--set", "colocate.stream_micro_steps=true"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["sim", "tiny", "--set", "colocate.stream_micro_steps"])
+    assert result.exit_code == 2 and "expected POLICY.FIELD=VALUE" in result.output
