@@ -69,7 +69,7 @@ def anthropic_router(proxy: Proxy) -> APIRouter:
             stop=tuple(body.stop_sequences or ()),
         )
         tools = body.tool_choice is None or body.tool_choice["type"] != "none"
-        call = proxy.begin(state, conversation, settings, stream=body.stream)
+        call = await proxy.open(state, conversation, settings, stream=body.stream)
         message_id = request_id("msg_")
         if body.stream:
             return StreamingResponse(

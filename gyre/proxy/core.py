@@ -100,6 +100,7 @@ class Proxy:
         self.kv_mover: KvMover = kv_mover if kv_mover is not None else RecomputeKv()
         self.registry = ExecutionRegistry(self.codec, config.markers)
         self._active: dict[str, ActiveCall] = {}
+        self._context: dict[str, int | None] = {}
         self._background: set[asyncio.Task[None]] = set()
 
     # -- the runner's API ------------------------------------------------------------------------------
@@ -156,12 +157,46 @@ class Proxy:
         """Tokens the model would see for this conversation now (read-only)."""
         return state.tree.plan(self.renderer.units(conversation)).prompt_len
 
-    def begin(
+    async def context_length(self, cell: str) -> int | None:
+        """The context length of `cell`'s engine: configured, else asked once (None: unknown, not checked)."""
+        if self.config.context_length is not None:
+            return self.config.context_length
+        if cell not in self._context:
+            ask = getattr(self.router.engine(cell), "context_length", None)  # optional in `GenerateEngine`
+            try:
+                self._context[cell] = await ask() if ask is not None else None
+            except EngineError as e:  # not cached: the engine may come up; it still rejects long prompts itself
+                log.warning("could not read the context length of %s: %s", cell, e)
+                return None
+        return self._context[cell]
+
+    async def open(
         self, state: ExecutionState, conversation: Conversation, settings: CallSettings, *, stream: bool
     ) -> ActiveCall:
-        """Attach the request to the execution's call tree and record `model_call_started`."""
+        """`begin`, after learning the engine's context length so that an overlong prompt is refused first."""
+        limit = await self.context_length(self.router.cell_of(state.execution_id))
+        return self.begin(state, conversation, settings, stream=stream, context_length=limit)
+
+    def begin(
+        self,
+        state: ExecutionState,
+        conversation: Conversation,
+        settings: CallSettings,
+        *,
+        stream: bool,
+        context_length: int | None = None,
+    ) -> ActiveCall:
+        """Attach the request to the execution's call tree and record `model_call_started`.
+
+        A prompt that does not fit `context_length` raises `ApiError` (400, Anthropic's "prompt is too long"
+        wording, which Claude Code does not retry) and records nothing: no engine call was made.
+        """
         params = self._sampling(settings)
         plan = state.tree.plan(self.renderer.units(conversation))
+        if context_length is not None and plan.prompt_len >= context_length:
+            raise ApiError(
+                "context_length", f"prompt is too long: {plan.prompt_len} tokens > {context_length - 1} maximum"
+            )
         parent_agent = plan.parent.agent if plan.parent is not None else None
         assert parent_agent is None or isinstance(parent_agent, Agent)
         agent, branch = state.agents.classify(conversation, parent_agent)

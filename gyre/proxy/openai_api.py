@@ -92,7 +92,7 @@ def openai_router(proxy: Proxy) -> APIRouter:
             seed=body.seed,
         )
         tools = body.tool_choice != "none"
-        call = proxy.begin(state, conversation, settings, stream=body.stream)
+        call = await proxy.open(state, conversation, settings, stream=body.stream)
         completion_id = request_id("chatcmpl-")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.get("include_usage"))

@@ -98,6 +98,7 @@ class LocalEngine:
             tokenizer_path=self.tokenizer_path,
             is_generation=True,
             weight_version=self.scheduler.weight_version,
+            context_length=self.runner.max_positions,  # extra field: lets a proxy refuse a prompt up front
         )
 
     def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest) -> Future[UpdateWeightsResponse]:
