@@ -31,9 +31,10 @@ from gyre.proxy.config import ProxyConfig
 from gyre.proxy.conversation import Conversation, Message
 from gyre.proxy.errors import ApiError
 from gyre.proxy.registry import ExecutionRegistry, ExecutionState, Registration
-from gyre.proxy.render import ChatMLRenderer, ChatRenderer
+from gyre.proxy.render import ChatRenderer
 from gyre.proxy.routing import Flight, KvMove, KvMover, RecomputeKv, Router
 from gyre.proxy.sink import CallSink, MemorySink
+from gyre.proxy.template_render import renderer_for
 from gyre.proxy.tito import CallRecord, Plan
 from gyre.proxy.tokens import TokenCodec
 from gyre.proxy.transport import EngineLink, GenerateEngine, Prompt, prompt_of
@@ -93,7 +94,9 @@ class Proxy:
         self.config = config
         self.sink: CallSink = sink if sink is not None else MemorySink()
         self.codec = codec if codec is not None else TokenCodec.load(config.tokenizer)
-        self.renderer: ChatRenderer = renderer if renderer is not None else ChatMLRenderer()
+        if renderer is None:
+            renderer = renderer_for(self.codec.tokenizer, self.codec.stop_texts)
+        self.renderer: ChatRenderer = renderer
         if engines is None:
             engines = {cell: EngineLink(url, timeout_s=config.engine_timeout_s) for cell, url in config.engines.items()}
         self.router = Router(engines)
@@ -155,7 +158,7 @@ class Proxy:
 
     def count_prompt_tokens(self, state: ExecutionState, conversation: Conversation) -> int:
         """Tokens the model would see for this conversation now (read-only)."""
-        return state.tree.plan(self.renderer.units(conversation)).prompt_len
+        return state.tree.plan(self.renderer.render(conversation).units).prompt_len
 
     async def context_length(self, cell: str) -> int | None:
         """The context length of `cell`'s engine: configured, else asked once (None: unknown, not checked)."""
@@ -192,7 +195,8 @@ class Proxy:
         wording, which Claude Code does not retry) and records nothing: no engine call was made.
         """
         params = self._sampling(settings)
-        plan = state.tree.plan(self.renderer.units(conversation))
+        rendering = self.renderer.render(conversation)
+        plan = state.tree.plan(rendering.units)
         if context_length is not None and plan.prompt_len >= context_length:
             raise ApiError(
                 "context_length", f"prompt is too long: {plan.prompt_len} tokens > {context_length - 1} maximum"
@@ -217,6 +221,7 @@ class Proxy:
                 branch=branch,
                 prompt_tokens=plan.prompt_len,
                 policy_version=state.registration.policy_version,
+                rerendered_turns=rendering.rewritten,
             )
         )
         call = ActiveCall(self, state, record, plan, params, stream=stream, cell_id=cell)

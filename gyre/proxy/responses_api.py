@@ -218,7 +218,7 @@ def responses_router(proxy: Proxy) -> APIRouter:
             assert final.finish is not None
             reply = Reply()
             text = final_text(proxy.codec, final.output_ids, final.finish)
-            parser = new_parser((), body.tools_enabled, "call_")
+            parser = new_parser((), body.tools_enabled, "call_", proxy.renderer.tool_call_separator)
             builder.translate(reply.add(parser.feed(text.text, final=True)) + reply.close())
             await call.complete(reply.message())
         except ClientGone:
@@ -235,7 +235,7 @@ def responses_router(proxy: Proxy) -> APIRouter:
 async def _stream(proxy: Proxy, call: ActiveCall, builder: ResponseBuilder) -> AsyncIterator[str]:
     """response.created, in_progress, item events as the engine produces them, then response.completed (or
     response.incomplete), sent only once the call is durable; an engine failure is a `response.failed`."""
-    parser = new_parser((), builder.body.tools_enabled, "call_")
+    parser = new_parser((), builder.body.tools_enabled, "call_", proxy.renderer.tool_call_separator)
     reply = Reply()
     try:
         yield builder.event("response.created", response=builder.response(None))
