@@ -254,6 +254,13 @@ def renderer_for(tokenizer: PreTrainedTokenizerBase, stop_texts: Sequence[str] =
 
     if getattr(tokenizer, "chat_template", None) == CHAT_TEMPLATE:
         return ChatMLRenderer()
-    renderer = TemplateRenderer(tokenizer)
-    check_template(renderer, stop_texts)
+    try:
+        renderer = TemplateRenderer(tokenizer)
+        check_template(renderer, stop_texts)
+    except TemplateError as e:
+        source = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+        raise TemplateError(
+            f"{source}: cannot use this checkpoint's chat template ({e}); the proxy refuses it rather than "
+            "feed the model ids it was not trained on"
+        ) from e
     return renderer
