@@ -17,8 +17,9 @@ cuts the text into units by rendering prefixes of the conversation:
 the turn's own prompt: such a turn's recorded output cannot be reused as is (drift, or a new root), and the
 call's `model_call_started.rerendered_turns` says so. Exact ids are never faked.
 
-Cost: one template render per message boundary, each O(context): fine for tests and moderate contexts, a
-cache by conversation prefix is the known next step for 700K-token executions.
+Cost: the cuts of a conversation are remembered (by prefix, checked by digest), so a call that extends an
+earlier one renders the template about twice per new message plus once whole: O(context) per call, not
+O(messages x context). The native `ChatMLRenderer` stays O(new text).
 
 `check_template` probes a template once (system, tools, tool calls, tool results, multi-turn) and raises
 `TemplateError` naming what it cannot handle, so an unsuitable checkpoint is refused at start rather than
@@ -27,6 +28,9 @@ fed wrong ids.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -68,6 +72,36 @@ class _Cut:
     kind: str  # kind of the unit that starts here
 
 
+@dataclass(frozen=True, slots=True)
+class _Memo:
+    """A conversation prefix already cut: its rendering's length and digest, its cuts, turns rewritten."""
+
+    length: int
+    digest: bytes
+    cuts: tuple[_Cut, ...]
+    rewritten: int
+
+
+MEMO_ENTRIES = 4096
+"""Prefixes remembered (a few hundred bytes each): one per recent call, across concurrent executions."""
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def _prefix_keys(conversation: Conversation) -> list[int]:
+    """keys[k] identifies (tools, messages[:k]). Only a lookup key: a remembered prefix is used only if the
+    prompt's text still starts with what it rendered (checked by digest), so a collision cannot change ids."""
+    key = hash(tuple((t.name, t.description, json.dumps(t.parameters, sort_keys=True)) for t in conversation.tools))
+    keys = [key]
+    for m in conversation.messages:
+        calls = tuple((c.id, c.name, c.arguments_json()) for c in m.tool_calls)
+        key = hash((key, m.role, m.content, m.reasoning, calls))
+        keys.append(key)
+    return keys
+
+
 class TemplateRenderer:
     """Units of a HF tokenizer's chat template (see the module docstring)."""
 
@@ -75,6 +109,7 @@ class TemplateRenderer:
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError("the tokenizer has no chat template (tokenizer_config.json `chat_template`)")
         self.tokenizer = tokenizer
+        self._memo: OrderedDict[int, _Memo] = OrderedDict()
         self.added = sorted({t.content for t in tokenizer.added_tokens_decoder.values()}, key=len, reverse=True)
         self.end_of_turn = self._probe_end_of_turn()
         self.tool_call_separator = self._probe_separator()
@@ -97,18 +132,30 @@ class TemplateRenderer:
     def render(self, conversation: Conversation) -> Rendering:
         messages = template_messages(conversation)
         tools = conversation.tools
+        n = len(messages)
         whole = self._render(messages, tools, True)
-        prefixes = [self._safe_render(messages[:k], tools, False) for k in range(len(messages) + 1)]
-        cuts = [_Cut(0, "context")]
-        rewritten = 0
+        keys = _prefix_keys(conversation)
+        begin, cuts, rewritten, known = self._resume(keys, whole)
+        rendered: dict[int, str | None] = {}
+
+        def prefix(k: int) -> str | None:
+            if k not in rendered:
+                rendered[k] = self._safe_render(messages[:k], tools, False)
+            return rendered[k]
+
+        def prefix_end(k: int) -> int | None:
+            if k == begin and known is not None:
+                return known
+            return self._prefix_end(whole, prefix(k))
+
         eot = self.end_of_turn
-        for k, message in enumerate(conversation.messages):
-            if message.role != "assistant":
-                end = self._prefix_end(whole, prefixes[k + 1])
+        for k in range(begin, n):
+            if conversation.messages[k].role != "assistant":
+                end = prefix_end(k + 1)
                 if end is not None:
                     self._cut(cuts, whole, end, "context")
                 continue
-            start = self._prefix_end(whole, prefixes[k])
+            start = prefix_end(k)
             if start is not None:
                 self._cut(cuts, whole, start, "gen", force=True)
             gen_at = self._prefix_end(whole, self._safe_render(messages[:k], tools, True))
@@ -116,14 +163,16 @@ class TemplateRenderer:
             if gen_at is None or body_end < 0:
                 continue
             body_end += len(eot)
-            alone = prefixes[k + 1]
+            alone = prefix(k + 1)
             if alone is None or alone[:body_end] != whole[:body_end]:
                 rewritten += 1  # this turn, as its own prompt's continuation, rendered differently
             self._cut(cuts, whole, gen_at, "body", force=True)
             self._cut(cuts, whole, body_end, "context", force=True)
-        last = self._prefix_end(whole, prefixes[-1])
-        if last is not None and last < len(whole):
-            self._cut(cuts, whole, last, "gen", force=True)
+        last = prefix_end(n)
+        if last is not None:
+            self._remember(keys[n], whole, last, cuts, rewritten)
+            if last < len(whole):
+                self._cut(cuts, whole, last, "gen", force=True)
         units = []
         for cut, following in zip(cuts, [*cuts[1:], _Cut(len(whole), "")], strict=True):
             if following.at > cut.at:
@@ -131,6 +180,24 @@ class TemplateRenderer:
         if not units or units[-1].kind != "gen":
             raise TemplateError("the chat template's generation prompt could not be told apart from the history")
         return Rendering(units, rewritten)
+
+    def _resume(self, keys: list[int], whole: str) -> tuple[int, list[_Cut], int, int | None]:
+        """The longest remembered prefix of this conversation whose rendering `whole` still starts with:
+        (messages done, their cuts, turns rewritten, where their rendering ends); else from scratch."""
+        for k in range(len(keys) - 1, 0, -1):
+            entry = self._memo.get(keys[k])
+            if entry is not None and entry.length <= len(whole) and _digest(whole[: entry.length]) == entry.digest:
+                self._memo.move_to_end(keys[k])
+                return k, list(entry.cuts), entry.rewritten, entry.length
+        return 0, [_Cut(0, "context")], 0, None
+
+    def _remember(self, key: int, whole: str, length: int, cuts: list[_Cut], rewritten: int) -> None:
+        """Keep the cuts of this conversation (without the generation prompt) for the call that extends it."""
+        kept = tuple(c for c in cuts if c.at <= length)
+        self._memo[key] = _Memo(length, _digest(whole[:length]), kept, rewritten)
+        self._memo.move_to_end(key)
+        while len(self._memo) > MEMO_ENTRIES:
+            self._memo.popitem(last=False)
 
     def units(self, conversation: Conversation) -> list[Unit]:
         return self.render(conversation).units

@@ -266,3 +266,19 @@ def test_unsuitable_checkpoints_are_refused_at_start(codec: TokenCodec, tmp_path
         TokenCodec.load(str(small))
     with pytest.raises(ConfigError, match="would index past the embedding"):
         LocalEngine(LocalEngineConfig(model=str(small)))
+
+
+@pytest.mark.parametrize("template", ["qwen2_style", "think_dropping"])
+def test_remembered_prefixes_render_like_a_fresh_renderer(tmp_path: Path, template: str) -> None:
+    tokenizer = TokenCodec.load(str(save_checkpoint(tmp_path / template, template))).tokenizer
+    remembering, fresh = TemplateRenderer(tokenizer), TemplateRenderer(tokenizer)
+    messages: list[Message] = [Message("user", "task")]
+    for i in range(6):
+        call = (ToolCall("c", "read", {"p": i}),) if i % 2 else ()
+        messages.append(Message("assistant", f"<think>\nstep {i}\n</think>\n\nok {i}", call))
+        messages.append(Message("tool" if call else "user", f"result {i}"))
+        conversation = Conversation(tuple(messages), (ToolSpec("read", None, {}),))
+        fresh._memo.clear()
+        assert remembering.render(conversation) == fresh.render(conversation)
+    if template == "think_dropping":
+        assert fresh.render(conversation).rewritten > 0
