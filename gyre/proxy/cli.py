@@ -58,9 +58,12 @@ def serve(
 ) -> None:
     """Serve /v1/messages, /v1/messages/count_tokens, /v1/chat/completions, /v1/responses and /v1/models."""
     from gyre.auth import TokenError, TokenFile
+    from gyre.errors import GyreError
     from gyre.log import LogWriter
     from gyre.proxy import LogSink, MarkersConfig, MemorySink, Proxy, ProxyConfig
     from gyre.proxy import serve as run_server
+    from gyre.proxy.template_render import renderer_for
+    from gyre.proxy.tokens import TokenCodec
 
     engines = _engines(engine)
     try:
@@ -79,8 +82,13 @@ def serve(
         max_tokens_cap=max_tokens_cap,
         context_length=context_length,
     )
+    try:  # the tokenizer (and its chat template) is checked before anything is opened
+        codec = TokenCodec.load(tokenizer)
+        renderer = renderer_for(codec.tokenizer, codec.stop_texts)
+    except (OSError, GyreError) as e:
+        raise typer.BadParameter(str(e), param_hint="--tokenizer") from e
     sink = LogSink(LogWriter(log_dir, run_id=run_id)) if log_dir else MemorySink()
-    proxy = Proxy(config, sink=sink)
+    proxy = Proxy(config, sink=sink, codec=codec, renderer=renderer)
     for execution_id, token in tokens.items():
         proxy.register_execution(execution_id, token)
     if tokens:

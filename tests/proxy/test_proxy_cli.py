@@ -112,6 +112,7 @@ def test_serve_refuses_a_bad_token_file_cleanly(tmp_path: Path) -> None:
         (["--executions", str(tokens)], "too short"),
         (["--executions", str(tmp_path / "missing.toml")], "does not exist"),
         (["--execution", "exec-1=0123456789abcdef0"], "No such option"),
+        (["--tokenizer", str(tmp_path / "nowhere")], "neither 'tiny' nor a local directory"),
     ):
         result = CliRunner().invoke(proxy_app, ["serve", "--engine", "http://127.0.0.1:9", *args])
         assert result.exit_code == 2 and words in result.output, result.output
