@@ -186,6 +186,9 @@ class ModelCallStarted(Event):
     branch: BranchKind = "main"
     prompt_tokens: NonNegativeInt = 0
     policy_version: NonNegativeInt = 0
+    rerendered_turns: NonNegativeInt = 0
+    """Earlier assistant turns the chat template renders differently now from what the model wrote (Qwen3
+    drops earlier `<think>`): their recorded output is not reused, so the call is a new root or drifts."""
 
 
 class ModelCallFinished(Event):

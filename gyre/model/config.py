@@ -23,7 +23,8 @@ class TinyModelConfig:
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    max_position_embeddings: int = 32768
+    max_position_embeddings: int = 131072
+    """128K, so a real Claude Code prompt (~49K byte-level tokens) fits."""
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.1

@@ -80,6 +80,6 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         pad_token=PAD_TOKEN,
         chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
-        model_max_length=32768,
+        model_max_length=131072,
     )
     return tok

@@ -69,7 +69,7 @@ def anthropic_router(proxy: Proxy) -> APIRouter:
             stop=tuple(body.stop_sequences or ()),
         )
         tools = body.tool_choice is None or body.tool_choice["type"] != "none"
-        call = proxy.begin(state, conversation, settings, stream=body.stream)
+        call = await proxy.open(state, conversation, settings, stream=body.stream)
         message_id = request_id("msg_")
         if body.stream:
             return StreamingResponse(
@@ -82,7 +82,7 @@ def anthropic_router(proxy: Proxy) -> APIRouter:
             problem = _unfinished(final)
             if problem is not None:
                 raise problem
-            parser = new_parser(settings.stop, tools, "toolu_")
+            parser = new_parser(settings.stop, tools, "toolu_", proxy.renderer.tool_call_separator)
             reply = Reply()
             assert final.finish is not None
             text = final_text(proxy.codec, final.output_ids, final.finish)
@@ -124,7 +124,7 @@ async def _stream(
     The closing events wait until the call is durable in the log; an engine failure after the 200 is sent
     as an `error` event, as Anthropic does.
     """
-    parser = new_parser(tuple(body.stop_sequences or ()), tools, "toolu_")
+    parser = new_parser(tuple(body.stop_sequences or ()), tools, "toolu_", proxy.renderer.tool_call_separator)
     reply = Reply()
     try:
         yield sse(

@@ -70,7 +70,8 @@ ContentBlock = Annotated[
 
 
 class MessageParam(TypedDict):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
+    """`system` inside `messages` is a newer beta that Claude Code sends; it renders as a system turn."""
     content: str | list[ContentBlock]
 
 
@@ -141,6 +142,8 @@ def to_conversation(request: _Prompt) -> Conversation:
         content = param["content"]
         if param["role"] == "assistant":
             messages.append(_assistant(content, where))
+        elif param["role"] == "system":
+            messages.append(Message("system", content if isinstance(content, str) else _text_of(content, where)))
         elif isinstance(content, str):
             messages.append(Message("user", content))
         else:

@@ -1,4 +1,4 @@
-"""The proxy's FastAPI app: both front ends, and errors in the shape of the API a path belongs to."""
+"""The proxy's FastAPI app: the three front ends, and errors in the shape of the API a path belongs to."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from gyre.proxy.core import Proxy
 from gyre.proxy.errors import ApiError, ErrorKind
 from gyre.proxy.http import api_of, error_response
 from gyre.proxy.openai_api import openai_router
+from gyre.proxy.responses_api import responses_router
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,7 @@ def build_app(proxy: Proxy) -> FastAPI:
     app = FastAPI(title="gyre proxy", docs_url=None, redoc_url=None, openapi_url=None)
     app.include_router(anthropic_router(proxy))
     app.include_router(openai_router(proxy))
+    app.include_router(responses_router(proxy))
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -43,37 +43,91 @@ def serve(
     markers: Annotated[Path | None, typer.Option(help="Compaction markers (.toml or .json).")] = None,
     tokenizer: Annotated[str, typer.Option(help='"tiny" or a local tokenizer directory.')] = "tiny",
     model_name: Annotated[str, typer.Option(help="Model id listed by GET /v1/models.")] = "gyre-policy",
-    execution: Annotated[
-        list[str] | None,
+    executions: Annotated[
+        Path | None,
         typer.Option(
-            help="Register EXECUTION_ID=TOKEN at start (runners embedding the proxy call register_execution)."
+            envvar="GYRE_PROXY_EXECUTIONS",
+            help="Token file (mode 0600) of the executions to accept, written by `gyre proxy token`.",
         ),
     ] = None,
     max_tokens_cap: Annotated[int | None, typer.Option(help="Clamp every request's max_tokens.")] = None,
+    context_length: Annotated[
+        int | None,
+        typer.Option(min=1, help="Refuse prompts longer than this (default: what the engine reports)."),
+    ] = None,
 ) -> None:
-    """Serve /v1/messages, /v1/messages/count_tokens, /v1/chat/completions and /v1/models until interrupted."""
+    """Serve /v1/messages, /v1/messages/count_tokens, /v1/chat/completions, /v1/responses and /v1/models."""
+    from gyre.auth import TokenError, TokenFile
+    from gyre.errors import GyreError
     from gyre.log import LogWriter
     from gyre.proxy import LogSink, MarkersConfig, MemorySink, Proxy, ProxyConfig
     from gyre.proxy import serve as run_server
+    from gyre.proxy.template_render import renderer_for
+    from gyre.proxy.tokens import TokenCodec
 
+    engines = _engines(engine)
+    try:
+        tokens = TokenFile(executions).read() if executions is not None else {}
+    except TokenError as e:
+        raise typer.BadParameter(str(e), param_hint="--executions") from e
+    if executions is not None and not executions.exists():
+        raise typer.BadParameter(
+            f"{executions} does not exist; create it with `gyre proxy token`", param_hint="--executions"
+        )
     config = ProxyConfig(
-        engines=_engines(engine),
+        engines=engines,
         tokenizer=tokenizer,
         model_name=model_name,
         markers=MarkersConfig.load(markers) if markers else MarkersConfig(),
         max_tokens_cap=max_tokens_cap,
+        context_length=context_length,
     )
+    try:  # the tokenizer (and its chat template) is checked before anything is opened
+        codec = TokenCodec.load(tokenizer)
+        renderer = renderer_for(codec.tokenizer, codec.stop_texts)
+    except (OSError, GyreError) as e:
+        raise typer.BadParameter(str(e), param_hint="--tokenizer") from e
     sink = LogSink(LogWriter(log_dir, run_id=run_id)) if log_dir else MemorySink()
-    proxy = Proxy(config, sink=sink)
-    for item in execution or []:
-        execution_id, sep, token = item.partition("=")
-        if not sep:
-            raise typer.BadParameter(f"expected EXECUTION_ID=TOKEN, got {item!r}", param_hint="--execution")
+    proxy = Proxy(config, sink=sink, codec=codec, renderer=renderer)
+    for execution_id, token in tokens.items():
         proxy.register_execution(execution_id, token)
+    if tokens:
+        typer.echo(f"gyre proxy: accepting {len(tokens)} execution(s) from {executions}", err=True)
+    else:
+        typer.echo(
+            "gyre proxy: WARNING: no executions registered, so every model request will be refused (401). "
+            "Mint tokens with `gyre proxy token EXECUTION_ID --file tokens.toml` and serve with "
+            "`--executions tokens.toml`.",
+            err=True,
+        )
     try:
         run_server(proxy, host=host, port=port)
     finally:
         sink.close()
+
+
+@proxy_app.command()
+def token(
+    execution_ids: Annotated[list[str], typer.Argument(help="Execution id(s) to mint a token for.")],
+    file: Annotated[
+        Path,
+        typer.Option("--file", "-f", envvar="GYRE_PROXY_EXECUTIONS", help="Token file to add to (created 0600)."),
+    ],
+) -> None:
+    """Mint an execution token per id, store it in FILE and print it (one per line) for the harness's env.
+
+    The token never goes on a command line: hand it to the harness as ANTHROPIC_AUTH_TOKEN / OPENAI_API_KEY,
+    e.g. `export ANTHROPIC_AUTH_TOKEN=$(gyre proxy token exec-1 -f tokens.toml)`.
+    """
+    from gyre.auth import TokenError, TokenFile
+
+    store = TokenFile(file)
+    try:
+        minted = [store.add(execution_id) for execution_id in execution_ids]
+    except TokenError as e:
+        raise typer.BadParameter(str(e)) from e
+    for value in minted:
+        typer.echo(value)
 
 
 @proxy_app.command()

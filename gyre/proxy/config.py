@@ -43,6 +43,9 @@ class ProxyConfig:
     """An engine may abort a call on its own (e.g. `pause_generation` in abort mode for a weight update);
     the call then continues from its partial output, at most this many times."""
     disconnect_poll_s: float = 0.25
+    context_length: int | None = None
+    """Longest prompt + 1 the engines can hold; a longer prompt is refused before any byte of the answer.
+    None: ask each engine once (`/get_model_info` `context_length`, as `gyre.engine.local` reports it)."""
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -51,5 +54,7 @@ class ProxyConfig:
             raise ValueError("ProxyConfig.max_body_bytes must be at least 1024")
         if self.default_max_tokens < 1:
             raise ValueError("ProxyConfig.default_max_tokens must be >= 1")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError("ProxyConfig.context_length must be >= 2")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise ValueError("ProxyConfig.max_tokens_cap must be >= 1")

@@ -31,9 +31,10 @@ from gyre.proxy.config import ProxyConfig
 from gyre.proxy.conversation import Conversation, Message
 from gyre.proxy.errors import ApiError
 from gyre.proxy.registry import ExecutionRegistry, ExecutionState, Registration
-from gyre.proxy.render import ChatMLRenderer, ChatRenderer
+from gyre.proxy.render import ChatRenderer
 from gyre.proxy.routing import Flight, KvMove, KvMover, RecomputeKv, Router
 from gyre.proxy.sink import CallSink, MemorySink
+from gyre.proxy.template_render import renderer_for
 from gyre.proxy.tito import CallRecord, Plan
 from gyre.proxy.tokens import TokenCodec
 from gyre.proxy.transport import EngineLink, GenerateEngine, Prompt, prompt_of
@@ -93,13 +94,16 @@ class Proxy:
         self.config = config
         self.sink: CallSink = sink if sink is not None else MemorySink()
         self.codec = codec if codec is not None else TokenCodec.load(config.tokenizer)
-        self.renderer: ChatRenderer = renderer if renderer is not None else ChatMLRenderer()
+        if renderer is None:
+            renderer = renderer_for(self.codec.tokenizer, self.codec.stop_texts)
+        self.renderer: ChatRenderer = renderer
         if engines is None:
             engines = {cell: EngineLink(url, timeout_s=config.engine_timeout_s) for cell, url in config.engines.items()}
         self.router = Router(engines)
         self.kv_mover: KvMover = kv_mover if kv_mover is not None else RecomputeKv()
         self.registry = ExecutionRegistry(self.codec, config.markers)
         self._active: dict[str, ActiveCall] = {}
+        self._context: dict[str, int | None] = {}
         self._background: set[asyncio.Task[None]] = set()
 
     # -- the runner's API ------------------------------------------------------------------------------
@@ -154,14 +158,49 @@ class Proxy:
 
     def count_prompt_tokens(self, state: ExecutionState, conversation: Conversation) -> int:
         """Tokens the model would see for this conversation now (read-only)."""
-        return state.tree.plan(self.renderer.units(conversation)).prompt_len
+        return state.tree.plan(self.renderer.render(conversation).units).prompt_len
 
-    def begin(
+    async def context_length(self, cell: str) -> int | None:
+        """The context length of `cell`'s engine: configured, else asked once (None: unknown, not checked)."""
+        if self.config.context_length is not None:
+            return self.config.context_length
+        if cell not in self._context:
+            ask = getattr(self.router.engine(cell), "context_length", None)  # optional in `GenerateEngine`
+            try:
+                self._context[cell] = await ask() if ask is not None else None
+            except EngineError as e:  # not cached: the engine may come up; it still rejects long prompts itself
+                log.warning("could not read the context length of %s: %s", cell, e)
+                return None
+        return self._context[cell]
+
+    async def open(
         self, state: ExecutionState, conversation: Conversation, settings: CallSettings, *, stream: bool
     ) -> ActiveCall:
-        """Attach the request to the execution's call tree and record `model_call_started`."""
+        """`begin`, after learning the engine's context length so that an overlong prompt is refused first."""
+        limit = await self.context_length(self.router.cell_of(state.execution_id))
+        return self.begin(state, conversation, settings, stream=stream, context_length=limit)
+
+    def begin(
+        self,
+        state: ExecutionState,
+        conversation: Conversation,
+        settings: CallSettings,
+        *,
+        stream: bool,
+        context_length: int | None = None,
+    ) -> ActiveCall:
+        """Attach the request to the execution's call tree and record `model_call_started`.
+
+        A prompt that does not fit `context_length` raises `ApiError` (400, Anthropic's "prompt is too long"
+        wording, which Claude Code does not retry) and records nothing: no engine call was made.
+        """
         params = self._sampling(settings)
-        plan = state.tree.plan(self.renderer.units(conversation))
+        rendering = self.renderer.render(conversation)
+        plan = state.tree.plan(rendering.units)
+        if context_length is not None and plan.prompt_len >= context_length:
+            raise ApiError(
+                "context_length", f"prompt is too long: {plan.prompt_len} tokens > {context_length - 1} maximum"
+            )
         parent_agent = plan.parent.agent if plan.parent is not None else None
         assert parent_agent is None or isinstance(parent_agent, Agent)
         agent, branch = state.agents.classify(conversation, parent_agent)
@@ -182,6 +221,7 @@ class Proxy:
                 branch=branch,
                 prompt_tokens=plan.prompt_len,
                 policy_version=state.registration.policy_version,
+                rerendered_turns=rendering.rewritten,
             )
         )
         call = ActiveCall(self, state, record, plan, params, stream=stream, cell_id=cell)

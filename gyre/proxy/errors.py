@@ -7,11 +7,13 @@ from typing import Literal
 from gyre.errors import GyreError
 
 ErrorKind = Literal[
-    "invalid_request", "authentication", "not_found", "method_not_allowed", "too_large", "overloaded", "api_error"
+    "invalid_request",
+    "context_length", "authentication", "not_found", "method_not_allowed", "too_large", "overloaded", "api_error"
 ]
 
 STATUS: dict[ErrorKind, int] = {
     "invalid_request": 400,
+    "context_length": 400,
     "authentication": 401,
     "not_found": 404,
     "method_not_allowed": 405,

@@ -23,6 +23,7 @@ T = TypeVar("T")
 
 ANTHROPIC_TYPES: dict[ErrorKind, str] = {
     "invalid_request": "invalid_request_error",
+    "context_length": "invalid_request_error",
     "authentication": "authentication_error",
     "not_found": "not_found_error",
     "method_not_allowed": "invalid_request_error",
@@ -32,6 +33,7 @@ ANTHROPIC_TYPES: dict[ErrorKind, str] = {
 }
 OPENAI_TYPES: dict[ErrorKind, tuple[str, str | None, int]] = {  # type, code, status
     "invalid_request": ("invalid_request_error", None, 400),
+    "context_length": ("invalid_request_error", "context_length_exceeded", 400),
     "authentication": ("invalid_request_error", "invalid_api_key", 401),
     "not_found": ("invalid_request_error", "not_found", 404),
     "method_not_allowed": ("invalid_request_error", "method_not_allowed", 405),

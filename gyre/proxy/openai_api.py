@@ -92,7 +92,7 @@ def openai_router(proxy: Proxy) -> APIRouter:
             seed=body.seed,
         )
         tools = body.tool_choice != "none"
-        call = proxy.begin(state, conversation, settings, stream=body.stream)
+        call = await proxy.open(state, conversation, settings, stream=body.stream)
         completion_id = request_id("chatcmpl-")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.get("include_usage"))
@@ -105,7 +105,7 @@ def openai_router(proxy: Proxy) -> APIRouter:
             final = await until_disconnect(request, last_generation(call), config.disconnect_poll_s)
             if final.finish is not None and final.finish.type == "abort":
                 raise ApiError("overloaded", f"the engine aborted the call: {final.finish.message or 'no reason'}")
-            parser = new_parser(settings.stop, tools, "call_")
+            parser = new_parser(settings.stop, tools, "call_", proxy.renderer.tool_call_separator)
             reply = Reply(keep_blank_text=True)
             assert final.finish is not None
             text = final_text(proxy.codec, final.output_ids, final.finish)
@@ -155,7 +155,7 @@ async def _stream(
 ) -> AsyncIterator[str]:
     """Role chunk, content and tool-call deltas, a finish chunk, then a usage chunk when asked, `[DONE]`."""
     created = int(time.time())
-    parser = new_parser(body.stop_strings, tools, "call_")
+    parser = new_parser(body.stop_strings, tools, "call_", proxy.renderer.tool_call_separator)
     reply = Reply(keep_blank_text=True)
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:

@@ -78,12 +78,17 @@ class OutputParser:
         stop_strings: Sequence[str] = (),
         tool_calls: bool = True,
         make_id: Callable[[], str] = lambda: new_tool_id("call_"),
+        call_separator: str = "",
     ) -> None:
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.tool_calls = tool_calls
         self.make_id = make_id
+        self.call_separator = call_separator
+        """What the chat template writes between a turn's text and a tool call (Qwen2.5: a newline). It is
+        part of the call, not of the text, so the text echoed back renders to exactly what the model wrote."""
         self._done = 0
-        self._watch = ((TOOL_OPEN,) if tool_calls else ()) + self.stop_strings
+        opens = (call_separator + TOOL_OPEN, TOOL_OPEN) if call_separator else (TOOL_OPEN,)
+        self._watch = (opens if tool_calls else ()) + self.stop_strings
 
     def feed(self, text: str, *, final: bool = False) -> list[Piece]:
         pieces: list[Piece] = []
@@ -99,7 +104,11 @@ class OutputParser:
                     self._done += keep
                 return pieces
             if start:
-                pieces.append(TextPiece(pending[:start]))
+                before = pending[:start]
+                if self.call_separator and before.endswith(self.call_separator):
+                    before = before[: len(before) - len(self.call_separator)]
+                if before:
+                    pieces.append(TextPiece(before))
                 self._done += start
                 continue
             close = pending.find(TOOL_CLOSE, len(TOOL_OPEN))

@@ -6,11 +6,11 @@ was right. Registration may happen from any thread (the runner's); lookups come 
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import threading
 from dataclasses import dataclass
 
+from gyre import auth
 from gyre.proxy.branches import AgentBook, MarkersConfig
 from gyre.proxy.errors import UnknownExecutionError
 from gyre.proxy.tito import CallTree, Codec
@@ -47,10 +47,6 @@ class ExecutionState:
         return f"{self.execution_id}/{self.calls_started:05d}-{secrets.token_hex(3)}"
 
 
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
-
-
 class ExecutionRegistry:
     def __init__(self, codec: Codec, markers: MarkersConfig) -> None:
         self._codec = codec
@@ -60,14 +56,12 @@ class ExecutionRegistry:
         self._by_token: dict[bytes, ExecutionState] = {}
 
     def add(self, execution_id: str, token: str | None, cell_id: str, policy_version: int = 0) -> ExecutionState:
-        token = token or secrets.token_urlsafe(24)
+        token = auth.mint() if token is None else auth.check(token, f"token of execution {execution_id!r}")
         if not execution_id:
             raise ValueError("execution_id must be non-empty")
-        if len(token) < 16:
-            raise ValueError("an execution token must have at least 16 characters")
         registration = Registration(execution_id, token, cell_id, policy_version)
         state = ExecutionState(registration, CallTree(self._codec), AgentBook(self._markers))
-        digest = _digest(token)
+        digest = auth.digest(token)
         with self._lock:
             if execution_id in self._by_id:
                 raise ValueError(f"execution {execution_id!r} is already registered")
@@ -82,7 +76,7 @@ class ExecutionRegistry:
             state = self._by_id.pop(execution_id, None)
             if state is None:
                 raise UnknownExecutionError(f"execution {execution_id!r} is not registered")
-            self._by_token.pop(_digest(state.registration.token), None)
+            self._by_token.pop(auth.digest(state.registration.token), None)
         return state
 
     def get(self, execution_id: str) -> ExecutionState:
@@ -92,7 +86,7 @@ class ExecutionRegistry:
         return state
 
     def by_token(self, token: str) -> ExecutionState | None:
-        return self._by_token.get(_digest(token))
+        return self._by_token.get(auth.digest(token))
 
     def __len__(self) -> int:
         return len(self._by_id)

@@ -9,7 +9,8 @@ with its end-of-turn token). Every unit boundary sits next to a special or added
 one by one gives the same ids as encoding the whole text (a test checks this against the jinja template).
 
 `ChatMLRenderer` reproduces `gyre.model.chat_template.CHAT_TEMPLATE` exactly (Qwen2.5-style ChatML with
-`<tool_call>` tags). A model with another template needs its own renderer with the same contract.
+`<tool_call>` tags) in Python. A checkpoint with its own template gets `gyre.proxy.template_render.
+TemplateRenderer`, which renders that jinja template and cuts it into units with the same contract.
 """
 
 from __future__ import annotations
@@ -32,8 +33,24 @@ class Unit:
     kind: UnitKind = "context"
 
 
+@dataclass(frozen=True, slots=True)
+class Rendering:
+    """A conversation's units, and how many earlier assistant turns the template renders differently now
+    from how they were rendered when the model wrote them (Qwen3 drops earlier `<think>`)."""
+
+    units: list[Unit]
+    rewritten: int = 0
+
+
 class ChatRenderer(Protocol):
     """Renders conversations as units (see the module docstring for the contract)."""
+
+    tool_call_separator: str
+    """What the template writes between a turn's text and its first tool call."""
+
+    def render(self, conversation: Conversation) -> Rendering:
+        """`units`, with what the template rewrote."""
+        ...
 
     def units(self, conversation: Conversation) -> list[Unit]:
         """All units of the prompt, ending with the generation prompt (`gen`)."""
@@ -62,6 +79,7 @@ class ChatMLRenderer:
     """The tiny model's chat template, unit by unit. Stateless and cheap: O(characters rendered)."""
 
     gen_text = f"{IM_START}assistant\n"
+    tool_call_separator = ""
 
     def header(self, conversation: Conversation) -> str | None:
         """The system turn (system prompt and tool list), or None when there is neither."""
@@ -83,6 +101,9 @@ class ChatMLRenderer:
         for call in message.tool_calls:
             text += f'<tool_call>{{"name": {_tojson(call.name)}, "arguments": {call.arguments_json()}}}</tool_call>'
         return text + IM_END
+
+    def render(self, conversation: Conversation) -> Rendering:
+        return Rendering(self.units(conversation))  # this template never rewrites history
 
     def units(self, conversation: Conversation) -> list[Unit]:
         units: list[Unit] = []

@@ -126,5 +126,7 @@ def _delta(index: int, delta: dict[str, Any]) -> Event:
     return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
 
 
-def new_parser(stop: tuple[str, ...], tools: bool, id_prefix: str) -> OutputParser:
-    return OutputParser(stop_strings=stop, tool_calls=tools, make_id=lambda: new_tool_id(id_prefix))
+def new_parser(stop: tuple[str, ...], tools: bool, id_prefix: str, call_separator: str = "") -> OutputParser:
+    return OutputParser(
+        stop_strings=stop, tool_calls=tools, make_id=lambda: new_tool_id(id_prefix), call_separator=call_separator
+    )

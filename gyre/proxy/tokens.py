@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gyre.model.checkpoint import check_vocabulary, read_checkpoint_info, stop_texts
 from gyre.proxy.bytelevel import byte_level_bytes
 
 if TYPE_CHECKING:
@@ -22,17 +23,21 @@ TINY_TOKENIZER = "tiny"
 class TokenCodec:
     """Encode/decode with special tokens kept as text, so a reply decodes to what the template renders."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_texts: tuple[str, ...] = ()) -> None:
         backend: Tokenizer | None = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise TypeError("the proxy needs a fast (Rust `tokenizers`) tokenizer")
         self.tokenizer = tokenizer
         self._backend = backend
         self.special_ids = frozenset(int(i) for i in tokenizer.all_special_ids)
+        self.stop_texts = stop_texts
+        """Texts of the model's stop tokens, when known (a checkpoint directory says): the chat template must
+        end a turn with one of them."""
 
     @classmethod
     def load(cls, name: str) -> TokenCodec:
-        """`"tiny"` (the in-code tiny tokenizer) or a local tokenizer directory; nothing is downloaded."""
+        """`"tiny"` (the in-code tiny tokenizer) or a local tokenizer or checkpoint directory; nothing is
+        downloaded. A checkpoint directory's tokenizer is checked against its model's vocabulary."""
         if name == TINY_TOKENIZER:
             from gyre.model.tokenizer import build_tokenizer
 
@@ -41,7 +46,11 @@ class TokenCodec:
 
         if not Path(name).is_dir():
             raise FileNotFoundError(f"tokenizer {name!r} is neither 'tiny' nor a local directory")
-        return cls(AutoTokenizer.from_pretrained(name, local_files_only=True))
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
+        info = read_checkpoint_info(name)
+        if info is not None:
+            check_vocabulary(tokenizer, info.vocab_size, f"checkpoint {name}")
+        return cls(tokenizer, stop_texts(tokenizer, info) if info is not None else ())
 
     def encode(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids

@@ -183,6 +183,22 @@ class EngineLink:
         except httpx.TransportError as e:
             raise self._transport_error(e) from e
 
+    async def context_length(self) -> int | None:
+        """The engine's context length from `/get_model_info` (`context_length`), None when it does not say."""
+        try:
+            response = await self._http.get("/get_model_info", timeout=30.0)
+        except httpx.TransportError as e:
+            raise self._transport_error(e) from e
+        if response.status_code == 404:
+            return None
+        if response.status_code >= 400:
+            raise EngineHTTPError(self.base_url + "/get_model_info", response.status_code, response.text)
+        try:
+            value = response.json().get("context_length")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise EngineProtocolError(f"/get_model_info answered non-JSON: {response.text[:200]!r}") from e
+        return value if isinstance(value, int) and value > 1 else None
+
     async def abort(self, rid: str) -> None:
         status, content = await self._post(
             "/abort_request", json.dumps({"rid": rid}).encode(), {"content-type": "application/json"}, timeout_s=30.0

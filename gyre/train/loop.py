@@ -119,7 +119,9 @@ class TrainingRun:
             self._closers.append(self.engine_server.stop)
             self.engine = SyncHttpEngineClient(engine_url)
 
-            proxy = Proxy(ProxyConfig(engines={CELL: engine_url}, max_tokens_cap=config.sampling.max_tokens,
+            # the checkpoint's own tokenizer and chat template (refused with a clear error if unusable)
+            proxy = Proxy(ProxyConfig(engines={CELL: engine_url}, tokenizer=config.engine.model,
+                                      max_tokens_cap=config.sampling.max_tokens,
                                       sampling=SamplingOverrides(temperature=config.sampling.temperature,
                                                                  top_p=1.0, top_k=-1)),
                           sink=ProxySink(self.writer, close_writer=False))

@@ -21,8 +21,9 @@ EOS = 258
 
 
 class ScriptedEngine:
-    def __init__(self) -> None:
-        self.tokenizer = build_tokenizer()
+    def __init__(self, tokenizer: Any = None, eos: int = EOS) -> None:
+        self.tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
+        self.eos = eos
         self.replies: deque[list[int]] = deque()
         self.requests: list[dict[str, Any]] = []
         self.url = ""
@@ -33,16 +34,18 @@ class ScriptedEngine:
         """Queue replies: each text, encoded, then `<|im_end|>` (as the model would stop)."""
         for text in texts:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-            self.replies.append([*ids, EOS] if eos else ids)
+            self.replies.append([*ids, self.eos] if eos else ids)
 
     def _result(self, rid: str, prompt: list[int], ids: list[int], params: dict[str, Any], done: bool) -> dict:
         limit = params.get("max_new_tokens", 128)
         finish = None
         if done:
             finish = (
-                {"type": "stop", "matched": EOS} if ids and ids[-1] == EOS else {"type": "length", "length": len(ids)}
+                {"type": "stop", "matched": self.eos}
+                if ids and ids[-1] == self.eos
+                else {"type": "length", "length": len(ids)}
             )
-            if len(ids) >= limit and ids[-1] != EOS:
+            if len(ids) >= limit and ids[-1] != self.eos:
                 finish = {"type": "length", "length": len(ids)}
         return {
             "text": "",
@@ -66,7 +69,7 @@ class ScriptedEngine:
             body = json.loads(await request.body())
             self.requests.append(body)
             params = body.get("sampling_params", {})
-            reply = self.replies.popleft() if self.replies else [EOS]
+            reply = self.replies.popleft() if self.replies else [self.eos]
             ids = reply[: params.get("max_new_tokens", 128)]
             rid, prompt = body["rid"], body["input_ids"]
             if not body.get("stream"):

@@ -17,8 +17,6 @@ from typer.testing import CliRunner
 from gyre.log import LogReader
 from gyre.proxy.cli import proxy_app
 
-TOKEN = "cli-token-0123456789abcdef"
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -27,6 +25,10 @@ def _free_port() -> int:
 
 
 def test_serve_in_a_subprocess(scripted, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.toml"
+    minted = CliRunner().invoke(proxy_app, ["token", "exec-cli", "--file", str(tokens)])
+    assert minted.exit_code == 0, minted.output
+    token = minted.output.strip()
     port = _free_port()
     log_dir = tmp_path / "log"
     markers = tmp_path / "markers.toml"
@@ -42,8 +44,8 @@ def test_serve_in_a_subprocess(scripted, tmp_path: Path) -> None:
         str(port),
         "--log-dir",
         str(log_dir),
-        "--execution",
-        f"exec-cli={TOKEN}",
+        "--executions",
+        str(tokens),
         "--markers",
         str(markers),
     ]
@@ -58,14 +60,15 @@ def test_serve_in_a_subprocess(scripted, tmp_path: Path) -> None:
                 assert process.poll() is None and time.monotonic() < deadline, "proxy did not start"
                 time.sleep(0.1)
         scripted.say("Hello.")
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=TOKEN, max_retries=0)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=token, max_retries=0)
         reply = client.chat.completions.create(
             model="m", max_tokens=20, messages=[{"role": "user", "content": "SUMMARISE"}]
         )
         assert reply.choices[0].message.content == "Hello."
     finally:
         process.terminate()
-        process.wait(20)
+        output = process.communicate(timeout=20)[0]
+    assert "accepting 1 execution(s)" in output and token not in output
     (call,) = [e for e in LogReader(log_dir).events() if e.kind == "model_call_finished"]
     assert call.execution_id == "exec-cli" and call.branch == "main-summary"
 
@@ -89,3 +92,39 @@ def test_bench_json_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
     assert json.loads(result.output) == fake and seen["quick"] is True
     text = CliRunner().invoke(proxy_app, ["bench"])
     assert text.exit_code == 0 and "p50 +0.50 ms" in text.output
+
+
+def test_token_command_mints_into_a_private_file(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.toml"
+    result = CliRunner().invoke(proxy_app, ["token", "a", "b", "-f", str(tokens)])
+    assert result.exit_code == 0
+    a, b = result.output.split()
+    assert a != b and a.startswith("gyre_ex_") and oct(tokens.stat().st_mode & 0o777) == "0o600"
+    again = CliRunner().invoke(proxy_app, ["token", "a", "-f", str(tokens)])
+    assert again.exit_code == 2 and "already has a token" in again.output and "Traceback" not in again.output
+
+
+def test_serve_refuses_a_bad_token_file_cleanly(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('[tokens]\nexec-1 = "short"\n')
+    tokens.chmod(0o600)
+    for args, words in (
+        (["--executions", str(tokens)], "too short"),
+        (["--executions", str(tmp_path / "missing.toml")], "does not exist"),
+        (["--execution", "exec-1=0123456789abcdef0"], "No such option"),
+        (["--tokenizer", str(tmp_path / "nowhere")], "neither 'tiny' nor a local directory"),
+    ):
+        result = CliRunner().invoke(proxy_app, ["serve", "--engine", "http://127.0.0.1:9", *args])
+        assert result.exit_code == 2 and words in result.output, result.output
+        assert isinstance(result.exception, SystemExit)  # a usage error, not a traceback
+
+
+def test_serve_without_executions_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gyre.proxy
+
+    served: list[object] = []
+    monkeypatch.setattr(gyre.proxy, "serve", lambda proxy, **kw: served.append(proxy))
+    monkeypatch.delenv("GYRE_PROXY_EXECUTIONS", raising=False)
+    result = CliRunner().invoke(proxy_app, ["serve", "--engine", "http://127.0.0.1:9"])
+    assert result.exit_code == 0 and len(served) == 1
+    assert "no executions registered" in result.output and "gyre proxy token" in result.output

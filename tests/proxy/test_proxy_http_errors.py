@@ -73,7 +73,7 @@ def test_auth_in_both_shapes(proxy: Running) -> None:
         ({**GOOD_ANTHROPIC, "max_tokens": 0}, "max_tokens"),
         ({**GOOD_ANTHROPIC, "messages": "hi"}, "messages"),
         ({**GOOD_ANTHROPIC, "messages": []}, "messages"),
-        ({**GOOD_ANTHROPIC, "messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+        ({**GOOD_ANTHROPIC, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
         ({**GOOD_ANTHROPIC, "messages": [{"role": "user", "content": [{"type": "video", "x": 1}]}]}, "messages.0"),
         (
             {

@@ -20,6 +20,7 @@ from gyre.engine.protocol import (
     UpdateWeightsResponse,
 )
 from gyre.engine.tensors import decode_named_tensors
+from gyre.model.checkpoint import check_vocabulary
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -47,7 +48,9 @@ def load_model(config: LocalEngineConfig) -> tuple[torch.nn.Module, PreTrainedTo
 
     if config.model == TINY:
         return build_tiny_model(config.seed), build_tokenizer()
-    return load_tiny(config.model)
+    model, tokenizer = load_tiny(config.model)
+    check_vocabulary(tokenizer, model.config.vocab_size, f"checkpoint {config.model}")
+    return model, tokenizer
 
 
 class LocalEngine:
@@ -98,6 +101,7 @@ class LocalEngine:
             tokenizer_path=self.tokenizer_path,
             is_generation=True,
             weight_version=self.scheduler.weight_version,
+            context_length=self.runner.max_positions,  # extra field: lets a proxy refuse a prompt up front
         )
 
     def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest) -> Future[UpdateWeightsResponse]:
