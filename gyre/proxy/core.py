@@ -342,6 +342,7 @@ class ActiveCall:
             flight.cell_id,
             flight.redirect_to,
             self.record.ids(0, self.record.prompt_len).tolist() + self.output_ids,
+            rid=flight.rid,
         )
         moved = await self.proxy.kv_mover.move(move)
         self.redirects += 1
@@ -355,6 +356,11 @@ class ActiveCall:
                 kv_blocks=moved.blocks,
                 kv_bytes=moved.bytes,
                 tokens_done=len(self.output_ids),
+                kv_tokens=moved.tokens,
+                kv_transfer_seconds=moved.transfer_seconds,
+                kv_seconds=moved.seconds,
+                tokens_recomputed=moved.tokens_recomputed,
+                kv_refused=moved.refused,
             )
         )
 

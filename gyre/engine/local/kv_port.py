@@ -33,7 +33,7 @@ from gyre.engine.kv_protocol import (
 )
 from gyre.engine.local.kv import KVShape
 from gyre.engine.local.scheduler import Scheduler
-from gyre.transfer import EndpointConfig, Region, Span, TransferEndpoint
+from gyre.transfer import EndpointConfig, Region, Span, TransferEndpoint, merge_spans
 
 T = TypeVar("T")
 MAX_OPEN_RESERVATIONS = 16
@@ -220,4 +220,4 @@ class KvPort:
                 base = seg.data_ptr() + (layer * st[0] + kv * st[1] + head * st[2] + (a - seg_off) * st[3]) * elt
                 local.append(Span(base, (b - a) * tb))
                 remote.append(Span(res.addr + plane * res.plane_stride + (a - res.start) * tb, (b - a) * tb))
-        return local, remote
+        return merge_spans(local, remote)  # whole edges on both sides collapse into one span
