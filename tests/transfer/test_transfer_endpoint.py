@@ -49,7 +49,7 @@ def test_registration_is_counted_and_misuse_is_named(endpoints) -> None:
     a.unregister(r2)
     with pytest.raises(TransferError, match="is not registered"):
         a.unregister(r2)
-    with pytest.raises(TransferError, match="local span 0 .* is not registered"):
+    with pytest.raises(TransferError, match=r"local span 0 .* is not registered"):
         a.write(b.session_id, [Span(t.data_ptr(), 64)], [Span(1, 64)])
     with pytest.raises(TransferError, match="1 local spans for 0 remote spans"):
         a.write(b.session_id, [Span(t.data_ptr(), 64)], [])
@@ -64,7 +64,7 @@ def test_a_transfer_to_unregistered_remote_memory_fails(endpoints) -> None:
     src = torch.ones(64)
     region = a.register_tensor(src)
     try:
-        with pytest.raises(TransferError, match="batch_transfer_sync_write to .* returned"):
+        with pytest.raises(TransferError, match=r"batch_transfer_sync_write to .* returned"):
             a.write(b.session_id, [Span(src.data_ptr(), 256)], [Span(0x10, 256)])
     finally:
         a.unregister(region)
