@@ -50,18 +50,24 @@ def serve(
         ),
     ] = None,
     max_tokens_cap: Annotated[int | None, typer.Option(help="Clamp every request's max_tokens.")] = None,
+    kv_mover: Annotated[
+        str, typer.Option(help="Redirected calls: 'recompute' their KV, or move it with 'mooncake'.")
+    ] = "recompute",
 ) -> None:
     """Serve /v1/messages, /v1/messages/count_tokens, /v1/chat/completions and /v1/models until interrupted."""
     from gyre.log import LogWriter
     from gyre.proxy import LogSink, MarkersConfig, MemorySink, Proxy, ProxyConfig
     from gyre.proxy import serve as run_server
 
+    if kv_mover not in ("recompute", "mooncake"):
+        raise typer.BadParameter(f"expected 'recompute' or 'mooncake', got {kv_mover!r}", param_hint="--kv-mover")
     config = ProxyConfig(
         engines=_engines(engine),
         tokenizer=tokenizer,
         model_name=model_name,
         markers=MarkersConfig.load(markers) if markers else MarkersConfig(),
         max_tokens_cap=max_tokens_cap,
+        kv_mover=kv_mover,  # type: ignore[arg-type]  # validated by ProxyConfig
     )
     sink = LogSink(LogWriter(log_dir, run_id=run_id)) if log_dir else MemorySink()
     proxy = Proxy(config, sink=sink)

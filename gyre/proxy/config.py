@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 from gyre.proxy.branches import MarkersConfig
 
@@ -43,6 +44,9 @@ class ProxyConfig:
     """An engine may abort a call on its own (e.g. `pause_generation` in abort mode for a weight update);
     the call then continues from its partial output, at most this many times."""
     disconnect_poll_s: float = 0.25
+    kv_mover: Literal["recompute", "mooncake"] = "recompute"
+    """What happens to a redirected call's KV: the new engine recomputes it, or its pages move engine to
+    engine with the Mooncake Transfer Engine (engines must serve `/gyre/kv/*`: `gyre.engine.local` does)."""
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -51,5 +55,7 @@ class ProxyConfig:
             raise ValueError("ProxyConfig.max_body_bytes must be at least 1024")
         if self.default_max_tokens < 1:
             raise ValueError("ProxyConfig.default_max_tokens must be >= 1")
+        if self.kv_mover not in ("recompute", "mooncake"):
+            raise ValueError(f"ProxyConfig.kv_mover must be 'recompute' or 'mooncake', got {self.kv_mover!r}")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise ValueError("ProxyConfig.max_tokens_cap must be >= 1")

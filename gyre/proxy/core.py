@@ -30,6 +30,7 @@ from gyre.proxy.branches import Agent
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.conversation import Conversation, Message
 from gyre.proxy.errors import ApiError
+from gyre.proxy.kv_mover import MooncakeKvMover
 from gyre.proxy.registry import ExecutionRegistry, ExecutionState, Registration
 from gyre.proxy.render import ChatMLRenderer, ChatRenderer
 from gyre.proxy.routing import Flight, KvMove, KvMover, RecomputeKv, Router
@@ -97,7 +98,9 @@ class Proxy:
         if engines is None:
             engines = {cell: EngineLink(url, timeout_s=config.engine_timeout_s) for cell, url in config.engines.items()}
         self.router = Router(engines)
-        self.kv_mover: KvMover = kv_mover if kv_mover is not None else RecomputeKv()
+        if kv_mover is None:
+            kv_mover = MooncakeKvMover(config.engines) if config.kv_mover == "mooncake" else RecomputeKv()
+        self.kv_mover: KvMover = kv_mover
         self.registry = ExecutionRegistry(self.codec, config.markers)
         self._active: dict[str, ActiveCall] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -146,6 +149,8 @@ class Proxy:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self.router.aclose()
+        if isinstance(self.kv_mover, MooncakeKvMover):
+            await self.kv_mover.aclose()
 
     # -- the front ends' API ---------------------------------------------------------------------------
 
