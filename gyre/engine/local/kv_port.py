@@ -181,7 +181,7 @@ class KvPort:
         end = min(res.end, have // self.page_size * self.page_size)
         if end <= res.start:
             return KvExportResult(end=res.start, tokens=0, pages=0, bytes=0, seconds=0.0)
-        local, remote = self._spans(segments, res, end)
+        local, remote = self.export_spans(segments, res, end)
         endpoint = self.endpoint
         regions = [endpoint.register_tensor(t) for t in {t.untyped_storage().data_ptr(): t for t in segments}.values()]
         try:
@@ -198,7 +198,7 @@ class KvPort:
             seconds=stats.seconds,
         )
 
-    def _spans(self, segments: list[torch.Tensor], res: KvReservation, end: int) -> tuple[list[Span], list[Span]]:
+    def export_spans(self, segments: list[torch.Tensor], res: KvReservation, end: int) -> tuple[list[Span], list[Span]]:
         """Per plane, the pieces of each cached segment that fall in `res.start..end`, and where they go."""
         tb = res.layout.token_bytes
         elt = segments[0].element_size()
