@@ -66,3 +66,15 @@ def test_export_spans_rebuild_the_prefix(cuts: list[int], start: int, length: in
     expected = _kv_of(base).buf[:, :, :, start:end]
     assert torch.equal(dst, expected)
     assert sum(s.length for s in local) == (end - start) * LAYOUT.bytes_per_token
+
+
+def test_layout_mismatches_name_the_field() -> None:
+    other = LAYOUT.model_copy(update={"num_kv_heads": 4})
+    assert LAYOUT.layout_mismatch(other) == "KV layout mismatch: num_kv_heads is 4 on the receiver but 2 here"
+    assert "dtype is 'bfloat16'" in (LAYOUT.layout_mismatch(LAYOUT.model_copy(update={"dtype": "bfloat16"})) or "")
+    newer = LAYOUT.model_copy(update={"policy_version": "w"})
+    assert LAYOUT.layout_mismatch(newer) is None
+    assert LAYOUT.version_mismatch(newer) == (
+        "policy version mismatch: the receiver serves 'w', this engine's KV was computed under 'v'"
+    )
+    assert LAYOUT.bytes_per_token == 2 * 2 * 2 * 4 * 4
