@@ -14,7 +14,12 @@ flight rather than a finished prefill. This module imports only pydantic.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
+
+KvDtype = Literal["float32", "float16", "bfloat16", "float64"]
+ELEMENT_SIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 KV_ORDER = "layer,kv,head,token,dim"
 """Element order of KV memory on both sides: per (layer, k|v, kv head) plane, tokens are contiguous."""
@@ -28,7 +33,7 @@ class KvLayout(BaseModel):
     num_layers: int = Field(gt=0)
     num_kv_heads: int = Field(gt=0)
     head_dim: int = Field(gt=0)
-    dtype: str
+    dtype: KvDtype
     page_size: int = Field(gt=0, description="tokens per page: the unit of export and import")
     policy_version: str = Field(description="the engine's weight version: KV is only valid under it")
     order: str = KV_ORDER
@@ -39,7 +44,7 @@ class KvLayout(BaseModel):
 
     @property
     def element_size(self) -> int:
-        return {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[self.dtype]
+        return ELEMENT_SIZE[self.dtype]
 
     @property
     def token_bytes(self) -> int:
