@@ -3,7 +3,7 @@
 A redirected call's KV moves engine to engine in three steps the proxy orchestrates (bytes never pass
 through the proxy):
 1. `POST {to}/gyre/kv/reserve {input_ids}` - the receiving engine finds how much of the prefix it already
-   caches, allocates whole pages for the rest and registers them with its transfer endpoint.
+   caches, allocates the pages that cover the rest and registers them with its transfer endpoint.
 2. `POST {from}/gyre/kv/export {input_ids, rid?, reservation}` - the sending engine checks layout and
    policy version, then writes its cached pages straight into the reserved memory (Mooncake).
 3. `POST {to}/gyre/kv/commit {reservation_id, end}` - the receiver inserts the pages into its prefix
@@ -88,7 +88,7 @@ class KvReservation(BaseModel):
     session_id: str = Field(description="the receiver's transfer endpoint (Mooncake session id host:port)")
     layout: KvLayout
     start: int = Field(ge=0, description="tokens the receiver already caches")
-    end: int = Field(ge=0, description="whole pages of the prefix (leaving >= 1 token to compute)")
+    end: int = Field(ge=0, description="prefix tokens wanted: all but the last, which is computed anyway")
     addr: int = 0
     plane_stride: int = 0
 

@@ -14,6 +14,7 @@ registered address never dangles; every failure raises `TransferError` naming th
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -32,6 +33,10 @@ class EndpointConfig:
     hostname: str = "127.0.0.1"
     protocol: Protocol = "tcp"
     device: str = ""
+    tcp_connection_pool: bool = True
+    """Reuse TCP connections between transfers (Mooncake's `MC_TCP_ENABLE_CONNECTION_POOL`; without it every
+    transfer connects afresh). Mooncake reads it from the environment when its first engine starts, so it is
+    set there unless the environment already names it."""
 
     def __post_init__(self) -> None:
         if not self.hostname:
@@ -83,8 +88,10 @@ class TransferEndpoint:
                 "the Mooncake Transfer Engine is not installed (pip package mooncake-transfer-engine-non-cuda, "
                 f"Debian libibverbs1 librdmacm1 libnuma1; `make venv` installs both): {e}"
             ) from e
-        self._engine = TransferEngine()
         c = self.config
+        if c.protocol == "tcp":
+            os.environ.setdefault("MC_TCP_ENABLE_CONNECTION_POOL", "1" if c.tcp_connection_pool else "0")
+        self._engine = TransferEngine()
         rc = self._engine.initialize(c.hostname, "P2PHANDSHAKE", c.protocol, c.device)
         if rc != 0:
             raise TransferError(f"Mooncake initialize({c.hostname!r}, {c.protocol!r}, {c.device!r}) returned {rc}")

@@ -48,7 +48,7 @@ def test_export_spans_rebuild_the_prefix(cuts: list[int], start: int, length: in
         cache.insert(branch, _kv_of(branch))
     cache.insert(base, _kv_of(base))
     ids = base[:length]
-    end = (length - 1) // LAYOUT.page_size * LAYOUT.page_size
+    end = length - 1
     start = min(start, end)
     match = cache.match(ids, limit=end)
     assert match.length == end

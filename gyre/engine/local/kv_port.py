@@ -1,8 +1,9 @@
 """The local engine's side of KV migration: layout, reserve, export, commit (see `gyre.engine.kv_protocol`).
 
-Pages: `page_size` tokens are the unit of export and import. A reservation covers whole pages of the
-prefix (a trailing partial page is recomputed by the receiver, as SGLang shares only whole pages), and
-both engines must use the same page size, layout and policy version.
+Pages: `page_size` tokens are the unit of export and import. A reservation covers the pages of the prefix
+up to its last token but one (which the continuing request computes anyway, for its logits); the last page
+may be partly filled - this engine's cache is token-granular and keeps the filled part. Both engines must
+use the same page size, layout and policy version.
 
 Zero copies besides the transfer itself: the sender writes straight out of its prefix cache's blocks (each
 radix edge owns one tensor, and edges are never written after insertion, so they are safe to read off the
@@ -89,7 +90,7 @@ class KvPort:
 
     def reserve(self, req: KvReserveRequest) -> KvReservation:
         ids = req.input_ids
-        end = (len(ids) - 1) // self.page_size * self.page_size  # whole pages, leaving >= 1 token to compute
+        end = len(ids) - 1  # the last token is computed by the continuing request (its logits are needed)
 
         def cached() -> tuple[int, str]:
             held = self.scheduler.cache.match(ids, limit=end, count=False).length if end else 0
@@ -178,7 +179,7 @@ class KvPort:
         segments, have, version = self._on_scheduler(lookup)
         if version != res.layout.policy_version:  # the weights changed since the layout was read
             raise KvRefusedError("reservation.layout.policy_version", mine.version_mismatch(res.layout) or version)
-        end = min(res.end, have // self.page_size * self.page_size)
+        end = min(res.end, have)
         if end <= res.start:
             return KvExportResult(end=res.start, tokens=0, pages=0, bytes=0, seconds=0.0)
         local, remote = self.export_spans(segments, res, end)
