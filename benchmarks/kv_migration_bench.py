@@ -184,8 +184,10 @@ async def _size(a: HttpEngineClient, b: HttpEngineClient, mover: MooncakeKvMover
     }
 
 
-async def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
-    sizes = SIZES[:1] if quick else SIZES
+async def run(quick: bool = False, rounds: int | None = None, sizes: tuple[int, ...] | None = None) -> dict[str, Any]:
+    sizes = sizes or (SIZES[:1] if quick else SIZES)
+    if max(sizes) >= 32768:
+        raise ValueError(f"sizes must stay below the tiny model's 32768 positions, got {max(sizes)}")
     rounds = rounds or (3 if quick else 5)
     ports = [_free_port(), _free_port()]
     procs = [_start_engine(p) for p in ports]
@@ -225,8 +227,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8K only, 3 rounds")
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--sizes", type=int, nargs="+", default=None, help="context sizes in tokens")
     args = parser.parse_args()
-    print(json.dumps(asyncio.run(run(args.quick, args.rounds))))
+    sizes = tuple(args.sizes) if args.sizes else None
+    print(json.dumps(asyncio.run(run(args.quick, args.rounds, sizes))))
 
 
 if __name__ == "__main__":

@@ -98,8 +98,10 @@ class Proxy:
         if engines is None:
             engines = {cell: EngineLink(url, timeout_s=config.engine_timeout_s) for cell, url in config.engines.items()}
         self.router = Router(engines)
+        if kv_mover is None and config.kv_mover == "mooncake":
+            kv_mover = MooncakeKvMover(lambda cell: self.router.engine(cell).base_url)
         if kv_mover is None:
-            kv_mover = MooncakeKvMover(config.engines) if config.kv_mover == "mooncake" else RecomputeKv()
+            kv_mover = RecomputeKv()
         self.kv_mover: KvMover = kv_mover
         self.registry = ExecutionRegistry(self.codec, config.markers)
         self._active: dict[str, ActiveCall] = {}

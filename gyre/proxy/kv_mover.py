@@ -11,34 +11,37 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import httpx
 
 from gyre.engine.errors import EngineError, KvRefusedError
 from gyre.engine.kv_client import KvClient
+from gyre.errors import GyreError
 from gyre.proxy.routing import KvMove, KvMoveResult
 
 log = logging.getLogger(__name__)
 
 
 class MooncakeKvMover:
-    """Moves KV pages between engines that serve Gyre's `/gyre/kv/*` endpoints (cell id -> base URL)."""
+    """Moves KV pages between engines that serve Gyre's `/gyre/kv/*` endpoints. `engines` gives a cell's
+    engine base URL (a mapping, or the proxy's router, so cells added later are found too)."""
 
-    def __init__(self, engines: Mapping[str, str], *, timeout_s: float = 120.0) -> None:
+    def __init__(self, engines: Mapping[str, str] | Callable[[str], str], *, timeout_s: float = 120.0) -> None:
+        self._url_of = engines.__getitem__ if isinstance(engines, Mapping) else engines
         self._http = httpx.AsyncClient(timeout=timeout_s)
-        self._clients = {cell: KvClient(url, self._http, timeout_s) for cell, url in engines.items()}
+        self._timeout_s = timeout_s
 
-    def add_cell(self, cell_id: str, url: str) -> None:
-        self._clients[cell_id] = KvClient(url, self._http)
+    def _client(self, cell: str) -> KvClient:
+        return KvClient(self._url_of(cell), self._http, self._timeout_s)
 
     async def move(self, move: KvMove) -> KvMoveResult:
         ids = list(move.token_ids)
         started = time.perf_counter()
         try:
-            src, dst = self._clients[move.from_cell], self._clients[move.to_cell]
-        except KeyError as e:
-            return KvMoveResult(tokens_recomputed=len(ids), refused=f"no KV endpoint known for cell {e.args[0]!r}")
+            src, dst = self._client(move.from_cell), self._client(move.to_cell)
+        except (KeyError, GyreError) as e:
+            return self._refused(move, ids, f"no engine URL for the cell: {e}")
         try:
             reservation = await dst.reserve(ids)
             try:
