@@ -4,6 +4,8 @@ records what moved (or why nothing did) in the log's `call_redirects` view."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from collections.abc import Iterator
 
 import openai
@@ -13,6 +15,8 @@ from gyre.engine import SyncHttpEngineClient
 from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
 from gyre.log import LogReader
 from gyre.model import build_tiny_model
+from gyre.proxy.kv_mover import MooncakeKvMover
+from gyre.proxy.routing import KvMove, KvMoveResult
 from tests.proxy.proxy_helpers import TOKEN, Running, Seen, StartProxy, capture
 
 MESSAGES = [{"role": "user", "content": "Write a long answer about caches, pages and engines. " * 4}]
@@ -95,3 +99,25 @@ def test_a_policy_version_mismatch_recomputes_and_says_why(two_engines: Engines,
     assert (tokens, nbytes) == (0, 0) and recomputed == len(seen[f"{call_id}#1"].input_ids)
     assert refused.startswith("reservation.layout.policy_version: policy version mismatch")
     assert "'v7'" in refused and b.engine.scheduler.stats.cached_tokens == 0
+
+
+def test_an_unreachable_or_unknown_cell_is_a_refusal_not_an_error() -> None:
+    async def run() -> tuple[KvMoveResult, KvMoveResult]:
+        mover = MooncakeKvMover({"a": f"http://127.0.0.1:{_closed_port()}", "b": "http://127.0.0.1:1"})
+        try:
+            dead = await mover.move(KvMove("e", "c", "a", "b", [1, 2, 3]))
+            unknown = await mover.move(KvMove("e", "c", "a", "nowhere", [1, 2, 3]))
+        finally:
+            await mover.aclose()
+        return dead, unknown
+
+    dead, unknown = asyncio.run(run())
+    assert dead.refused is not None and "unreachable" in dead.refused
+    assert (dead.tokens, dead.tokens_recomputed) == (0, 3)
+    assert unknown.refused is not None and "'nowhere'" in unknown.refused
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
