@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,7 +63,6 @@ class KvPort:
         self._endpoint: TransferEndpoint | None = None
         self._lock = threading.Lock()
         self._reserved: OrderedDict[str, _Reserved] = OrderedDict()
-        self._ids = itertools.count()
 
     @property
     def endpoint(self) -> TransferEndpoint:
@@ -98,7 +98,7 @@ class KvPort:
 
         start, version = self._on_scheduler(cached)
         layout = self.layout().model_copy(update={"policy_version": version})
-        rid = f"kv-{next(self._ids)}"
+        rid = f"kv-{uuid.uuid4().hex}"  # unique across restarts: a stale commit never hits a new reservation
         pages = region = None
         if end > start:
             s = self.shape
