@@ -34,7 +34,9 @@ lint: $(STAMP)
 MOONCAKE_DEBS := libibverbs1 librdmacm1 libnuma1
 .PHONY: syslibs
 syslibs:
-	@missing=$$(for p in $(MOONCAKE_DEBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	@command -v dpkg-query >/dev/null || { echo "syslibs: not Debian; install $(MOONCAKE_DEBS) by hand"; exit 0; }; \
+	missing=$$(for p in $(MOONCAKE_DEBS); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "installing $$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
