@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 venv: $(STAMP)
 
 # Re-install whenever pyproject.toml changes. torch==2.13.0 resolves to the CPU wheel on local disk.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml | syslibs
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
@@ -30,6 +30,19 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check gyre tests benchmarks agents tasks scripts
+
+# Debian libraries the Mooncake Transfer Engine wheel links against (gyre.transfer); installed only when missing.
+MOONCAKE_DEBS := libibverbs1 librdmacm1 libnuma1
+.PHONY: syslibs
+syslibs:
+	@command -v dpkg-query >/dev/null || { echo "syslibs: not Debian; install $(MOONCAKE_DEBS) by hand"; exit 0; }; \
+	missing=$$(for p in $(MOONCAKE_DEBS); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing $$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends $$missing; \
+	fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info

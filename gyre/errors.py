@@ -37,3 +37,7 @@ class LogClosedError(LogError):
 
 class ConfigError(GyreError, ValueError):
     """A configuration file or option is invalid."""
+
+
+class TransferError(GyreError):
+    """A point-to-point transfer (Mooncake Transfer Engine) could not be set up or did not complete."""

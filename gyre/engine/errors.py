@@ -50,3 +50,13 @@ class EngineRequestError(EngineError, ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class KvRefusedError(EngineError):
+    """An engine refused a KV migration step (layout, page size or policy version differ; an unknown or
+    stale reservation). The caller recomputes instead; `field` names what disagreed."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message

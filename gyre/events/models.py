@@ -235,9 +235,14 @@ class CallRedirected(Event):
     call_id: str
     from_cell_id: str
     to_cell_id: str
-    kv_blocks: NonNegativeInt = 0
+    kv_blocks: NonNegativeInt = Field(0, description="KV pages moved engine to engine")
     kv_bytes: NonNegativeInt = 0
     tokens_done: NonNegativeInt = Field(0, description="output tokens already generated when redirected")
+    kv_tokens: NonNegativeInt = Field(0, description="prefix tokens whose KV moved engine to engine")
+    kv_transfer_seconds: NonNegativeFloat = Field(0.0, description="time the bytes took to move")
+    kv_seconds: NonNegativeFloat = Field(0.0, description="the whole move: reserve, transfer, commit")
+    tokens_recomputed: NonNegativeInt = Field(0, description="prompt tokens the new engine computes again")
+    kv_refused: str | None = Field(None, description="why no KV moved when a mover refused (version, layout)")
 
 
 # --- evaluation --------------------------------------------------------------------------------------------

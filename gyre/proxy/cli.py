@@ -55,6 +55,9 @@ def serve(
         int | None,
         typer.Option(min=1, help="Refuse prompts longer than this (default: what the engine reports)."),
     ] = None,
+    kv_mover: Annotated[
+        str, typer.Option(help="Redirected calls: 'recompute' their KV, or move it with 'mooncake'.")
+    ] = "recompute",
 ) -> None:
     """Serve /v1/messages, /v1/messages/count_tokens, /v1/chat/completions, /v1/responses and /v1/models."""
     from gyre.auth import TokenError, TokenFile
@@ -74,6 +77,8 @@ def serve(
         raise typer.BadParameter(
             f"{executions} does not exist; create it with `gyre proxy token`", param_hint="--executions"
         )
+    if kv_mover not in ("recompute", "mooncake"):
+        raise typer.BadParameter(f"expected 'recompute' or 'mooncake', got {kv_mover!r}", param_hint="--kv-mover")
     config = ProxyConfig(
         engines=engines,
         tokenizer=tokenizer,
@@ -81,6 +86,7 @@ def serve(
         markers=MarkersConfig.load(markers) if markers else MarkersConfig(),
         max_tokens_cap=max_tokens_cap,
         context_length=context_length,
+        kv_mover=kv_mover,  # type: ignore[arg-type]  # validated by ProxyConfig
     )
     try:  # the tokenizer (and its chat template) is checked before anything is opened
         codec = TokenCodec.load(tokenizer)

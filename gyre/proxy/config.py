@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 from gyre.proxy.branches import MarkersConfig
 
@@ -46,6 +47,9 @@ class ProxyConfig:
     context_length: int | None = None
     """Longest prompt + 1 the engines can hold; a longer prompt is refused before any byte of the answer.
     None: ask each engine once (`/get_model_info` `context_length`, as `gyre.engine.local` reports it)."""
+    kv_mover: Literal["recompute", "mooncake"] = "recompute"
+    """What happens to a redirected call's KV: the new engine recomputes it, or its pages move engine to
+    engine with the Mooncake Transfer Engine (engines must serve `/gyre/kv/*`: `gyre.engine.local` does)."""
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -56,5 +60,7 @@ class ProxyConfig:
             raise ValueError("ProxyConfig.default_max_tokens must be >= 1")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError("ProxyConfig.context_length must be >= 2")
+        if self.kv_mover not in ("recompute", "mooncake"):
+            raise ValueError(f"ProxyConfig.kv_mover must be 'recompute' or 'mooncake', got {self.kv_mover!r}")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise ValueError("ProxyConfig.max_tokens_cap must be >= 1")

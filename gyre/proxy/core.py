@@ -30,6 +30,7 @@ from gyre.proxy.branches import Agent
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.conversation import Conversation, Message
 from gyre.proxy.errors import ApiError
+from gyre.proxy.kv_mover import MooncakeKvMover
 from gyre.proxy.registry import ExecutionRegistry, ExecutionState, Registration
 from gyre.proxy.render import ChatRenderer
 from gyre.proxy.routing import Flight, KvMove, KvMover, RecomputeKv, Router
@@ -100,7 +101,11 @@ class Proxy:
         if engines is None:
             engines = {cell: EngineLink(url, timeout_s=config.engine_timeout_s) for cell, url in config.engines.items()}
         self.router = Router(engines)
-        self.kv_mover: KvMover = kv_mover if kv_mover is not None else RecomputeKv()
+        if kv_mover is None and config.kv_mover == "mooncake":
+            kv_mover = MooncakeKvMover(lambda cell: self.router.engine(cell).base_url)
+        if kv_mover is None:
+            kv_mover = RecomputeKv()
+        self.kv_mover: KvMover = kv_mover
         self.registry = ExecutionRegistry(self.codec, config.markers)
         self._active: dict[str, ActiveCall] = {}
         self._context: dict[str, int | None] = {}
@@ -150,6 +155,8 @@ class Proxy:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self.router.aclose()
+        if isinstance(self.kv_mover, MooncakeKvMover):
+            await self.kv_mover.aclose()
 
     # -- the front ends' API ---------------------------------------------------------------------------
 
@@ -382,6 +389,7 @@ class ActiveCall:
             flight.cell_id,
             flight.redirect_to,
             self.record.ids(0, self.record.prompt_len).tolist() + self.output_ids,
+            rid=flight.rid,
         )
         moved = await self.proxy.kv_mover.move(move)
         self.redirects += 1
@@ -395,6 +403,11 @@ class ActiveCall:
                 kv_blocks=moved.blocks,
                 kv_bytes=moved.bytes,
                 tokens_done=len(self.output_ids),
+                kv_tokens=moved.tokens,
+                kv_transfer_seconds=moved.transfer_seconds,
+                kv_seconds=moved.seconds,
+                tokens_recomputed=moved.tokens_recomputed,
+                kv_refused=moved.refused,
             )
         )
 

@@ -108,16 +108,26 @@ class KvMove:
     from_cell: str
     to_cell: str
     token_ids: Sequence[int]
+    rid: str | None = None
+    """The old engine's request id (a paused request's live KV can be exported under it)."""
 
 
 @dataclass(frozen=True, slots=True)
 class KvMoveResult:
+    """What a move did: pages (`blocks`), tokens and bytes moved, transfer and whole-move seconds, the
+    prompt tokens the new engine still computes, and why nothing moved when a mover refused."""
+
     blocks: int = 0
     bytes: int = 0
+    tokens: int = 0
+    transfer_seconds: float = 0.0
+    seconds: float = 0.0
+    tokens_recomputed: int = 0
+    refused: str | None = None
 
 
 class KvMover(Protocol):
-    """Moves KV blocks between engines before a redirected call continues (a Mooncake mover comes later).
+    """Moves KV blocks between engines before a redirected call continues (`gyre.proxy.kv_mover`).
 
     Called after the old engine aborted the request and before the call is re-issued on the new one.
     """
@@ -129,4 +139,4 @@ class RecomputeKv:
     """Moves nothing: the new engine recomputes the prefix (from its own prefix cache where it has one)."""
 
     async def move(self, move: KvMove) -> KvMoveResult:
-        return KvMoveResult()
+        return KvMoveResult(tokens_recomputed=len(move.token_ids))

@@ -11,6 +11,7 @@ import torch
 
 from gyre.engine.errors import EngineRequestError
 from gyre.engine.local.forward import RaggedQwen2
+from gyre.engine.local.kv_port import KvPort
 from gyre.engine.local.scheduler import Scheduler, SchedulerConfig
 from gyre.engine.local.weights import apply_weights, read_checkpoint
 from gyre.engine.protocol import (
@@ -21,6 +22,7 @@ from gyre.engine.protocol import (
 )
 from gyre.engine.tensors import decode_named_tensors
 from gyre.model.checkpoint import check_vocabulary
+from gyre.transfer import EndpointConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -36,10 +38,16 @@ class LocalEngineConfig:
     seed: int = 0
     num_threads: int = 1
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_page_size: int = 16
+    """Tokens per KV page, the unit of KV export and import (migration needs equal page sizes)."""
+    transfer: EndpointConfig = field(default_factory=EndpointConfig)
+    """The Mooncake endpoint KV pages move through (started on the first migration)."""
 
     def __post_init__(self) -> None:
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        if self.kv_page_size < 1:
+            raise ValueError("kv_page_size must be >= 1")
 
 
 def load_model(config: LocalEngineConfig) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
@@ -64,6 +72,7 @@ class LocalEngine:
         self.tokenizer_path = self.config.model
         self.runner = RaggedQwen2(self.model)
         self.scheduler = Scheduler(self.runner, self.decode_all, self._eos_ids(), self.config.scheduler)
+        self.kv = KvPort(self.scheduler, self.runner.kv_shape, self.config.kv_page_size, self.config.transfer)
 
     def _eos_ids(self) -> frozenset[int]:
         """EOS ids from the model config, generation config and tokenizer (Qwen stops on several)."""

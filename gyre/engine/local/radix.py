@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,10 +72,11 @@ class RadixCache:
         self._root = _Node(np.empty(0, dtype=np.int64), None, None)
         self.tokens = 0
 
-    def match(self, ids: list[int], limit: int | None = None) -> PrefixMatch:
-        """Longest cached prefix of `ids[:limit]`; marks the path as recently used."""
+    def match(self, ids: list[int], limit: int | None = None, *, count: bool = True) -> PrefixMatch:
+        """Longest cached prefix of `ids[:limit]`; marks the path as recently used. `count=False` leaves
+        the hit statistics alone (a KV migration asking what is cached is not a request's lookup)."""
         arr = np.asarray(ids[: len(ids) if limit is None else limit], dtype=np.int64)
-        self.stats.lookups += 1
+        self.stats.lookups += count
         now = next(self._clock)
         node, pos, segments = self._root, 0, []
         while pos < len(arr):
@@ -89,16 +91,31 @@ class RadixCache:
             if c < len(child.tokens):
                 break
             node = child
-        if pos:
+        if pos and count:
             self.stats.hits += 1
             self.stats.matched_tokens += pos
         return PrefixMatch(pos, segments)
 
     def insert(self, ids: list[int], kv: SequenceKV) -> None:
         """Cache the KV of `ids` (`kv` holds at least `len(ids)` positions); only missing tokens are copied."""
-        if self.capacity_tokens == 0 or not ids:
-            return
         assert kv.length >= len(ids), "KV must cover every inserted token"
+        self._insert(ids, kv.segment)
+
+    def insert_pages(self, ids: list[int], start: int, pages: torch.Tensor) -> int:
+        """Cache `ids` whose KV for positions `start..len(ids)` is `pages` (`[layers, 2, kv_heads, n,
+        head_dim]`, imported from another engine; kept as is, not copied). Positions before `start` must
+        still be cached here, or nothing past them is inserted. Returns the cached length of `ids` now."""
+        assert pages.shape[3] == len(ids) - start, "pages must cover ids[start:]"
+
+        def piece(lo: int, hi: int) -> torch.Tensor | None:
+            return pages[:, :, :, lo - start : hi - start] if lo >= start else None
+
+        return self._insert(ids, piece)
+
+    def _insert(self, ids: list[int], piece: Callable[[int, int], torch.Tensor | None]) -> int:
+        """Walk `ids`, attaching `piece(pos, len(ids))` where the tree ends; returns the tokens cached."""
+        if self.capacity_tokens == 0 or not ids:
+            return 0
         arr = np.asarray(ids, dtype=np.int64)
         now = next(self._clock)
         node, pos = self._root, 0
@@ -106,11 +123,15 @@ class RadixCache:
             first = int(arr[pos])
             child = node.children.get(first)
             if child is None:
-                leaf = _Node(arr[pos:].copy(), kv.segment(pos, len(arr)), node)
+                kv = piece(pos, len(arr))
+                if kv is None:
+                    break
+                leaf = _Node(arr[pos:].copy(), kv, node)
                 leaf.last_used = now
                 node.children[first] = leaf
                 self.tokens += len(arr) - pos
                 self.stats.inserted_tokens += len(arr) - pos
+                pos = len(arr)
                 break
             c = _common_prefix(child.tokens, arr, pos)
             if c < len(child.tokens):
@@ -119,6 +140,7 @@ class RadixCache:
             pos += c
             node = child
         self._evict()
+        return pos
 
     def _split(self, child: _Node, at: int) -> _Node:
         """Cut `child`'s edge after `at` tokens; returns the new upper node."""

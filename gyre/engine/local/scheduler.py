@@ -440,6 +440,16 @@ class Scheduler:
                 seq.retracted = False
         self._paused = False
 
+    def cache_sequence(self, rid: str) -> int:
+        """Put the KV of running (or paused) request `rid` into the prefix cache, so it can be exported;
+        returns the tokens it covers (0 for an unknown rid or a retracted request, whose KV is gone)."""
+        for seq in self._running:
+            if seq.req.rid == rid and not seq.retracted:
+                full = seq.req.input_ids + seq.output_ids
+                self.cache.insert(full[: seq.kv.length], seq.kv)
+                return seq.kv.length
+        return 0
+
     def abort_all_running(self) -> int:
         """For weight updates with `abort_all_requests` (call on the scheduler thread)."""
         return self._abort("", abort_all=True)

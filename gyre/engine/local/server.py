@@ -21,7 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from gyre.engine.errors import EngineError, EngineRequestError
+from gyre.engine.errors import EngineError, EngineRequestError, KvRefusedError
+from gyre.engine.kv_protocol import KvCancelRequest, KvCommitRequest, KvExportRequest, KvReserveRequest
 from gyre.engine.local.engine import LocalEngine
 from gyre.engine.local.scheduler import EngineRequest, RequestOutput
 from gyre.engine.local.stopping import visible_text
@@ -34,6 +35,7 @@ from gyre.engine.protocol import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromTensorRequest,
 )
+from gyre.errors import TransferError
 
 M = TypeVar("M", bound=BaseModel)
 _DISCONNECT_POLL_S = 0.5
@@ -150,6 +152,15 @@ def build_app(engine: LocalEngine) -> FastAPI:
     async def _engine_down(_: Request, e: EngineError) -> JSONResponse:
         return JSONResponse({"error": {"message": str(e), "type": "engine_unavailable"}}, status_code=503)
 
+    @app.exception_handler(KvRefusedError)
+    async def _kv_refused(_: Request, e: KvRefusedError) -> JSONResponse:
+        body = {"error": {"message": e.message, "field": e.field, "type": "kv_refused"}}
+        return JSONResponse(body, status_code=409)
+
+    @app.exception_handler(TransferError)
+    async def _transfer_failed(_: Request, e: TransferError) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(e), "type": "transfer_failed"}}, status_code=502)
+
     def submit(rid: str, ids: list[int], params: SamplingParams, stream: bool) -> asyncio.Queue[RequestOutput]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -244,6 +255,32 @@ def build_app(engine: LocalEngine) -> FastAPI:
     @app.get("/get_model_info")
     async def get_model_info() -> JSONResponse:
         return JSONResponse(engine.model_info().model_dump())
+
+    # Gyre-only: KV migration (gyre.engine.kv_protocol). Transfers block, so they run off the event loop.
+    @app.get("/gyre/kv/layout")
+    async def kv_layout() -> JSONResponse:
+        return JSONResponse(engine.kv.layout().model_dump())
+
+    @app.post("/gyre/kv/reserve")
+    async def kv_reserve(request: Request) -> JSONResponse:
+        req = await _parse(request, KvReserveRequest)
+        return JSONResponse((await asyncio.to_thread(engine.kv.reserve, req)).model_dump())
+
+    @app.post("/gyre/kv/export")
+    async def kv_export(request: Request) -> JSONResponse:
+        req = await _parse(request, KvExportRequest)
+        return JSONResponse((await asyncio.to_thread(engine.kv.export, req)).model_dump())
+
+    @app.post("/gyre/kv/commit")
+    async def kv_commit(request: Request) -> JSONResponse:
+        req = await _parse(request, KvCommitRequest)
+        return JSONResponse((await asyncio.to_thread(engine.kv.commit, req)).model_dump())
+
+    @app.post("/gyre/kv/cancel")
+    async def kv_cancel(request: Request) -> JSONResponse:
+        req = await _parse(request, KvCancelRequest)
+        await asyncio.to_thread(engine.kv.cancel, req.reservation_id)
+        return JSONResponse({"success": True})
 
     @app.get("/gyre/stats")
     async def stats() -> JSONResponse:

@@ -1,0 +1,62 @@
+"""Async client of an engine's Gyre-only KV migration endpoints (`gyre.engine.kv_protocol`); no torch."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from gyre.engine.client import _transport_error
+from gyre.engine.errors import EngineHTTPError, EngineProtocolError, KvRefusedError
+from gyre.engine.kv_protocol import KvCommitResult, KvExportResult, KvLayout, KvReservation
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class KvClient:
+    """`/gyre/kv/*` of one engine. A 409 answer becomes `KvRefusedError` (the caller recomputes)."""
+
+    def __init__(self, base_url: str, http: httpx.AsyncClient, timeout_s: float = 120.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = http
+        self.timeout_s = timeout_s
+
+    async def layout(self) -> KvLayout:
+        return await self._call("GET", "/gyre/kv/layout", None, KvLayout)
+
+    async def reserve(self, input_ids: list[int]) -> KvReservation:
+        return await self._call("POST", "/gyre/kv/reserve", {"input_ids": input_ids}, KvReservation)
+
+    async def export(self, input_ids: list[int], reservation: KvReservation, rid: str | None = None) -> KvExportResult:
+        body = {"input_ids": input_ids, "rid": rid, "reservation": reservation.model_dump()}
+        return await self._call("POST", "/gyre/kv/export", body, KvExportResult)
+
+    async def commit(self, reservation_id: str, end: int) -> KvCommitResult:
+        body = {"reservation_id": reservation_id, "end": end}
+        return await self._call("POST", "/gyre/kv/commit", body, KvCommitResult)
+
+    async def cancel(self, reservation_id: str) -> None:
+        await self._call("POST", "/gyre/kv/cancel", {"reservation_id": reservation_id}, None)
+
+    async def _call(self, method: str, path: str, body: Any, model: type[M] | None) -> Any:
+        url = self.base_url + path
+        try:
+            resp = await self._http.request(
+                method, url, content=None if body is None else json.dumps(body).encode(),
+                headers={"content-type": "application/json"}, timeout=self.timeout_s,
+            )
+        except httpx.TransportError as e:
+            raise _transport_error(e, url, self.timeout_s) from e
+        if resp.status_code == 409:
+            error = resp.json().get("error", {})
+            raise KvRefusedError(error.get("field", "kv"), error.get("message", resp.text))
+        if resp.status_code >= 400:
+            raise EngineHTTPError(url, resp.status_code, resp.text)
+        if model is None:
+            return None
+        try:
+            return model.model_validate_json(resp.content)
+        except ValidationError as e:
+            raise EngineProtocolError(f"{url} answered an unexpected body: {e}") from e

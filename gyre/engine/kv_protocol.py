@@ -1,0 +1,132 @@
+"""Wire models of Gyre's KV migration endpoints (`/gyre/kv/*`), shared by engines and the proxy's mover.
+
+A redirected call's KV moves engine to engine in three steps the proxy orchestrates (bytes never pass
+through the proxy):
+1. `POST {to}/gyre/kv/reserve {input_ids}` - the receiving engine finds how much of the prefix it already
+   caches, allocates the pages that cover the rest and registers them with its transfer endpoint.
+2. `POST {from}/gyre/kv/export {input_ids, rid?, reservation}` - the sending engine checks layout and
+   policy version, then writes its cached pages straight into the reserved memory (Mooncake).
+3. `POST {to}/gyre/kv/commit {reservation_id, end}` - the receiver inserts the pages into its prefix
+   cache under the prefix, so the resubmitted request hits the cache. `/gyre/kv/cancel` drops a reservation.
+Like SGLang's disaggregation (the receiver names destination pages, the sender writes), but for a call in
+flight rather than a finished prefill. This module imports only pydantic.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+KvDtype = Literal["float32", "float16", "bfloat16", "float64"]
+ELEMENT_SIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+KV_ORDER = "layer,kv,head,token,dim"
+"""Element order of KV memory on both sides: per (layer, k|v, kv head) plane, tokens are contiguous."""
+
+
+class KvLayout(BaseModel):
+    """What must agree for two engines' KV pages to be interchangeable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_layers: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    dtype: KvDtype
+    page_size: int = Field(gt=0, description="tokens per page: the unit of export and import")
+    policy_version: str = Field(description="the engine's weight version: KV is only valid under it")
+    order: str = KV_ORDER
+
+    @property
+    def planes(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads
+
+    @property
+    def element_size(self) -> int:
+        return ELEMENT_SIZE[self.dtype]
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token in one plane."""
+        return self.head_dim * self.element_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.planes * self.token_bytes
+
+    def layout_mismatch(self, other: KvLayout) -> str | None:
+        """Why pages of `other` cannot be used as pages of `self` (policy version aside), or None."""
+        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size", "order"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                return f"KV layout mismatch: {name} is {theirs!r} on the receiver but {mine!r} here"
+        return None
+
+    def version_mismatch(self, other: KvLayout) -> str | None:
+        if self.policy_version != other.policy_version:
+            return (
+                f"policy version mismatch: the receiver serves {other.policy_version!r}, this engine's KV was "
+                f"computed under {self.policy_version!r}"
+            )
+        return None
+
+
+class KvReserveRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_ids: list[int] = Field(min_length=1, description="the prefix the continuing request will send")
+
+
+class KvReservation(BaseModel):
+    """Receiver memory for tokens `start..end` of the prefix: plane p (see `KV_ORDER`), token t lies at
+    `addr + p * plane_stride + (t - start) * layout.token_bytes`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reservation_id: str
+    session_id: str = Field(description="the receiver's transfer endpoint (Mooncake session id host:port)")
+    layout: KvLayout
+    start: int = Field(ge=0, description="tokens the receiver already caches")
+    end: int = Field(ge=0, description="prefix tokens wanted: all but the last, which is computed anyway")
+    addr: int = 0
+    plane_stride: int = 0
+
+    @property
+    def wanted(self) -> int:
+        return max(self.end - self.start, 0)
+
+
+class KvExportRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_ids: list[int] = Field(min_length=1)
+    rid: str | None = Field(None, description="a paused request whose live KV should be exported too")
+    reservation: KvReservation
+
+
+class KvExportResult(BaseModel):
+    """What the sender wrote: tokens `start..end` (`end == start` when it had nothing beyond `start`)."""
+
+    end: int
+    tokens: int
+    pages: int
+    bytes: int
+    seconds: float
+
+
+class KvCommitRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reservation_id: str
+    end: int = Field(ge=0, description="tokens written (the export's `end`)")
+
+
+class KvCommitResult(BaseModel):
+    cached_tokens: int = Field(description="leading tokens of the prefix the receiver's cache now holds")
+
+
+class KvCancelRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reservation_id: str

@@ -1,0 +1,204 @@
+"""One Mooncake Transfer Engine endpoint: set-up, memory registration, batched reads and writes.
+
+Facts this wrapper leans on (Mooncake 0.3.13, `mooncake.engine.TransferEngine`):
+- `initialize(host, "P2PHANDSHAKE", protocol, device)` returns 0 on success; peers then address each other
+  by session id `host:rpc_port`, with no metadata server.
+- Only registered memory may be read or written remotely; a local buffer must be registered too.
+- `batch_transfer_sync_write/read(session, local_addrs, remote_addrs, lengths)` moves many spans in one
+  call and returns 0 or a negative code; it blocks, so callers keep it off event loops.
+Mooncake is imported when the first endpoint is made: importing `gyre.transfer` costs nothing.
+
+Invariants: a `Region` keeps the object that owns its memory alive until it is unregistered, so a
+registered address never dangles; every failure raises `TransferError` naming the peer and the call.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from gyre.errors import TransferError
+
+Protocol = Literal["tcp", "rdma"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndpointConfig:
+    """Where an endpoint listens and how it moves bytes (`tcp` on these CPUs; `rdma` with NICs)."""
+
+    hostname: str = "127.0.0.1"
+    protocol: Protocol = "tcp"
+    device: str = ""
+    tcp_connection_pool: bool = True
+    """Reuse TCP connections between transfers (Mooncake's `MC_TCP_ENABLE_CONNECTION_POOL`; without it every
+    transfer connects afresh). Mooncake reads it from the environment when its first engine starts, so it is
+    set there unless the environment already names it."""
+
+    def __post_init__(self) -> None:
+        if not self.hostname:
+            raise ValueError("EndpointConfig.hostname must not be empty")
+        if self.protocol not in ("tcp", "rdma"):
+            raise ValueError(f"EndpointConfig.protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """`length` bytes at `addr` in some endpoint's registered memory."""
+
+    addr: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """Registered local memory; `owner` (a tensor, array, ...) is held so the memory outlives the region."""
+
+    addr: int
+    length: int
+    owner: Any = field(repr=False, compare=False)
+
+    def contains(self, span: Span) -> bool:
+        return self.addr <= span.addr and span.addr + span.length <= self.addr + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStats:
+    bytes: int
+    seconds: float
+    spans: int
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class TransferEndpoint:
+    """A Mooncake Transfer Engine of this process, reachable by peers at `session_id`. Thread-safe."""
+
+    def __init__(self, config: EndpointConfig | None = None) -> None:
+        self.config = config or EndpointConfig()
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as e:  # pragma: no cover - the package is a dependency; this names the fix
+            raise TransferError(
+                "the Mooncake Transfer Engine is not installed (pip package mooncake-transfer-engine-non-cuda, "
+                f"Debian libibverbs1 librdmacm1 libnuma1; `make venv` installs both): {e}"
+            ) from e
+        c = self.config
+        if c.protocol == "tcp":
+            os.environ.setdefault("MC_TCP_ENABLE_CONNECTION_POOL", "1" if c.tcp_connection_pool else "0")
+        self._engine = TransferEngine()
+        rc = self._engine.initialize(c.hostname, "P2PHANDSHAKE", c.protocol, c.device)
+        if rc != 0:
+            raise TransferError(f"Mooncake initialize({c.hostname!r}, {c.protocol!r}, {c.device!r}) returned {rc}")
+        self.session_id = f"{c.hostname}:{self._engine.get_rpc_port()}"
+        self._lock = threading.Lock()
+        self._regions: dict[int, tuple[Region, int]] = {}  # addr -> (region, references)
+
+    def register(self, owner: Any, addr: int, length: int) -> Region:
+        """Expose `length` bytes at `addr` (owned by `owner`) to peers and to this endpoint's transfers.
+
+        Registering the same memory again (two exports sharing a cached block) counts a reference; the
+        memory is unregistered when the last one is released."""
+        if length <= 0:
+            raise TransferError(f"cannot register {length} bytes at {addr:#x}: the length must be positive")
+        with self._lock:
+            known = self._regions.get(addr)
+            if known is not None:
+                if known[0].length != length:
+                    raise TransferError(
+                        f"memory at {addr:#x} is registered with {known[0].length} bytes, not {length}"
+                    )
+                self._regions[addr] = (known[0], known[1] + 1)
+                return known[0]
+            rc = self._engine.register_memory(addr, length)
+            if rc != 0:
+                raise TransferError(f"Mooncake register_memory({addr:#x}, {length}) returned {rc}")
+            region = Region(addr, length, owner)
+            self._regions[addr] = (region, 1)
+        return region
+
+    def register_tensor(self, tensor: Any) -> Region:
+        """Register a torch tensor's whole storage (views of it may then be moved)."""
+        storage = tensor.untyped_storage()
+        return self.register(tensor, storage.data_ptr(), storage.nbytes())
+
+    def unregister(self, region: Region) -> None:
+        """Release one registration of `region`."""
+        with self._lock:
+            known = self._regions.get(region.addr)
+            if known is None:
+                raise TransferError(f"memory at {region.addr:#x} is not registered")
+            if known[1] > 1:
+                self._regions[region.addr] = (known[0], known[1] - 1)
+                return
+            del self._regions[region.addr]
+            rc = self._engine.unregister_memory(region.addr)
+        if rc != 0:
+            raise TransferError(f"Mooncake unregister_memory({region.addr:#x}) returned {rc}")
+
+    @property
+    def registered(self) -> int:
+        return len(self._regions)
+
+    def write(self, peer: str, local: Sequence[Span], remote: Sequence[Span]) -> TransferStats:
+        """Copy each `local[i]` into `remote[i]` of endpoint `peer` (one batched, blocking call)."""
+        return self._move("write", peer, local, remote)
+
+    def read(self, peer: str, local: Sequence[Span], remote: Sequence[Span]) -> TransferStats:
+        """Copy each `remote[i]` of endpoint `peer` into `local[i]`."""
+        return self._move("read", peer, local, remote)
+
+    def _move(self, op: str, peer: str, local: Sequence[Span], remote: Sequence[Span]) -> TransferStats:
+        if len(local) != len(remote):
+            raise TransferError(f"{op} to {peer}: {len(local)} local spans for {len(remote)} remote spans")
+        for i, (a, b) in enumerate(zip(local, remote, strict=True)):
+            if a.length != b.length or a.length <= 0:
+                raise TransferError(f"{op} to {peer}: span {i} has lengths {a.length} (local), {b.length} (remote)")
+            self._check_local(op, peer, i, a)
+        if not local:
+            return TransferStats(0, 0.0, 0)
+        call = self._engine.batch_transfer_sync_write if op == "write" else self._engine.batch_transfer_sync_read
+        start = time.perf_counter()
+        rc = call(peer, [s.addr for s in local], [s.addr for s in remote], [s.length for s in local])
+        seconds = time.perf_counter() - start
+        if rc != 0:
+            raise TransferError(
+                f"Mooncake batch_transfer_sync_{op} to {peer} ({len(local)} spans) returned {rc}: "
+                "is the peer alive and its memory registered?"
+            )
+        return TransferStats(sum(s.length for s in local), seconds, len(local))
+
+    def _check_local(self, op: str, peer: str, i: int, span: Span) -> None:
+        with self._lock:
+            regions = [r for r, _ in self._regions.values()]
+        if not any(r.contains(span) for r in regions):
+            raise TransferError(
+                f"{op} to {peer}: local span {i} ({span.length} bytes at {span.addr:#x}) is not registered"
+            )
+
+    def close(self) -> None:
+        """Unregister everything (the Mooncake engine itself lives until the process ends)."""
+        with self._lock:
+            regions = [r for r, _ in self._regions.values()]
+            self._regions.clear()
+        for region in regions:
+            self._engine.unregister_memory(region.addr)
+
+
+def merge_spans(local: Sequence[Span], remote: Sequence[Span]) -> tuple[list[Span], list[Span]]:
+    """Join neighbours that are contiguous on both sides (as SGLang's sender merges pages) - fewer requests."""
+    out_l: list[Span] = []
+    out_r: list[Span] = []
+    for a, b in zip(local, remote, strict=True):
+        if out_l and out_l[-1].addr + out_l[-1].length == a.addr and out_r[-1].addr + out_r[-1].length == b.addr:
+            out_l[-1] = Span(out_l[-1].addr, out_l[-1].length + a.length)
+            out_r[-1] = Span(out_r[-1].addr, out_r[-1].length + b.length)
+        else:
+            out_l.append(a)
+            out_r.append(b)
+    return out_l, out_r

@@ -1,0 +1,118 @@
+"""KV migration between two CPU engines (`/gyre/kv/*`): a continuation on the engine that received the pages
+equals the continuation on the engine that computed them; mismatches are refused with a clear reason."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from gyre.engine import SyncHttpEngineClient
+from gyre.engine.errors import KvRefusedError
+from gyre.engine.kv_client import KvClient
+from gyre.engine.kv_protocol import KvCommitResult, KvExportResult
+from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
+from gyre.model import build_tiny_model
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+PROMPT = [(7 * i + 3) % 250 + 1 for i in range(150)]  # 150 ids of the byte vocabulary, no special tokens
+
+
+def _server(**kw: object) -> LocalEngineServer:
+    return LocalEngineServer(LocalEngine(LocalEngineConfig(seed=0, **kw)))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[LocalEngineServer, LocalEngineServer]]:
+    a, b = _server(), _server()
+    a.start()
+    b.start()
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def migrate(src: str, dst: str, ids: list[int], rid: str | None = None) -> tuple[KvExportResult, KvCommitResult]:
+    """Reserve on `dst`, export from `src` into it, commit on `dst` (what the proxy's mover does)."""
+
+    async def run() -> tuple[KvExportResult, KvCommitResult]:
+        async with httpx.AsyncClient() as http:
+            source, target = KvClient(src, http), KvClient(dst, http)
+            reservation = await target.reserve(ids)
+            try:
+                exported = await source.export(ids, reservation, rid)
+            except KvRefusedError:
+                await target.cancel(reservation.reservation_id)
+                raise
+            return exported, await target.commit(reservation.reservation_id, exported.end)
+
+    return asyncio.run(run())
+
+
+def test_continuation_after_migration_equals_continuing_on_the_old_engine(pair) -> None:
+    a, b = pair
+    with SyncHttpEngineClient(a.url) as old, SyncHttpEngineClient(b.url) as new:
+        first = old.generate(PROMPT, GREEDY)  # A now caches prompt + output[:-1], as after an abort
+        ids = PROMPT + first.output_ids
+        exported, committed = migrate(a.url, b.url, ids)
+        page = LocalEngineConfig().kv_page_size
+        end = len(ids) - 1  # every token but the last, which B computes for its logits
+        assert (exported.end, exported.tokens, exported.pages) == (end, end, -(-end // page))
+        layout = asyncio.run(_layout(b.url))
+        assert exported.bytes == end * layout.bytes_per_token and committed.cached_tokens == end
+
+        on_new = new.generate(ids, GREEDY)
+        on_old = old.generate(ids, GREEDY)
+    assert on_new.cached_tokens == end  # the prefix came from the moved pages, not a prefill
+    assert on_new.output_ids == on_old.output_ids
+    assert on_new.output_logprobs == pytest.approx(on_old.output_logprobs, abs=1e-5)
+
+
+async def _layout(url: str):
+    async with httpx.AsyncClient() as http:
+        return await KvClient(url, http).layout()
+
+
+def test_only_missing_pages_move_and_a_paused_request_exports_its_live_kv(pair) -> None:
+    a, b = pair
+    with SyncHttpEngineClient(a.url) as old, SyncHttpEngineClient(b.url) as new:
+        new.generate(PROMPT[:64], {"max_new_tokens": 1})  # B now caches these 64 tokens of the prefix
+        stream = old.generate_stream(PROMPT, {**GREEDY, "max_new_tokens": 200}, rid="live")
+        chunk = next(stream)  # A has produced output; freeze it with its KV in the running sequence
+        old.pause("in_place")
+        ids = PROMPT + chunk.output_ids[:2]
+        exported, committed = migrate(a.url, b.url, ids, rid="live")
+        old.abort("live")
+        old.resume()
+        stream.close()
+        assert exported.tokens == exported.end - 64 > 0  # B's own 64 tokens did not move again
+        assert committed.cached_tokens == exported.end
+        on_new = new.generate(ids, GREEDY)
+        on_old = old.generate(ids, GREEDY)
+    assert on_new.output_ids == on_old.output_ids
+    assert on_new.output_logprobs == pytest.approx(on_old.output_logprobs, abs=1e-5)
+
+
+def test_a_different_policy_version_is_refused_and_the_reservation_dropped(pair) -> None:
+    a, b = pair
+    with SyncHttpEngineClient(a.url) as old, SyncHttpEngineClient(b.url) as new:
+        new.update_weights_from_tensor(dict(build_tiny_model(0).named_parameters()), version="v2")
+        ids = PROMPT + old.generate(PROMPT, GREEDY).output_ids
+        with pytest.raises(KvRefusedError) as refused:
+            migrate(a.url, b.url, ids)
+        assert refused.value.field == "reservation.layout.policy_version"
+        assert "'v2'" in refused.value.message and "'default'" in refused.value.message
+        assert b.engine.kv.endpoint.registered == 0  # the cancelled reservation's memory is released
+        assert new.generate(ids, GREEDY).cached_tokens == 0
+
+
+def test_a_different_page_size_is_refused_with_a_clear_error() -> None:
+    a, b = _server(kv_page_size=16), _server(kv_page_size=32)
+    with a, b, SyncHttpEngineClient(a.url) as old:
+        ids = PROMPT + old.generate(PROMPT, GREEDY).output_ids
+        with pytest.raises(KvRefusedError) as refused:
+            migrate(a.url, b.url, ids)
+    assert refused.value.field == "reservation.layout"
+    assert refused.value.message == "KV layout mismatch: page_size is 32 on the receiver but 16 here"

@@ -1,0 +1,80 @@
+"""The spans a KV export sends, applied as plain memory copies, rebuild exactly the receiver's tensor - for
+any shape of the sender's radix tree (prefix split over several edges) and any cached start on the receiver."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gyre.engine.kv_protocol import KvLayout, KvReservation
+from gyre.engine.local.kv import KVShape, SequenceKV
+from gyre.engine.local.kv_port import KvPort
+from gyre.engine.local.radix import RadixCache
+from gyre.transfer import EndpointConfig
+
+SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=4)
+LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", page_size=4, policy_version="v")
+
+
+def _kv_of(ids: list[int]) -> SequenceKV:
+    """KV whose every element names its position, layer, k|v, head and dim: misplaced bytes show."""
+    n = len(ids)
+    pos = torch.arange(n, dtype=torch.float32).view(1, 1, 1, n, 1)
+    tag = (
+        torch.arange(2).view(2, 1, 1, 1, 1) * 0.5
+        + torch.arange(2).view(1, 2, 1, 1, 1) * 0.25
+        + torch.arange(2).view(1, 1, 2, 1, 1) * 0.125
+        + torch.arange(4).view(1, 1, 1, 1, 4) * 0.01
+    )
+    kv = SequenceKV(SHAPE, n)
+    kv.append_segment(pos * 10 + tag)
+    return kv
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    cuts=st.lists(st.integers(1, 63), max_size=4),
+    start=st.integers(0, 63),
+    length=st.integers(2, 64),
+)
+def test_export_spans_rebuild_the_prefix(cuts: list[int], start: int, length: int) -> None:
+    base = list(range(1, 65))
+    cache = RadixCache(1 << 20)
+    for cut in cuts:  # earlier, shorter requests (with a diverging token) split the edges at `cut`
+        branch = [*base[:cut], 999]
+        cache.insert(branch, _kv_of(branch))
+    cache.insert(base, _kv_of(base))
+    ids = base[:length]
+    end = length - 1
+    start = min(start, end)
+    match = cache.match(ids, limit=end)
+    assert match.length == end
+    if end == start:
+        return
+    dst = torch.zeros(2, 2, 2, end - start, 4)
+    res = KvReservation(
+        reservation_id="r", session_id="peer", layout=LAYOUT, start=start, end=end,
+        addr=dst.data_ptr(), plane_stride=(end - start) * LAYOUT.token_bytes,
+    )
+    port = KvPort(None, SHAPE, LAYOUT.page_size, EndpointConfig())  # type: ignore[arg-type]  # no scheduler needed
+    local, remote = port.export_spans(match.segments, res, end)
+    for a, b in zip(local, remote, strict=True):
+        ctypes.memmove(b.addr, a.addr, a.length)
+    expected = _kv_of(base).buf[:, :, :, start:end]
+    assert torch.equal(dst, expected)
+    assert sum(s.length for s in local) == (end - start) * LAYOUT.bytes_per_token
+
+
+def test_layout_mismatches_name_the_field() -> None:
+    other = LAYOUT.model_copy(update={"num_kv_heads": 4})
+    assert LAYOUT.layout_mismatch(other) == "KV layout mismatch: num_kv_heads is 4 on the receiver but 2 here"
+    assert "dtype is 'bfloat16'" in (LAYOUT.layout_mismatch(LAYOUT.model_copy(update={"dtype": "bfloat16"})) or "")
+    newer = LAYOUT.model_copy(update={"policy_version": "w"})
+    assert LAYOUT.layout_mismatch(newer) is None
+    assert LAYOUT.version_mismatch(newer) == (
+        "policy version mismatch: the receiver serves 'w', this engine's KV was computed under 'v'"
+    )
+    assert LAYOUT.bytes_per_token == 2 * 2 * 2 * 4 * 4
