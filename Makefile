@@ -51,7 +51,7 @@ clean:
 # full suite that CI runs; the integration tier is marked in tests/conftest.py.
 check: $(STAMP)
 	$(BIN)/ruff check gyre tests benchmarks agents tasks scripts
-	$(BIN)/python -m pytest -m "not integration and not slow" -p no:cacheprovider
+	$(BIN)/python -m pytest -m "not integration and not slow" -p no:cacheprovider -n 2
 
 # Debian's chromium, which the report test opens headless (installed once; as root, or through sudo).
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)

@@ -80,12 +80,15 @@ INTEGRATION = (
     "tests/notebooks/",
     "tests/trainer/test_trainer_megatron.py",
     "tests/trainer/test_trainer_backend_conformance.py",
+    "tests/trainer/test_trainer_replicas.py",  # replica processes
+    "tests/trainer/test_trainer_cli.py::test_replicas_runs_steps",  # replica processes
+    "tests/trainer/test_trainer_cli.py::test_bench_json",  # a benchmark run
+    "tests/log/test_recovery.py::test_kill_minus_nine",  # crash torture: 200 killed writer processes
 )
+"""Node id prefixes (a directory, a file, or a file and a test name)."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    root = Path(config.rootpath)
     for item in items:
-        path = Path(item.path).relative_to(root).as_posix()
-        if any(path.startswith(prefix) for prefix in INTEGRATION):
+        if item.nodeid.startswith(INTEGRATION):
             item.add_marker(pytest.mark.integration)

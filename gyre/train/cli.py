@@ -58,7 +58,7 @@ def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e
         elif phase == "heldout":
             event = figures["event"]
             rate = "n/a" if event.pass_rate is None else f"{event.pass_rate:.0%}"
-            console.print(f"held-out before step {event.step}: pass rate {rate} ({event.passed}/{event.scored}) on "
+            console.print(f"held-out after {event.step} steps: pass rate {rate} ({event.passed}/{event.scored}) on "
                           f"policy v{event.policy_version}")
         elif phase == "skipped":
             console.print(f"[yellow]step {figures['step']}: not trained: {figures['reason']}[/yellow]")
@@ -84,7 +84,8 @@ def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e
 
     console.print(summary_table(step_rows(summary.log), console.width, title=f"{settings.name}: {summary.status}"))
     console.print(f"log: {summary.log}  (final policy v{summary.policy_version})")
-    console.print(f'query it: gyre log sql {summary.log} "SELECT step, policy_version, loss FROM train_steps"')
+    console.print(f'query it: gyre log sql {summary.log} '
+                  '"SELECT step, reward_mean, clip_fraction, kl, entropy FROM train_steps"', overflow="fold")
 
 
 @contextmanager

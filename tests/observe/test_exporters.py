@@ -144,3 +144,18 @@ def test_unknown_exporter_is_named(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match=r"'mlflow'.*tensorboard"):
         make_exporters(["mlflow"], tmp_path, run_name="x")
+
+
+def test_export_command_after_the_run_and_following_a_finished_one(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from gyre.cli import app
+
+    write_run(tmp_path / "log", steps=2)
+    result = CliRunner().invoke(app, ["export", str(tmp_path), "--to", "tensorboard"])
+    assert result.exit_code == 0, result.output
+    assert [s for s, _ in tensorboard_scalars(tmp_path / "tensorboard")["train/entropy"]] == [0, 1]
+    followed = CliRunner().invoke(app, ["export", str(tmp_path), "--to", "tensorboard", "--follow"])
+    assert followed.exit_code == 0, followed.output  # ends by itself at run_finished
+    bad = CliRunner().invoke(app, ["export", str(tmp_path / "none"), "--to", "tensorboard"])
+    assert bad.exit_code == 2 and "no log at" in bad.output

@@ -47,11 +47,13 @@ def test_train_logs_metrics_evaluates_held_out_exports_and_reports(tmp_path: Pat
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert all(len(line) <= 80 for line in lines), max(lines, key=len)
-    table = "\n".join(lines[next(i for i, line in enumerate(lines) if "observe: completed" in line):])
+    first = next(i for i, line in enumerate(lines) if "observe: completed" in line)
+    table = "\n".join(lines[first : next(i for i, line in enumerate(lines) if line.startswith("log: "))])
     for header in ("step", "reward", "held-out", "clip", "KL"):
         assert header in table
     assert "loss" not in table  # ~0 by construction on-policy: not a figure to show
-    assert "held-out before step 0: pass rate" in result.output
+    assert "held-out after 0 steps: pass rate" in result.output
+    assert "held-out after 1 steps: pass rate" in result.output
 
     con = LogReader(run_dir / "log").duckdb()
     heldout = con.execute("select step, policy_version, executions, scored, pass_rate from heldout_evaluations "
