@@ -87,3 +87,15 @@ def test_training_time_scales_with_the_cell_size():
     assert training.cell_s_per_mtoken(16) == training.s_per_mtoken
     assert training.cell_s_per_mtoken(32) == training.s_per_mtoken / 2
     assert training.model_copy(update={"scaling_exponent": 0.5}).cell_s_per_mtoken(64) == training.s_per_mtoken / 2
+
+
+def test_the_decode_curve_fit_recovers_known_terms_and_never_goes_negative():
+    import numpy as np
+
+    from benchmarks.decode_curve import fit_relative
+
+    design = np.array([[1.0, n, n * c / 1e6] for n in (1, 4, 16) for c in (64, 4096)])
+    assert fit_relative(design, design @ np.array([0.7, 0.16, 178.0])) == pytest.approx([0.7, 0.16, 178.0])
+    # a curve that would need a negative fixed cost gets none, and the other terms absorb it
+    coef = fit_relative(design, design @ np.array([-0.5, 0.3, 200.0]) + 0.6)
+    assert (coef >= 0).all()
