@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/gyre train examples/tiny-cpu.toml
 	$(BIN)/gyre log sql runs/tiny-cpu/log "SELECT s.step, s.policy_version, round(s.loss, 4) AS loss, \
 	  count(r.seq) AS rewards, round(avg(r.reward), 3) AS reward_mean FROM train_steps s \
-	  JOIN executions_queued q ON q.policy_version = s.policy_version - 1 \
+	  JOIN executions_queued q ON q.policy_version = s.policy_version - 1 AND q.group_id NOT LIKE 'heldout-%' \
 	  LEFT JOIN rewards r ON r.execution_id = q.execution_id GROUP BY ALL ORDER BY s.step"
 
 test: $(STAMP)
