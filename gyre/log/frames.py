@@ -29,6 +29,7 @@ here, with everything before it durable).
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 import crc32c
@@ -95,7 +96,7 @@ def frame_header(frame_type: int, first_seq: int, count: int, parts: list | tupl
 
 
 def _length(parts: list | tuple) -> int:
-    length = sum(len(memoryview(p).cast("B")) for p in parts)
+    length = sum(memoryview(p).nbytes for p in parts)
     if length > MAX_PAYLOAD:
         raise ValueError(f"frame payload of {length} bytes exceeds the 4 GiB frame limit")
     return length
@@ -126,6 +127,11 @@ def chunk_checksums(parts: list | tuple, shift: int) -> list[int]:
     return out
 
 
+@lru_cache(maxsize=64)
+def _table(n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}I")
+
+
 class OpenHead:
     """A v1 header and extension whose watermark is filled in when the frame is written (``seal``).
 
@@ -138,9 +144,9 @@ class OpenHead:
         length = _length(parts)
         shift = chunk_shift(length)
         crcs = chunk_checksums(parts, shift)
-        buffer = bytearray(HEADER_SIZE + ext_size(length, shift))
-        HEADER.pack_into(buffer, 0, MAGIC, frame_type, FLAG_CHUNKED, shift, 0, length, count, first_seq, 0, 0)
-        struct.pack_into(f"<{len(crcs)}I", buffer, HEADER_SIZE, *crcs)
+        table = _table(len(crcs))
+        buffer = bytearray(HEADER.pack(MAGIC, frame_type, FLAG_CHUNKED, shift, 0, length, count, first_seq, 0, 0)
+                           + table.pack(*crcs) + bytes(8 + _pad8(table.size)))
         self.buffer = buffer
         self.partial = crc32c.crc32c(memoryview(buffer)[HEADER_SIZE:-8])
 
