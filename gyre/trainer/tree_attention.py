@@ -1,0 +1,157 @@
+"""Sparse tree attention: exact attention under the tree mask without ever building an ``L x L`` mask.
+
+The tree mask (``gyre.trainer.batch``) lets query ``i`` see key ``j`` iff ``j <= i < subtree_end[j]``:
+``j`` is ``i`` or one of its ancestors. Queries are cut into chunks of at most ``chunk`` consecutive tokens
+(never across an attention block). For a chunk ``[c0, c1)`` every key any of its queries can see is either
+inside the chunk or an ancestor of ``c0`` (a key ``j < c0`` seen by ``i >= c0`` has ``c0`` in its subtree
+``[j, subtree_end[j])``). So each chunk attends over ``ancestors(c0) + [c0, c1)`` with a small boolean mask
+of ``chunk x keys`` computed on the fly from ``subtree_end``; nothing else is ever scored.
+
+What is kept: ``subtree_end`` (one integer per token) and per chunk its key list, stored as a range when
+the ancestors of ``c0`` are contiguous and end at ``c0`` (a plain sequence or a shared prompt: no copy).
+Backward memory is linear too: each chunk's attention runs under activation checkpointing, so autograd
+keeps only views of ``q``, ``k``, ``v`` and recomputes the chunk's scores in backward; the gathered keys,
+the chunk mask and the probabilities are transient, one chunk at a time.
+
+Why not flex attention: torch 2.13's ``flex_attention`` refuses backward on CPU ("FlexAttention does not
+support backward on CPU", eager and compiled alike), and its block mask is ``(L/128)^2`` entries, still
+quadratic. See ``docs/trainer.md`` for the measurements.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from gyre.trainer.errors import TrainerError
+
+ATTN_IMPLEMENTATION = "gyre_tree"
+"""The name the attention function is registered under in transformers' ``AttentionInterface``."""
+
+
+@dataclass(frozen=True, eq=False)
+class Chunk:
+    """Queries ``[q0, q1)`` of a pass and the keys they may see: ``[k0, q1)``, or ``keys`` when not a range."""
+
+    q0: int
+    q1: int
+    k0: int
+    keys: torch.Tensor | None
+
+
+@dataclass(frozen=True, eq=False)
+class TreeMask:
+    """The tree mask of one flat forward pass, as ``subtree_end`` plus the key set of each query chunk."""
+
+    subtree_end: torch.Tensor
+    """``[N]`` int64, local to the pass."""
+    chunks: tuple[Chunk, ...]
+
+    @classmethod
+    def build(cls, subtree_end: torch.Tensor, blocks: torch.Tensor, chunk: int) -> "TreeMask":
+        """Chunks of at most ``chunk`` queries within each block (``blocks``: ``[K, 2]`` local ranges)."""
+        if chunk < 1:
+            raise TrainerError(f"tree attention chunk must be >= 1, got {chunk}")
+        ends = subtree_end.numpy()
+        chunks: list[Chunk] = []
+        for b0, b1 in blocks.tolist():
+            for c0 in range(b0, b1, chunk):
+                c1 = min(c0 + chunk, b1)
+                # ancestors of c0 live in its block: [b0, c0) with a subtree reaching past c0
+                ancestors = np.flatnonzero(ends[b0:c0] > c0) + b0
+                if ancestors.size == 0 or (ancestors[-1] == c0 - 1 and ancestors[0] == c0 - ancestors.size):
+                    chunks.append(Chunk(c0, c1, int(ancestors[0]) if ancestors.size else c0, None))
+                else:
+                    keys = torch.from_numpy(np.concatenate([ancestors, np.arange(c0, c1)]))
+                    chunks.append(Chunk(c0, c1, -1, keys))
+        return cls(subtree_end=subtree_end, chunks=tuple(chunks))
+
+    @property
+    def tokens(self) -> int:
+        return int(self.subtree_end.shape[0])
+
+    @property
+    def scored_pairs(self) -> int:
+        """Query-key pairs the kernel computes (the chunks' rectangles): the work, and never ``N^2``."""
+        return sum((c.q1 - c.q0) * (c.q1 - c.k0 if c.keys is None else int(c.keys.shape[0])) for c in self.chunks)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the mask itself holds: ``subtree_end`` and the gathered key lists."""
+        lists = sum(c.keys.numel() * c.keys.element_size() for c in self.chunks if c.keys is not None)
+        return self.subtree_end.numel() * self.subtree_end.element_size() + lists
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+        """``[1, H, N, D]`` queries, ``[1, Hkv, N, D]`` keys/values -> ``[1, N, H, D]`` (transformers' layout)."""
+        if query.shape[0] != 1 or query.shape[2] != self.tokens:
+            raise TrainerError(
+                f"tree attention takes one flat sequence of {self.tokens} tokens, got queries {tuple(query.shape)}"
+            )
+        ends = self.subtree_end.to(query.device)
+        recompute = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        outs = []
+        for c in self.chunks:
+            keys = None if c.keys is None else c.keys.to(query.device)
+            args = (query[:, :, c.q0 : c.q1], key, value, ends, c.q0, c.k0, keys, scale)
+            outs.append(checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args))
+        return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+
+def _chunk(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    ends: torch.Tensor,
+    q0: int,
+    k0: int,
+    keys: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one query chunk over its keys, masked by the tree rule."""
+    q1 = q0 + query.shape[2]
+    q_pos = torch.arange(q0, q1, device=query.device)
+    if keys is None:
+        k, v = key[:, :, k0:q1], value[:, :, k0:q1]
+        k_pos = torch.arange(k0, q1, device=query.device)
+    else:
+        k, v, k_pos = key.index_select(2, keys), value.index_select(2, keys), keys
+    allowed = (k_pos[None, :] <= q_pos[:, None]) & (q_pos[:, None] < ends[k_pos][None, :])
+    return F.scaled_dot_product_attention(
+        query, k, v, attn_mask=allowed, scale=scale, enable_gqa=query.shape[1] != k.shape[1]
+    )
+
+
+def tree_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    tree: TreeMask | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: the model is called with ``tree=TreeMask`` and no attention mask.
+
+    Called without a tree (a plain forward of the same model, e.g. to check it against HF) it is SDPA: no
+    mask is built for this implementation, so that is plain causal attention."""
+    if tree is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    if dropout:
+        raise TrainerError("tree attention does not implement attention dropout; set attention_dropout = 0")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return tree.attend(query, key, value, scale), None
+
+
+def register() -> str:
+    """Register the tree attention with transformers (idempotent); returns its implementation name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, tree_attention_forward)
+    return ATTN_IMPLEMENTATION
