@@ -182,11 +182,13 @@ def plan_tree(batch: TrainBatch, max_tokens: int, chunk: int) -> list[TreePass]:
         lo, hi = (int(x) for x in torch.searchsorted(batch.trained, torch.tensor([start, end])))
         trained = torch.arange(lo, hi)
         local_blocks = torch.tensor([bounds[m] for m in members], dtype=torch.long) - start
+        parent = batch.parent[start:end]
+        local_parent = torch.where(parent >= 0, parent - start, parent)
         passes.append(TreePass(
             blocks=tuple(members),
             input_ids=batch.input_ids[start:end][None],
             position_ids=batch.position_ids[start:end][None],
-            tree=TreeMask.build(batch.subtree_end[start:end] - start, local_blocks, chunk),
+            tree=TreeMask.build(local_parent, batch.subtree_end[start:end] - start, local_blocks, chunk),
             trained=trained,
             parent_slots=batch.parent[batch.trained[lo:hi]] - start,
             targets=batch.input_ids[batch.trained[lo:hi]],

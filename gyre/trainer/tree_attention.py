@@ -50,22 +50,28 @@ class TreeMask:
     chunks: tuple[Chunk, ...]
 
     @classmethod
-    def build(cls, subtree_end: torch.Tensor, blocks: torch.Tensor, chunk: int) -> "TreeMask":
-        """Chunks of at most ``chunk`` queries within each block (``blocks``: ``[K, 2]`` local ranges)."""
+    def build(cls, parent: torch.Tensor, subtree_end: torch.Tensor, blocks: torch.Tensor, chunk: int) -> "TreeMask":
+        """Chunks of at most ``chunk`` queries within each block (``blocks``: ``[K, 2]`` local ranges).
+
+        The ancestors of a chunk's first token are found by walking ``parent`` one *run* at a time (a run is
+        a stretch where each token's parent is the previous token), so they come as a few ranges."""
         if chunk < 1:
             raise TrainerError(f"tree attention chunk must be >= 1, got {chunk}")
-        ends = subtree_end.numpy()
+        par = parent.numpy()
+        n = len(par)
+        ar = np.arange(n)
+        run_start = np.maximum.accumulate(np.where(par != ar - 1, ar, 0)).tolist() if n else []
+        parents = par.tolist()
         chunks: list[Chunk] = []
         for b0, b1 in blocks.tolist():
             for c0 in range(b0, b1, chunk):
                 c1 = min(c0 + chunk, b1)
-                # ancestors of c0 live in its block: [b0, c0) with a subtree reaching past c0
-                ancestors = np.flatnonzero(ends[b0:c0] > c0) + b0
-                if ancestors.size == 0 or (ancestors[-1] == c0 - 1 and ancestors[0] == c0 - ancestors.size):
-                    chunks.append(Chunk(c0, c1, int(ancestors[0]) if ancestors.size else c0, None))
+                ranges = _ancestor_ranges(c0, parents, run_start)
+                if not ranges or (len(ranges) == 1 and ranges[0][1] == c0):  # one range up to the chunk: a slice
+                    chunks.append(Chunk(c0, c1, ranges[0][0] if ranges else c0, None))
                 else:
-                    keys = torch.from_numpy(np.concatenate([ancestors, np.arange(c0, c1)]))
-                    chunks.append(Chunk(c0, c1, -1, keys))
+                    parts = [np.arange(a, z) for a, z in ranges] + [np.arange(c0, c1)]
+                    chunks.append(Chunk(c0, c1, -1, torch.from_numpy(np.concatenate(parts))))
         return cls(subtree_end=subtree_end, chunks=tuple(chunks))
 
     @property
@@ -97,6 +103,24 @@ class TreeMask:
             args = (query[:, :, c.q0 : c.q1], key, value, ends, c.q0, c.k0, keys, scale)
             outs.append(checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args))
         return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+
+def _ancestor_ranges(token: int, parents: list[int], run_start: list[int]) -> list[tuple[int, int]]:
+    """The ancestors of ``token`` as ascending, disjoint ``[a, z)`` ranges, adjacent ones joined."""
+    start = run_start[token]
+    ranges = [(start, token)] if start < token else []
+    up = parents[start]
+    while up >= 0:
+        start = run_start[up]
+        ranges.append((start, up + 1))
+        up = parents[start]
+    joined: list[tuple[int, int]] = []
+    for a, z in reversed(ranges):
+        if joined and joined[-1][1] == a:
+            joined[-1] = (joined[-1][0], z)
+        else:
+            joined.append((a, z))
+    return joined
 
 
 def _chunk(
