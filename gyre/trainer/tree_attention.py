@@ -7,8 +7,9 @@ inside the chunk or an ancestor of ``c0`` (a key ``j < c0`` seen by ``i >= c0`` 
 ``[j, subtree_end[j])``). So each chunk attends over ``ancestors(c0) + [c0, c1)`` with a small boolean mask
 of ``chunk x keys`` computed on the fly from ``subtree_end``; nothing else is ever scored.
 
-What is kept: ``subtree_end`` (one integer per token) and per chunk its key list, stored as a range when
-the ancestors of ``c0`` are contiguous and end at ``c0`` (a plain sequence or a shared prompt: no copy).
+What is kept: ``subtree_end`` (one integer per token) and per chunk its ancestors as a few ranges (a run
+of the tree is one range). When they are one range ending at ``c0`` (a plain sequence, a shared prompt) the
+chunk attends over a slice of ``k``/``v``; otherwise it gathers its keys, transiently.
 Backward memory is linear too: each chunk's attention runs under activation checkpointing, so autograd
 keeps only views of ``q``, ``k``, ``v`` and recomputes the chunk's scores in backward; the gathered keys,
 the chunk mask and the probabilities are transient, one chunk at a time.
@@ -31,14 +32,23 @@ ATTN_IMPLEMENTATION = "gyre_tree"
 """The name the attention function is registered under in transformers' ``AttentionInterface``."""
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class Chunk:
-    """Queries ``[q0, q1)`` of a pass and the keys they may see: ``[k0, q1)``, or ``keys`` when not a range."""
+    """Queries ``[q0, q1)`` of a pass and the keys they may see: the ``ancestors`` ranges, then ``[q0, q1)``."""
 
     q0: int
     q1: int
-    k0: int
-    keys: torch.Tensor | None
+    ancestors: tuple[tuple[int, int], ...]
+    """Ascending ``[a, z)`` ranges of the ancestors of ``q0`` (adjacent ranges joined)."""
+
+    @property
+    def contiguous(self) -> bool:
+        """The keys are one range ending at the chunk's end: attend over a slice, gather nothing."""
+        return not self.ancestors or (len(self.ancestors) == 1 and self.ancestors[0][1] == self.q0)
+
+    @property
+    def keys(self) -> int:
+        return self.q1 - self.q0 + sum(z - a for a, z in self.ancestors)
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,12 +76,7 @@ class TreeMask:
         for b0, b1 in blocks.tolist():
             for c0 in range(b0, b1, chunk):
                 c1 = min(c0 + chunk, b1)
-                ranges = _ancestor_ranges(c0, parents, run_start)
-                if not ranges or (len(ranges) == 1 and ranges[0][1] == c0):  # one range up to the chunk: a slice
-                    chunks.append(Chunk(c0, c1, ranges[0][0] if ranges else c0, None))
-                else:
-                    parts = [np.arange(a, z) for a, z in ranges] + [np.arange(c0, c1)]
-                    chunks.append(Chunk(c0, c1, -1, torch.from_numpy(np.concatenate(parts))))
+                chunks.append(Chunk(c0, c1, tuple(_ancestor_ranges(c0, parents, run_start))))
         return cls(subtree_end=subtree_end, chunks=tuple(chunks))
 
     @property
@@ -81,13 +86,14 @@ class TreeMask:
     @property
     def scored_pairs(self) -> int:
         """Query-key pairs the kernel computes (the chunks' rectangles): the work, and never ``N^2``."""
-        return sum((c.q1 - c.q0) * (c.q1 - c.k0 if c.keys is None else int(c.keys.shape[0])) for c in self.chunks)
+        return sum((c.q1 - c.q0) * c.keys for c in self.chunks)
 
     @property
     def nbytes(self) -> int:
-        """Memory the mask itself holds: ``subtree_end`` and the gathered key lists."""
-        lists = sum(c.keys.numel() * c.keys.element_size() for c in self.chunks if c.keys is not None)
-        return self.subtree_end.numel() * self.subtree_end.element_size() + lists
+        """Memory the mask holds: ``subtree_end`` plus the chunks' ranges (two 8-byte bounds each, as stored
+        in a tensor; Python's tuples cost more but are as many)."""
+        ranges = sum(len(c.ancestors) + 2 for c in self.chunks)
+        return self.subtree_end.numel() * self.subtree_end.element_size() + 16 * ranges
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
         """``[1, H, N, D]`` queries, ``[1, Hkv, N, D]`` keys/values -> ``[1, N, H, D]`` (transformers' layout)."""
@@ -99,8 +105,7 @@ class TreeMask:
         recompute = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
         outs = []
         for c in self.chunks:
-            keys = None if c.keys is None else c.keys.to(query.device)
-            args = (query[:, :, c.q0 : c.q1], key, value, ends, c.q0, c.k0, keys, scale)
+            args = (query[:, :, c.q0 : c.q1], key, value, ends, c, scale)
             outs.append(checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args))
         return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
@@ -128,19 +133,19 @@ def _chunk(
     key: torch.Tensor,
     value: torch.Tensor,
     ends: torch.Tensor,
-    q0: int,
-    k0: int,
-    keys: torch.Tensor | None,
+    chunk: Chunk,
     scale: float,
 ) -> torch.Tensor:
     """Attention of one query chunk over its keys, masked by the tree rule."""
-    q1 = q0 + query.shape[2]
-    q_pos = torch.arange(q0, q1, device=query.device)
-    if keys is None:
-        k, v = key[:, :, k0:q1], value[:, :, k0:q1]
-        k_pos = torch.arange(k0, q1, device=query.device)
+    device = query.device
+    q_pos = torch.arange(chunk.q0, chunk.q1, device=device)
+    if chunk.contiguous:
+        k0 = chunk.ancestors[0][0] if chunk.ancestors else chunk.q0
+        k, v = key[:, :, k0 : chunk.q1], value[:, :, k0 : chunk.q1]
+        k_pos = torch.arange(k0, chunk.q1, device=device)
     else:
-        k, v, k_pos = key.index_select(2, keys), value.index_select(2, keys), keys
+        k_pos = torch.cat([torch.arange(a, z, device=device) for a, z in chunk.ancestors] + [q_pos])
+        k, v = key.index_select(2, k_pos), value.index_select(2, k_pos)
     allowed = (k_pos[None, :] <= q_pos[:, None]) & (q_pos[:, None] < ends[k_pos][None, :])
     return F.scaled_dot_product_attention(
         query, k, v, attn_mask=allowed, scale=scale, enable_gqa=query.shape[1] != k.shape[1]
