@@ -15,7 +15,7 @@ from gyre.model import build_tiny_model
 from gyre.trainer import TorchBackend, TorchBackendConfig, TrainBatch
 from gyre.trainer.passes import plan_tree
 from gyre.trainer.tree_attention import TreeMask
-from gyre.trajectory import ExecutionCalls, ExecutionOutcome, Group, Member
+from gyre.trajectory import BatchBuilder, ExecutionCalls, ExecutionOutcome, Group, Member, TrajectoryConfig
 
 PROMPT = 40
 
@@ -120,6 +120,17 @@ def test_the_tree_mask_grows_with_tokens_not_their_square():
     assert n >= 1_000_000
     assert mask.nbytes < 16 * n  # linear: 8 bytes of subtree end per token plus a few ranges per chunk
     assert mask.scored_pairs < n * n / 8
+
+
+def test_the_token_budget_counts_a_shared_prompt_once():
+    """Rows that share their prompt fit a budget their plain sum exceeds; the trainer forwards within it."""
+    group = random_group(9, executions=4, calls=4, prompt_tokens=200)
+    rows = [TrainBatch.from_micro_batch(m, share=False).tokens for m in micro_batches([group], "packed")]
+    budget = sum(rows) - 3 * 200 + 10
+    (shared,) = micro_batches([group], "packed", token_budget=budget)
+    assert shared.tokens > budget >= shared.forward_bound >= TrainBatch.from_micro_batch(shared).tokens
+    plain = BatchBuilder(TrajectoryConfig(cap=5, token_budget=budget, share_prefixes=False))
+    assert len(list(plain.batches([group]))) > 1
 
 
 def test_flat_passes_split_at_blocks_within_the_token_limit(prompt_groups):
