@@ -42,8 +42,9 @@ def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e
             reward = "n/a" if record.reward_mean is None else f"{record.reward_mean:.3f}"
             tokens_per_s = record.trained_tokens / record.train_s if record.train_s else 0.0
             console.print(f"step {record.step}: reward mean {reward} over {record.scored}/{record.executions} "
-                          f"scored, {record.micro_steps} micro-steps, {record.trained_tokens} trained tokens "
-                          f"({tokens_per_s:.0f}/s), rollout {record.rollout_s:.1f}s, train {record.train_s:.1f}s, "
+                          f"scored, {record.micro_steps} micro-steps, {record.forwarded_tokens} forwarded / "
+                          f"{record.trained_tokens} trained tokens ({tokens_per_s:.0f}/s), "
+                          f"rollout {record.rollout_s:.1f}s, train {record.train_s:.1f}s, "
                           f"policy v{record.policy_version} -> v{record.policy_version + int(record.micro_steps > 0)}")
         elif phase == "rollout":
             console.print(f"[dim]step {figures['step']}: {figures['queued']} executions queued on policy "
@@ -65,12 +66,12 @@ def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(1) from None
 
-    table = Table("step", "policy", "executions", "scored", "reward mean", "micro-steps", "trained tokens",
-                  "loss", "rollout s", "train s", title=f"{settings.name}: {summary.status}")
+    table = Table("step", "policy", "executions", "scored", "reward mean", "micro-steps", "forwarded tokens",
+                  "trained tokens", "loss", "rollout s", "train s", title=f"{settings.name}: {summary.status}")
     for r in summary.steps:
         table.add_row(str(r.step), f"v{r.policy_version}", str(r.executions), str(r.scored),
                       "n/a" if r.reward_mean is None else f"{r.reward_mean:.3f}", str(r.micro_steps),
-                      str(r.trained_tokens), "n/a" if r.loss is None else f"{r.loss:.4f}",
+                      str(r.forwarded_tokens), str(r.trained_tokens), "n/a" if r.loss is None else f"{r.loss:.4f}",
                       f"{r.rollout_s:.1f}", f"{r.train_s:.1f}")
     console.print(table)
     console.print(f"log: {summary.log}  (final policy v{summary.policy_version})")

@@ -36,7 +36,10 @@ class StepSummary:
     step: int
     stats: LossStats
     tokens: int
+    """Tokens forwarded (shared prefixes once)."""
     samples: int
+    trained_tokens: int = 0
+    """Tokens the loss was taken over."""
 
 
 class StepCoordinator:
@@ -52,7 +55,7 @@ class StepCoordinator:
         self._lock = threading.Condition()
         self._ready: dict[int, int] = {}
         self._stats = LossStats()
-        self._tokens = 0
+        self._tokens = self._trained = 0
         self._executions: set[str] = set()
 
     # -- steps -------------------------------------------------------------------------------------------
@@ -63,7 +66,7 @@ class StepCoordinator:
             if open_step(self.state) is not None:
                 raise StepProtocolError(f"step {self.state.current_step} is still open")
             step = max(self.state.steps, default=-1) + 1
-            self._ready, self._stats, self._tokens, self._executions = {}, LossStats(), 0, set()
+            self._ready, self._stats, self._tokens, self._trained, self._executions = {}, LossStats(), 0, 0, set()
             self._append(
                 TrainStepStarted(
                     step=step,
@@ -126,11 +129,13 @@ class StepCoordinator:
                     tokens=result.tokens,
                     loss=result.loss,
                     duration_s=result.duration_s,
+                    tokens_trained=result.trained_tokens,
                 ),
                 commit=True,
             )
             self._stats = self._stats + result.stats
             self._tokens += result.tokens
+            self._trained += result.trained_tokens
             self._lock.notify_all()
 
     def all_finished(self) -> bool:
@@ -153,7 +158,7 @@ class StepCoordinator:
             step = open_step(self.state)
             if step is None or step.pending:
                 raise StepProtocolError("close_step before every planned micro-step finished")
-            summary = StepSummary(step.step, self._stats, self._tokens, len(self._executions))
+            summary = StepSummary(step.step, self._stats, self._tokens, len(self._executions), self._trained)
             self._append(
                 TrainStepFinished(
                     step=step.step,
@@ -164,6 +169,7 @@ class StepCoordinator:
                     loss=self._stats.loss_sum / result.normalizer,
                     grad_norm=result.grad_norm,
                     duration_s=duration_s,
+                    tokens_trained=summary.trained_tokens,
                 ),
                 commit=True,
             )

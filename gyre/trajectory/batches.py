@@ -5,8 +5,8 @@ trajectory's length), so rows are binned first (first-fit decreasing within a gr
 buffers are allocated once and filled in place. With ``share_prefixes`` (packed form) a bin counts what the
 trainer will forward: a row's leading prompt shared with a row already in the bin is counted once
 (``gyre.trajectory.share``), so the 16 rollouts of a group with a 49K-token prompt fit one budget.
-The Arrow arrays wrap those numpy buffers without copies,
-and ``to_torch`` wraps the Arrow buffers without copies.
+The Arrow arrays wrap those numpy buffers without copies, and ``to_torch`` wraps the Arrow buffers without
+copies.
 """
 
 from collections.abc import Iterator, Sequence
