@@ -84,7 +84,10 @@ class TorchBackendConfig:
     of a pass, and for dense passes ``max_attention_area`` their score entries (``B * L * L``); each pass runs
     forward, loss and backward before the next, so activation memory is per pass, not per micro-batch. A block
     (one tree) longer than the limits gets a pass of its own: the trajectory processor's ``token_budget``
-    is what bounds it. ``dtype`` casts the model (``None`` keeps it).
+    is what bounds it, and ``max_micro_batch_tokens`` (``None``: no limit) makes the trainer refuse a
+    micro-batch that forwards more, so a mis-sized batch fails with a clear error instead of running out of
+    memory (peak memory grows linearly with forwarded tokens; ``docs/trainer.md`` gives the rate).
+    ``dtype`` casts the model (``None`` keeps it).
     """
 
     loss: GSPOConfig = field(default_factory=GSPOConfig)
@@ -96,12 +99,17 @@ class TorchBackendConfig:
     attn_implementation: str | None = None
     attention: Attention = "tree"
     attention_chunk: int = 256
+    max_micro_batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ("tree", "dense"):
             raise TrainerConfigError(f"TorchBackendConfig.attention must be 'tree' or 'dense', got {self.attention!r}")
         if self.attention_chunk < 1:
             raise TrainerConfigError(f"TorchBackendConfig.attention_chunk must be >= 1, got {self.attention_chunk}")
+        if self.max_micro_batch_tokens is not None and self.max_micro_batch_tokens < 1:
+            raise TrainerConfigError(
+                f"TorchBackendConfig.max_micro_batch_tokens must be >= 1 or None, got {self.max_micro_batch_tokens}"
+            )
         if self.attention == "tree" and self.attn_implementation is not None:
             raise TrainerConfigError(
                 "TorchBackendConfig.attn_implementation picks the kernel of attention='dense'; "

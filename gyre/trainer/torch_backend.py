@@ -97,6 +97,12 @@ class TorchBackend:
             self.policy_version = policy_version
 
     def forward_backward(self, batch: TrainBatch, *, loss_scale: float = 1.0) -> MicroStepResult:
+        limit = self.config.max_micro_batch_tokens
+        if limit is not None and batch.tokens > limit:
+            raise TrainerError(
+                f"micro-batch {batch.index} forwards {batch.tokens} tokens, over max_micro_batch_tokens={limit}; "
+                "lower the trajectory token_budget to at most that"
+            )
         self.model.train()
         return passes.forward_backward(
             batch, self._logprobs, self.plan(batch), loss=self.config.loss, device=self.config.device,

@@ -187,6 +187,16 @@ def test_attention_options_are_checked():
         TorchBackendConfig(attention_chunk=0)
     with pytest.raises(TrainerConfigError, match="'tree' or 'dense'"):
         TorchBackendConfig(attention="flex")  # type: ignore[arg-type]
+    with pytest.raises(TrainerConfigError, match="max_micro_batch_tokens"):
+        TorchBackendConfig(max_micro_batch_tokens=0)
+
+
+def test_a_micro_batch_over_the_token_limit_is_refused_before_it_runs(packed_batches):
+    batch = packed_batches[0]
+    b = backend(max_micro_batch_tokens=batch.tokens - 1)
+    with pytest.raises(TrainerError, match="token_budget"):
+        b.forward_backward(batch)
+    assert all(g.abs().max() == 0 for g in b.gradient_buffers())
 
 
 def test_float32_backend_agrees_with_float64(packed_batches):
