@@ -124,7 +124,7 @@ class TrainBatch:
         if form == "packed" and share and n:
             mergeable = ~loss_mask & (columns["behaviour_logprobs"] == 0)
             forest = share_context(parent.numpy(), input_ids.numpy(), position_ids.numpy(), mergeable.numpy())
-            if forest.tokens < n:
+            if forest is not None:
                 source = torch.from_numpy(forest.source)
                 input_ids, position_ids = input_ids[source], position_ids[source]
                 parent = torch.from_numpy(forest.parent)

@@ -44,8 +44,9 @@ class SharedForest:
 
 def share_context(
     parent: np.ndarray, input_ids: np.ndarray, position_ids: np.ndarray, mergeable: np.ndarray
-) -> SharedForest:
-    """Merge identical context paths of a forest whose tokens are ordered parents first (global indices)."""
+) -> SharedForest | None:
+    """Merge identical context paths of a forest whose tokens are ordered parents first (global indices);
+    ``None`` when no two tokens merge (the forest stays as it is)."""
     n = len(parent)
     parent = np.asarray(parent, dtype=np.int64)
     canon = np.arange(n, dtype=np.int64)
@@ -61,9 +62,8 @@ def share_context(
             canon_list[t] = first
     canon = np.asarray(canon_list, dtype=np.int64)
     reps = np.flatnonzero(canon == np.arange(n))
-    if len(reps) == n:  # nothing shared: the forest is already laid out
-        ends = _subtree_end(parent)
-        return SharedForest(node=np.arange(n, dtype=np.int64), source=reps, parent=parent, subtree_end=ends)
+    if len(reps) == n:
+        return None
     dense = np.full(n, -1, dtype=np.int64)
     dense[reps] = np.arange(len(reps))
     rep_parent = np.where(parent[reps] >= 0, dense[canon[np.maximum(parent[reps], 0)]], -1)
@@ -73,19 +73,6 @@ def share_context(
     return SharedForest(
         node=position[dense[canon]], source=reps[order], parent=new_parent, subtree_end=ends
     )
-
-
-def _subtree_end(parent: np.ndarray) -> np.ndarray:
-    """Subtree ends of a forest already in depth-first order (parents first, subtrees contiguous)."""
-    n = len(parent)
-    size = np.ones(n, dtype=np.int64)
-    sizes = size.tolist()
-    parents = parent.tolist()
-    for t in range(n - 1, -1, -1):
-        p = parents[t]
-        if p >= 0:
-            sizes[p] += sizes[t]
-    return np.arange(n, dtype=np.int64) + np.asarray(sizes, dtype=np.int64)
 
 
 def _depth_first(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -37,6 +37,11 @@ def path(parent, ids, positions, t):
 def test_sharing_keeps_every_path_and_never_merges_policy_tokens(forest):
     parent, ids, positions, mergeable = forest
     shared = share_context(parent, ids, positions, mergeable)
+    if shared is None:  # nothing merged: no two context tokens with one parent, id and position
+        keys = [(int(parent[t]), int(ids[t]), int(positions[t])) for t in np.flatnonzero(mergeable)]
+        assert len(keys) == len(set(keys))
+        return
+    assert shared.tokens < len(parent)
     new_ids, new_pos = ids[shared.source], positions[shared.source]
     m = shared.tokens
     # a depth-first forest: parents first, subtrees contiguous and nested, roots tiling [0, m)
@@ -68,8 +73,12 @@ def test_sharing_keeps_every_path_and_never_merges_policy_tokens(forest):
         assert keys.setdefault(key, int(shared.node[t])) == int(shared.node[t])
 
 
-def test_nothing_shared_leaves_the_forest_as_it_is():
-    parent = np.array([-1, 0, 1, 1, -1, 4])
-    shared = share_context(parent, np.arange(6), np.array([0, 1, 2, 2, 0, 1]), np.ones(6, dtype=bool))
-    assert shared.tokens == 6 and shared.node.tolist() == list(range(6))
-    assert shared.subtree_end.tolist() == [4, 4, 3, 4, 6, 6]
+def test_two_rows_with_one_prompt_become_one_tree():
+    """Rows ``p q a`` and ``p q b`` (``a``, ``b`` sampled): the prompt once, both sampled tokens under it."""
+    parent = np.array([-1, 0, 1, -1, 3, 4])
+    ids = np.array([7, 8, 1, 7, 8, 1])
+    shared = share_context(parent, ids, np.array([0, 1, 2, 0, 1, 2]), np.array([1, 1, 0, 1, 1, 0], dtype=bool))
+    assert shared is not None and shared.tokens == 4
+    assert shared.node.tolist() == [0, 1, 2, 0, 1, 3]  # identical sampled tokens stay two nodes
+    assert shared.parent.tolist() == [-1, 0, 1, 1] and shared.subtree_end.tolist() == [4, 4, 3, 4]
+    assert share_context(parent, np.arange(6), np.zeros(6, dtype=int), np.ones(6, dtype=bool)) is None
