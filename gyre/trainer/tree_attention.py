@@ -2,10 +2,11 @@
 
 The tree mask (``gyre.trainer.batch``) lets query ``i`` see key ``j`` iff ``j <= i < subtree_end[j]``:
 ``j`` is ``i`` or one of its ancestors. Queries are cut into chunks of at most ``chunk`` consecutive tokens
-(never across an attention block). For a chunk ``[c0, c1)`` every key any of its queries can see is either
-inside the chunk or an ancestor of ``c0`` (a key ``j < c0`` seen by ``i >= c0`` has ``c0`` in its subtree
-``[j, subtree_end[j])``). So each chunk attends over ``ancestors(c0) + [c0, c1)`` with a small boolean mask
-of ``chunk x keys`` computed on the fly from ``subtree_end``; nothing else is ever scored.
+(never across an attention block, and ending early where a sibling branch starts). For a chunk
+``[c0, c1)`` every key any of its queries can see is either inside the chunk or an ancestor of ``c0`` (a key
+``j < c0`` seen by ``i >= c0`` has ``c0`` in its subtree ``[j, subtree_end[j])``). So each chunk attends
+over ``ancestors(c0) + [c0, c1)`` with a small boolean mask of ``chunk x keys`` computed on the fly from
+``subtree_end``; nothing else is ever scored.
 
 What is kept: ``subtree_end`` (one integer per token) and per chunk its ancestors as a few ranges (a run
 of the tree is one range). When they are one range ending at ``c0`` (a plain sequence, a shared prompt) the
@@ -70,13 +71,16 @@ class TreeMask:
         par = parent.numpy()
         n = len(par)
         ar = np.arange(n)
+        starts = np.flatnonzero(par != ar - 1)
         run_start = np.maximum.accumulate(np.where(par != ar - 1, ar, 0)).tolist() if n else []
         parents = par.tolist()
         chunks: list[Chunk] = []
         for b0, b1 in blocks.tolist():
-            for c0 in range(b0, b1, chunk):
-                c1 = min(c0 + chunk, b1)
+            c0 = b0
+            while c0 < b1:
+                c1 = _chunk_end(c0, min(c0 + chunk, b1), starts, parents)
                 chunks.append(Chunk(c0, c1, tuple(_ancestor_ranges(c0, parents, run_start))))
+                c0 = c1
         return cls(subtree_end=subtree_end, chunks=tuple(chunks))
 
     @property
@@ -108,6 +112,20 @@ class TreeMask:
             args = (query[:, :, c.q0 : c.q1], key, value, ends, c, scale)
             outs.append(checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args))
         return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+
+MIN_SPLIT = 16
+"""A chunk ends early at a sibling branch only once it holds this many queries (no tiny chunks)."""
+
+
+def _chunk_end(c0: int, c1: int, starts: np.ndarray, parents: list[int]) -> int:
+    """End the chunk early where a branch starts that sees none of the chunk's earlier tokens (its parent lies
+    before ``c0``): its queries would score those tokens only to mask them."""
+    lo, hi = np.searchsorted(starts, [c0 + MIN_SPLIT, c1])
+    for t in starts[lo:hi].tolist():
+        if parents[t] < c0:
+            return t
+    return c1
 
 
 def _ancestor_ranges(token: int, parents: list[int], run_start: list[int]) -> list[tuple[int, int]]:
