@@ -301,6 +301,7 @@ class MicroStepFinished(Event):
     tokens: NonNegativeInt = 0
     loss: float | None = None
     duration_s: NonNegativeFloat = 0.0
+    tokens_trained: NonNegativeInt | None = Field(None, description="policy tokens the loss was taken over")
 
 
 class TrainStepFinished(Event):

@@ -48,7 +48,8 @@ def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e
             reward = "n/a" if record.reward_mean is None else f"{record.reward_mean:.3f}"
             tokens_per_s = record.trained_tokens / record.train_s if record.train_s else 0.0
             console.print(f"step {record.step}: reward mean {reward} over {record.scored}/{record.executions} "
-                          f"scored, {record.micro_steps} micro-steps, {record.trained_tokens} trained tokens "
+                          f"scored, {record.micro_steps} micro-steps, {record.forwarded_tokens} forwarded / "
+                          f"{record.trained_tokens} trained tokens "
                           f"({tokens_per_s:.0f}/s), rollout {record.rollout_s:.1f}s, train {record.train_s:.1f}s, "
                           f"policy v{record.policy_version} -> v{record.policy_version + int(record.micro_steps > 0)}",
                           overflow="fold")

@@ -46,6 +46,7 @@ class StepRecord:
     reward_mean: float | None
     micro_steps: int = 0
     trained_tokens: int = 0
+    forwarded_tokens: int = 0
     loss: float | None = None
     rollout_s: float = 0.0
     train_s: float = 0.0
@@ -220,6 +221,7 @@ class TrainingRun:
         self._switch("training", "rollout", "weights published; back to rollouts")
         record.micro_steps = len(batches)
         record.trained_tokens = sum(b.trained_tokens for b in batches)
+        record.forwarded_tokens = summary.tokens
         record.loss = summary.stats.loss_sum / result.normalizer
         record.train_s = time.monotonic() - started
 

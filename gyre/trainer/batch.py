@@ -14,6 +14,11 @@ Both batch forms (``gyre.trajectory.spec``) become the same shape here, so one f
 
 A unit never crosses a block (a trajectory is a root-to-leaf path), which is what lets the backend run
 forward, loss and backward one group of blocks at a time without changing the result.
+
+A packed micro-batch is also **shared** by default (``gyre.trajectory.share``): the rows' identical context
+paths (a group's task prompt) become one path of one tree, so they are forwarded once; trained tokens are
+never merged, so units, ratios and weights are those of the rows. ``tokens`` counts what is forwarded,
+``row_tokens`` what the rows hold.
 """
 
 from collections.abc import Mapping
@@ -23,6 +28,7 @@ from typing import Any
 import torch
 
 from gyre.trainer.errors import BatchFormatError
+from gyre.trajectory.share import share_context
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,6 +58,8 @@ class TrainBatch:
     advantages: torch.Tensor
     execution_ids: tuple[str, ...]
     """Distinct executions in the micro-batch, in row order."""
+    row_tokens: int = 0
+    """Tokens of the rows before sharing (equals ``tokens`` when nothing is shared)."""
 
     @property
     def tokens(self) -> int:
@@ -67,15 +75,19 @@ class TrainBatch:
         return float(self.token_weights.sum())
 
     @classmethod
-    def from_micro_batch(cls, micro_batch: Any, index: int | None = None) -> "TrainBatch":
+    def from_micro_batch(cls, micro_batch: Any, index: int | None = None, *, share: bool = True) -> "TrainBatch":
         """From a ``gyre.trajectory.MicroBatch`` (either form); ``index`` overrides its running number."""
         return cls.from_columns(
-            micro_batch.form, micro_batch.to_torch(), index=micro_batch.index if index is None else index
+            micro_batch.form, micro_batch.to_torch(), index=micro_batch.index if index is None else index, share=share
         )
 
     @classmethod
-    def from_columns(cls, form: str, columns: Mapping[str, Any], index: int = 0) -> "TrainBatch":
-        """From ``MicroBatch.to_torch()``-shaped columns: flat token tensors plus ``cu_seqlens``."""
+    def from_columns(
+        cls, form: str, columns: Mapping[str, Any], index: int = 0, *, share: bool = True
+    ) -> "TrainBatch":
+        """From ``MicroBatch.to_torch()``-shaped columns: flat token tensors plus ``cu_seqlens``.
+
+        ``share`` (packed form only) merges the rows' identical context paths into one tree."""
         if form not in ("packed", "expanded"):
             raise BatchFormatError(f"unknown batch form {form!r}; expected 'packed' or 'expanded'")
         for name in _required(form):
@@ -105,11 +117,28 @@ class TrainBatch:
             raise BatchFormatError(
                 f"token {bad} is trained (loss_mask=1) but starts its sequence: no earlier token predicts it"
             )
+        position_ids = columns["position_ids"].long()
+        token_weights = columns["token_weights"].float()[trained]
+        behaviour = columns["behaviour_logprobs"].float()[trained]
+        advantages = columns["advantages"].float()[trained]
+        if form == "packed" and share and n:
+            mergeable = ~loss_mask & (columns["behaviour_logprobs"] == 0)
+            forest = share_context(parent.numpy(), input_ids.numpy(), position_ids.numpy(), mergeable.numpy())
+            if forest is not None:
+                source = torch.from_numpy(forest.source)
+                input_ids, position_ids = input_ids[source], position_ids[source]
+                parent = torch.from_numpy(forest.parent)
+                subtree_end = torch.from_numpy(forest.subtree_end)
+                roots = torch.nonzero(parent < 0).flatten()
+                blocks = torch.stack([roots, subtree_end[roots]], dim=1)
+                moved, order = torch.sort(torch.from_numpy(forest.node)[trained])
+                trained, unit_ids = moved, unit_ids[order]
+                token_weights, behaviour, advantages = token_weights[order], behaviour[order], advantages[order]
         return cls(
             form=form,
             index=index,
             input_ids=input_ids,
-            position_ids=columns["position_ids"].long(),
+            position_ids=position_ids,
             parent=parent,
             subtree_end=subtree_end,
             blocks=blocks,
@@ -117,10 +146,11 @@ class TrainBatch:
             unit_ids=unit_ids,
             num_units=num_units,
             units=units,
-            token_weights=columns["token_weights"].float()[trained],
-            behaviour_logprobs=columns["behaviour_logprobs"].float()[trained],
-            advantages=columns["advantages"].float()[trained],
+            token_weights=token_weights,
+            behaviour_logprobs=behaviour,
+            advantages=advantages,
             execution_ids=tuple(dict.fromkeys(executions)),
+            row_tokens=n,
         )
 
 

@@ -24,28 +24,55 @@ def bench(
     executions: Annotated[int | None, typer.Option(help="executions per synthetic run (default 8, quick 4)")] = None,
     max_tokens: Annotated[int | None, typer.Option(help="synthetic tokens per execution at most")] = None,
     repeats: Annotated[int | None, typer.Option(help="timed passes per form; the best counts")] = None,
-    attn: Annotated[str | None, typer.Option(help="HF attention kernel: eager (default) or sdpa")] = None,
+    attn: Annotated[str | None, typer.Option(help="tree (default: sparse tree attention), or HF eager / sdpa "
+                                                  "over a dense mask")] = None,
     threads: Annotated[int | None, typer.Option(help="torch threads (default 1)")] = None,
     seed: int = 0,
+    demo_log: Annotated[Path | None, typer.Option(help="log of a `gyre train examples/tiny-cpu.toml` run: "
+                                                      "compare attentions and tokens on its micro-batches")] = None,
+    demo_config: Annotated[Path, typer.Option(help="the demo's config")] = Path("examples/tiny-cpu.toml"),
+    memory: Annotated[bool, typer.Option("--memory", help="train one group of --rollouts sharing a "
+                                                           "--prompt-tokens prompt; measure peak memory")] = False,
+    prompt_tokens: int = 49_152,
+    rollouts: int = 16,
 ) -> None:
-    """Forward-backward time of expanded vs tree-packed micro-batches built from the same synthetic run."""
-    from benchmarks.trainer_bench import run_benchmark
+    """Forward-backward time and forwarded/trained tokens: expanded vs tree-packed micro-batches of one
+    synthetic run, and optionally the demo's micro-batches and a group-shared 49K-token prompt."""
+    from benchmarks.trainer_bench import ATTENTION, run_benchmark
 
-    if attn not in (None, "eager", "sdpa"):
-        raise typer.BadParameter("--attn must be eager or sdpa")
+    if attn not in (None, *ATTENTION):
+        raise typer.BadParameter(f"--attn must be one of {', '.join(ATTENTION)}")
     results = run_benchmark(quick=quick, executions=executions, max_tokens=max_tokens, seed=seed,
-                            repeats=repeats, attn=attn, threads=threads)
+                            repeats=repeats, attn=attn, threads=threads, demo_log=demo_log, demo_config=demo_config,
+                            memory=memory, prompt_tokens=prompt_tokens, rollouts=rollouts)
     if as_json:
         print(json.dumps(results))
         return
-    table = Table("workload", "form", "tokens", "attention area", "attended pairs", "CPU s", "wall s", "speed-up")
+    table = Table("workload", "form", "forwarded", "trained", "fwd/trained", "attended pairs", "CPU s", "wall s",
+                  "speed-up")
     for w in results["workloads"]:
         for form in ("expanded", "packed"):
             r = w[form]
             speedup = f"{w['speedup_packed_vs_expanded']:.2f}x" if form == "packed" else ""
-            table.add_row(w["workload"], form, str(r["tokens"]), f"{r['attention_area']:.3g}",
-                          f"{r['attended_pairs']:.3g}", f"{r['cpu_s']:.2f}", f"{r['wall_s']:.2f}", speedup)
+            table.add_row(w["workload"], form, str(r["tokens"]), str(r["trained_tokens"]),
+                          f"{r['forwarded_per_trained']:.1f}", f"{r['attended_pairs']:.3g}", f"{r['cpu_s']:.2f}",
+                          f"{r['wall_s']:.2f}", speedup)
     console.print(table)
+    if "demo" in results:
+        d = results["demo"]
+        a = d["attention"]
+        console.print(f"demo: {d['forwarded_tokens']} forwarded / {d['trained_tokens']} trained tokens "
+                      f"({d['forwarded_per_trained']:.1f} per trained; {d['forwarded_per_trained_unshared']:.1f} "
+                      f"without shared prefixes: {d['forwarded_per_trained_cut']:.2f}x cut); tree attention "
+                      f"{a['speedup_tree_vs_eager']:.2f}x eager, float64 gradient diff "
+                      f"{a['grad_max_abs_diff_float64']:.1e}")
+    if "memory" in results:
+        m = results["memory"]
+        big = m["runs"][-1]
+        console.print(f"memory: {big['rollouts']} rollouts x {big['prompt_tokens']}-token prompt: "
+                      f"{big['forwarded_tokens']} forwarded of {big['row_tokens']} row tokens, peak +"
+                      f"{big['peak_rss_growth_bytes'] / 2**30:.2f} GiB (bound at budget {m['token_budget']}: "
+                      f"{m['bound_bytes_at_budget'] / 2**30:.2f} GiB), {big['cpu_s']:.0f} CPU s")
     console.print(f"settings: {results['settings']}")
 
 

@@ -10,6 +10,7 @@ from typing import Literal
 from gyre.trainer.errors import TrainerConfigError
 
 DType = Literal["float32", "float64", "bfloat16"]
+Attention = Literal["tree", "dense"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,12 +76,18 @@ class OptimizerConfig:
 class TorchBackendConfig:
     """How the torch backend runs a micro-batch.
 
-    ``max_forward_tokens`` bounds the padded tokens of one forward pass and ``max_attention_area`` its
-    attention score entries (``B * L * L``): a micro-batch's attention blocks (trees or sequences) are grouped
-    into passes within both, and each pass runs forward, loss and backward before the next, so activation
-    memory is per pass, not per micro-batch. A block longer than the limits gets a pass of its own.
-    ``dtype`` casts the model (``None`` keeps it); ``attn_implementation`` switches the HF attention kernel
-    (``None`` keeps the model's: the tiny model uses ``eager``); it must accept a 4D additive mask.
+    ``attention = "tree"`` (default) runs flat passes under gyre's sparse tree attention: memory linear in
+    tokens, queries scored in chunks of ``attention_chunk`` against their ancestors only. ``"dense"`` is the
+    reference: padded passes with a ``[B, 1, L, L]`` additive mask through the HF kernel
+    ``attn_implementation`` (``None`` keeps the model's: the tiny model uses ``eager``; it must accept a 4D
+    mask). ``max_forward_tokens`` bounds the (padded) tokens of one forward pass, hence the activation memory
+    of a pass, and for dense passes ``max_attention_area`` their score entries (``B * L * L``); each pass runs
+    forward, loss and backward before the next, so activation memory is per pass, not per micro-batch. A block
+    (one tree) longer than the limits gets a pass of its own: the trajectory processor's ``token_budget``
+    is what bounds it, and ``max_micro_batch_tokens`` (``None``: no limit) makes the trainer refuse a
+    micro-batch that forwards more, so a mis-sized batch fails with a clear error instead of running out of
+    memory (peak memory grows linearly with forwarded tokens; ``docs/trainer.md`` gives the rate).
+    ``dtype`` casts the model (``None`` keeps it).
     """
 
     loss: GSPOConfig = field(default_factory=GSPOConfig)
@@ -90,8 +97,24 @@ class TorchBackendConfig:
     dtype: DType | None = None
     device: str = "cpu"
     attn_implementation: str | None = None
+    attention: Attention = "tree"
+    attention_chunk: int = 256
+    max_micro_batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.attention not in ("tree", "dense"):
+            raise TrainerConfigError(f"TorchBackendConfig.attention must be 'tree' or 'dense', got {self.attention!r}")
+        if self.attention_chunk < 1:
+            raise TrainerConfigError(f"TorchBackendConfig.attention_chunk must be >= 1, got {self.attention_chunk}")
+        if self.max_micro_batch_tokens is not None and self.max_micro_batch_tokens < 1:
+            raise TrainerConfigError(
+                f"TorchBackendConfig.max_micro_batch_tokens must be >= 1 or None, got {self.max_micro_batch_tokens}"
+            )
+        if self.attention == "tree" and self.attn_implementation is not None:
+            raise TrainerConfigError(
+                "TorchBackendConfig.attn_implementation picks the kernel of attention='dense'; "
+                f"with attention='tree' leave it None (got {self.attn_implementation!r})"
+            )
         if self.max_forward_tokens < 1:
             raise TrainerConfigError(
                 f"TorchBackendConfig.max_forward_tokens must be >= 1, got {self.max_forward_tokens}"

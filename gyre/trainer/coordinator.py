@@ -133,6 +133,7 @@ class StepCoordinator:
                     tokens=result.tokens,
                     loss=result.loss,
                     duration_s=result.duration_s,
+                    tokens_trained=result.trained_tokens,
                 ),
                 commit=True,
             )

@@ -1,9 +1,17 @@
-"""Forward passes over attention blocks: grouping, padding and the tree attention mask (pure torch).
+"""Forward passes over attention blocks: flat passes with sparse tree attention, or padded dense ones.
 
-A micro-batch's blocks (see ``gyre.trainer.batch``) are grouped into passes of similar length, each padded
-to ``[B, L]``. Grouping bounds both the padded tokens (``B * L``: activations of the projections and MLP)
-and the attention area (``B * L * L``: the score matrix an eager kernel materialises), and stops adding a
-block once padding would exceed a quarter of the pass, so both batch forms pay the same, small overhead.
+Two plans, one ``forward_backward``:
+
+* ``plan_tree`` (the torch backend's default): consecutive blocks concatenated into one flat ``[1, N]``
+  sequence of at most ``max_tokens`` tokens, no padding, attention through ``TreeMask`` (linear memory; see
+  ``gyre.trainer.tree_attention``). A block longer than ``max_tokens`` gets a pass of its own.
+* ``plan`` (dense: the Megatron adapter, and the torch backend's ``attention = "dense"`` reference): blocks
+  padded into ``[B, L]`` groups with an explicit ``[B, L, L]`` mask.
+
+The dense plan: a micro-batch's blocks (see ``gyre.trainer.batch``) are grouped into passes of similar
+length, each padded to ``[B, L]``. Grouping bounds both the padded tokens (``B * L``: activations of the
+projections and MLP) and the attention area (``B * L * L``: the score matrix an eager kernel
+materialises), and stops adding a block once padding would exceed a quarter of the pass.
 
 The mask of a block is the tree mask from ``subtree_end``: query ``i`` sees key ``j`` iff
 ``j <= i < subtree_end[j]``. A padding position sees only itself, so no softmax row is empty.
@@ -19,6 +27,7 @@ from gyre.trainer.batch import TrainBatch
 from gyre.trainer.config import GSPOConfig
 from gyre.trainer.loss import LossStats, gspo_loss
 from gyre.trainer.protocol import MicroStepResult
+from gyre.trainer.tree_attention import TreeMask
 
 MIN_FILL = 0.75
 """A block joins a pass only if real tokens stay at least this share of the pass's padded tokens."""
@@ -127,22 +136,82 @@ def _build(batch: TrainBatch, members: list[int], lengths: list[int], lo: list[i
     )
 
 
+@dataclass(frozen=True, eq=False)
+class TreePass:
+    """One flat forward pass: consecutive blocks as a single ``[1, N]`` sequence under a ``TreeMask``."""
+
+    blocks: tuple[int, ...]
+    input_ids: torch.Tensor
+    """``[1, N]``"""
+    position_ids: torch.Tensor
+    """``[1, N]``"""
+    tree: TreeMask
+    trained: torch.Tensor
+    """Positions (into the batch's trained-token columns) of the trained tokens in these blocks."""
+    parent_slots: torch.Tensor
+    """Index (within the pass) of each such token's parent."""
+    targets: torch.Tensor
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def attention_area(self) -> int:
+        return self.tree.scored_pairs
+
+
+Pass = ForwardPass | TreePass
+
+
+def plan_tree(batch: TrainBatch, max_tokens: int, chunk: int) -> list[TreePass]:
+    """Flat passes of consecutive blocks, each within ``max_tokens`` tokens unless one block alone exceeds it."""
+    bounds = batch.blocks.tolist()
+    groups: list[list[int]] = []
+    size = 0
+    for i, (start, end) in enumerate(bounds):
+        if groups and size + (end - start) <= max_tokens:
+            groups[-1].append(i)
+            size += end - start
+        else:
+            groups.append([i])
+            size = end - start
+    passes: list[TreePass] = []
+    for members in groups:
+        start, end = bounds[members[0]][0], bounds[members[-1]][1]
+        lo, hi = (int(x) for x in torch.searchsorted(batch.trained, torch.tensor([start, end])))
+        trained = torch.arange(lo, hi)
+        local_blocks = torch.tensor([bounds[m] for m in members], dtype=torch.long) - start
+        parent = batch.parent[start:end]
+        local_parent = torch.where(parent >= 0, parent - start, parent)
+        passes.append(TreePass(
+            blocks=tuple(members),
+            input_ids=batch.input_ids[start:end][None],
+            position_ids=batch.position_ids[start:end][None],
+            tree=TreeMask.build(local_parent, batch.subtree_end[start:end] - start, local_blocks, chunk),
+            trained=trained,
+            parent_slots=batch.parent[batch.trained[lo:hi]] - start,
+            targets=batch.input_ids[batch.trained[lo:hi]],
+        ))
+    return passes
+
+
 def forward_backward(
     batch: TrainBatch,
-    logprobs_of: Callable[["ForwardPass"], torch.Tensor],
+    logprobs_of: Callable[[Pass], torch.Tensor],
+    passes: Sequence[Pass],
     *,
     loss: GSPOConfig,
     device: str,
-    max_tokens: int,
-    max_area: int,
     loss_scale: float = 1.0,
 ) -> MicroStepResult:
     """Forward, GSPO loss and backward pass by pass, accumulating gradients: what every backend does with a
-    micro-batch, whatever computes the trained tokens' log-probs (``logprobs_of``, in trained order)."""
+    micro-batch's ``passes``, whatever computes the trained tokens' log-probs (``logprobs_of``, in trained
+    order)."""
     started = time.perf_counter()
     stats = LossStats()
     padded = count = 0
-    for group in plan(batch, max_tokens, max_area):
+    for group in passes:
         if group.trained.numel() == 0:
             continue
         picked = group.trained
@@ -166,4 +235,5 @@ def forward_backward(
         passes=count,
         stats=stats,
         duration_s=time.perf_counter() - started,
+        trained_tokens=batch.trained_tokens,
     )

@@ -24,11 +24,13 @@ class MicroStepResult:
 
     index: int
     tokens: int
-    """Tokens run through the model (packed: shared prefixes once)."""
+    """Tokens forwarded: run through the model (packed: shared prefixes once, across executions too)."""
     padded_tokens: int
     passes: int
     stats: LossStats
     duration_s: float
+    trained_tokens: int = 0
+    """Tokens whose log-prob enters the loss (policy tokens, each trained once)."""
 
     @property
     def loss(self) -> float:

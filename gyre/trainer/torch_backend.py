@@ -1,7 +1,9 @@
 """The torch backend: any Hugging Face causal LM, tree-packed forward, AdamW, checkpoints, named tensors.
 
-The forward runs the model's backbone on padded groups of attention blocks with a 4D additive mask (the tree
-mask) and explicit ``position_ids`` (depths), so a shared prefix is computed once and every path sees the
+The forward runs the model's backbone on flat passes of attention blocks with gyre's sparse tree attention
+(``attention = "tree"``, registered with transformers as ``gyre_tree``; no ``L x L`` mask) or, as the
+reference, on padded groups with a dense 4D additive mask (``attention = "dense"``, eager or SDPA kernel),
+always with explicit ``position_ids`` (depths), so a shared prefix is computed once and every path sees the
 positions its expanded sequence would. Only the hidden states that predict a trained token go through the
 output projection. Each group runs forward, loss and backward before the next (a GSPO unit never spans two
 blocks), so gradients accumulate across groups and micro-steps without keeping their activations.
@@ -14,7 +16,7 @@ from typing import Any
 
 import torch
 
-from gyre.trainer import passes
+from gyre.trainer import passes, tree_attention
 from gyre.trainer.batch import TrainBatch
 from gyre.trainer.config import TorchBackendConfig
 from gyre.trainer.errors import CheckpointError, TrainerConfigError, TrainerError
@@ -36,10 +38,12 @@ class TorchBackend:
         if self.config.dtype is not None:
             model = model.to(DTYPES[self.config.dtype])
         self.model = model.to(self.config.device)
-        if self.config.attn_implementation is not None:
+        if self.config.attention == "tree":
+            self.model.set_attn_implementation(tree_attention.register())
+        elif self.config.attn_implementation is not None:
             self.model.set_attn_implementation(self.config.attn_implementation)
         attention = getattr(self.model.config, "_attn_implementation", None) or "eager"
-        if attention not in MASKABLE_ATTENTION:
+        if self.config.attention == "dense" and attention not in MASKABLE_ATTENTION:
             raise TrainerConfigError(
                 f"attention implementation {attention!r} cannot take the tree mask; use one of {MASKABLE_ATTENTION}"
             )
@@ -93,18 +97,29 @@ class TorchBackend:
             self.policy_version = policy_version
 
     def forward_backward(self, batch: TrainBatch, *, loss_scale: float = 1.0) -> MicroStepResult:
+        limit = self.config.max_micro_batch_tokens
+        if limit is not None and batch.tokens > limit:
+            raise TrainerError(
+                f"micro-batch {batch.index} forwards {batch.tokens} tokens, over max_micro_batch_tokens={limit}; "
+                "lower the trajectory token_budget to at most that"
+            )
         self.model.train()
         return passes.forward_backward(
-            batch, self._logprobs, loss=self.config.loss, device=self.config.device,
-            max_tokens=self.config.max_forward_tokens, max_area=self.config.max_attention_area,
+            batch, self._logprobs, self.plan(batch), loss=self.config.loss, device=self.config.device,
             loss_scale=loss_scale,
         )
+
+    def plan(self, batch: TrainBatch) -> list[passes.Pass]:
+        """The forward passes this backend runs a micro-batch in (flat tree passes, or dense padded ones)."""
+        if self.config.attention == "tree":
+            return list(passes.plan_tree(batch, self.config.max_forward_tokens, self.config.attention_chunk))
+        return list(passes.plan(batch, self.config.max_forward_tokens, self.config.max_attention_area))
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Log-probs of the batch's trained tokens under the current weights (no gradient), in trained order."""
         out = torch.zeros(batch.trained_tokens, dtype=torch.float64)
         with torch.no_grad():
-            for group in passes.plan(batch, self.config.max_forward_tokens, self.config.max_attention_area):
+            for group in self.plan(batch):
                 if group.trained.numel():
                     out[group.trained] = self._logprobs(group).double().cpu()
         return out
@@ -181,14 +196,18 @@ class TorchBackend:
     def _shapes(self) -> dict[str, list[int]]:
         return {name: list(p.shape) for name, p in self.model.named_parameters()}
 
-    def _logprobs(self, group: passes.ForwardPass) -> torch.Tensor:
+    def _logprobs(self, group: passes.Pass) -> torch.Tensor:
         """Log-prob of each trained token of a pass (differentiable, float32 at least)."""
         device = self.config.device
+        if isinstance(group, passes.TreePass):
+            mask: dict[str, Any] = {"tree": group.tree}
+        else:
+            mask = {"attention_mask": group.additive_mask(self.dtype).to(device)}
         hidden = self.backbone(
             input_ids=group.input_ids.to(device),
             position_ids=group.position_ids.to(device),
-            attention_mask=group.additive_mask(self.dtype).to(device),
             use_cache=False,
+            **mask,
         ).last_hidden_state
         picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, group.parent_slots.to(device))
         logits = self.head(picked)

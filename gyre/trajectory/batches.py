@@ -2,8 +2,11 @@
 
 Row lengths are known before any token is copied (packed: the kept tree's size; expanded: the kept
 trajectory's length), so rows are binned first (first-fit decreasing within a group) and each bin's
-buffers are allocated once and filled in place. The Arrow arrays wrap those numpy buffers without copies,
-and ``to_torch`` wraps the Arrow buffers without copies.
+buffers are allocated once and filled in place. With ``share_prefixes`` (packed form) a bin counts what the
+trainer will forward: a row's leading prompt shared with a row already in the bin is counted once
+(``gyre.trajectory.share``), so the 16 rollouts of a group with a 49K-token prompt fit one budget.
+The Arrow arrays wrap those numpy buffers without copies, and ``to_torch`` wraps the Arrow buffers without
+copies.
 """
 
 from collections.abc import Iterator, Sequence
@@ -19,6 +22,7 @@ from gyre.trajectory.calls import BRANCHES
 from gyre.trajectory.config import BatchForm
 from gyre.trajectory.rewards import ExecutionOutcome
 from gyre.trajectory.selection import Selection
+from gyre.trajectory.share import shared_length
 from gyre.trajectory.spec import columns, schema
 
 if TYPE_CHECKING:
@@ -49,35 +53,40 @@ class Row:
     rank: int
     """Kept trajectory for expanded rows; -1 for packed rows."""
     length: int
+    prefix: np.ndarray | None = None
+    """Packed rows that may share: the row's leading context tokens (its first call's prompt)."""
 
 
-def rows(plans: Sequence[ExecutionPlan], form: BatchForm) -> list[Row]:
+def rows(plans: Sequence[ExecutionPlan], form: BatchForm, share: bool = False) -> list[Row]:
     out = []
     for plan in plans:
         selection = plan.selection
         if form == "packed":
-            out.append(Row(plan, -1, selection.tokens_packed))
+            prefix = layouts.leading_context(selection) if share else None
+            out.append(Row(plan, -1, selection.tokens_packed, prefix))
         else:
             lengths = selection.tree.full_len[selection.kept]
             out.extend(Row(plan, r, int(length)) for r, length in enumerate(lengths))
     return out
 
 
-def bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
+def bins(lengths: Sequence[int], budget: int, prefixes: Sequence[np.ndarray] | None = None) -> list[list[int]]:
     """First-fit decreasing: row indices per bin, each bin within ``budget`` unless one row alone exceeds it.
 
-    Rows keep their original order inside a bin; bins come out in the order they were opened.
+    With ``prefixes`` (each row's leading context) a row costs its length less the longest leading context
+    it shares with a row already in the bin. Rows keep their original order inside a bin; bins come out in
+    the order they were opened.
     """
     opened: list[tuple[int, list[int]]] = []
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        length = lengths[index]
         for b, (used, members) in enumerate(opened):
+            length = lengths[index] if prefixes is None else shared_length(lengths, prefixes, members, index)
             if used + length <= budget:
                 members.append(index)
                 opened[b] = (used + length, members)
                 break
         else:
-            opened.append((length, [index]))
+            opened.append((lengths[index], [index]))
     return [sorted(members) for _, members in opened]
 
 
@@ -90,6 +99,9 @@ class MicroBatch:
     """Running number within the build (the order micro-steps can be claimed in)."""
     batch: pa.RecordBatch
     group_ids: tuple[str, ...]
+    forward_bound: int = 0
+    """Tokens the trainer forwards at most: the rows' tokens, less the leading prompts they share (packed
+    form with ``share_prefixes``; the trainer's merge may share more)."""
 
     @property
     def tokens(self) -> int:
@@ -189,12 +201,20 @@ def fill(chosen: Sequence[Row], form: BatchForm) -> pa.RecordBatch:
 
 
 def micro_batches(
-    plans: Sequence[ExecutionPlan], form: BatchForm, budget: int, first_index: int = 0
+    plans: Sequence[ExecutionPlan], form: BatchForm, budget: int, first_index: int = 0, *, share: bool = False
 ) -> Iterator[tuple[MicroBatch, bool]]:
-    """Micro-batches of one group's plans, each with whether it holds a single over-budget row."""
-    all_rows = rows(plans, form)
-    for n, members in enumerate(bins([row.length for row in all_rows], budget)):
+    """Micro-batches of one group's plans, each with whether it holds a single over-budget row.
+
+    ``share`` (packed form): bin by forwarded tokens, a leading prompt shared within a bin counted once."""
+    all_rows = rows(plans, form, share=share and form == "packed")
+    lengths = [row.length for row in all_rows]
+    prefixes = [row.prefix for row in all_rows] if share and form == "packed" else None
+    for n, members in enumerate(bins(lengths, budget, prefixes)):  # type: ignore[arg-type]
         chosen = [all_rows[i] for i in members]
         oversized = len(chosen) == 1 and chosen[0].length > budget
         groups = tuple(dict.fromkeys(row.plan.outcome.group_id or "" for row in chosen))
-        yield MicroBatch(form, first_index + n, fill(chosen, form), groups), oversized
+        bound = sum(
+            lengths[m] if prefixes is None else shared_length(lengths, prefixes, members[:k], m)
+            for k, m in enumerate(members)
+        )
+        yield MicroBatch(form, first_index + n, fill(chosen, form), groups, bound), oversized

@@ -40,10 +40,13 @@ class BatchBuilder:
 
     def group_batches(self, group: Group) -> Iterator[MicroBatch]:
         plans = self.plan(group)
-        for batch, oversized in micro_batches(plans, self.config.form, self.config.token_budget, self._next_index):
+        for batch, oversized in micro_batches(
+            plans, self.config.form, self.config.token_budget, self._next_index, share=self.config.share_prefixes
+        ):
             self._next_index += 1
             self.report.micro_batches += 1
             self.report.micro_batch_tokens += batch.tokens
+            self.report.micro_batch_forward_bound += batch.forward_bound
             self.report.oversized_rows += int(oversized)
             yield batch
 

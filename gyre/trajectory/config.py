@@ -15,7 +15,10 @@ class TrajectoryConfig:
     ``cap`` bounds the trajectories kept per execution (the brief's bounded sampling; ``None`` keeps all,
     for comparison). ``min_valid_per_group`` is the fewest scored executions a GSPO group needs: fewer and
     its advantages mean nothing, so the group is dropped. ``total_weight`` is what the token weights of
-    every execution add up to, whatever its number of branches.
+    every execution add up to, whatever its number of branches. ``token_budget`` bounds the tokens of a
+    micro-batch; with ``share_prefixes`` (packed form) it bounds the tokens the trainer *forwards*: rows of
+    one group that start with the same prompt count it once, since the trainer merges their context
+    (``gyre.trajectory.share``). The budget is what bounds a micro-batch's training memory.
     """
 
     cap: int | None = 5
@@ -24,6 +27,7 @@ class TrajectoryConfig:
     total_weight: float = 1.0
     token_budget: int = 1 << 20
     form: BatchForm = "packed"
+    share_prefixes: bool = True
     strict: bool = False
     """Raise on a malformed execution instead of excluding and counting it."""
 

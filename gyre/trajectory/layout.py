@@ -139,6 +139,22 @@ def packed(selection: Selection) -> Layout:
     )
 
 
+def leading_context(selection: Selection) -> np.ndarray:
+    """The context tokens a packed row starts with: its first run's prompt (for a rollout, the task prompt).
+
+    The first run of ``packed`` is the first kept call in depth-first order; its segment starts with the
+    call's ``prompt_delta_ids`` (context), then its output (policy tokens)."""
+    tree, calls = selection.tree, selection.tree.calls
+    cover = selection.cover
+    kept = tree.preorder[cover[tree.preorder] > 0]
+    if not len(kept):
+        return np.zeros(0, dtype=np.int32)
+    first = int(kept[0])
+    count = int(min(cover[first], calls.delta_len[first]))
+    start = int(calls.seg_start[first])
+    return calls.tokens[start : start + count]
+
+
 def expanded(selection: Selection, rank: int) -> Layout:
     """Kept trajectory ``rank`` as a plain sequence, training only the tokens it owns."""
     calls = selection.tree.calls

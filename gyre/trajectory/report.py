@@ -84,6 +84,9 @@ class BuildReport:
     tokens_tree_packed: int = 0
     micro_batches: int = 0
     micro_batch_tokens: int = 0
+    micro_batch_forward_bound: int = 0
+    """Tokens the trainer forwards at most: ``micro_batch_tokens`` less the leading prompts that rows of one
+    micro-batch share (``share_prefixes``; equal to ``micro_batch_tokens`` without it)."""
     oversized_rows: int = 0
     """Rows longer than the token budget, each emitted alone in its own micro-batch."""
     malformed_examples: list[str] = field(default_factory=list)

@@ -15,7 +15,8 @@ from gyre.trainer.replica import StepGate, work
 
 def result(index: int, loss_sum: float = 1.0) -> MicroStepResult:
     return MicroStepResult(index=index, tokens=10, padded_tokens=12, passes=1,
-                           stats=LossStats(loss_sum=loss_sum, weight=2.0, tokens=4, units=1), duration_s=0.01)
+                           stats=LossStats(loss_sum=loss_sum, weight=2.0, tokens=4, units=1), duration_s=0.01,
+                           trained_tokens=4)
 
 
 def started(planned: int) -> TrainerState:
@@ -60,7 +61,7 @@ def test_a_step_is_a_sequence_of_events_and_the_log_folds_to_the_same_state(writ
     c.finish("satellite-1", 0, 1, result(1, 3.0))
     assert c.all_finished()
     summary = c.close_step(StepResult(policy_version=1, grad_norm=0.5, normalizer=2.0))
-    assert (summary.samples, summary.tokens, summary.stats.loss_sum) == (3, 20, 4.0)
+    assert (summary.samples, summary.tokens, summary.trained_tokens, summary.stats.loss_sum) == (3, 20, 8, 4.0)
     c.publish(1, tensors=3, nbytes=100, location="memory")
     events = list(LogReader(writer.path).events())
     assert [e.kind for e in events] == [
@@ -69,6 +70,8 @@ def test_a_step_is_a_sequence_of_events_and_the_log_folds_to_the_same_state(writ
     ]
     finished = events[-2]
     assert (finished.policy_version, finished.micro_steps, finished.samples, finished.loss) == (1, 2, 3, 2.0)
+    assert (finished.tokens, finished.tokens_trained) == (20, 8)  # forwarded and trained tokens of the step
+    assert [(e.tokens, e.tokens_trained) for e in events[3:5]] == [(10, 4), (10, 4)]
     replayed, _ = replay(TrainerView(), writer.path)
     assert replayed == c.state
     assert replayed.policy_version == 1 and replayed.published_version == 1

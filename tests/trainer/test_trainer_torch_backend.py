@@ -59,7 +59,7 @@ def test_tree_packed_equals_expanded_on_more_random_trees(seed):
 
 
 def test_sdpa_attention_takes_the_tree_mask_too(packed_batches, expanded_batches):
-    packed, expanded = backend(attn_implementation="sdpa"), backend()
+    packed, expanded = backend(attention="dense", attn_implementation="sdpa"), backend()
     assert run_all(packed, packed_batches) == pytest.approx(run_all(expanded, expanded_batches), abs=1e-5)
     assert_close(gradients(packed), gradients(expanded), 1e-5)
 
@@ -172,11 +172,31 @@ def test_named_tensors_load_into_a_fresh_model_and_back(packed_batches):
         fresh.load_weights({**exported, "nope": exported["model.norm.weight"]})
 
 
-def test_masks_need_an_attention_kernel_that_takes_them():
+def test_dense_masks_need_an_attention_kernel_that_takes_them():
     model = build_tiny_model(0)
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(TrainerConfigError, match="tree mask"):
-        TorchBackend(model)
+        TorchBackend(model, TorchBackendConfig(attention="dense"))
+    TorchBackend(model)  # the sparse tree attention replaces the model's kernel
+
+
+def test_attention_options_are_checked():
+    with pytest.raises(TrainerConfigError, match="attention='dense'"):
+        TorchBackendConfig(attn_implementation="sdpa")
+    with pytest.raises(TrainerConfigError, match="attention_chunk"):
+        TorchBackendConfig(attention_chunk=0)
+    with pytest.raises(TrainerConfigError, match="'tree' or 'dense'"):
+        TorchBackendConfig(attention="flex")  # type: ignore[arg-type]
+    with pytest.raises(TrainerConfigError, match="max_micro_batch_tokens"):
+        TorchBackendConfig(max_micro_batch_tokens=0)
+
+
+def test_a_micro_batch_over_the_token_limit_is_refused_before_it_runs(packed_batches):
+    batch = packed_batches[0]
+    b = backend(max_micro_batch_tokens=batch.tokens - 1)
+    with pytest.raises(TrainerError, match="token_budget"):
+        b.forward_backward(batch)
+    assert all(g.abs().max() == 0 for g in b.gradient_buffers())
 
 
 def test_float32_backend_agrees_with_float64(packed_batches):

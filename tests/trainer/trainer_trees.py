@@ -12,11 +12,14 @@ OPEN_CLIP = GSPOConfig(eps_low=0.99, eps_high=100.0, tis_cap=None)
 """A clip range nothing reaches: every unit contributes gradient, so equivalence tests compare real signal."""
 
 
-def random_execution(rng: np.random.Generator, execution_id: str, calls: int = 8) -> ExecutionCalls:
+def random_execution(
+    rng: np.random.Generator, execution_id: str, calls: int = 8, prompt: np.ndarray | None = None
+) -> ExecutionCalls:
     """A random call tree: extensions, mid-prefix branches (retries, siblings) and new roots.
 
     Roots start with context (a call's first token needs a predecessor to be trained); behaviour log-probs
-    lie near the tiny model's own (about -log 265), so GSPO ratios are near 1 but not equal to it.
+    lie near the tiny model's own (about -log 265), so GSPO ratios are near 1 but not equal to it. With a
+    ``prompt``, every root starts with it (the group's task prompt).
     """
     events: list[ModelCallFinished] = []
     full_len: list[int] = []
@@ -27,6 +30,8 @@ def random_execution(rng: np.random.Generator, execution_id: str, calls: int = 8
             parent = int(rng.integers(0, k))
             prefix = full_len[parent] if rng.random() < 0.6 else int(rng.integers(1, full_len[parent] + 1))
         delta = rng.integers(0, VOCAB_SIZE, int(rng.integers(1 if parent is None else 0, 5)))
+        if parent is None and prompt is not None:
+            delta = np.concatenate([prompt, delta])
         output = rng.integers(0, VOCAB_SIZE, int(rng.integers(1, 7)))
         events.append(
             ModelCallFinished(
@@ -46,8 +51,12 @@ def random_execution(rng: np.random.Generator, execution_id: str, calls: int = 8
     return ExecutionCalls.from_events(events)
 
 
-def random_group(seed: int, executions: int = 3, calls: int = 8, group_id: str = "g0") -> Group:
+def random_group(
+    seed: int, executions: int = 3, calls: int = 8, group_id: str = "g0", prompt_tokens: int = 0
+) -> Group:
+    """A group of random executions; ``prompt_tokens > 0`` gives them a shared task prompt of that length."""
     rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, VOCAB_SIZE, prompt_tokens) if prompt_tokens else None
     members = []
     for e in range(executions):
         execution_id = f"{group_id}-e{e}"
@@ -55,7 +64,7 @@ def random_group(seed: int, executions: int = 3, calls: int = 8, group_id: str =
             execution_id=execution_id, group_id=group_id, task_id="t0", status="completed",
             reward=float(rng.random()), calls=calls,
         )
-        members.append(Member(outcome, random_execution(rng, execution_id, calls)))
+        members.append(Member(outcome, random_execution(rng, execution_id, calls, prompt)))
     return Group(group_id, tuple(members))
 
 

@@ -121,10 +121,12 @@ class MegatronBackend:
     def forward_backward(self, batch: TrainBatch, *, loss_scale: float = 1.0) -> MicroStepResult:
         self.model.train()
         device = self.config.device
+        # Megatron's local attention takes a dense [B, 1, L, L] mask, not gyre's sparse TreeMask: the adapter
+        # converts each micro-batch explicitly into padded passes whose mask is bounded by max_attention_area.
+        plan = passes.plan(batch, self.config.max_forward_tokens, self.config.max_attention_area)
         return passes.forward_backward(
-            batch, lambda group: pass_logprobs(self.model, group, device, self.pad_token_id),
-            loss=self.config.loss, device=device, max_tokens=self.config.max_forward_tokens,
-            max_area=self.config.max_attention_area, loss_scale=loss_scale,
+            batch, lambda group: pass_logprobs(self.model, group, device, self.pad_token_id), plan,
+            loss=self.config.loss, device=device, loss_scale=loss_scale,
         )
 
     def gradient_buffers(self) -> list[torch.Tensor]:
