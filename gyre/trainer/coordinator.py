@@ -41,6 +41,8 @@ class StepSummary:
     padded_tokens: int = 0
     forward_backward_s: float = 0.0
     """Sum of the micro-steps' durations (replicas in parallel add up: compute time, not wall time)."""
+    trained_tokens: int = 0
+    """Tokens the loss was taken over."""
 
 
 class StepCoordinator:
@@ -57,7 +59,7 @@ class StepCoordinator:
         self._ready: dict[int, int] = {}
         self._stats = LossStats()
         self._tokens = 0
-        self._padded = 0
+        self._padded = self._trained = 0
         self._busy_s = 0.0
         self._executions: set[str] = set()
 
@@ -70,7 +72,7 @@ class StepCoordinator:
                 raise StepProtocolError(f"step {self.state.current_step} is still open")
             step = max(self.state.steps, default=-1) + 1
             self._ready, self._stats, self._tokens, self._executions = {}, LossStats(), 0, set()
-            self._padded, self._busy_s = 0, 0.0
+            self._padded, self._trained, self._busy_s = 0, 0, 0.0
             self._append(
                 TrainStepStarted(
                     step=step,
@@ -140,6 +142,7 @@ class StepCoordinator:
             self._stats = self._stats + result.stats
             self._tokens += result.tokens
             self._padded += result.padded_tokens
+            self._trained += result.trained_tokens
             self._busy_s += result.duration_s
             self._lock.notify_all()
 
@@ -170,7 +173,7 @@ class StepCoordinator:
             if step is None or step.pending:
                 raise StepProtocolError("close_step before every planned micro-step finished")
             summary = StepSummary(step.step, self._stats, self._tokens, len(self._executions), self._padded,
-                                  self._busy_s)
+                                  self._busy_s, self._trained)
             self._append(
                 TrainStepFinished(
                     step=step.step,
