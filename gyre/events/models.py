@@ -7,7 +7,7 @@ requires by narrowing their type (``execution_id: str``); the rest stay optional
 Evolution is additive: new kinds and new optional fields only. Renaming or retyping a field is a new kind.
 """
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, model_validator
 
@@ -22,7 +22,8 @@ from gyre.events.fields import (
     TokenIds,
 )
 
-ENVELOPE_FIELDS: tuple[str, ...] = ("seq", "ts", "run_id", "execution_id", "call_id", "cell_id", "step")
+ENVELOPE_FIELDS: tuple[str, ...] = (
+    "seq", "ts", "run_id", "execution_id", "call_id", "cell_id", "step", "producer", "producer_seq")
 """Envelope columns besides ``kind``, in storage order."""
 
 EVENT_TYPES: dict[str, type["Event"]] = {}
@@ -45,6 +46,10 @@ class Event(BaseModel):
     call_id: str | None = None
     cell_id: str | None = None
     step: NonNegativeInt | None = None
+    producer: str | None = None
+    """Who handed the event to the log writer (a proxy, a harness runner, a trainer, the controller)."""
+    producer_seq: NonNegativeInt | None = None
+    """The producer's own gapless count of its events: the writer drops what it already holds (exactly once)."""
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
@@ -87,6 +92,9 @@ class RunStarted(Event):
     config: str = Field("{}", description="the whole run configuration as JSON")
     seed: int | None = None
     gyre_version: str = ""
+    decision_points: Literal["instant", "explicit"] = Field(
+        "instant", description="instant: a policy decides once per timestamp (the simulator's clock); explicit: "
+                               "each decision names the log prefix it was decided on (decided_at_seq)")
 
 
 class RunFinished(Event):
@@ -127,6 +135,8 @@ class RoleSwitchRequested(Event):
     reason: str = ""
     watermark: NonNegativeInt | None = Field(None, description="running + queued executions at decision time")
     redirects: list[Redirect] = Field(default_factory=list)
+    decided_at_seq: NonNegativeInt | None = Field(
+        None, description="seq of the last event of the log prefix the policy decided on (live runs)")
 
 
 class RoleSwitchCompleted(Event):
@@ -136,6 +146,14 @@ class RoleSwitchCompleted(Event):
     from_role: Role
     to_role: Role
     duration_s: NonNegativeFloat
+    drain_s: NonNegativeFloat | None = Field(None, description="waiting for the cell's executions to leave it")
+    redirected_calls: NonNegativeInt | None = Field(None, description="in-flight calls moved to other cells")
+    redirect_s: NonNegativeFloat | None = None
+    engine_pause_s: NonNegativeFloat | None = Field(None, description="pausing and releasing the engine")
+    weights_bytes: NonNegativeInt | None = Field(None, description="weights moved into the engine on return")
+    weights_s: NonNegativeFloat | None = None
+    engine_resume_s: NonNegativeFloat | None = None
+    trainer_join_s: NonNegativeFloat | None = Field(None, description="the trainer taking the cell over")
 
 
 # --- executions ------------------------------------------------------------------------------------------
@@ -314,8 +332,9 @@ class WeightsPublished(Event):
     policy_version: NonNegativeInt
     tensors: NonNegativeInt = 0
     bytes: NonNegativeInt = 0
-    location: str = ""
+    location: str = Field("", description="the weights file, relative to the run directory")
     duration_s: NonNegativeFloat = 0.0
+    sha256: str = Field("", description="checksum of the weights file")
 
 
 class SatelliteJoined(Event):

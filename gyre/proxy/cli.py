@@ -53,8 +53,9 @@ def serve(
 ) -> None:
     """Serve /v1/messages, /v1/messages/count_tokens, /v1/chat/completions and /v1/models until interrupted."""
     from gyre.log import LogWriter
-    from gyre.proxy import LogSink, MarkersConfig, MemorySink, Proxy, ProxyConfig
+    from gyre.proxy import MarkersConfig, Proxy, ProxyConfig
     from gyre.proxy import serve as run_server
+    from gyre.sink import LogSink, MemorySink
 
     config = ProxyConfig(
         engines=_engines(engine),

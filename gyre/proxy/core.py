@@ -33,10 +33,10 @@ from gyre.proxy.errors import ApiError
 from gyre.proxy.registry import ExecutionRegistry, ExecutionState, Registration
 from gyre.proxy.render import ChatMLRenderer, ChatRenderer
 from gyre.proxy.routing import Flight, KvMove, KvMover, RecomputeKv, Router
-from gyre.proxy.sink import CallSink, MemorySink
 from gyre.proxy.tito import CallRecord, Plan
 from gyre.proxy.tokens import TokenCodec
 from gyre.proxy.transport import EngineLink, GenerateEngine, Prompt, prompt_of
+from gyre.sink import EventSink, MemorySink
 
 log = logging.getLogger(__name__)
 
@@ -84,14 +84,14 @@ class Proxy:
         self,
         config: ProxyConfig,
         *,
-        sink: CallSink | None = None,
+        sink: EventSink | None = None,
         codec: TokenCodec | None = None,
         renderer: ChatRenderer | None = None,
         engines: Mapping[str, GenerateEngine] | None = None,
         kv_mover: KvMover | None = None,
     ) -> None:
         self.config = config
-        self.sink: CallSink = sink if sink is not None else MemorySink()
+        self.sink: EventSink = sink if sink is not None else MemorySink()
         self.codec = codec if codec is not None else TokenCodec.load(config.tokenizer)
         self.renderer: ChatRenderer = renderer if renderer is not None else ChatMLRenderer()
         if engines is None:

@@ -52,6 +52,19 @@ class TrainerSection(_Section):
     weight_decay: float = Field(0.0, ge=0)
 
 
+class SchedulerSection(_Section):
+    """The policy the controller runs (the same `decide(view, params)` as the simulator and replay)."""
+
+    policy: str = Field("elastic", pattern="^(elastic|colocate)$",
+                        description="elastic or colocate (async needs a second cell: one cell cannot be both "
+                                    "fixed pools)")
+    staleness: NonNegativeInt = Field(0, description="steps a batch may lag the policy that trains it")
+
+
+class CheckpointSection(_Section):
+    keep_weights: PositiveInt = Field(3, description="published weight versions kept under run_dir/weights")
+
+
 class TrainConfig(_Section):
     name: str = Field("tiny-cpu", min_length=1)
     run_dir: Path = Field(Path("runs/tiny-cpu"), description="log, executions and checkpoints go here")
@@ -62,6 +75,8 @@ class TrainConfig(_Section):
     sampling: SamplingSection = SamplingSection()
     trajectory: TrajectorySection = TrajectorySection()
     trainer: TrainerSection = TrainerSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    checkpoint: CheckpointSection = CheckpointSection()
 
     @classmethod
     def load(cls, path: str | Path) -> Self:

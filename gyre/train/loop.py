@@ -1,31 +1,32 @@
-"""The single-machine RL loop: engine, proxy, harness runner, trajectory processor, GSPO trainer.
+"""`gyre train`: one machine, one cell, driven by the controller.
 
-One step: register a group of executions per task with the proxy, run them as harness subprocesses (the
-harness talks to the proxy, which records every call token-in/token-out), score them, build capped,
-deduplicated, weighted micro-batches of this step's groups from the log, train them as the core cell's
-micro-steps, apply the optimizer step and push the new weights into the engine. Every fact goes into one
-log under the run directory; the loop keeps no state that the log does not also hold.
-
-On one machine there is one cell (`cell0`): it serves rollouts and is also the core trainer, so each step
-records the two role switches it makes (rollout -> training -> rollout).
+The run composes the components once, each with its own config, and hands the driving to
+`gyre.controller.Controller`: it folds the log, lets the configured policy decide the core cell's role
+(with one cell, elastic and colocate both train when a step's data is ready and serve rollouts otherwise),
+performs the decisions through the cell's actuator and queues each step's rollouts and training as the plan
+allows. The proxy, the harness runner, the trainer and the cell are producers on the controller's sink:
+the controller is the run's one log writer. The loop keeps no state that the log does not also hold.
 """
 
+from __future__ import annotations
+
 import json
+import threading
 import time
+import uuid
 from collections.abc import Callable
-from concurrent.futures import wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gyre.events.models import (
-    CellRegistered,
-    RoleSwitchCompleted,
-    RoleSwitchRequested,
-    RunFinished,
-    RunStarted,
-)
+from gyre.controller import Controller, LocalCell, RunPlan, WeightStore
+from gyre.errors import ConfigError
+from gyre.events.models import CellRegistered, RunFinished, RunStarted
 from gyre.log import LogWriter
+from gyre.scheduler import CellSpec, SchedulerView, get_policy
+from gyre.sink import LogSink
 from gyre.train.config import TrainConfig
+from gyre.train.core import StepTraining
 
 CELL = "cell0"
 
@@ -54,25 +55,43 @@ class RunSummary:
     steps: list[StepRecord]
     status: str
     policy_version: int
+    run_id: str = ""
 
 
 Progress = Callable[[str, dict], None]
 """Called with a phase name and figures; the CLI draws it with rich."""
 
 
+def existing_run(log_path: Path) -> str | None:
+    """The run id of the log in ``log_path``, if there is one."""
+    if not log_path.exists() or not any(log_path.glob("*.seg")):
+        return None
+    from gyre.log import LogReader
+
+    first = next(LogReader(log_path).events(to_seq=0), None)
+    return first.run_id if isinstance(first, RunStarted) else "<unknown: the log does not begin with run_started>"
+
+
+@dataclass
+class _StepRollouts:
+    version: int
+    started: float
+    futures: list[Future] = field(default_factory=list)
+    ended: float = 0.0
+
+
 class TrainingRun:
-    """Owns every component of one run; `run()` drives the steps, `close()` stops everything cleanly."""
+    """Owns every component of one run; `run()` drives it through the controller, `close()` stops it."""
 
     def __init__(self, config: TrainConfig, progress: Progress | None = None) -> None:
         from gyre.engine.client import SyncHttpEngineClient
         from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
         from gyre.engine.local.scheduler import SchedulerConfig
         from gyre.harness.config import HarnessConfig
-        from gyre.harness.runner import HarnessRunner
-        from gyre.harness.sink import LogSink as HarnessSink
+        from gyre.harness.runner import Gate, HarnessRunner
         from gyre.harness.tasks import TaskSet
-        from gyre.proxy import LogSink as ProxySink
         from gyre.proxy import Proxy, ProxyConfig, ProxyServer, SamplingOverrides
+        from gyre.train.core import LocalCoreTrainer
         from gyre.trainer import StepCoordinator, TorchBackend
         from gyre.trainer.config import GSPOConfig, OptimizerConfig, TorchBackendConfig
 
@@ -80,29 +99,43 @@ class TrainingRun:
         self.progress = progress or (lambda phase, figures: None)
         self.run_dir = config.run_dir
         self.log_path = self.run_dir / "log"
-        self.run_id = f"{config.name}-{int(time.time())}"
+        held = existing_run(self.log_path)
+        if held is not None:
+            raise ConfigError(f"{self.run_dir} already holds the log of run {held}; give another run_dir, or "
+                              f"--resume to continue that run")
+        self.run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
+        self.records: dict[int, StepRecord] = {}
+        self._rollouts: dict[int, _StepRollouts] = {}
+        self._lock = threading.Lock()
         self._closers: list[Callable[[], None]] = []
-        self.writer = LogWriter(self.log_path, run_id=self.run_id)
+        self.policy = get_policy(config.scheduler.policy)
+        self.params = self.policy.params({"staleness": config.scheduler.staleness}
+                                         if config.scheduler.staleness else {})
+        self.sink = LogSink(LogWriter(self.log_path, run_id=self.run_id))
         try:
             self.tasks = TaskSet.load(config.rollout.tasks)
             known = [t.id for t in self.tasks]
             self.task_ids = list(config.rollout.task_ids) or known
             unknown = [t for t in self.task_ids if t not in known]
             if unknown:
-                from gyre.errors import ConfigError
-
                 raise ConfigError(f"rollout.task_ids names unknown task(s) {unknown}; the task set has {known}")
             harness = HarnessConfig.load(config.rollout.harness)
             overrides = {k: v for k, v in (("max_concurrency", config.rollout.max_concurrency),
                                            ("timeout_s", config.rollout.timeout_s)) if v is not None}
             harness = harness.model_copy(update=overrides)
-            self.writer.append([
-                RunStarted(run_id=self.run_id, name=config.name, policy="colocate", policy_version="train/1",
-                           config=config.model_dump_json(), seed=config.seed),
-                CellRegistered(cell_id=CELL, role="rollout", is_core=True,
-                               slots=harness.max_concurrency),
+
+            self.weights = WeightStore(self.run_dir, keep=config.checkpoint.keep_weights)
+            self.controller = Controller(self.sink, self.policy, self.params,
+                                         RunPlan(steps=config.steps, staleness=config.scheduler.staleness),
+                                         cells={}, rollouts=self)
+            spec = CellSpec(CELL, is_core=True, slots=harness.max_concurrency)
+            role = self.policy.initial_roles([spec], self.params)[CELL]
+            self.controller.record([
+                RunStarted(run_id=self.run_id, name=config.name, policy=self.policy.name,
+                           policy_version=self.policy.version, policy_params=self.params.model_dump_json(),
+                           config=config.model_dump_json(), seed=config.seed, decision_points="explicit"),
+                CellRegistered(cell_id=CELL, role=role, is_core=True, slots=spec.slots),
             ])
-            self.writer.commit()
 
             engine = LocalEngine(LocalEngineConfig(
                 model=config.engine.model, seed=config.seed, num_threads=config.engine.threads,
@@ -117,13 +150,14 @@ class TrainingRun:
             proxy = Proxy(ProxyConfig(engines={CELL: engine_url}, max_tokens_cap=config.sampling.max_tokens,
                                       sampling=SamplingOverrides(temperature=config.sampling.temperature,
                                                                  top_p=1.0, top_k=-1)),
-                          sink=ProxySink(self.writer, close_writer=False))
+                          sink=self.sink.producer("proxy"))
             self.proxy = ProxyServer(proxy)
             proxy_url = self.proxy.start()
             self._closers.append(self.proxy.stop)
 
-            self.runner = HarnessRunner(harness, sink=HarnessSink(self.writer), proxy_url=proxy_url,
-                                        root=self.run_dir / "executions")
+            self.gate = Gate(is_open=role == "rollout")
+            self.runner = HarnessRunner(harness, sink=self.sink.producer("harness"), proxy_url=proxy_url,
+                                        root=self.run_dir / "executions", gate=self.gate)
             self._closers.append(lambda: self.runner.close(kill_running=True))
 
             from gyre.engine.local.engine import load_model
@@ -135,111 +169,86 @@ class TrainingRun:
                 loss=GSPOConfig(eps_low=trainer.eps_low, eps_high=trainer.eps_high, tis_cap=trainer.tis_cap),
                 optimizer=OptimizerConfig(lr=trainer.lr, weight_decay=trainer.weight_decay,
                                           max_grad_norm=trainer.max_grad_norm)))
-            self.coordinator = StepCoordinator(self.writer)
+            self.coordinator = StepCoordinator(self.sink.producer("trainer"))
+            self.trainer = LocalCoreTrainer(config, cell_id=CELL, run_id=self.run_id, log_path=self.log_path,
+                                            backend=self.backend, coordinator=self.coordinator,
+                                            weights=self.weights, published=None, on_trained=self._trained)
+            self.cell = LocalCell(CELL, engine=self.engine, admission=self.gate, trainer=self.trainer,
+                                  weights=self.weights, sink=self.sink.producer(f"cell:{CELL}"),
+                                  fail=self.controller.fail, redirect=self.proxy.redirect)
+            self._closers.append(self.cell.close)
+            self.controller.cells[CELL] = self.cell
         except BaseException:
             self.close()
             raise
-        self.policy_version = self.coordinator.state.policy_version
 
-    # -- one step ---------------------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        return self.coordinator.state.policy_version
 
-    def step(self, step: int) -> StepRecord:
+    # -- the rollout side (the controller's `Rollouts`) ------------------------------------------------------
+
+    def queue(self, step: int, policy_version: int) -> None:
+        """Register and submit the executions of step ``step``: ``groups_per_step`` tasks x ``group_size``."""
         from gyre.harness.runner import Execution
 
         config = self.config.rollout
         tasks = [self.task_ids[(step * config.groups_per_step + g) % len(self.task_ids)]
                  for g in range(config.groups_per_step)]
-        executions = []
+        rollouts = self._rollouts[step] = _StepRollouts(policy_version, time.monotonic())
         for g, task_id in enumerate(tasks):
-            group_id = f"s{step}-g{g}-{task_id}"
+            group_id = f"{self.run_id}.s{step}-g{g}-{task_id}"
             for i in range(config.group_size):
-                execution_id = f"s{step}-g{g}-e{i}"
+                execution_id = f"{self.run_id}.s{step}-g{g}-e{i}"
                 registration = self.proxy.register_execution(execution_id, cell_id=CELL,
-                                                             policy_version=self.policy_version)
-                executions.append(Execution(execution_id, self.tasks[task_id], group_id=group_id,
-                                            token=registration.token, policy_version=self.policy_version,
-                                            cell_id=CELL))
-        self.progress("rollout", {"step": step, "queued": len(executions), "version": self.policy_version})
-        started = time.monotonic()
-        futures = [self.runner.submit(e) for e in executions]
-        while wait(futures, timeout=0.5).not_done:
+                                                             policy_version=policy_version)
+                future = self.runner.submit(Execution(execution_id, self.tasks[task_id], group_id=group_id,
+                                                      token=registration.token, policy_version=policy_version,
+                                                      cell_id=CELL, step=step))
+                future.add_done_callback(lambda _, e=execution_id, r=rollouts: self._ended(e, r))
+                rollouts.futures.append(future)
+        self.progress("rollout", {"step": step, "queued": len(rollouts.futures), "version": policy_version})
+
+    def _ended(self, execution_id: str, rollouts: _StepRollouts) -> None:
+        self.proxy.proxy.unregister_execution(execution_id)
+        with self._lock:
+            rollouts.ended = max(rollouts.ended, time.monotonic())
+
+    def _tick(self, view: SchedulerView) -> None:
+        open_steps = [s for s in self._rollouts if s not in view.work.trained]
+        if open_steps:
+            step = open_steps[0]
+            done = sum(f.done() for f in self._rollouts[step].futures)
             self.progress("rolling", {"step": step, "queued": self.runner.queued, "running": self.runner.running,
-                                      "done": sum(f.done() for f in futures), "version": self.policy_version})
-        results = [f.result() for f in futures]
-        for execution in executions:
-            self.proxy.proxy.unregister_execution(execution.execution_id)
-        self.writer.commit()
+                                      "done": done, "version": self._rollouts[step].version})
+
+    # -- the training side (called on the cell's thread) -----------------------------------------------------
+
+    def _trained(self, figures: StepTraining) -> None:
+        rollouts = self._rollouts[figures.step]
+        results = [f.result() for f in rollouts.futures]
         rewards = [r.reward for r in results if r.reward is not None]
-        record = StepRecord(step=step, policy_version=self.policy_version, executions=len(results),
+        record = StepRecord(step=figures.step, policy_version=rollouts.version, executions=len(results),
                             scored=len(rewards), reward_mean=sum(rewards) / len(rewards) if rewards else None,
-                            rollout_s=time.monotonic() - started)
-        self.progress("rolled out", {"step": step, "reward_mean": record.reward_mean})
-        self._train(step, {e.group_id for e in executions}, record)
-        return record
+                            micro_steps=figures.micro_steps, trained_tokens=figures.trained_tokens,
+                            loss=figures.loss, rollout_s=rollouts.ended - rollouts.started, train_s=figures.train_s,
+                            excluded=figures.excluded or {})
+        self.records[figures.step] = record
+        if not figures.micro_steps:
+            self.progress("skipped", {"step": figures.step, "reason": "no group had enough scored executions"})
+        self.after_step(record)
 
-    def _train(self, step: int, groups: set[str], record: StepRecord) -> None:
-        from gyre.trainer import TrainBatch, work
-        from gyre.trajectory import BatchBuilder, TrajectoryConfig
-        from gyre.trajectory.source import LogSource
+    def after_step(self, record: StepRecord) -> None:
+        """Once a step is trained and its weights published: progress, and the place for per-step metrics
+        and held-out evaluation every N steps (they read the log and the published weights file)."""
+        self.progress("step", {"record": record})
 
-        started = time.monotonic()
-        section = self.config.trajectory
-        builder = BatchBuilder(TrajectoryConfig(cap=section.cap, min_valid_per_group=section.min_valid_per_group,
-                                                token_budget=section.token_budget, form=section.form))
-        micro = list(builder.batches(g for g in LogSource(self.log_path).groups() if g.group_id in groups))
-        report = builder.report.to_dict()
-        record.excluded = {k: v for k, v in report.items()
-                           if (k.startswith("excluded_") or k.startswith("groups_")) and isinstance(v, int) and v}
-        if not micro:
-            self.progress("skipped", {"step": step, "reason": "no group had enough scored executions"})
-            return
-        self._switch("rollout", "training", "rollouts of the step are done; the core trains")
-        batches = [TrainBatch.from_micro_batch(mb, i) for i, mb in enumerate(micro)]
-        executions = {e for b in batches for e in b.execution_ids}
-        self.coordinator.start_step(len(batches), groups=len(groups), trajectories=report["trajectories_kept"])
-        self.coordinator.mark_ready({i: b.tokens for i, b in enumerate(batches)},
-                                    {i: b.execution_ids for i, b in enumerate(batches)})
-        self.progress("training", {"step": step, "micro_steps": len(batches)})
-        self.backend.zero_grad()
-        work(self.backend, self.coordinator, CELL, batches.__getitem__)
-        result = self.backend.optimizer_step(normalizer=float(len(executions)))
-        summary = self.coordinator.close_step(result, duration_s=time.monotonic() - started)
-        self._publish(result.policy_version)
-        self._switch("training", "rollout", "weights published; back to rollouts")
-        record.micro_steps = len(batches)
-        record.trained_tokens = sum(b.trained_tokens for b in batches)
-        record.loss = summary.stats.loss_sum / result.normalizer
-        record.train_s = time.monotonic() - started
-
-    def _publish(self, version: int) -> None:
-        started = time.monotonic()
-        tensors = {name: tensor.detach().clone() for name, tensor in self.backend.named_tensors()}
-        response = self.engine.update_weights_from_tensor(tensors, version=str(version))
-        if not response.success:
-            from gyre.errors import GyreError
-
-            raise GyreError(f"the engine refused the weights of policy version {version}: {response.message}")
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        self.coordinator.publish(version, tensors=len(tensors), nbytes=nbytes, location="engine:" + CELL,
-                                 duration_s=time.monotonic() - started)
-        self.policy_version = version
-
-    def _switch(self, from_role: str, to_role: str, reason: str) -> None:
-        started = time.monotonic()
-        self.writer.append(RoleSwitchRequested(cell_id=CELL, from_role=from_role, to_role=to_role, reason=reason,
-                                               watermark=self.runner.queued + self.runner.running))
-        self.writer.append(RoleSwitchCompleted(cell_id=CELL, from_role=from_role, to_role=to_role,
-                                               duration_s=time.monotonic() - started))
-
-    # -- the run ----------------------------------------------------------------------------------------
+    # -- the run ------------------------------------------------------------------------------------------
 
     def run(self) -> RunSummary:
-        records: list[StepRecord] = []
         status = "completed"
         try:
-            for step in range(self.config.steps):
-                records.append(self.step(step))
-                self.progress("step", {"record": records[-1]})
+            self.controller.run(tick=self._tick)
         except KeyboardInterrupt:
             status = "interrupted"
             raise
@@ -248,18 +257,24 @@ class TrainingRun:
             raise
         finally:
             self._stop_components()  # nothing may write after run_finished
-            self.writer.append(RunFinished(run_id=self.run_id, status=status,
-                                           message=json.dumps({"steps": len(records)})))
-            self.close()
-        return RunSummary(self.log_path, records, status, self.policy_version)
+            try:
+                self.controller.record(RunFinished(run_id=self.run_id, status=status,
+                                                   message=json.dumps({"steps": len(self.records)})))
+            finally:
+                self.close()
+        steps = [self.records[s] for s in sorted(self.records)]
+        return RunSummary(self.log_path, steps, status, self.policy_version, self.run_id)
 
     def _stop_components(self) -> None:
         while self._closers:
             self._closers.pop()()
 
     def close(self) -> None:
-        """Stop the harnesses, the proxy and the engine, then commit and close the log. Idempotent."""
+        """Stop the cell, the harnesses, the proxy and the engine, then commit and close the log. Idempotent."""
         try:
             self._stop_components()
         finally:
-            self.writer.close()
+            self.sink.close()
+
+
+__all__ = ["CELL", "RunSummary", "StepRecord", "TrainingRun", "existing_run"]

@@ -9,7 +9,7 @@ pending groups) are never kept.
 """
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import duckdb
@@ -25,25 +25,26 @@ from gyre.trajectory.rewards import ExecutionOutcome
 OUTCOMES_SQL = """
 WITH
 ids AS (
-    SELECT execution_id FROM executions_queued
-    UNION SELECT execution_id FROM executions_finished
-    UNION SELECT execution_id FROM rewards
-    UNION SELECT execution_id FROM evaluation_failures
-    UNION SELECT execution_id FROM events WHERE kind = 'model_call_finished'),
+    SELECT execution_id FROM executions_queued WHERE {scope}
+    UNION SELECT execution_id FROM executions_finished WHERE {scope}
+    UNION SELECT execution_id FROM rewards WHERE {scope}
+    UNION SELECT execution_id FROM evaluation_failures WHERE {scope}
+    UNION SELECT execution_id FROM events WHERE kind = 'model_call_finished' AND {scope}),
 queued AS (
-    SELECT execution_id, task_id, group_id, seq AS queued_seq FROM executions_queued
+    SELECT execution_id, task_id, group_id, seq AS queued_seq FROM executions_queued WHERE {scope}
     QUALIFY row_number() OVER (PARTITION BY execution_id ORDER BY seq DESC) = 1),
 finished AS (
-    SELECT execution_id, status FROM executions_finished
+    SELECT execution_id, status FROM executions_finished WHERE {scope}
     QUALIFY row_number() OVER (PARTITION BY execution_id ORDER BY seq DESC) = 1),
 evaluation AS (
     SELECT execution_id, reward, partial, error FROM (
-        SELECT execution_id, seq, reward, partial, NULL::VARCHAR AS error FROM rewards
+        SELECT execution_id, seq, reward, partial, NULL::VARCHAR AS error FROM rewards WHERE {scope}
         UNION ALL
-        SELECT execution_id, seq, NULL::DOUBLE, NULL::BOOLEAN, error FROM evaluation_failures)
+        SELECT execution_id, seq, NULL::DOUBLE, NULL::BOOLEAN, error FROM evaluation_failures WHERE {scope})
     QUALIFY row_number() OVER (PARTITION BY execution_id ORDER BY seq DESC) = 1),
 calls AS (
-    SELECT execution_id, count(*) AS calls FROM events WHERE kind = 'model_call_finished' GROUP BY execution_id)
+    SELECT execution_id, count(*) AS calls FROM events WHERE kind = 'model_call_finished' AND {scope}
+    GROUP BY execution_id)
 SELECT ids.execution_id, queued.group_id, queued.task_id, finished.status, evaluation.reward,
        coalesce(evaluation.partial, false) AS partial, evaluation.error, coalesce(calls.calls, 0) AS calls
 FROM ids
@@ -62,8 +63,12 @@ STREAM_ROWS = 4096
 class LogSource:
     """Groups of a log, as of the moment it is opened (a DuckDB snapshot of the log's views)."""
 
-    def __init__(self, path: str | Path, con: duckdb.DuckDBPyConnection | None = None, threads: int = 1) -> None:
+    def __init__(self, path: str | Path, con: duckdb.DuckDBPyConnection | None = None, threads: int = 1,
+                 run_id: str | None = None) -> None:
         """Open ``path`` (or use ``con``, a connection with the log's views, as it is).
+
+        With ``run_id``, every query sees only that run's events (a run directory may hold a resumed run's
+        log; analysis may combine logs).
 
         A connection opened here scans with ``threads`` DuckDB threads. One is the default: each scan thread
         keeps its own decode buffers (about 100 MB more peak per extra thread on a 43M-token log), and on
@@ -74,10 +79,23 @@ class LogSource:
             con = LogReader(self.path).duckdb()
             con.execute(f"SET threads = {int(threads)}")
         self.con = con
+        self.run_id = run_id
 
-    def outcomes(self) -> list[ExecutionOutcome]:
-        """One outcome per execution the log mentions, in the order they were queued."""
-        table = self.con.sql(OUTCOMES_SQL).to_arrow_table()
+    def _scope(self, group_ids: Iterable[str] | None) -> str:
+        """The predicate every query applies: the run, and the executions queued into ``group_ids``."""
+        terms = []
+        if self.run_id is not None:
+            terms.append(f"run_id = {_literal(self.run_id)}")
+        if group_ids is not None:
+            groups = ", ".join(_literal(g) for g in group_ids) or "NULL"
+            run = f"run_id = {_literal(self.run_id)} AND " if self.run_id is not None else ""
+            terms.append(f"execution_id IN (SELECT execution_id FROM executions_queued "
+                         f"WHERE {run}group_id IN ({groups}))")
+        return " AND ".join(terms) or "TRUE"
+
+    def outcomes(self, group_ids: Iterable[str] | None = None) -> list[ExecutionOutcome]:
+        """One outcome per execution the log mentions (or of ``group_ids``), in the order they were queued."""
+        table = self.con.sql(OUTCOMES_SQL.format(scope=self._scope(group_ids))).to_arrow_table()
         return [
             ExecutionOutcome(
                 execution_id=row["execution_id"],
@@ -94,12 +112,15 @@ class LogSource:
 
     def execution_calls(self, execution_id: str) -> pa.Table:
         """The ``model_calls`` rows of one execution (for ``show``; a full scan of the calls)."""
-        return self.con.sql(CALLS_SQL + " WHERE execution_id = ?", params=[execution_id]).to_arrow_table()
+        return self.con.sql(CALLS_SQL + f" WHERE execution_id = ? AND {self._scope(None)}",
+                            params=[execution_id]).to_arrow_table()
 
-    def groups(self) -> Iterator[Group]:
-        """Every group: those that need no calls first, then the rest as their calls complete in the scan."""
+    def groups(self, group_ids: Iterable[str] | None = None) -> Iterator[Group]:
+        """Every group (or those of ``group_ids``, with the predicate pushed into every query): those that
+        need no calls first, then the rest as their calls complete in the scan."""
+        scope = self._scope(group_ids)
         members: dict[str | None, list[ExecutionOutcome]] = defaultdict(list)
-        for outcome in self.outcomes():
+        for outcome in self.outcomes(group_ids):
             members[outcome.group_id].append(outcome)
         waiting: dict[str, set[str]] = {}
         wanted: dict[str, str] = {}
@@ -116,7 +137,7 @@ class LogSource:
         expected = {o.execution_id: o.calls for outcomes in members.values() for o in outcomes}
         pieces: dict[str, list[CallFragment]] = defaultdict(list)
         received: dict[str, int] = defaultdict(int)
-        for batch in self.con.sql(CALLS_SQL).to_arrow_reader(STREAM_ROWS):
+        for batch in self.con.sql(f"{CALLS_SQL} WHERE {scope}").to_arrow_reader(STREAM_ROWS):
             for execution_id, rows in _split(batch, wanted):
                 pieces[execution_id].append(CallFragment.from_rows(batch, rows))
                 received[execution_id] += len(rows)
@@ -135,6 +156,10 @@ class LogSource:
                     )
                 )
             yield _loaded(group_id, members[group_id], pieces)
+
+
+def _literal(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
 
 
 def _split(batch: pa.RecordBatch, wanted: dict[str, str]) -> Iterator[tuple[str, np.ndarray]]:

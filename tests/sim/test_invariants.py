@@ -7,7 +7,7 @@ import pytest
 from gyre.scheduler import get_policy
 from gyre.sim.runner import policy_params, simulate
 from gyre.sim.scenario import load_scenario
-from gyre.sim.sink import MemorySink
+from gyre.sink import MemorySink
 
 CASES = [("elastic", 0), ("elastic", 1), ("colocate", 0), ("async", 0), ("async", 1)]
 
