@@ -138,5 +138,5 @@ def test_replay_reports_a_decision_moved_to_another_prefix(tmp_path):
     target = next(i for i, e in enumerate(events) if isinstance(e, RoleSwitchRequested))
     moved = events[target].model_copy(update={"decided_at_seq": events[target].decided_at_seq - 3})
     with LogWriter(tmp_path / "moved", run_id="r") as writer:
-        writer.append([e.model_copy(update={"seq": None}) for e in events[:target] + [moved] + events[target + 1:]])
+        writer.append([e.model_copy(update={"seq": None}) for e in [*events[:target], moved, *events[target + 1:]]])
     assert replay_decisions(tmp_path / "moved").mismatches

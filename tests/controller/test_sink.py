@@ -27,7 +27,7 @@ def test_a_resent_batch_is_never_doubled_and_a_gap_is_refused(tmp_path):
         producer.record(batch)
         stamped = [e.model_copy(update={"producer": "proxy", "producer_seq": i}) for i, e in enumerate(batch)]
         sink.record(stamped)  # the same batch again, as after a reconnect: dropped whole
-        sink.record(stamped + [reward("e3").model_copy(update={"producer": "proxy", "producer_seq": 2})])
+        sink.record([*stamped, reward("e3").model_copy(update={"producer": "proxy", "producer_seq": 2})])
         with pytest.raises(SinkError, match="skipped from 2 to 5"):
             sink.record(reward("e6").model_copy(update={"producer": "proxy", "producer_seq": 5}))
         sink.commit()
