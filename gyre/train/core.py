@@ -17,6 +17,7 @@ from gyre.controller.weights import WeightStore
 from gyre.train.config import TrainConfig
 from gyre.trainer import StepCoordinator, TorchBackend
 from gyre.trainer.protocol import StepResult
+from gyre.trajectory.source import LiveLogSource
 
 
 @dataclass
@@ -40,6 +41,7 @@ class LocalCoreTrainer:
         self.backend, self.coordinator, self.weights = backend, coordinator, weights
         self._published = published
         self.on_trained = on_trained
+        self._source: LiveLogSource | None = None
 
     def join(self) -> None:
         self.backend.model.train()
@@ -50,15 +52,16 @@ class LocalCoreTrainer:
     def train_step(self, step: int, groups: tuple[str, ...]) -> None:
         from gyre.trainer import TrainBatch, work
         from gyre.trajectory import BatchBuilder, TrajectoryConfig
-        from gyre.trajectory.source import LogSource
 
         started = time.monotonic()
         self.coordinator.sink.commit()  # every reward the fold has seen is on disk before the query
         section = self.config.trajectory
         builder = BatchBuilder(TrajectoryConfig(cap=section.cap, min_valid_per_group=section.min_valid_per_group,
                                                 token_budget=section.token_budget, form=section.form))
-        source = LogSource(self.log_path, run_id=self.run_id)
-        micro = list(builder.batches(source.groups(group_ids=groups)))
+        if self._source is None:
+            self._source = LiveLogSource(self.log_path, run_id=self.run_id)
+        self._source.refresh()
+        micro = list(builder.batches(self._source.groups(group_ids=groups)))
         report = builder.report.to_dict()
         figures = StepTraining(step, policy_version=self.coordinator.state.policy_version,
                                excluded={k: v for k, v in report.items() if isinstance(v, int) and v

@@ -158,6 +158,50 @@ class LogSource:
             yield _loaded(group_id, members[group_id], pieces)
 
 
+BATCH_KINDS = ("execution_queued", "execution_finished", "reward_recorded", "evaluation_failed",
+               "model_call_finished")
+"""The kinds a batch is built from."""
+
+
+class LiveLogSource(LogSource):
+    """A run's growing log for step-by-step batch building: views created once, data added incrementally.
+
+    A fresh `LogSource` per step would decode the whole live segment again each time, so the cost of a
+    step would grow with the run. Here one DuckDB connection keeps a table of the batch kinds' events;
+    `refresh` appends what the log gained since the last call (a seq-range read), and each step's queries
+    are filtered to its groups (`groups(group_ids=...)`).
+    """
+
+    def __init__(self, path: str | Path, run_id: str | None = None, threads: int = 1) -> None:
+        from gyre.events.schema import event_schema
+        from gyre.log.query import create_kind_views
+
+        con = duckdb.connect()
+        con.execute(f"SET threads = {int(threads)}")
+        con.register("gyre_empty", event_schema().empty_table())
+        con.execute("CREATE TABLE gyre_events AS SELECT * FROM gyre_empty")
+        con.unregister("gyre_empty")
+        con.execute("CREATE VIEW events AS SELECT * FROM gyre_events")
+        create_kind_views(con)
+        super().__init__(path, con=con, run_id=run_id)
+        self.next_seq = 0
+
+    def refresh(self) -> int:
+        """Load the batch kinds' events appended since the last refresh; returns how many."""
+        added = 0
+        reader = LogReader(self.path)
+        upto = reader.last_seq()  # first: events written meanwhile wait for the next refresh, none is skipped
+        if upto < self.next_seq:
+            return 0
+        for batch in reader.read(from_seq=self.next_seq, to_seq=upto, kinds=BATCH_KINDS):
+            self.con.register("gyre_new", batch)
+            self.con.execute("INSERT INTO gyre_events SELECT * FROM gyre_new")
+            self.con.unregister("gyre_new")
+            added += batch.num_rows
+        self.next_seq = upto + 1
+        return added
+
+
 def _literal(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 

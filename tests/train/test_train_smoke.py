@@ -111,3 +111,13 @@ def test_ctrl_c_stops_cleanly_with_the_log_committed(tmp_path: Path) -> None:
     assert last.kind == "run_finished" and last.status == "interrupted"
     LogReader(config.run_dir / "log").verify()
     assert run.runner.running == 0  # the harness process groups were killed, not left behind
+
+
+def test_counterfactual_replay_retimes_a_live_log(trained) -> None:
+    from gyre.replay.counterfactual import retime
+
+    config, _ = trained
+    for policy in ("colocate", "elastic"):
+        measured = retime(config.run_dir / "log", policy)  # costs measured from the log itself
+        borrowed = retime(config.run_dir / "log", policy, scenario="tiny")
+        assert measured["steps"] == borrowed["steps"] == 2 and measured["executions"] == 8
