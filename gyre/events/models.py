@@ -326,6 +326,15 @@ class TrainStepFinished(Event):
     duration_s: NonNegativeFloat = 0.0
 
 
+class TrainStepAborted(Event):
+    """A train step that was open when its trainer died: it produced nothing and is trained again."""
+
+    kind: ClassVar[str] = "train_step_aborted"
+    view: ClassVar[str] = "train_steps_aborted"
+    step: NonNegativeInt
+    reason: str = ""
+
+
 class WeightsPublished(Event):
     kind: ClassVar[str] = "weights_published"
     view: ClassVar[str] = "weights_published"
@@ -335,6 +344,19 @@ class WeightsPublished(Event):
     location: str = Field("", description="the weights file, relative to the run directory")
     duration_s: NonNegativeFloat = 0.0
     sha256: str = Field("", description="checksum of the weights file")
+
+
+class CheckpointSaved(Event):
+    """Optimizer and trainer state after a step, durable under the run directory (resume starts here)."""
+
+    kind: ClassVar[str] = "checkpoint_saved"
+    view: ClassVar[str] = "checkpoints"
+    step: NonNegativeInt
+    policy_version: NonNegativeInt
+    covers_seq: NonNegativeInt = Field(description="the log prefix the checkpointed state is the fold of")
+    location: str = Field(description="the checkpoint directory, relative to the run directory")
+    weights: str = Field(description="the weights file of policy_version, relative to the run directory")
+    sha256: str = Field("", description="checksum of the optimizer state file")
 
 
 class SatelliteJoined(Event):
