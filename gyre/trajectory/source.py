@@ -43,7 +43,8 @@ evaluation AS (
         SELECT execution_id, seq, NULL::DOUBLE, NULL::BOOLEAN, error FROM evaluation_failures WHERE {scope})
     QUALIFY row_number() OVER (PARTITION BY execution_id ORDER BY seq DESC) = 1),
 calls AS (
-    SELECT execution_id, count(*) AS calls FROM events WHERE kind = 'model_call_finished' AND {scope}
+    SELECT execution_id, count(*) AS calls FROM events LEFT JOIN queued USING (execution_id)
+    WHERE kind = 'model_call_finished' AND {scope} AND seq > coalesce(queued.queued_seq, -1)
     GROUP BY execution_id)
 SELECT ids.execution_id, queued.group_id, queued.task_id, finished.status, evaluation.reward,
        coalesce(evaluation.partial, false) AS partial, evaluation.error, coalesce(calls.calls, 0) AS calls
@@ -56,6 +57,11 @@ ORDER BY queued.queued_seq NULLS LAST, ids.execution_id
 """
 
 CALLS_SQL = "SELECT execution_id, " + ", ".join(CALL_COLUMNS) + " FROM model_calls"
+
+RETRIED_SQL = """
+SELECT execution_id, max(seq) FROM executions_queued WHERE {scope} GROUP BY execution_id HAVING count(*) > 1
+"""
+"""Executions queued more than once (a new attempt after a crash): only calls after the last queueing count."""
 
 STREAM_ROWS = 4096
 
@@ -135,10 +141,16 @@ class LogSource:
         if not waiting:
             return
         expected = {o.execution_id: o.calls for outcomes in members.values() for o in outcomes}
+        retried = dict(self.con.execute(RETRIED_SQL.format(scope=scope)).fetchall())
         pieces: dict[str, list[CallFragment]] = defaultdict(list)
         received: dict[str, int] = defaultdict(int)
         for batch in self.con.sql(f"{CALLS_SQL} WHERE {scope}").to_arrow_reader(STREAM_ROWS):
             for execution_id, rows in _split(batch, wanted):
+                if execution_id in retried:  # only the last attempt's calls
+                    seqs = batch.column("seq").to_numpy()
+                    rows = rows[seqs[rows] > retried[execution_id]]
+                    if not len(rows):
+                        continue
                 pieces[execution_id].append(CallFragment.from_rows(batch, rows))
                 received[execution_id] += len(rows)
                 if received[execution_id] < expected[execution_id]:
