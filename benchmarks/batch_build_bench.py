@@ -64,13 +64,14 @@ def run(steps: int, executions: int, root: Path) -> dict:
             write_step(writer, batch, step)
             groups = {e.group_id for e in batch}
             started = time.perf_counter()
-            live.refresh()
+            live.refresh(writer.durable_seq)
             tokens = build(live, groups, BatchBuilder(config))
             live_times.append(time.perf_counter() - started)
             started = time.perf_counter()
             fresh = LogSource(root / "log", run_id=RUN)
             assert build(fresh, groups, BatchBuilder(config)) == tokens
             fresh_times.append(time.perf_counter() - started)
+        live.close()
     first = statistics.median(live_times[1:4])
     last = statistics.median(live_times[-3:])
     return {

@@ -36,11 +36,12 @@ class StepTraining:
 class LocalCoreTrainer:
     def __init__(self, config: TrainConfig, *, cell_id: str, run_id: str, log_path: Path, backend: TorchBackend,
                  coordinator: StepCoordinator, weights: WeightStore, published: Published | None,
-                 on_trained: Callable[[StepTraining], None]) -> None:
+                 on_trained: Callable[[StepTraining], None], durable_seq: Callable[[], int]) -> None:
         self.config, self.cell_id, self.run_id, self.log_path = config, cell_id, run_id, log_path
         self.backend, self.coordinator, self.weights = backend, coordinator, weights
         self._published = published
         self.on_trained = on_trained
+        self.durable_seq = durable_seq
         self._source: LiveLogSource | None = None
 
     def join(self) -> None:
@@ -60,7 +61,7 @@ class LocalCoreTrainer:
                                                 token_budget=section.token_budget, form=section.form))
         if self._source is None:
             self._source = LiveLogSource(self.log_path, run_id=self.run_id)
-        self._source.refresh()
+        self._source.refresh(self.durable_seq())
         micro = list(builder.batches(self._source.groups(group_ids=groups)))
         report = builder.report.to_dict()
         figures = StepTraining(step, policy_version=self.coordinator.state.policy_version,
@@ -91,6 +92,11 @@ class LocalCoreTrainer:
         figures.loss = summary.stats.loss_sum / result.normalizer
         figures.train_s = time.monotonic() - started
         self.on_trained(figures)
+
+    def close(self) -> None:
+        if self._source is not None:
+            self._source.close()
+            self._source = None
 
     def publish(self, version: int) -> None:
         stored = self.weights.save(version, dict(self.backend.named_tensors()))

@@ -172,7 +172,9 @@ class TrainingRun:
             self.coordinator = StepCoordinator(self.sink.producer("trainer"))
             self.trainer = LocalCoreTrainer(config, cell_id=CELL, run_id=self.run_id, log_path=self.log_path,
                                             backend=self.backend, coordinator=self.coordinator,
-                                            weights=self.weights, published=None, on_trained=self._trained)
+                                            weights=self.weights, published=None, on_trained=self._trained,
+                                            durable_seq=lambda: self.sink.writer.durable_seq)
+            self._closers.append(self.trainer.close)
             self.cell = LocalCell(CELL, engine=self.engine, admission=self.gate, trainer=self.trainer,
                                   weights=self.weights, sink=self.sink.producer(f"cell:{CELL}"),
                                   fail=self.controller.fail, redirect=self.proxy.redirect)

@@ -8,6 +8,8 @@ once the builder is done with it. Calls of executions that will not be trained (
 pending groups) are never kept.
 """
 
+import queue
+import threading
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -16,6 +18,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
+from gyre.events.models import EVENT_TYPES
 from gyre.log import LogReader
 from gyre.trajectory.calls import CALL_COLUMNS, CallFragment, ExecutionCalls
 from gyre.trajectory.errors import TrajectoryError
@@ -29,7 +32,7 @@ ids AS (
     UNION SELECT execution_id FROM executions_finished WHERE {scope}
     UNION SELECT execution_id FROM rewards WHERE {scope}
     UNION SELECT execution_id FROM evaluation_failures WHERE {scope}
-    UNION SELECT execution_id FROM events WHERE kind = 'model_call_finished' AND {scope}),
+    UNION SELECT execution_id FROM model_calls WHERE {scope}),
 queued AS (
     SELECT execution_id, task_id, group_id, seq AS queued_seq FROM executions_queued WHERE {scope}
     QUALIFY row_number() OVER (PARTITION BY execution_id ORDER BY seq DESC) = 1),
@@ -43,8 +46,8 @@ evaluation AS (
         SELECT execution_id, seq, NULL::DOUBLE, NULL::BOOLEAN, error FROM evaluation_failures WHERE {scope})
     QUALIFY row_number() OVER (PARTITION BY execution_id ORDER BY seq DESC) = 1),
 calls AS (
-    SELECT execution_id, count(*) AS calls FROM events LEFT JOIN queued USING (execution_id)
-    WHERE kind = 'model_call_finished' AND {scope} AND seq > coalesce(queued.queued_seq, -1)
+    SELECT execution_id, count(*) AS calls FROM model_calls LEFT JOIN queued USING (execution_id)
+    WHERE {scope} AND seq > coalesce(queued.queued_seq, -1)
     GROUP BY execution_id)
 SELECT ids.execution_id, queued.group_id, queued.task_id, finished.status, evaluation.reward,
        coalesce(evaluation.partial, false) AS partial, evaluation.error, coalesce(calls.calls, 0) AS calls
@@ -92,11 +95,12 @@ class LogSource:
         terms = []
         if self.run_id is not None:
             terms.append(f"run_id = {_literal(self.run_id)}")
-        if group_ids is not None:
+        if group_ids is not None:  # resolved to literal ids, so the filter is pushed into every scan
             groups = ", ".join(_literal(g) for g in group_ids) or "NULL"
             run = f"run_id = {_literal(self.run_id)} AND " if self.run_id is not None else ""
-            terms.append(f"execution_id IN (SELECT execution_id FROM executions_queued "
-                         f"WHERE {run}group_id IN ({groups}))")
+            ids = [row[0] for row in self.con.execute(
+                f"SELECT DISTINCT execution_id FROM executions_queued WHERE {run}group_id IN ({groups})").fetchall()]
+            terms.append(f"execution_id IN ({', '.join(_literal(e) for e in ids) or 'NULL'})")
         return " AND ".join(terms) or "TRUE"
 
     def outcomes(self, group_ids: Iterable[str] | None = None) -> list[ExecutionOutcome]:
@@ -176,42 +180,68 @@ BATCH_KINDS = ("execution_queued", "execution_finished", "reward_recorded", "eva
 
 
 class LiveLogSource(LogSource):
-    """A run's growing log for step-by-step batch building: views created once, data added incrementally.
+    """A run's growing log for step-by-step batch building: tables created once, data added incrementally.
 
-    A fresh `LogSource` per step would decode the whole live segment again each time, so the cost of a
-    step would grow with the run. Here one DuckDB connection keeps a table of the batch kinds' events;
-    `refresh` appends what the log gained since the last call (a seq-range read), and each step's queries
-    are filtered to its groups (`groups(group_ids=...)`).
+    A fresh `LogSource` per step decodes the whole live segment again, and every query scans every call,
+    so the cost of a step grows with the run. Here a follower thread tails the log (`LogReader.follow`:
+    only bytes not seen yet are read); `refresh(upto)` moves what it read, up to seq ``upto``, into one flat
+    table per batch kind, and each step's queries are filtered to its executions (`groups(group_ids=...)`),
+    a filter DuckDB pushes into each table scan.
     """
 
-    def __init__(self, path: str | Path, run_id: str | None = None, threads: int = 1) -> None:
+    def __init__(self, path: str | Path, run_id: str | None = None, threads: int = 1, poll_s: float = 0.02) -> None:
         from gyre.events.schema import event_schema
-        from gyre.log.query import create_kind_views
 
         con = duckdb.connect()
         con.execute(f"SET threads = {int(threads)}")
-        con.register("gyre_empty", event_schema().empty_table())
-        con.execute("CREATE TABLE gyre_events AS SELECT * FROM gyre_empty")
-        con.unregister("gyre_empty")
-        con.execute("CREATE VIEW events AS SELECT * FROM gyre_events")
-        create_kind_views(con)
+        con.register("gyre_new", event_schema().empty_table())
+        for kind in BATCH_KINDS:  # one flat table per kind: a step's filter never touches other rows' tokens
+            con.execute(f"CREATE TABLE {EVENT_TYPES[kind].view} AS {_flat(kind)}")
+        con.unregister("gyre_new")
         super().__init__(path, con=con, run_id=run_id)
         self.next_seq = 0
+        self._batches: queue.Queue[pa.RecordBatch | BaseException] = queue.Queue()
+        self._stop = threading.Event()
+        self._poll_s = poll_s
+        self._thread = threading.Thread(target=self._follow, name="gyre-batch-source", daemon=True)
+        self._thread.start()
 
-    def refresh(self) -> int:
-        """Load the batch kinds' events appended since the last refresh; returns how many."""
+    def _follow(self) -> None:
+        try:
+            for batch in LogReader(self.path).follow(from_seq=0, poll_s=self._poll_s, stop=self._stop):
+                self._batches.put(batch)
+        except BaseException as error:  # handed to refresh, never swallowed
+            self._batches.put(error)
+
+    def refresh(self, upto: int, timeout_s: float = 60.0) -> int:
+        """Load the batch kinds' events up to seq ``upto`` (written to the log); returns the rows added."""
         added = 0
-        reader = LogReader(self.path)
-        upto = reader.last_seq()  # first: events written meanwhile wait for the next refresh, none is skipped
-        if upto < self.next_seq:
-            return 0
-        for batch in reader.read(from_seq=self.next_seq, to_seq=upto, kinds=BATCH_KINDS):
-            self.con.register("gyre_new", batch)
-            self.con.execute("INSERT INTO gyre_events SELECT * FROM gyre_new")
+        while self.next_seq <= upto:
+            try:
+                item = self._batches.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TrajectoryError(f"the log at {self.path} did not reach seq {upto} within {timeout_s} s "
+                                      f"(read up to {self.next_seq - 1})") from None
+            if isinstance(item, BaseException):
+                raise TrajectoryError(f"following the log at {self.path} failed: {item}") from item
+            self.con.register("gyre_new", item)
+            for kind in BATCH_KINDS:
+                self.con.execute(f"INSERT INTO {EVENT_TYPES[kind].view} {_flat(kind)}")
             self.con.unregister("gyre_new")
-            added += batch.num_rows
-        self.next_seq = upto + 1
+            added += sum(1 for k in item.column("kind").to_pylist() if k in BATCH_KINDS)
+            self.next_seq = max(self.next_seq, item.column("seq")[-1].as_py() + 1)
         return added
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.con.close()
+
+
+def _flat(kind: str) -> str:
+    from gyre.events.schema import ENVELOPE_COLUMNS
+
+    return f"SELECT {', '.join(ENVELOPE_COLUMNS)}, UNNEST({kind}) FROM gyre_new WHERE kind = '{kind}'"
 
 
 def _literal(value: str) -> str:

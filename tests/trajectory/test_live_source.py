@@ -12,7 +12,8 @@ def execution(run: str, execution_id: str, group: str, step: int, outputs: list[
     events: list = [ExecutionQueued(run_id=run, execution_id=execution_id, task_id="t", group_id=group, step=step,
                                     attempt=attempt)]
     for i, output in enumerate(outputs):
-        events.append(ModelCallFinished(run_id=run, execution_id=execution_id, call_id=f"{execution_id}-a{attempt}-c{i}",
+        call_id = f"{execution_id}-a{attempt}-c{i}"
+        events.append(ModelCallFinished(run_id=run, execution_id=execution_id, call_id=call_id,
                                         cell_id="c0", prompt_delta_ids=[1, 2], output_ids=output,
                                         output_logprobs=[-0.5] * len(output)))
     events += [ExecutionFinished(run_id=run, execution_id=execution_id, status="completed", duration_s=1.0),
@@ -44,13 +45,14 @@ def test_the_live_source_grows_with_the_log_and_agrees_with_a_fresh_one(tmp_path
     live = LiveLogSource(tmp_path / "log", run_id="a")
     writer.append(execution("a", "e1", "g0", 0, [[5, 6]], 1.0))
     writer.commit()
-    assert live.refresh() == 4
+    assert live.refresh(writer.durable_seq) == 4
     assert call_ids(live, ["g0"]) == {"e1": ["e1-a0-c0"]}
     writer.append(execution("a", "e2", "g1", 1, [[7], [8]], 0.0))
     writer.commit()
-    assert live.refresh() == 5 and live.refresh() == 0
+    assert live.refresh(writer.durable_seq) == 5 and live.refresh(writer.durable_seq) == 0
     fresh = LogSource(tmp_path / "log", run_id="a")
     assert call_ids(live, ["g1"]) == call_ids(fresh, ["g1"]) == {"e2": ["e2-a0-c0", "e2-a0-c1"]}
+    live.close()
     writer.close()
 
 
