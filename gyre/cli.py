@@ -11,7 +11,7 @@ from gyre.log.cli import log_app
 from gyre.proxy.cli import proxy_app
 from gyre.replay.cli import replay_app
 from gyre.sim.cli import sim_app
-from gyre.train.cli import train
+from gyre.train.cli import export, train
 from gyre.trainer.cli import trainer_app
 from gyre.trajectory.cli import trajectories_app
 
@@ -24,6 +24,7 @@ app.add_typer(sim_app, name="sim")
 app.add_typer(replay_app, name="replay")
 app.add_typer(harness_app, name="harness")
 app.command("train")(train)
+app.command("export")(export)
 app.add_typer(trainer_app, name="trainer")
 
 schema_app = typer.Typer(no_args_is_help=True, help="The event schema.")

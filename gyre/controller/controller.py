@@ -77,6 +77,21 @@ class Controller:
         """Also tell ``observer`` of each folded event (progress, metrics), on the controller's thread."""
         self._observers.append(observer)
 
+    def catch_up(self, log_path) -> int:
+        """Fold the log as it stands (a resumed run), before anything new is recorded; returns its last seq."""
+        from gyre.log import LogReader
+
+        with self._cond:
+            if self._inbox:
+                raise ControllerError("catch_up must come before any producer records")
+        for event in LogReader(log_path).events():
+            assert event.seq is not None
+            self.fold.apply(event)
+            for observer in self._observers:
+                observer(event)
+            self.folded_seq = event.seq
+        return self.folded_seq
+
     # -- inputs ---------------------------------------------------------------------------------------------
 
     def _recorded(self, first_seq: int, events: list[Event]) -> None:

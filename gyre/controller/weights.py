@@ -54,6 +54,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_tree(path: Path) -> None:
+    """fsync every file under ``path``, then the directories, then its parent (a renamed tree is durable)."""
+    for item in sorted(path.rglob("*")):
+        if item.is_file():
+            fd = os.open(item, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for directory in [*sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True), path, path.parent]:
+        fsync_dir(directory)
+
+
 def write_atomically(path: Path, write) -> None:
     """``write(tmp_path)`` then fsync, rename and fsync the directory."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,11 +94,11 @@ class WeightStore:
     def path(self, location: str) -> Path:
         return self.run_dir / location
 
-    def save(self, version: int, tensors: dict[str, torch.Tensor]) -> StoredWeights:
+    def save(self, version: int, tensors: dict[str, torch.Tensor], location: str | None = None) -> StoredWeights:
         from safetensors.torch import save_file
 
         started = time.perf_counter()
-        location = self.location(version)
+        location = location or self.location(version)
         path = self.path(location)
         contiguous = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
         write_atomically(path, lambda tmp: save_file(contiguous, str(tmp), metadata={"policy_version": str(version)}))
@@ -111,6 +124,8 @@ class WeightStore:
         """Delete versions older than the last ``keep`` (except ``protected``); returns those deleted."""
         deleted = []
         for path in sorted((self.run_dir / WEIGHTS_DIR).glob("v*.safetensors")):
+            if not path.stem[1:].isdigit():
+                continue
             version = int(path.stem[1:])
             if version <= newest - self.keep and version not in protected:
                 path.unlink()

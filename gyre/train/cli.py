@@ -13,10 +13,13 @@ console = Console()
 
 
 def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g. examples/tiny-cpu.toml")],
-          steps: Annotated[int | None, typer.Option(help="override the number of steps")] = None) -> None:
+          steps: Annotated[int | None, typer.Option(help="override the number of steps")] = None,
+          resume: Annotated[bool, typer.Option(
+              "--resume", help="continue the run whose log is in the config's run_dir (same config)")] = False,
+          ) -> None:
     """Train a policy with RL on one machine: engine, proxy, harnesses, trajectories, GSPO.
 
-    Ctrl-C stops cleanly with the log committed.
+    Ctrl-C stops cleanly with the log committed; `--resume` continues a stopped or crashed run.
     """
     from gyre.train.config import TrainConfig
     from gyre.train.loop import StepRecord, TrainingRun
@@ -48,6 +51,9 @@ def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e
         elif phase == "rollout":
             console.print(f"[dim]step {figures['step']}: {figures['queued']} executions queued on policy "
                           f"v{figures['version']}[/dim]")
+        elif phase == "resumed":
+            console.print(f"[dim]resumed at policy v{figures['version']}: {figures['retrained_steps']} steps "
+                          f"retrained from their logged batches, open step aborted: {figures['aborted_step']}[/dim]")
         elif phase == "skipped":
             console.print(f"[yellow]step {figures['step']}: not trained: {figures['reason']}[/yellow]")
 
@@ -56,7 +62,7 @@ def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e
                   f"run directory {settings.run_dir}")
     try:
         with status:
-            run = TrainingRun(settings, progress)
+            run = TrainingRun(settings, progress, resume=resume)
             summary = run.run()
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: harnesses stopped, log committed[/yellow]")
@@ -75,3 +81,18 @@ def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e
     console.print(table)
     console.print(f"log: {summary.log}  (final policy v{summary.policy_version})")
     console.print(f'query it: gyre log sql {summary.log} "SELECT step, policy_version, loss FROM train_steps"')
+
+
+def export(run_dir: Annotated[Path, typer.Argument(help="the run directory (holds log/ and weights/)")],
+           out: Annotated[Path, typer.Argument(help="where to write the Hugging Face checkpoint")],
+           version: Annotated[int | None, typer.Option(help="policy version (default: the last published)")] = None,
+           ) -> None:
+    """Write a trained policy as a Hugging Face checkpoint (config, safetensors, tokenizer)."""
+    from gyre.train.export import export_policy
+
+    try:
+        written = export_policy(run_dir, out, version)
+    except GyreError as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(1) from None
+    console.print(f"policy v{written.version} of run {written.run_id} -> {written.path}")

@@ -62,7 +62,10 @@ class SchedulerSection(_Section):
 
 
 class CheckpointSection(_Section):
-    keep_weights: PositiveInt = Field(3, description="published weight versions kept under run_dir/weights")
+    keep_weights: PositiveInt = Field(3, description="published weight versions kept under run_dir/weights "
+                                                     "(besides those a checkpoint needs)")
+    every_steps: PositiveInt = Field(1, description="optimizer and trainer state saved after every N steps; "
+                                                    "every checkpoint is kept")
 
 
 class TrainConfig(_Section):

@@ -6,13 +6,22 @@ The run composes the components once, each with its own config, and hands the dr
 performs the decisions through the cell's actuator and queues each step's rollouts and training as the plan
 allows. The proxy, the harness runner, the trainer and the cell are producers on the controller's sink:
 the controller is the run's one log writer. The loop keeps no state that the log does not also hold.
+
+Resume (``resume=True``, `gyre train CONFIG --resume`): the config must equal the one ``run_started``
+recorded; the controller folds the whole log; a train step open at the crash is aborted; the trainer loads
+the last checkpoint and retrains the steps after it from their logged batches (checksums must match); the
+cell is brought to the role the log says (a pending switch is performed again) with the latest published
+weights in its engine; harness processes the crash orphaned are killed; every execution of a queued step
+that was not scored is queued again as a new attempt (only the last attempt is trained), and executions
+a crash kept from being queued are queued. A scored execution is never run or rewarded again.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -20,8 +29,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre.controller import Controller, LocalCell, RunPlan, WeightStore
+from gyre.controller.plan import step_groups
 from gyre.errors import ConfigError
-from gyre.events.models import CellRegistered, RunFinished, RunStarted
+from gyre.events.models import (
+    CellRegistered,
+    Event,
+    ExecutionFinished,
+    ExecutionQueued,
+    RewardRecorded,
+    RoleSwitchRequested,
+    RunFinished,
+    RunStarted,
+)
 from gyre.log import LogWriter
 from gyre.scheduler import CellSpec, SchedulerView, get_policy
 from gyre.sink import LogSink
@@ -62,28 +81,43 @@ Progress = Callable[[str, dict], None]
 """Called with a phase name and figures; the CLI draws it with rich."""
 
 
-def existing_run(log_path: Path) -> str | None:
-    """The run id of the log in ``log_path``, if there is one."""
+def run_start(log_path: Path) -> RunStarted | None:
+    """The ``run_started`` of the log in ``log_path``, if there is a log."""
     if not log_path.exists() or not any(log_path.glob("*.seg")):
         return None
     from gyre.log import LogReader
 
     first = next(LogReader(log_path).events(to_seq=0), None)
-    return first.run_id if isinstance(first, RunStarted) else "<unknown: the log does not begin with run_started>"
+    if not isinstance(first, RunStarted):
+        raise ConfigError(f"{log_path} holds a log that does not begin with run_started; it is not a Gyre run")
+    return first
+
+
+def config_differences(recorded: dict, given: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(recorded) | set(given)):
+        a, b = recorded.get(key), given.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: recorded {a!r}, given {b!r}")
+    return out
 
 
 @dataclass
-class _StepRollouts:
-    version: int
-    started: float
-    futures: list[Future] = field(default_factory=list)
-    ended: float = 0.0
+class _StepFacts:
+    """A step's executions and rewards as folded from the log (so a resumed run reports the same)."""
+
+    version: int = 0
+    executions: set[str] = field(default_factory=set)
+    first_queued_us: int | None = None
+    last_finished_us: int | None = None
 
 
 class TrainingRun:
     """Owns every component of one run; `run()` drives it through the controller, `close()` stops it."""
 
-    def __init__(self, config: TrainConfig, progress: Progress | None = None) -> None:
+    def __init__(self, config: TrainConfig, progress: Progress | None = None, *, resume: bool = False) -> None:
         from gyre.engine.client import SyncHttpEngineClient
         from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
         from gyre.engine.local.scheduler import SchedulerConfig
@@ -99,13 +133,27 @@ class TrainingRun:
         self.progress = progress or (lambda phase, figures: None)
         self.run_dir = config.run_dir
         self.log_path = self.run_dir / "log"
-        held = existing_run(self.log_path)
-        if held is not None:
-            raise ConfigError(f"{self.run_dir} already holds the log of run {held}; give another run_dir, or "
-                              f"--resume to continue that run")
-        self.run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
+        held = run_start(self.log_path)
+        if resume:
+            if held is None:
+                raise ConfigError(f"--resume: {self.run_dir} holds no run to resume")
+            recorded = json.loads(held.config)
+            differences = config_differences(recorded, json.loads(config.model_dump_json()))
+            if differences:
+                raise ConfigError(f"--resume: the config differs from the one run {held.run_id} started with: "
+                                  + "; ".join(differences))
+            self.run_id = held.run_id
+        elif held is not None:
+            raise ConfigError(f"{self.run_dir} already holds the log of run {held.run_id}; give another run_dir, "
+                              f"or --resume to continue that run")
+        else:
+            self.run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
+        self.resumed = resume
         self.records: dict[int, StepRecord] = {}
-        self._rollouts: dict[int, _StepRollouts] = {}
+        self._steps: dict[int, _StepFacts] = {}
+        self._step_of: dict[str, int] = {}
+        self._rewards: dict[str, float] = {}
+        self._futures: list[Future] = []
         self._lock = threading.Lock()
         self._closers: list[Callable[[], None]] = []
         self.policy = get_policy(config.scheduler.policy)
@@ -128,14 +176,20 @@ class TrainingRun:
             self.controller = Controller(self.sink, self.policy, self.params,
                                          RunPlan(steps=config.steps, staleness=config.scheduler.staleness),
                                          cells={}, rollouts=self)
+            self.controller.observe(self._observe)
             spec = CellSpec(CELL, is_core=True, slots=harness.max_concurrency)
-            role = self.policy.initial_roles([spec], self.params)[CELL]
-            self.controller.record([
-                RunStarted(run_id=self.run_id, name=config.name, policy=self.policy.name,
-                           policy_version=self.policy.version, policy_params=self.params.model_dump_json(),
-                           config=config.model_dump_json(), seed=config.seed, decision_points="explicit"),
-                CellRegistered(cell_id=CELL, role=role, is_core=True, slots=spec.slots),
-            ])
+            if resume:
+                self.controller.catch_up(self.log_path)
+                cell = self.controller.view.cluster.cells[CELL]
+                role = cell.role
+            else:
+                role = self.policy.initial_roles([spec], self.params)[CELL]
+                self.controller.record([
+                    RunStarted(run_id=self.run_id, name=config.name, policy=self.policy.name,
+                               policy_version=self.policy.version, policy_params=self.params.model_dump_json(),
+                               config=config.model_dump_json(), seed=config.seed, decision_points="explicit"),
+                    CellRegistered(cell_id=CELL, role=role, is_core=True, slots=spec.slots),
+                ])
 
             engine = LocalEngine(LocalEngineConfig(
                 model=config.engine.model, seed=config.seed, num_threads=config.engine.threads,
@@ -169,17 +223,23 @@ class TrainingRun:
                 loss=GSPOConfig(eps_low=trainer.eps_low, eps_high=trainer.eps_high, tis_cap=trainer.tis_cap),
                 optimizer=OptimizerConfig(lr=trainer.lr, weight_decay=trainer.weight_decay,
                                           max_grad_norm=trainer.max_grad_norm)))
-            self.coordinator = StepCoordinator(self.sink.producer("trainer"))
+            trainer_sink = self.sink.producer("trainer")
+            self.coordinator = (StepCoordinator.resume(trainer_sink, self.log_path) if resume
+                                else StepCoordinator(trainer_sink))
             self.trainer = LocalCoreTrainer(config, cell_id=CELL, run_id=self.run_id, log_path=self.log_path,
                                             backend=self.backend, coordinator=self.coordinator,
                                             weights=self.weights, published=None, on_trained=self._trained,
                                             durable_seq=lambda: self.sink.writer.durable_seq)
             self._closers.append(self.trainer.close)
+            engine_version = self._restore() if resume else 0
             self.cell = LocalCell(CELL, engine=self.engine, admission=self.gate, trainer=self.trainer,
                                   weights=self.weights, sink=self.sink.producer(f"cell:{CELL}"),
-                                  fail=self.controller.fail, redirect=self.proxy.redirect)
+                                  fail=self.controller.fail, redirect=self.proxy.redirect,
+                                  engine_version=engine_version)
             self._closers.append(self.cell.close)
             self.controller.cells[CELL] = self.cell
+            if resume:
+                self._resume_cell_and_rollouts()
         except BaseException:
             self.close()
             raise
@@ -192,53 +252,118 @@ class TrainingRun:
 
     def queue(self, step: int, policy_version: int) -> None:
         """Register and submit the executions of step ``step``: ``groups_per_step`` tasks x ``group_size``."""
+        for execution_id, group_id, task_id in self._step_plan(step):
+            self._submit(execution_id, group_id, task_id, step, policy_version, attempt=0)
+        self.progress("rollout", {"step": step, "queued": len(self._step_plan(step)), "version": policy_version})
+
+    def _step_plan(self, step: int) -> list[tuple[str, str, str]]:
+        """(execution id, group id, task id) of every execution of a step; ids are unique per run."""
+        config = self.config.rollout
+        out = []
+        for g in range(config.groups_per_step):
+            task_id = self.task_ids[(step * config.groups_per_step + g) % len(self.task_ids)]
+            for i in range(config.group_size):
+                out.append((f"{self.run_id}.s{step}-g{g}-e{i}", f"{self.run_id}.s{step}-g{g}-{task_id}", task_id))
+        return out
+
+    def _submit(self, execution_id: str, group_id: str, task_id: str, step: int, policy_version: int,
+                attempt: int) -> None:
         from gyre.harness.runner import Execution
 
-        config = self.config.rollout
-        tasks = [self.task_ids[(step * config.groups_per_step + g) % len(self.task_ids)]
-                 for g in range(config.groups_per_step)]
-        rollouts = self._rollouts[step] = _StepRollouts(policy_version, time.monotonic())
-        for g, task_id in enumerate(tasks):
-            group_id = f"{self.run_id}.s{step}-g{g}-{task_id}"
-            for i in range(config.group_size):
-                execution_id = f"{self.run_id}.s{step}-g{g}-e{i}"
-                registration = self.proxy.register_execution(execution_id, cell_id=CELL,
-                                                             policy_version=policy_version)
-                future = self.runner.submit(Execution(execution_id, self.tasks[task_id], group_id=group_id,
-                                                      token=registration.token, policy_version=policy_version,
-                                                      cell_id=CELL, step=step))
-                future.add_done_callback(lambda _, e=execution_id, r=rollouts: self._ended(e, r))
-                rollouts.futures.append(future)
-        self.progress("rollout", {"step": step, "queued": len(rollouts.futures), "version": policy_version})
+        registration = self.proxy.register_execution(execution_id, cell_id=CELL, policy_version=policy_version)
+        future = self.runner.submit(Execution(execution_id, self.tasks[task_id], group_id=group_id,
+                                              token=registration.token, policy_version=policy_version,
+                                              attempt=attempt, cell_id=CELL, step=step))
+        future.add_done_callback(lambda _: self.proxy.proxy.unregister_execution(execution_id))
+        self._futures.append(future)
 
-    def _ended(self, execution_id: str, rollouts: _StepRollouts) -> None:
-        self.proxy.proxy.unregister_execution(execution_id)
+    def _observe(self, event: Event) -> None:
+        """Per-step facts for the progress figures, folded from the log on the controller's thread."""
         with self._lock:
-            rollouts.ended = max(rollouts.ended, time.monotonic())
+            if isinstance(event, ExecutionQueued) and event.step is not None:
+                facts = self._steps.setdefault(event.step, _StepFacts(event.policy_version))
+                facts.executions.add(event.execution_id)
+                self._step_of[event.execution_id] = event.step
+                if facts.first_queued_us is None and event.ts is not None:
+                    facts.first_queued_us = int(event.ts.timestamp() * 1e6)
+            elif isinstance(event, ExecutionFinished) and event.execution_id in self._step_of:
+                facts = self._steps[self._step_of[event.execution_id]]
+                if event.ts is not None:
+                    facts.last_finished_us = int(event.ts.timestamp() * 1e6)
+            elif isinstance(event, RewardRecorded):
+                self._rewards[event.execution_id] = event.reward
 
     def _tick(self, view: SchedulerView) -> None:
-        open_steps = [s for s in self._rollouts if s not in view.work.trained]
-        if open_steps:
-            step = open_steps[0]
-            done = sum(f.done() for f in self._rollouts[step].futures)
-            self.progress("rolling", {"step": step, "queued": self.runner.queued, "running": self.runner.running,
-                                      "done": done, "version": self._rollouts[step].version})
+        waiting = [s for s in sorted(view.work.steps) if s >= 0 and s not in view.work.trained]
+        if waiting:
+            work = view.work.steps[waiting[0]]
+            self.progress("rolling", {"step": waiting[0], "queued": self.runner.queued,
+                                      "running": self.runner.running,
+                                      "done": work.executions - sum(work.group_sizes.values()),
+                                      "version": view.trainer.policy_version})
 
     # -- the training side (called on the cell's thread) -----------------------------------------------------
 
     def _trained(self, figures: StepTraining) -> None:
-        rollouts = self._rollouts[figures.step]
-        results = [f.result() for f in rollouts.futures]
-        rewards = [r.reward for r in results if r.reward is not None]
-        record = StepRecord(step=figures.step, policy_version=rollouts.version, executions=len(results),
+        with self._lock:
+            facts = self._steps.get(figures.step, _StepFacts())
+            rewards = [self._rewards[e] for e in facts.executions if e in self._rewards]
+            rollout_s = ((facts.last_finished_us - facts.first_queued_us) / 1e6
+                         if facts.last_finished_us and facts.first_queued_us else 0.0)
+        record = StepRecord(step=figures.step, policy_version=facts.version, executions=len(facts.executions),
                             scored=len(rewards), reward_mean=sum(rewards) / len(rewards) if rewards else None,
                             micro_steps=figures.micro_steps, trained_tokens=figures.trained_tokens,
-                            loss=figures.loss, rollout_s=rollouts.ended - rollouts.started, train_s=figures.train_s,
+                            loss=figures.loss, rollout_s=rollout_s, train_s=figures.train_s,
                             excluded=figures.excluded or {})
         self.records[figures.step] = record
         if not figures.micro_steps:
             self.progress("skipped", {"step": figures.step, "reason": "no group had enough scored executions"})
         self.after_step(record)
+
+    # -- resume -----------------------------------------------------------------------------------------------
+
+    def _restore(self) -> int:
+        """The trainer back to the logged state; returns the weight version now in the engine."""
+        aborted = self.coordinator.abort_open_step("the trainer restarted (resume)")
+        view = self.controller.view
+        retrained = self.trainer.restore(lambda s: step_groups(view, s))
+        self.progress("resumed", {"aborted_step": aborted, "retrained_steps": retrained,
+                                  "version": self.coordinator.state.policy_version})
+        published = self.trainer.published()
+        if published is None:
+            return 0
+        path = self.weights.verify(published.location, published.sha256)
+        self.engine.update_weights_from_disk(str(path), version=str(published.version))
+        return published.version
+
+    def _resume_cell_and_rollouts(self) -> None:
+        from gyre.log import LogReader
+
+        view = self.controller.view
+        cell = view.cluster.cells[CELL]
+        if cell.switching_to is not None and cell.switching_to != cell.role:  # perform the pending decision again
+            pending = [e for e in LogReader(self.log_path).events(kinds=["role_switch_requested"])
+                       if isinstance(e, RoleSwitchRequested) and e.cell_id == CELL]
+            self.cell.switch(pending[-1])
+        elif cell.role == "training":
+            self.engine.pause("abort")
+        con = LogReader(self.log_path).duckdb()
+        attempts = {e: (a, t, g, s) for e, a, t, g, s in con.execute(
+            "SELECT execution_id, max(attempt), any_value(task_id), any_value(group_id), any_value(step) "
+            "FROM executions_queued WHERE run_id = ? GROUP BY execution_id", [self.run_id]).fetchall()}
+        pids = dict(con.execute("SELECT execution_id, arg_max(pid, seq) FROM executions_started "
+                                "WHERE run_id = ? AND pid IS NOT NULL GROUP BY execution_id",
+                                [self.run_id]).fetchall())
+        version = view.trainer.policy_version
+        for execution_id in sorted(view.work.execution_group):  # queued, not scored: run again
+            attempt, task_id, group_id, step = attempts[execution_id]
+            if execution_id in pids:
+                reap(pids[execution_id])
+            self._submit(execution_id, group_id, task_id, step, version, attempt=attempt + 1)
+        for step in sorted(s for s in view.work.steps if s >= 0):  # a crash in the middle of queueing a step
+            for execution_id, group_id, task_id in self._step_plan(step):
+                if execution_id not in attempts:
+                    self._submit(execution_id, group_id, task_id, step, version, attempt=0)
 
     def after_step(self, record: StepRecord) -> None:
         """Once a step is trained and its weights published: progress, and the place for per-step metrics
@@ -279,4 +404,19 @@ class TrainingRun:
             self.sink.close()
 
 
-__all__ = ["CELL", "RunSummary", "StepRecord", "TrainingRun", "existing_run"]
+def reap(pid: int) -> bool:
+    """Kill the process group of a harness the crash orphaned, if it still runs; True if one was killed.
+
+    The runner starts each harness as the leader of its own session, so a live process whose session id is
+    its pid is that harness (or its group), not an unrelated process that reused the pid.
+    """
+    try:
+        if os.getsid(pid) != pid:
+            return False
+        os.killpg(pid, signal.SIGKILL)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+__all__ = ["CELL", "RunSummary", "StepRecord", "TrainingRun", "reap", "run_start"]

@@ -18,6 +18,7 @@ from gyre.events.models import (
     MicroStepFinished,
     SatelliteJoined,
     SatelliteLeft,
+    TrainStepAborted,
     TrainStepFinished,
     TrainStepStarted,
     WeightsPublished,
@@ -81,6 +82,16 @@ class StepCoordinator:
                 commit=True,
             )
             return step
+
+    def abort_open_step(self, reason: str) -> int | None:
+        """Close a step its trainer died in (a resume): it produced nothing and will be opened again."""
+        with self._lock:
+            step = open_step(self.state)
+            if step is None:
+                return None
+            self._append(TrainStepAborted(step=step.step, reason=reason), commit=True)
+            self._lock.notify_all()
+            return step.step
 
     def mark_ready(self, tokens: Mapping[int, int], executions: Mapping[int, tuple[str, ...]] | None = None) -> None:
         """Micro-steps whose data now exists (micro-step -> tokens); wakes replicas waiting for work."""
