@@ -66,15 +66,16 @@ class Controller:
         self._training: int | None = None
         self._decided_at = -2
         """The prefix of the last decision point: a policy decides once per prefix."""
-        self._observers: list[Callable[[Event], None]] = []
+        self._observers: list[Callable[[int, Event], None]] = []
         sink.on_record = self._recorded
 
     @property
     def view(self) -> SchedulerView:
         return self.fold.view
 
-    def observe(self, observer: Callable[[Event], None]) -> None:
-        """Also tell ``observer`` of each folded event (progress, metrics), on the controller's thread."""
+    def observe(self, observer: Callable[[int, Event], None]) -> None:
+        """Also tell ``observer`` of each folded event and its seq (progress, metrics), on the controller's
+        thread (the events handed on by the sink carry no seq of their own)."""
         self._observers.append(observer)
 
     def catch_up(self, log_path) -> int:
@@ -88,7 +89,7 @@ class Controller:
             assert event.seq is not None
             self.fold.apply(event)
             for observer in self._observers:
-                observer(event)
+                observer(event.seq, event)
             self.folded_seq = event.seq
         return self.folded_seq
 
@@ -146,10 +147,10 @@ class Controller:
             if first != self.folded_seq + 1:
                 raise ControllerError(f"the controller folded up to seq {self.folded_seq} but was handed "
                                       f"events from seq {first}: the sink's order is broken")
-            for event in events:
+            for seq, event in enumerate(events, start=first):
                 self.fold.apply(event)
                 for observer in self._observers:
-                    observer(event)
+                    observer(seq, event)
             self.folded_seq = first + len(events) - 1
             self.stats.folded += len(events)
         if self._training is not None and self._training in self.view.work.trained:

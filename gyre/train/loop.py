@@ -117,7 +117,9 @@ class _StepFacts:
 class TrainingRun:
     """Owns every component of one run; `run()` drives it through the controller, `close()` stops it."""
 
-    def __init__(self, config: TrainConfig, progress: Progress | None = None, *, resume: bool = False) -> None:
+    def __init__(self, config: TrainConfig, progress: Progress | None = None, *, resume: bool = False,
+                 kill_at: int | None = None) -> None:
+        """``kill_at``: SIGKILL this process once the controller folds that seq (`gyre.train.crash`)."""
         from gyre.engine.client import SyncHttpEngineClient
         from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
         from gyre.engine.local.scheduler import SchedulerConfig
@@ -177,6 +179,8 @@ class TrainingRun:
                                          RunPlan(steps=config.steps, staleness=config.scheduler.staleness),
                                          cells={}, rollouts=self)
             self.controller.observe(self._observe)
+            if kill_at is not None:
+                self.controller.observe(lambda seq, _: seq >= kill_at and os.kill(os.getpid(), signal.SIGKILL))
             spec = CellSpec(CELL, is_core=True, slots=harness.max_concurrency)
             if resume:
                 self.controller.catch_up(self.log_path)
@@ -269,7 +273,10 @@ class TrainingRun:
     def _submit(self, execution_id: str, group_id: str, task_id: str, step: int, policy_version: int,
                 attempt: int) -> None:
         from gyre.harness.runner import Execution
+        from gyre.harness.workspace import ExecutionDirs
 
+        if self.resumed:
+            set_aside(ExecutionDirs.for_execution(self.runner.root, execution_id, attempt).root)
         registration = self.proxy.register_execution(execution_id, cell_id=CELL, policy_version=policy_version)
         future = self.runner.submit(Execution(execution_id, self.tasks[task_id], group_id=group_id,
                                               token=registration.token, policy_version=policy_version,
@@ -277,7 +284,7 @@ class TrainingRun:
         future.add_done_callback(lambda _: self.proxy.proxy.unregister_execution(execution_id))
         self._futures.append(future)
 
-    def _observe(self, event: Event) -> None:
+    def _observe(self, seq: int, event: Event) -> None:
         """Per-step facts for the progress figures, folded from the log on the controller's thread."""
         with self._lock:
             if isinstance(event, ExecutionQueued) and event.step is not None:
@@ -351,14 +358,10 @@ class TrainingRun:
         attempts = {e: (a, t, g, s) for e, a, t, g, s in con.execute(
             "SELECT execution_id, max(attempt), any_value(task_id), any_value(group_id), any_value(step) "
             "FROM executions_queued WHERE run_id = ? GROUP BY execution_id", [self.run_id]).fetchall()}
-        pids = dict(con.execute("SELECT execution_id, arg_max(pid, seq) FROM executions_started "
-                                "WHERE run_id = ? AND pid IS NOT NULL GROUP BY execution_id",
-                                [self.run_id]).fetchall())
+        reap_orphans(self.runner.root)
         version = view.trainer.policy_version
         for execution_id in sorted(view.work.execution_group):  # queued, not scored: run again
             attempt, task_id, group_id, step = attempts[execution_id]
-            if execution_id in pids:
-                reap(pids[execution_id])
             self._submit(execution_id, group_id, task_id, step, version, attempt=attempt + 1)
         for step in sorted(s for s in view.work.steps if s >= 0):  # a crash in the middle of queueing a step
             for execution_id, group_id, task_id in self._step_plan(step):
@@ -404,19 +407,35 @@ class TrainingRun:
             self.sink.close()
 
 
-def reap(pid: int) -> bool:
-    """Kill the process group of a harness the crash orphaned, if it still runs; True if one was killed.
+def reap_orphans(executions_dir: Path) -> int:
+    """Kill the process groups of harnesses a crash orphaned: every process working inside the run's
+    execution directories (their start may never have reached the log, so their pids are not known).
+    Returns how many groups were killed. Linux: reads /proc."""
+    root = str(executions_dir.resolve()) + os.sep
+    groups = set()
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if (os.readlink(entry / "cwd") + os.sep).startswith(root):
+                groups.add(os.getpgid(int(entry.name)))
+        except OSError:  # gone, or not ours to look at
+            continue
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except OSError:
+            continue
+    return len(groups)
 
-    The runner starts each harness as the leader of its own session, so a live process whose session id is
-    its pid is that harness (or its group), not an unrelated process that reused the pid.
-    """
-    try:
-        if os.getsid(pid) != pid:
-            return False
-        os.killpg(pid, signal.SIGKILL)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
+
+def set_aside(dirs_root: Path) -> None:
+    """Move an execution directory a crash left behind (its attempt never reached the log) out of the way,
+    keeping it: nothing already written is deleted."""
+    if dirs_root.exists():
+        stale = dirs_root.parent / ".stale"
+        stale.mkdir(exist_ok=True)
+        dirs_root.rename(stale / f"{dirs_root.name}.{uuid.uuid4().hex[:8]}")
 
 
-__all__ = ["CELL", "RunSummary", "StepRecord", "TrainingRun", "reap", "run_start"]
+__all__ = ["CELL", "RunSummary", "StepRecord", "TrainingRun", "reap_orphans", "run_start", "set_aside"]
