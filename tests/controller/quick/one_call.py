@@ -5,7 +5,9 @@ import os
 import sys
 import urllib.request
 
-task, answer = open(sys.argv[1]).read(), sys.argv[2]
+with open(sys.argv[1]) as f:
+    task = f.read()
+answer = sys.argv[2]
 request = urllib.request.Request(
     os.environ["OPENAI_BASE_URL"] + "/chat/completions",
     data=json.dumps({"model": os.environ.get("OPENAI_MODEL", "gyre"),

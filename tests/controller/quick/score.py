@@ -4,7 +4,8 @@ import json
 import sys
 
 try:
-    text = open(sys.argv[1]).read()
+    with open(sys.argv[1]) as f:
+        text = f.read()
 except FileNotFoundError:
     text = ""
 print(json.dumps({"reward": sum(c in text for c in "helo") / 4, "details": {}}))
