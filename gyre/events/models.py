@@ -204,6 +204,7 @@ class ModelCallStarted(Event):
     branch: BranchKind = "main"
     prompt_tokens: NonNegativeInt = 0
     policy_version: NonNegativeInt = 0
+    attempt: NonNegativeInt = Field(0, description="the execution's attempt the call belongs to")
 
 
 class ModelCallFinished(Event):
@@ -230,6 +231,8 @@ class ModelCallFinished(Event):
     latency_s: NonNegativeFloat = 0.0
     finish_reason: FinishReason = "stop"
     drift_tokens: NonNegativeInt = Field(0, description="rendered prefix tokens that differed from the record")
+    attempt: NonNegativeInt = Field(0, description="the execution's attempt the call belongs to: only the last "
+                                                   "attempt of an execution is trained")
 
     @model_validator(mode="after")
     def _tokens_line_up(self) -> "ModelCallFinished":

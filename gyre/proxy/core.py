@@ -105,12 +105,13 @@ class Proxy:
     # -- the runner's API ------------------------------------------------------------------------------
 
     def register_execution(
-        self, execution_id: str, token: str | None = None, *, cell_id: str | None = None, policy_version: int = 0
+        self, execution_id: str, token: str | None = None, *, cell_id: str | None = None, policy_version: int = 0,
+        attempt: int = 0,
     ) -> Registration:
         """Accept calls carrying `token` (generated when None) as `execution_id`, pinned to `cell_id`."""
         cell = self.router.pin(execution_id, cell_id)
         try:
-            state = self.registry.add(execution_id, token, cell, policy_version)
+            state = self.registry.add(execution_id, token, cell, policy_version, attempt)
         except ValueError:
             if cell_id is None or self.router.cell_of(execution_id) == cell:
                 self.router.unpin(execution_id)
@@ -182,6 +183,7 @@ class Proxy:
                 branch=branch,
                 prompt_tokens=plan.prompt_len,
                 policy_version=state.registration.policy_version,
+                attempt=state.registration.attempt,
             )
         )
         call = ActiveCall(self, state, record, plan, params, stream=stream, cell_id=cell)
@@ -406,5 +408,6 @@ class ActiveCall:
                 latency_s=time.perf_counter() - self.started,
                 finish_reason=finish,
                 drift_tokens=self.plan.drift,
+                attempt=self.state.registration.attempt,
             )
         )

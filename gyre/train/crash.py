@@ -116,6 +116,12 @@ def check(config: TrainConfig, report: CrashReport) -> None:
     """).fetchall()
     if lost:
         report.problems.append(f"executions never scored nor excluded: {lost[:3]}")
+    (strays,) = con.execute("""
+        SELECT count(*) FROM model_calls c
+        JOIN (SELECT execution_id, max(attempt) AS last FROM executions_queued GROUP BY 1) q USING (execution_id)
+        WHERE c.attempt > q.last""").fetchone()
+    if strays:
+        report.problems.append(f"{strays} model calls name an attempt that was never queued")
     versions = [v for (v,) in con.execute("SELECT policy_version FROM weights_published ORDER BY seq").fetchall()]
     report.versions = versions
     if versions != list(range(1, len(versions) + 1)):

@@ -277,7 +277,8 @@ class TrainingRun:
 
         if self.resumed:
             set_aside(ExecutionDirs.for_execution(self.runner.root, execution_id, attempt).root)
-        registration = self.proxy.register_execution(execution_id, cell_id=CELL, policy_version=policy_version)
+        registration = self.proxy.register_execution(execution_id, cell_id=CELL, policy_version=policy_version,
+                                                     attempt=attempt)
         future = self.runner.submit(Execution(execution_id, self.tasks[task_id], group_id=group_id,
                                               token=registration.token, policy_version=policy_version,
                                               attempt=attempt, cell_id=CELL, step=step))

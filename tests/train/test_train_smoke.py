@@ -89,6 +89,12 @@ def test_a_second_run_into_the_same_directory_is_refused(trained) -> None:
         TrainingRun(config)
 
 
+def test_resume_refuses_a_different_config(trained) -> None:
+    config, summary = trained
+    with pytest.raises(ConfigError, match=r"differs from the one run .* steps: recorded 2, given 3"):
+        TrainingRun(config.model_copy(update={"steps": 3}), resume=True)
+
+
 def test_ctrl_c_stops_cleanly_with_the_log_committed(tmp_path: Path) -> None:
     config = TrainConfig(
         name="interrupt", run_dir=tmp_path / "run", seed=1, steps=3,
