@@ -216,7 +216,6 @@ class TrainingRun:
             self.gate = Gate(is_open=role == "rollout")
             self.runner = HarnessRunner(harness, sink=self.sink.producer("harness"), proxy_url=proxy_url,
                                         root=self.run_dir / "executions", gate=self.gate)
-            self._closers.append(lambda: self.runner.close(kill_running=True))
 
             from gyre.engine.local.engine import load_model
 
@@ -241,6 +240,8 @@ class TrainingRun:
                                   fail=self.controller.fail, redirect=self.proxy.redirect,
                                   engine_version=engine_version)
             self._closers.append(self.cell.close)
+            # Closed first: killing the harnesses ends a drain the cell may be waiting on.
+            self._closers.append(lambda: self.runner.close(kill_running=True))
             self.controller.cells[CELL] = self.cell
             if resume:
                 self._resume_cell_and_rollouts()
