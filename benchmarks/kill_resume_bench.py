@@ -9,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gyre.train.config import RolloutSection, SamplingSection, TrainConfig, TrainerSection
+from gyre.train.config import CheckpointSection, RolloutSection, SamplingSection, TrainConfig, TrainerSection
 from gyre.train.crash import torture
 
 QUICK = Path(__file__).resolve().parents[1] / "tests" / "controller" / "quick"
@@ -28,12 +28,14 @@ def main() -> None:
             name="kill-bench", run_dir=Path(root) / "run", seed=args.seed, steps=args.steps,
             rollout=RolloutSection(tasks=QUICK / "tasks.toml", harness=QUICK / "harness.toml", task_ids=("hello",),
                                    groups_per_step=1, group_size=2, max_concurrency=2, timeout_s=30),
-            sampling=SamplingSection(max_tokens=8), trainer=TrainerSection(lr=1e-3, eps_low=0.2, eps_high=0.28))
+            sampling=SamplingSection(max_tokens=8), trainer=TrainerSection(lr=1e-3, eps_low=0.2, eps_high=0.28),
+            checkpoint=CheckpointSection(every_steps=2))
         started = time.monotonic()
         report = torture(config, points=args.points, seed=args.seed, max_gap=args.max_gap, children=args.points * 3)
         seconds = time.monotonic() - started
     result = {"points": len(report.kill_points), "resumes": report.resumes, "steps": args.steps,
               "executions": report.executions, "rewards": report.rewards, "versions": report.versions,
+              "retrained_steps": report.retrained,
               "problems": report.problems, "passed": report.ok, "seconds": round(seconds, 1)}
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 

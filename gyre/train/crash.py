@@ -31,19 +31,27 @@ class CrashReport:
     executions: int = 0
     rewards: int = 0
     versions: list[int] = field(default_factory=list)
+    retrained: int = 0
+    """Steps resumes retrained from their logged batches (their weights matched the logged checksums)."""
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
-def _child(config: TrainConfig, resume: bool, kill_at: int | None) -> None:
+def _child(config: TrainConfig, resume: bool, kill_at: int | None, notes: Path) -> None:
     """The body of a forked child: run or resume, SIGKILL itself at ``kill_at``; never returns."""
     code = 0
+
+    def progress(phase: str, figures: dict) -> None:
+        if phase == "resumed":  # told to the parent through a file: the child may die any moment after
+            with open(notes, "a") as f:
+                f.write(f"{figures['retrained_steps']}\n")
+
     try:
         from gyre.train.loop import TrainingRun
 
-        run = TrainingRun(config, resume=resume, kill_at=kill_at)
+        run = TrainingRun(config, progress, resume=resume, kill_at=kill_at)
         run.run()
     except BaseException:
         traceback.print_exc(file=sys.stderr)
@@ -66,17 +74,26 @@ def last_seq(log: Path) -> int:
 
 
 def torture(config: TrainConfig, *, points: int, seed: int, max_gap: int = 12, children: int = 100) -> CrashReport:
-    """Kill ``points`` children at seeded seqs (each 1..``max_gap`` events after the log's end), then finish."""
+    """Kill ``points`` children at seeded seqs, then let the last one finish.
+
+    Points rise by 1..``max_gap`` from the previous point (or the log's end, if further): events past the
+    last commit die with their process and their seqs are handed out again, so points taken from the log's
+    end alone could keep killing the same early stretch of the run.
+    """
     warm(config)
     rng = random.Random(seed)
     report = CrashReport()
     log = config.run_dir / "log"
+    notes = config.run_dir.parent / f"{config.run_dir.name}.resumes"
+    point = -1
     for _ in range(children):
         end = last_seq(log)
-        kill_at = end + rng.randint(1, max_gap) if len(report.kill_points) < points else None
+        kill_at = None
+        if len(report.kill_points) < points:
+            kill_at = point = max(point, end) + rng.randint(1, max_gap)
         pid = os.fork()
         if pid == 0:
-            _child(config, resume=end >= 0, kill_at=kill_at)
+            _child(config, resume=end >= 0, kill_at=kill_at, notes=notes)
         _, status = os.waitpid(pid, 0)
         report.resumes += end >= 0
         if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
@@ -90,6 +107,8 @@ def torture(config: TrainConfig, *, points: int, seed: int, max_gap: int = 12, c
         return report
     else:
         report.problems.append(f"the run did not finish within {children} children")
+    if notes.exists():
+        report.retrained = sum(int(line) for line in notes.read_text().split())
     check(config, report)
     return report
 

@@ -90,7 +90,7 @@ def test_a_second_run_into_the_same_directory_is_refused(trained) -> None:
 
 
 def test_resume_refuses_a_different_config(trained) -> None:
-    config, summary = trained
+    config, _ = trained
     with pytest.raises(ConfigError, match=r"differs from the one run .* steps: recorded 2, given 3"):
         TrainingRun(config.model_copy(update={"steps": 3}), resume=True)
 
