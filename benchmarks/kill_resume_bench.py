@@ -1,6 +1,6 @@
 """kill -9 / resume torture at more points than `make test` runs (tests/controller/test_kill_resume.py).
 
-    python benchmarks/kill_resume_bench.py --points 60 --steps 6 --seed 1 --json
+    python benchmarks/kill_resume_bench.py --points 60 --steps 12 --seed 1 --json
 """
 
 import argparse
@@ -18,9 +18,8 @@ QUICK = Path(__file__).resolve().parents[1] / "tests" / "controller" / "quick"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--points", type=int, default=60)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--max-gap", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="gyre-kill-") as root:
@@ -31,9 +30,12 @@ def main() -> None:
             sampling=SamplingSection(max_tokens=8), trainer=TrainerSection(lr=1e-3, eps_low=0.2, eps_high=0.28),
             checkpoint=CheckpointSection(every_steps=2))
         started = time.monotonic()
-        report = torture(config, points=args.points, seed=args.seed, max_gap=args.max_gap, children=args.points * 3)
+        report = torture(config, points=args.points, seed=args.seed, children=args.points * 3)
         seconds = time.monotonic() - started
-    result = {"points": len(report.kill_points), "resumes": report.resumes, "steps": args.steps,
+    kinds: dict[str, int] = {}
+    for kind, _ in report.kill_points:
+        kinds[kind] = kinds.get(kind, 0) + 1
+    result = {"points": len(report.kill_points), "killed_on": kinds, "resumes": report.resumes, "steps": args.steps,
               "executions": report.executions, "rewards": report.rewards, "versions": report.versions,
               "retrained_steps": report.retrained,
               "problems": report.problems, "passed": report.ok, "seconds": round(seconds, 1)}

@@ -1,9 +1,11 @@
 """Kill -9 torture of a training run: SIGKILL at seeded points, resume, and check that nothing was lost.
 
 Each attempt runs in a child forked from the (warm: everything imported) parent; a child is killed with
-SIGKILL by itself the moment its controller folds the chosen seq — wherever the other threads are (a
-harness running, a micro-step, a publish, a checkpoint, the resume itself). The next child resumes the
-log. The last one runs to the end. `check` then holds the run to its promises: every execution queued is
+SIGKILL by itself the moment its controller folds the next event of a seeded kind — a model call, a
+reward, a role switch, a micro-step claim or finish, a finished step, a publish, a checkpoint — wherever
+the other threads are. The next child resumes the log. The last one runs to the end. Points are events of
+the run's phases rather than seqs: a resume queues unscored executions again, so seq-based points kept
+landing in the first step's rollouts. `check` then holds the run to its promises: every execution queued is
 scored at most once (and every one is scored, excluded by its evaluator, or ended by its harness), train
 steps and published versions are gapless, and exact replay finds no mismatch.
 """
@@ -24,8 +26,8 @@ from gyre.train.config import TrainConfig
 
 @dataclass
 class CrashReport:
-    kill_points: list[int] = field(default_factory=list)
-    """Seqs at which a child was killed."""
+    kill_points: list[tuple[str, int]] = field(default_factory=list)
+    """(kind, n): a child was killed on folding the log's n-th event of that kind."""
     resumes: int = 0
     problems: list[str] = field(default_factory=list)
     executions: int = 0
@@ -39,7 +41,7 @@ class CrashReport:
         return not self.problems
 
 
-def _child(config: TrainConfig, resume: bool, kill_at: int | None, notes: Path) -> None:
+def _child(config: TrainConfig, resume: bool, kill_at: tuple[str, int] | None, notes: Path) -> None:
     """The body of a forked child: run or resume, SIGKILL itself at ``kill_at``; never returns."""
     code = 0
 
@@ -69,39 +71,46 @@ def warm(config: TrainConfig) -> None:
     load_model(LocalEngineConfig(model=config.engine.model, seed=config.seed))
 
 
-def last_seq(log: Path) -> int:
-    return LogReader(log).last_seq() if log.is_dir() and any(log.glob("*.seg")) else -1
+def phases(config: TrainConfig) -> dict[str, int]:
+    """Kinds to kill on, with how many the whole run logs at least (a resume adds more of some)."""
+    executions = config.steps * config.rollout.groups_per_step * config.rollout.group_size
+    return {"execution_started": executions, "model_call_started": executions, "model_call_finished": executions,
+            "execution_finished": executions, "reward_recorded": executions,
+            "role_switch_completed": 2 * config.steps - 1, "micro_step_claimed": config.steps,
+            "micro_step_finished": config.steps, "train_step_finished": config.steps,
+            "weights_published": config.steps, "checkpoint_saved": config.steps // config.checkpoint.every_steps}
 
 
-def torture(config: TrainConfig, *, points: int, seed: int, max_gap: int = 12, children: int = 100) -> CrashReport:
-    """Kill ``points`` children at seeded seqs, then let the last one finish.
+def torture(config: TrainConfig, *, points: int, seed: int, children: int = 200) -> CrashReport:
+    """Kill ``points`` children at seeded phase events, then let the last one finish.
 
-    Points rise by 1..``max_gap`` from the previous point (or the log's end, if further): events past the
-    last commit die with their process and their seqs are handed out again, so points taken from the log's
-    end alone could keep killing the same early stretch of the run.
+    Each point is the next not-yet-logged occurrence of a kind drawn from `phases` (those the run still has
+    to log, weighted by how many are left), so every child gets past what the log holds before it dies.
     """
     warm(config)
     rng = random.Random(seed)
     report = CrashReport()
     log = config.run_dir / "log"
     notes = config.run_dir.parent / f"{config.run_dir.name}.resumes"
-    point = -1
     for _ in range(children):
-        end = last_seq(log)
+        logged = logged_kinds(log)
         kill_at = None
         if len(report.kill_points) < points:
-            kill_at = point = max(point, end) + rng.randint(1, max_gap)
+            remaining = {k: total - logged.get(k, 0) for k, total in sorted(phases(config).items())
+                         if logged.get(k, 0) < total}
+            if remaining:  # frequent kinds more often, so points spread over the whole run
+                kind = rng.choices(list(remaining), weights=list(remaining.values()))[0]
+                kill_at = (kind, logged.get(kind, 0) + 1)
+        resume = bool(logged)
         pid = os.fork()
         if pid == 0:
-            _child(config, resume=end >= 0, kill_at=kill_at, notes=notes)
+            _child(config, resume=resume, kill_at=kill_at, notes=notes)
         _, status = os.waitpid(pid, 0)
-        report.resumes += end >= 0
-        if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
-            report.kill_points.append(kill_at if kill_at is not None else -1)
+        report.resumes += resume
+        if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL and kill_at is not None:
+            report.kill_points.append(kill_at)
             continue
         if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
-            if kill_at is not None:  # the run ended before reaching the point: count it as the last
-                pass
             break
         report.problems.append(f"a child ended with status {status} (kill point {kill_at})")
         return report
@@ -111,6 +120,13 @@ def torture(config: TrainConfig, *, points: int, seed: int, max_gap: int = 12, c
         report.retrained = sum(int(line) for line in notes.read_text().split())
     check(config, report)
     return report
+
+
+def logged_kinds(log: Path) -> dict[str, int]:
+    """Events per kind the log holds (empty: no log yet)."""
+    if not (log.is_dir() and any(log.glob("*.seg"))):
+        return {}
+    return dict(LogReader(log).duckdb().execute("SELECT kind, count(*) FROM events GROUP BY kind").fetchall())
 
 
 def check(config: TrainConfig, report: CrashReport) -> None:

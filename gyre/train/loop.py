@@ -118,8 +118,9 @@ class TrainingRun:
     """Owns every component of one run; `run()` drives it through the controller, `close()` stops it."""
 
     def __init__(self, config: TrainConfig, progress: Progress | None = None, *, resume: bool = False,
-                 kill_at: int | None = None) -> None:
-        """``kill_at``: SIGKILL this process once the controller folds that seq (`gyre.train.crash`)."""
+                 kill_at: tuple[str, int] | None = None) -> None:
+        """``kill_at = (kind, n)``: SIGKILL this process once the controller folds the log's ``n``-th event of
+        that kind (counted from the log's start, resumed events included; `gyre.train.crash`)."""
         from gyre.engine.client import SyncHttpEngineClient
         from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
         from gyre.engine.local.scheduler import SchedulerConfig
@@ -180,7 +181,7 @@ class TrainingRun:
                                          cells={}, rollouts=self)
             self.controller.observe(self._observe)
             if kill_at is not None:
-                self.controller.observe(lambda seq, _: seq >= kill_at and os.kill(os.getpid(), signal.SIGKILL))
+                self.controller.observe(_killer(*kill_at))
             spec = CellSpec(CELL, is_core=True, slots=harness.max_concurrency)
             if resume:
                 self.controller.catch_up(self.log_path)
@@ -407,6 +408,19 @@ class TrainingRun:
             self._stop_components()
         finally:
             self.sink.close()
+
+
+def _killer(kind: str, nth: int) -> Callable[[int, Event], None]:
+    seen = 0
+
+    def observe(seq: int, event: Event) -> None:
+        nonlocal seen
+        if event.kind == kind:
+            seen += 1
+            if seen >= nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return observe
 
 
 def reap_orphans(executions_dir: Path) -> int:
