@@ -81,6 +81,10 @@ def phases(config: TrainConfig) -> dict[str, int]:
             "weights_published": config.steps, "checkpoint_saved": config.steps // config.checkpoint.every_steps}
 
 
+FIRST_POINTS = ("reward_recorded", "micro_step_claimed", "weights_published")
+"""Kinds of the first kill points: during rollout, mid-step, during publish (all reached within step 0)."""
+
+
 def torture(config: TrainConfig, *, points: int, seed: int, children: int = 200) -> CrashReport:
     """Kill ``points`` children at seeded phase events, then let the last one finish.
 
@@ -92,14 +96,23 @@ def torture(config: TrainConfig, *, points: int, seed: int, children: int = 200)
     report = CrashReport()
     log = config.run_dir / "log"
     notes = config.run_dir.parent / f"{config.run_dir.name}.resumes"
+    tour = list(FIRST_POINTS)
     for _ in range(children):
         logged = logged_kinds(log)
         kill_at = None
         if len(report.kill_points) < points:
             remaining = {k: total - logged.get(k, 0) for k, total in sorted(phases(config).items())
                          if logged.get(k, 0) < total}
-            if remaining:  # frequent kinds more often, so points spread over the whole run
+            first_round = [k for k in tour if k in remaining and k not in {p[0] for p in report.kill_points}]
+            unscored = phases(config)["reward_recorded"] - logged.get("reward_recorded", 0)
+            if unscored and logged:  # a resume queues every unscored execution again: a kill during the resume
+                remaining["execution_queued"] = unscored
+            kind = None
+            if first_round:  # a rollout, a mid-step and a publish point first, whatever the timing
+                kind = first_round[0]
+            elif remaining:  # then frequent kinds more often, so points spread over the whole run
                 kind = rng.choices(list(remaining), weights=list(remaining.values()))[0]
+            if kind is not None:
                 kill_at = (kind, logged.get(kind, 0) + 1)
         resume = bool(logged)
         pid = os.fork()
