@@ -102,7 +102,8 @@ def run_instant_engine() -> None:
 def run_proxy_process(engine_url: str, executions: int, log_dir: str) -> None:
     """Serve a proxy with `executions` registered executions (tokens `_token(i)`); URL on stdout."""
     from gyre.log import LogWriter
-    from gyre.proxy import LogSink, Proxy, ProxyConfig, ProxyServer
+    from gyre.proxy import Proxy, ProxyConfig, ProxyServer
+    from gyre.sink import LogSink
 
     proxy = Proxy(ProxyConfig(engines={"cell0": engine_url}), sink=LogSink(LogWriter(log_dir, run_id="bench")))
     server = ProxyServer(proxy)

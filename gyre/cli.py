@@ -8,11 +8,12 @@ import typer
 from gyre.engine.cli import engine_app
 from gyre.harness.cli import harness_app
 from gyre.log.cli import log_app
-from gyre.observe.cli import export, report
+from gyre.observe.cli import export as export_metrics
+from gyre.observe.cli import report
 from gyre.proxy.cli import proxy_app
 from gyre.replay.cli import replay_app
 from gyre.sim.cli import sim_app
-from gyre.train.cli import train
+from gyre.train.cli import export, train
 from gyre.trainer.cli import trainer_app
 from gyre.trajectory.cli import trajectories_app
 
@@ -25,9 +26,10 @@ app.add_typer(sim_app, name="sim")
 app.add_typer(replay_app, name="replay")
 app.add_typer(harness_app, name="harness")
 app.command("train")(train)
+app.command("export")(export)
 app.add_typer(trainer_app, name="trainer")
 app.command("report")(report)
-app.command("export")(export)
+app.command("metrics")(export_metrics)
 
 schema_app = typer.Typer(no_args_is_help=True, help="The event schema.")
 app.add_typer(schema_app, name="schema")

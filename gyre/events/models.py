@@ -7,7 +7,7 @@ requires by narrowing their type (``execution_id: str``); the rest stay optional
 Evolution is additive: new kinds and new optional fields only. Renaming or retyping a field is a new kind.
 """
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, model_validator
 
@@ -22,7 +22,8 @@ from gyre.events.fields import (
     TokenIds,
 )
 
-ENVELOPE_FIELDS: tuple[str, ...] = ("seq", "ts", "run_id", "execution_id", "call_id", "cell_id", "step")
+ENVELOPE_FIELDS: tuple[str, ...] = (
+    "seq", "ts", "run_id", "execution_id", "call_id", "cell_id", "step", "producer", "producer_seq")
 """Envelope columns besides ``kind``, in storage order."""
 
 EVENT_TYPES: dict[str, type["Event"]] = {}
@@ -45,6 +46,10 @@ class Event(BaseModel):
     call_id: str | None = None
     cell_id: str | None = None
     step: NonNegativeInt | None = None
+    producer: str | None = None
+    """Who handed the event to the log writer (a proxy, a harness runner, a trainer, the controller)."""
+    producer_seq: NonNegativeInt | None = None
+    """The producer's own gapless count of its events: the writer drops what it already holds (exactly once)."""
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
@@ -87,6 +92,9 @@ class RunStarted(Event):
     config: str = Field("{}", description="the whole run configuration as JSON")
     seed: int | None = None
     gyre_version: str = ""
+    decision_points: Literal["instant", "explicit"] = Field(
+        "instant", description="instant: a policy decides once per timestamp (the simulator's clock); explicit: "
+                               "each decision names the log prefix it was decided on (decided_at_seq)")
 
 
 class RunFinished(Event):
@@ -127,6 +135,8 @@ class RoleSwitchRequested(Event):
     reason: str = ""
     watermark: NonNegativeInt | None = Field(None, description="running + queued executions at decision time")
     redirects: list[Redirect] = Field(default_factory=list)
+    decided_at_seq: NonNegativeInt | None = Field(
+        None, description="seq of the last event of the log prefix the policy decided on (live runs)")
 
 
 class RoleSwitchCompleted(Event):
@@ -136,6 +146,14 @@ class RoleSwitchCompleted(Event):
     from_role: Role
     to_role: Role
     duration_s: NonNegativeFloat
+    drain_s: NonNegativeFloat | None = Field(None, description="waiting for the cell's executions to leave it")
+    redirected_calls: NonNegativeInt | None = Field(None, description="in-flight calls moved to other cells")
+    redirect_s: NonNegativeFloat | None = None
+    engine_pause_s: NonNegativeFloat | None = Field(None, description="pausing and releasing the engine")
+    weights_bytes: NonNegativeInt | None = Field(None, description="weights moved into the engine on return")
+    weights_s: NonNegativeFloat | None = None
+    engine_resume_s: NonNegativeFloat | None = None
+    trainer_join_s: NonNegativeFloat | None = Field(None, description="the trainer taking the cell over")
 
 
 # --- executions ------------------------------------------------------------------------------------------
@@ -189,6 +207,7 @@ class ModelCallStarted(Event):
     rerendered_turns: NonNegativeInt = 0
     """Earlier assistant turns the chat template renders differently now from what the model wrote (Qwen3
     drops earlier `<think>`): their recorded output is not reused, so the call is a new root or drifts."""
+    attempt: NonNegativeInt = Field(0, description="the execution's attempt the call belongs to")
 
 
 class ModelCallFinished(Event):
@@ -215,6 +234,8 @@ class ModelCallFinished(Event):
     latency_s: NonNegativeFloat = 0.0
     finish_reason: FinishReason = "stop"
     drift_tokens: NonNegativeInt = Field(0, description="rendered prefix tokens that differed from the record")
+    attempt: NonNegativeInt = Field(0, description="the execution's attempt the call belongs to: only the last "
+                                                   "attempt of an execution is trained")
 
     @model_validator(mode="after")
     def _tokens_line_up(self) -> "ModelCallFinished":
@@ -348,14 +369,37 @@ class TrainStepFinished(Event):
     optimizer_s: NonNegativeFloat | None = Field(None, description="phase: the optimizer step")
 
 
+class TrainStepAborted(Event):
+    """A train step that was open when its trainer died: it produced nothing and is trained again."""
+
+    kind: ClassVar[str] = "train_step_aborted"
+    view: ClassVar[str] = "train_steps_aborted"
+    step: NonNegativeInt
+    reason: str = ""
+
+
 class WeightsPublished(Event):
     kind: ClassVar[str] = "weights_published"
     view: ClassVar[str] = "weights_published"
     policy_version: NonNegativeInt
     tensors: NonNegativeInt = 0
     bytes: NonNegativeInt = 0
-    location: str = ""
+    location: str = Field("", description="the weights file, relative to the run directory")
     duration_s: NonNegativeFloat = 0.0
+    sha256: str = Field("", description="checksum of the weights file")
+
+
+class CheckpointSaved(Event):
+    """Optimizer and trainer state after a step, durable under the run directory (resume starts here)."""
+
+    kind: ClassVar[str] = "checkpoint_saved"
+    view: ClassVar[str] = "checkpoints"
+    step: NonNegativeInt
+    policy_version: NonNegativeInt
+    covers_seq: NonNegativeInt = Field(description="the log prefix the checkpointed state is the fold of")
+    location: str = Field(description="the checkpoint directory, relative to the run directory")
+    weights: str = Field(description="the weights file of policy_version, relative to the run directory")
+    sha256: str = Field("", description="checksum of the optimizer state file")
 
 
 class SatelliteJoined(Event):

@@ -29,6 +29,8 @@ ENVELOPE_TYPES: dict[str, pa.DataType] = {
     "call_id": pa.string(),
     "cell_id": pa.string(),
     "step": pa.int64(),
+    "producer": pa.string(),
+    "producer_seq": pa.int64(),
 }
 ENVELOPE_COLUMNS: tuple[str, ...] = ("seq", "ts", "kind", *ENVELOPE_FIELDS[2:])
 

@@ -1,8 +1,8 @@
 """`gyre.harness`: runs unmodified harnesses as subprocesses in their own workspaces, then scores them.
 
-    taskset = TaskSet.load("tasks/toy/tasks.toml")
+    taskset = TaskSet.load("tasks/toy/tasks.toml")   # sink: any gyre.sink.EventSink
     config = HarnessConfig.load("agents/toy_agent/harness.toml")
-    with HarnessRunner(config, sink=LogSink(writer), proxy_url=proxy_url, root=run_dir / "executions") as runner:
+    with HarnessRunner(config, sink=sink, proxy_url=proxy_url, root=run_dir / "executions") as runner:
         results = runner.run_group([Execution(f"g0-{i}", taskset["hello"], "g0", token=tokens[i])
                                     for i in range(16)])
     rewards = [r.reward for r in results]   # None: excluded (evaluation failed or not evaluated)
@@ -29,7 +29,6 @@ from gyre.harness.evaluation import (
 )
 from gyre.harness.evaluators import CommandEvaluator, PythonEvaluator, build_evaluator
 from gyre.harness.runner import Execution, ExecutionResult, HarnessRunner
-from gyre.harness.sink import EventSink, LogSink, MemorySink
 from gyre.harness.tasks import Task, TaskSet, TaskSetSpec, TaskSpec
 from gyre.harness.workspace import ExecutionDirs
 
@@ -42,7 +41,6 @@ __all__ = [
     "EvaluationOutcome",
     "Evaluator",
     "EvaluatorConfig",
-    "EventSink",
     "Execution",
     "ExecutionDirs",
     "ExecutionResult",
@@ -50,8 +48,6 @@ __all__ = [
     "HarnessConfig",
     "HarnessError",
     "HarnessRunner",
-    "LogSink",
-    "MemorySink",
     "PythonEvaluator",
     "PythonEvaluatorConfig",
     "RewardOutcome",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, cast
 
@@ -16,8 +17,8 @@ from gyre.events.models import Event
 from gyre.harness.config import HarnessConfig
 from gyre.harness.evaluation import EvaluationContext, RewardOutcome
 from gyre.harness.runner import Execution, HarnessRunner
-from gyre.harness.sink import EventSink, LogSink, MemorySink
 from gyre.harness.tasks import TaskSet
+from gyre.sink import EventSink, LogSink, MemorySink
 
 harness_app = typer.Typer(no_args_is_help=True, help="Harnesses, tasks and evaluators.")
 console = Console()
@@ -54,10 +55,11 @@ def run_one(
     memory = MemorySink()
     writer = LogWriter(log) if log is not None else None
     try:
-        sinks: list[EventSink] = [memory] if writer is None else [memory, LogSink(writer)]
+        sinks: list[EventSink] = [memory] if writer is None else [memory, LogSink(writer, close_writer=False)]
         fanout = _Fanout(sinks)
         with HarnessRunner(HarnessConfig.load(config), sink=fanout, proxy_url=proxy_url, root=root) as runner:
             result = runner.run(execution)
+        fanout.close()
     finally:
         if writer is not None:
             writer.close()
@@ -94,6 +96,16 @@ class _Fanout:
     def __init__(self, sinks: list[EventSink]) -> None:
         self.sinks = sinks
 
-    def record(self, event: Event) -> None:
+    def record(self, events: Event | Sequence[Event]) -> int:
+        return [sink.record(events) for sink in self.sinks][-1]
+
+    def commit(self, position: int | None = None) -> None:
         for sink in self.sinks:
-            sink.record(event)
+            sink.commit()
+
+    async def durable(self, position: int) -> None:
+        self.commit()
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()

@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,10 +32,10 @@ from gyre.harness.config import HarnessConfig
 from gyre.harness.errors import HarnessError, WorkspaceError
 from gyre.harness.evaluation import EvaluationContext, EvaluationOutcome, RewardOutcome
 from gyre.harness.process import GroupProcess, ProcessOutcome, tail
-from gyre.harness.sink import EventSink
 from gyre.harness.tasks import ID_PATTERN, Task
 from gyre.harness.template import expand_all
 from gyre.harness.workspace import ExecutionDirs, prepare
+from gyre.sink import EventSink
 
 _ID = re.compile(ID_PATTERN)
 
@@ -55,6 +55,8 @@ class Execution:
     policy_version: int = 0
     attempt: int = 0
     cell_id: str | None = None
+    step: int | None = None
+    """The train step whose batch the execution feeds (None outside a training run)."""
     env: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -88,12 +90,62 @@ class ExecutionResult:
         return self.evaluation.reward if isinstance(self.evaluation, RewardOutcome) else None
 
 
+class Gate:
+    """Admits executions to their cell while it serves rollouts; the controller's actuator opens and closes it.
+
+    An execution waits at a closed gate before its harness starts (it stays queued in the log); `wait_idle`
+    returns once every admitted execution has ended and been scored (the drain of a role switch).
+    """
+
+    def __init__(self, is_open: bool = True) -> None:
+        self._cond = threading.Condition()
+        self._open = is_open
+        self._inside = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    def open(self) -> None:
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._open = False
+
+    def enter(self, stop: Callable[[], bool]) -> bool:
+        """Wait until the gate is open (True) or ``stop()`` holds (False); `interrupt` re-checks ``stop``."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._open or stop())
+            if stop():
+                return False
+            self._inside += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._inside -= 1
+            self._cond.notify_all()
+
+    def wait_idle(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._inside == 0)
+
+    def interrupt(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
 class HarnessRunner:
     """Runs executions with bounded concurrency and records their events in `sink`."""
 
-    def __init__(self, config: HarnessConfig, *, sink: EventSink, proxy_url: str, root: str | os.PathLike[str]) -> None:
+    def __init__(self, config: HarnessConfig, *, sink: EventSink, proxy_url: str, root: str | os.PathLike[str],
+                 gate: Gate | None = None) -> None:
         self.config = config
         self.sink = sink
+        self.gate = gate
         self.proxy_url = proxy_url.rstrip("/")
         self.root = Path(root).resolve()
         self._pool = ThreadPoolExecutor(max_workers=config.max_concurrency, thread_name_prefix="gyre-harness")
@@ -114,7 +166,8 @@ class HarnessRunner:
                 raise HarnessError("the harness runner is closed")
             self.sink.record(ExecutionQueued(execution_id=execution.execution_id, task_id=execution.task.id,
                                              group_id=execution.group_id, policy_version=execution.policy_version,
-                                             attempt=execution.attempt, cell_id=execution.cell_id))
+                                             attempt=execution.attempt, cell_id=execution.cell_id,
+                                             step=execution.step))
             self._queued += 1
             return self._pool.submit(self._execute, execution)
 
@@ -149,6 +202,8 @@ class HarnessRunner:
             self._closed = True
         if kill_running:
             self._cancel.set()
+        if self.gate is not None:
+            self.gate.interrupt()  # executions held at a closed gate end without starting
         self._pool.shutdown(wait=True)
 
     def __enter__(self) -> HarnessRunner:
@@ -164,7 +219,17 @@ class HarnessRunner:
             self._queued -= 1
             self._running += 1
         try:
-            return self._execute_counted(execution)
+            if self.gate is None:
+                return self._execute_counted(execution)
+            if not self.gate.enter(lambda: self._cancel.is_set() or (self._closed and not self.gate.is_open)):
+                dirs = ExecutionDirs.for_execution(self.root, execution.execution_id, execution.attempt)
+                return self._finish(execution, dirs, "harness_error", None, 0.0,
+                                    "cancelled before it started (runner closed while its cell was not serving)",
+                                    False)
+            try:
+                return self._execute_counted(execution)
+            finally:
+                self.gate.leave()
         finally:
             with self._lock:
                 self._running -= 1
@@ -200,14 +265,15 @@ class HarnessRunner:
     def _finish(self, execution: Execution, dirs: ExecutionDirs, status: ExecutionStatus, exit_code: int | None,
                 duration_s: float, message: str, evaluate: bool) -> ExecutionResult:
         message = message[-self.config.message_chars:]
-        self.sink.record(ExecutionFinished(execution_id=execution.execution_id, status=status,
-                                           duration_s=duration_s, exit_code=exit_code, message=message))
+        position = self.sink.record(ExecutionFinished(execution_id=execution.execution_id, status=status,
+                                                      duration_s=duration_s, exit_code=exit_code, message=message))
         outcome = None
         if evaluate:
             context = EvaluationContext(execution_id=execution.execution_id, task=execution.task.spec,
                                         workspace=dirs.workspace, scratch_dir=dirs.evaluation, status=status)
             outcome = execution.task.evaluator.evaluate(context)
-            self.sink.record(outcome.event(execution.execution_id))
+            position = self.sink.record(outcome.event(execution.execution_id))
+        self.sink.commit(position)  # an execution's end and score are durable before its future resolves
         return ExecutionResult(execution.execution_id, execution.task.id, execution.group_id, status, exit_code,
                                duration_s, message, dirs, outcome)
 

@@ -39,9 +39,14 @@ def connect(path: str | Path, con: duckdb.DuckDBPyConnection | None = None) -> d
         con.register("gyre_live_events", table)
         parts.append("SELECT * FROM gyre_live_events")
     con.execute("CREATE OR REPLACE VIEW events AS " + " UNION ALL ".join(parts))
+    create_kind_views(con)
+    return con
+
+
+def create_kind_views(con: duckdb.DuckDBPyConnection) -> None:
+    """One flattened view per kind over the connection's ``events`` view."""
     for kind, model in EVENT_TYPES.items():
         con.execute(
             f"CREATE OR REPLACE VIEW {model.view} AS SELECT {_ENVELOPE_SELECT}, UNNEST({kind}) "
             f"FROM events WHERE kind = '{kind}'"
         )
-    return con

@@ -12,22 +12,18 @@ from gyre.proxy.errors import ApiError, ProxyError, UnknownCellError, UnknownExe
 from gyre.proxy.registry import Registration
 from gyre.proxy.routing import KvMove, KvMover, KvMoveResult, RecomputeKv
 from gyre.proxy.server import ProxyServer, serve
-from gyre.proxy.sink import CallSink, LogSink, MemorySink
 from gyre.proxy.transport import EngineLink, GenerateEngine, Prompt
 
 __all__ = [
     "ActiveCall",
     "ApiError",
     "CallSettings",
-    "CallSink",
     "EngineLink",
     "GenerateEngine",
     "KvMove",
     "KvMoveResult",
     "KvMover",
-    "LogSink",
     "MarkersConfig",
-    "MemorySink",
     "Prompt",
     "Proxy",
     "ProxyConfig",

@@ -63,10 +63,11 @@ def serve(
     from gyre.auth import TokenError, TokenFile
     from gyre.errors import GyreError
     from gyre.log import LogWriter
-    from gyre.proxy import LogSink, MarkersConfig, MemorySink, Proxy, ProxyConfig
+    from gyre.proxy import MarkersConfig, Proxy, ProxyConfig
     from gyre.proxy import serve as run_server
     from gyre.proxy.template_render import renderer_for
     from gyre.proxy.tokens import TokenCodec
+    from gyre.sink import LogSink, MemorySink
 
     engines = _engines(engine)
     try:

@@ -34,11 +34,11 @@ from gyre.proxy.kv_mover import MooncakeKvMover
 from gyre.proxy.registry import ExecutionRegistry, ExecutionState, Registration
 from gyre.proxy.render import ChatRenderer
 from gyre.proxy.routing import Flight, KvMove, KvMover, RecomputeKv, Router
-from gyre.proxy.sink import CallSink, MemorySink
 from gyre.proxy.template_render import renderer_for
 from gyre.proxy.tito import CallRecord, Plan
 from gyre.proxy.tokens import TokenCodec
 from gyre.proxy.transport import EngineLink, GenerateEngine, Prompt, prompt_of
+from gyre.sink import EventSink, MemorySink
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +86,14 @@ class Proxy:
         self,
         config: ProxyConfig,
         *,
-        sink: CallSink | None = None,
+        sink: EventSink | None = None,
         codec: TokenCodec | None = None,
         renderer: ChatRenderer | None = None,
         engines: Mapping[str, GenerateEngine] | None = None,
         kv_mover: KvMover | None = None,
     ) -> None:
         self.config = config
-        self.sink: CallSink = sink if sink is not None else MemorySink()
+        self.sink: EventSink = sink if sink is not None else MemorySink()
         self.codec = codec if codec is not None else TokenCodec.load(config.tokenizer)
         if renderer is None:
             renderer = renderer_for(self.codec.tokenizer, self.codec.stop_texts)
@@ -114,12 +114,13 @@ class Proxy:
     # -- the runner's API ------------------------------------------------------------------------------
 
     def register_execution(
-        self, execution_id: str, token: str | None = None, *, cell_id: str | None = None, policy_version: int = 0
+        self, execution_id: str, token: str | None = None, *, cell_id: str | None = None, policy_version: int = 0,
+        attempt: int = 0,
     ) -> Registration:
         """Accept calls carrying `token` (generated when None) as `execution_id`, pinned to `cell_id`."""
         cell = self.router.pin(execution_id, cell_id)
         try:
-            state = self.registry.add(execution_id, token, cell, policy_version)
+            state = self.registry.add(execution_id, token, cell, policy_version, attempt)
         except ValueError:
             if cell_id is None or self.router.cell_of(execution_id) == cell:
                 self.router.unpin(execution_id)
@@ -229,6 +230,7 @@ class Proxy:
                 prompt_tokens=plan.prompt_len,
                 policy_version=state.registration.policy_version,
                 rerendered_turns=rendering.rewritten,
+                attempt=state.registration.attempt,
             )
         )
         call = ActiveCall(self, state, record, plan, params, stream=stream, cell_id=cell)
@@ -459,5 +461,6 @@ class ActiveCall:
                 latency_s=time.perf_counter() - self.started,
                 finish_reason=finish,
                 drift_tokens=self.plan.drift,
+                attempt=self.state.registration.attempt,
             )
         )

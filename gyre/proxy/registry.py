@@ -24,6 +24,8 @@ class Registration:
     token: str
     cell_id: str
     policy_version: int = 0
+    attempt: int = 0
+    """The execution's attempt (a resumed run queues an unfinished execution again): stamped on its calls."""
 
 
 @dataclass(eq=False)
@@ -55,11 +57,12 @@ class ExecutionRegistry:
         self._by_id: dict[str, ExecutionState] = {}
         self._by_token: dict[bytes, ExecutionState] = {}
 
-    def add(self, execution_id: str, token: str | None, cell_id: str, policy_version: int = 0) -> ExecutionState:
+    def add(self, execution_id: str, token: str | None, cell_id: str, policy_version: int = 0,
+            attempt: int = 0) -> ExecutionState:
         token = auth.mint() if token is None else auth.check(token, f"token of execution {execution_id!r}")
         if not execution_id:
             raise ValueError("execution_id must be non-empty")
-        registration = Registration(execution_id, token, cell_id, policy_version)
+        registration = Registration(execution_id, token, cell_id, policy_version, attempt)
         state = ExecutionState(registration, CallTree(self._codec), AgentBook(self._markers))
         digest = auth.digest(token)
         with self._lock:

@@ -96,9 +96,11 @@ class ProxyServer:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     def register_execution(
-        self, execution_id: str, token: str | None = None, *, cell_id: str | None = None, policy_version: int = 0
+        self, execution_id: str, token: str | None = None, *, cell_id: str | None = None, policy_version: int = 0,
+        attempt: int = 0,
     ) -> Registration:
-        return self.proxy.register_execution(execution_id, token, cell_id=cell_id, policy_version=policy_version)
+        return self.proxy.register_execution(execution_id, token, cell_id=cell_id, policy_version=policy_version,
+                                             attempt=attempt)
 
     def harness_env(self, registration: Registration) -> dict[str, str]:
         return harness_env(registration, self.url, self.proxy.config.model_name)

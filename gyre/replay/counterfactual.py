@@ -10,6 +10,7 @@ recorded durations, taken under the recorded load, are re-timed as if they were 
 """
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +44,41 @@ ORDER BY q.seq
 """
 
 
-def run_scenario(start: RunStarted, scenario: str | None) -> Scenario:
-    """The costs to re-time with: the ``--scenario`` given, else the configuration the run recorded."""
+def measured_scenario(log_path: str | Path, start: RunStarted) -> Scenario:
+    """Costs measured from a live run's own log: its role switches, train steps and publishes.
+
+    The executions themselves are re-timed from their recorded durations, so only the costs a policy
+    changes need measuring; the rest of the shape comes from the ``tiny`` scenario and is overridden by
+    the recorded cells and batches (``retime_run``).
+    """
+    con = LogReader(log_path).duckdb()
+
+    def mean(sql: str, default: float) -> float:
+        (value,) = con.execute(sql).fetchone()
+        return float(value) if value is not None else default
+
+    base = load_scenario("tiny")
+    per_mtoken = mean("SELECT sum(duration_s) / nullif(sum(tokens), 0) * 1e6 FROM train_steps WHERE tokens > 0",
+                      base.training.s_per_mtoken)
+    training = base.training.model_copy(update={
+        "s_per_mtoken": max(per_mtoken, 1e-6), "optimizer_s": 0.0, "satellite_join_s": 0.0,
+        "publish_s": mean("SELECT avg(duration_s) FROM weights_published", 0.0)})
+    switch = base.switch.model_copy(update={
+        "to_training_s": mean("SELECT avg(duration_s) FROM role_switches WHERE to_role = 'training'",
+                              base.switch.to_training_s),
+        "to_rollout_s": mean("SELECT avg(duration_s) FROM role_switches WHERE to_role = 'rollout'",
+                             base.switch.to_rollout_s)})
+    return base.model_copy(update={"name": f"measured from {start.run_id}", "training": training,
+                                   "switch": switch})
+
+
+def run_scenario(start: RunStarted, scenario: str | None, log_path: str | Path | None = None) -> Scenario:
+    """The costs to re-time with: the ``--scenario`` given, else the configuration the run recorded (a
+    simulated run), else costs measured from the log (a live run)."""
     if scenario is not None:
         return load_scenario(scenario)
+    if start.decision_points == "explicit" and log_path is not None:
+        return measured_scenario(log_path, start)
     try:
         return parse_scenario(json.loads(start.config), source=f"run_started.config of {start.run_id}")
     except (ConfigError, json.JSONDecodeError) as error:
@@ -108,18 +140,23 @@ def retime_run(log_path: str | Path, policy: str, *, scenario: str | None = None
     start = next(LogReader(log_path).events(to_seq=0), None)
     if not isinstance(start, RunStarted):
         raise ReplayError(f"log {log_path} does not begin with run_started")
-    sc = run_scenario(start, scenario)
+    sc = run_scenario(start, scenario, log_path)
     _, recorded_params = recorded_policy(start)
     cells = LogReader(log_path).duckdb().execute("SELECT count(*), max(slots) FROM cells").fetchone()
     if cells[0] and (cells[0], cells[1]) != (sc.cluster.cells, sc.cluster.slots_per_cell):
         sc = sc.model_copy(update={"cluster": sc.cluster.model_copy(
             update={"cells": cells[0], "slots_per_cell": cells[1]})})
     sc = sc.model_copy(update={"policy": sc.policy.model_copy(update={"staleness": recorded_params.staleness})})
+    workload = workload_from_log(log_path, sc)
+    groups = {len({e.group_id for e in batch}) for batch in workload.batches}
+    sizes = {n for batch in workload.batches for n in Counter(e.group_id for e in batch).values()}
+    if len(groups) == 1 and len(sizes) == 1:  # the recorded batch shape, not the borrowed scenario's
+        sc = sc.model_copy(update={"batch": sc.batch.model_copy(
+            update={"groups": groups.pop(), "group_size": sizes.pop()})})
     chosen = get_policy(policy)
     if params is None and chosen.name == start.policy:
         params = recorded_params.model_dump()  # the recorded run's own settings
-    return simulate(sc, policy, workload=workload_from_log(log_path, sc), seed=start.seed or 0,
-                    params=policy_params(sc, chosen, params))
+    return simulate(sc, policy, workload=workload, seed=start.seed or 0, params=policy_params(sc, chosen, params))
 
 
 def retime(log_path: str | Path, policy: str, *, scenario: str | None = None,

@@ -1,9 +1,16 @@
 """Exact replay: re-derive every scheduling decision of a recorded run and report where they differ.
 
-The contract (see ``gyre.sim.engine``): a policy decides once per instant, on the events of that instant
-that precede its decisions, and its decisions are the ``role_switch_requested`` events of that instant.
-Replay folds the log in ``seq`` order, stops at each instant's decision point, re-runs the recorded policy
-(name, version and parameters from ``run_started``) on the rebuilt view and compares.
+Two kinds of decision points, named by ``run_started.decision_points``:
+
+- ``explicit`` (live runs, `gyre.controller`): each decision carries ``decided_at_seq``, the last seq of the
+  log prefix its policy saw. Replay folds the log in ``seq`` order and, at each recorded point, before
+  folding anything after it, re-runs the policy on exactly that prefix; the decisions recorded with that
+  point must be exactly those it returns.
+- ``instant`` (the simulator, see ``gyre.sim.engine``): a policy decides once per instant, on the events of
+  that instant that precede its decisions, and its decisions are the ``role_switch_requested`` events of
+  that instant; every instant is a decision point, including those that decided nothing.
+
+Either way the policy is the recorded one (name, version and parameters from ``run_started``).
 """
 
 from collections.abc import Iterator
@@ -66,7 +73,7 @@ class ReplayReport:
 def decision_record(event: RoleSwitchRequested) -> dict[str, Any]:
     """What a decision says, without where and when the log put it (seq, ts, run id)."""
     out = {name: getattr(event, name) for name in COMPARED_ENVELOPE}
-    out.update(event.model_dump(include=set(event.payload_fields())))
+    out.update(event.model_dump(include=set(event.payload_fields()) - {"decided_at_seq"}))
     return out
 
 
@@ -96,6 +103,9 @@ def replay_decisions(log_path: str | Path, params: dict[str, Any] | None = None)
     report = ReplayReport(log=str(log_path), run_id=start.run_id, policy=policy.name,
                           recorded_version=start.policy_version, current_version=policy.version,
                           params=policy_params.model_dump())
+    if start.decision_points == "explicit":
+        _replay_explicit(log_path, start, policy, policy_params, report)
+        return report
     fold = SchedulerFold()
     for instant in _instants(events, first=start):
         report.decision_points += 1
@@ -113,6 +123,48 @@ def replay_decisions(log_path: str | Path, params: dict[str, Any] | None = None)
         for event in instant[cut:]:
             fold.apply(event)
     return report
+
+
+def _replay_explicit(log_path: str | Path, start: RunStarted, policy: Policy, params: PolicyParams,
+                     report: ReplayReport) -> None:
+    recorded: dict[int, list[RoleSwitchRequested]] = {}
+    for event in LogReader(log_path).events(kinds=sorted(DECISION_KINDS)):
+        assert isinstance(event, RoleSwitchRequested)
+        if event.decided_at_seq is None or event.seq is None or event.decided_at_seq >= event.seq:
+            raise ReplayError(f"decision at seq {event.seq} of {log_path} does not name an earlier log prefix "
+                              f"(decided_at_seq {event.decided_at_seq}) although run_started says the run "
+                              f"records explicit decision points")
+        recorded.setdefault(event.decided_at_seq, []).append(event)
+    points = sorted(recorded)
+    fold = SchedulerFold()
+    fold.apply(start)
+    folded = start.seq if start.seq is not None else 0
+    next_point = 0
+
+    def decide_at(point: int) -> None:
+        replayed = [decision_record(d) for d in policy.decide(fold.view, params)]
+        said = [decision_record(e) for e in recorded[point]]
+        report.decision_points += 1
+        report.decisions += len(said)
+        report.replayed_decisions += len(replayed)
+        report.replayed.extend((point, d) for d in replayed)
+        if said != replayed:
+            first = recorded[point][0]
+            assert first.seq is not None and first.ts is not None
+            report.mismatches.append(Mismatch(first.seq, first.ts, said, replayed))
+
+    for event in LogReader(log_path).events(from_seq=folded + 1):
+        assert event.seq is not None
+        while next_point < len(points) and points[next_point] < event.seq:
+            decide_at(points[next_point])  # the fold holds exactly the prefix ending at that point
+            next_point += 1
+        fold.apply(event)
+        folded = event.seq
+    while next_point < len(points):
+        if points[next_point] > folded:
+            raise ReplayError(f"a decision names prefix {points[next_point]}, past the end of {log_path}")
+        decide_at(points[next_point])
+        next_point += 1
 
 
 def _events(log_path: str | Path) -> Iterator[Event]:

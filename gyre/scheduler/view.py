@@ -74,6 +74,11 @@ class WorkView(Projection[WorkState]):
 
     @on("execution_queued", "execution_id", "group_id", "step")
     def _queued(self, s: WorkState, execution_id, group_id, step) -> None:
+        if execution_id in s.execution_group:  # a new attempt of an unfinished execution: same batch slot
+            self._place(s, execution_id, None)
+            for call in s.execution_inflight.pop(execution_id, ()):
+                del s.call_execution[call]
+            return
         step = -1 if step is None else step
         work = s.steps.setdefault(step, StepWork())
         work.executions += 1

@@ -24,10 +24,10 @@ from gyre.scheduler.policy import CellSpec
 from gyre.sim.clock import Agenda, timestamp, to_us
 from gyre.sim.rollouts import Rollouts
 from gyre.sim.scenario import Scenario
-from gyre.sim.sink import EventSink
 from gyre.sim.stats import Stats
 from gyre.sim.training import Trainer
 from gyre.sim.workload import Workload
+from gyre.sink import EventSink
 
 
 class SimulationError(GyreError):
@@ -58,7 +58,7 @@ class Simulation:
         self.fold.apply(event)
         self._buffer.append(event)
         if len(self._buffer) >= 8192:
-            self.sink.append(self._buffer)
+            self.sink.record(self._buffer)
             self._buffer = []
 
     def after(self, delay_s: float, action: Callable[[], None]) -> None:
@@ -82,7 +82,7 @@ class Simulation:
                 action()
             self._round()
         self.emit(RunFinished(ts=self.ts, run_id=self.run_id, status="completed"))
-        self.sink.append(self._buffer)
+        self.sink.record(self._buffer)
         self._buffer = []
         return self.now
 

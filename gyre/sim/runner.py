@@ -8,8 +8,8 @@ from gyre.scheduler import Policy, PolicyParams, get_policy
 from gyre.sim.bound import lower_bound
 from gyre.sim.engine import Simulation
 from gyre.sim.scenario import Scenario
-from gyre.sim.sink import EventSink, LogSink, NullSink
 from gyre.sim.workload import Workload, sample_workload
+from gyre.sink import EventSink, LogSink, NullSink
 
 COMPARED = ("elastic", "colocate", "async")
 
@@ -69,7 +69,7 @@ def simulate(scenario: Scenario, policy_name: str, *, seed: int | None = None, s
     workload = workload or sample_workload(scenario, seed, steps)
     run_id = f"sim-{scenario.name}-{policy.name}-s{seed}"
     if sink is None:
-        sink = LogSink(log_dir, run_id) if log_dir is not None else NullSink()
+        sink = LogSink.create(log_dir, run_id, flush_interval_s=None) if log_dir is not None else NullSink()
     sim = Simulation(scenario, workload, policy, params, sink, seed=seed, run_id=run_id)
     try:
         makespan_us = sim.run()

@@ -106,6 +106,10 @@ class ClusterView(Projection[ClusterState]):
     @on("execution_queued", "execution_id", "ts")
     def _queued(self, s: ClusterState, execution_id, ts) -> None:
         s.queued.add(execution_id)
+        # Queued again (a new attempt after a crash): the old attempt's harness and calls are gone.
+        s.running.pop(execution_id, None)
+        for call in s.execution_calls.pop(execution_id, ()):
+            s.call_cell.pop(call, None)
         s.now_us = ts
 
     @on("execution_started", "execution_id", "cell_id", "ts")

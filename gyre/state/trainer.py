@@ -70,6 +70,12 @@ class TrainerView(Projection[TrainerState]):
         s.consumed_samples += samples
         s.consumed_tokens += tokens
 
+    @on("train_step_aborted", "step")
+    def _aborted(self, s: TrainerState, step) -> None:
+        s.steps.pop(step, None)  # it produced nothing; the step is opened again under the same number
+        if s.current_step == step:
+            s.current_step = None
+
     @on("weights_published", "policy_version")
     def _published(self, s: TrainerState, policy_version) -> None:
         s.published_version = policy_version

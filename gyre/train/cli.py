@@ -19,10 +19,13 @@ console = Console()
 
 
 def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g. examples/tiny-cpu.toml")],
-          steps: Annotated[int | None, typer.Option(help="override the number of steps")] = None) -> None:
+          steps: Annotated[int | None, typer.Option(help="override the number of steps")] = None,
+          resume: Annotated[bool, typer.Option(
+              "--resume", help="continue the run whose log is in the config's run_dir (same config)")] = False,
+          ) -> None:
     """Train a policy with RL on one machine: engine, proxy, harnesses, trajectories, GSPO.
 
-    Ctrl-C stops cleanly with the log committed.
+    Ctrl-C stops cleanly with the log committed; `--resume` continues a stopped or crashed run.
     """
     from gyre.train.config import TrainConfig
     from gyre.train.loop import StepRecord, TrainingRun
@@ -61,6 +64,9 @@ def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e
             rate = "n/a" if event.pass_rate is None else f"{event.pass_rate:.0%}"
             console.print(f"held-out after {event.step} steps: pass rate {rate} ({event.passed}/{event.scored}) on "
                           f"policy v{event.policy_version}")
+        elif phase == "resumed":
+            console.print(f"[dim]resumed at policy v{figures['version']}: {figures['retrained_steps']} steps "
+                          f"retrained from their logged batches, open step aborted: {figures['aborted_step']}[/dim]")
         elif phase == "skipped":
             console.print(f"[yellow]step {figures['step']}: not trained: {figures['reason']}[/yellow]")
 
@@ -70,7 +76,7 @@ def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e
     run = None
     try:
         with status:
-            run = TrainingRun(settings, progress)
+            run = TrainingRun(settings, progress, resume=resume)
             with observing(settings, run.log_path, run.run_id):
                 summary = run.run()
     except KeyboardInterrupt:
@@ -101,3 +107,18 @@ def observing(settings: "TrainConfig", log: Path, run_id: str) -> Iterator[None]
                                project=settings.observe.wandb_project)
     with LogFollower(log, exporters):
         yield
+
+
+def export(run_dir: Annotated[Path, typer.Argument(help="the run directory (holds log/ and weights/)")],
+           out: Annotated[Path, typer.Argument(help="where to write the Hugging Face checkpoint")],
+           version: Annotated[int | None, typer.Option(help="policy version (default: the last published)")] = None,
+           ) -> None:
+    """Write a trained policy as a Hugging Face checkpoint (config, safetensors, tokenizer)."""
+    from gyre.train.export import export_policy
+
+    try:
+        written = export_policy(run_dir, out, version)
+    except GyreError as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(1) from None
+    console.print(f"policy v{written.version} of run {written.run_id} -> {written.path}")

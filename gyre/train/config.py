@@ -70,6 +70,20 @@ class ObserveSection(_Section):
     )
     wandb_project: str = Field("gyre", min_length=1)
     report: bool = Field(True, description="write RUN_DIR/report.html when gyre train ends")
+class SchedulerSection(_Section):
+    """The policy the controller runs (the same `decide(view, params)` as the simulator and replay)."""
+
+    policy: str = Field("elastic", pattern="^(elastic|colocate)$",
+                        description="elastic or colocate (async needs a second cell: one cell cannot be both "
+                                    "fixed pools)")
+    staleness: NonNegativeInt = Field(0, description="steps a batch may lag the policy that trains it")
+
+
+class CheckpointSection(_Section):
+    keep_weights: PositiveInt = Field(3, description="published weight versions kept under run_dir/weights "
+                                                     "(besides those a checkpoint needs)")
+    every_steps: PositiveInt = Field(1, description="optimizer and trainer state saved after every N steps; "
+                                                    "every checkpoint is kept")
 
 
 class TrainConfig(_Section):
@@ -84,6 +98,8 @@ class TrainConfig(_Section):
     trainer: TrainerSection = TrainerSection()
     evaluation: EvaluationSection = EvaluationSection()
     observe: ObserveSection = ObserveSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    checkpoint: CheckpointSection = CheckpointSection()
 
     @classmethod
     def load(cls, path: str | Path) -> Self:

@@ -1,36 +1,55 @@
-"""The single-machine RL loop: engine, proxy, harness runner, trajectory processor, GSPO trainer.
+"""`gyre train`: one machine, one cell, driven by the controller.
 
-One step: register a group of executions per task with the proxy, run them as harness subprocesses (the
-harness talks to the proxy, which records every call token-in/token-out), score them, build capped,
-deduplicated, weighted micro-batches of this step's groups from the log, train them as the core cell's
-micro-steps, apply the optimizer step and push the new weights into the engine. Every fact goes into one
-log under the run directory; the loop keeps no state that the log does not also hold.
+The run composes the components once, each with its own config, and hands the driving to
+`gyre.controller.Controller`: it folds the log, lets the configured policy decide the core cell's role
+(with one cell, elastic and colocate both train when a step's data is ready and serve rollouts otherwise),
+performs the decisions through the cell's actuator and queues each step's rollouts and training as the plan
+allows. The proxy, the harness runner, the trainer and the cell are producers on the controller's sink:
+the controller is the run's one log writer. The loop keeps no state that the log does not also hold.
 
-On one machine there is one cell (`cell0`): it serves rollouts and is also the core trainer, so each step
-records the two role switches it makes (rollout -> training -> rollout).
+Resume (``resume=True``, `gyre train CONFIG --resume`): the config must equal the one ``run_started``
+recorded; the controller folds the whole log; a train step open at the crash is aborted; the trainer loads
+the last checkpoint and retrains the steps after it from their logged batches (checksums must match); the
+cell is brought to the role the log says (a pending switch is performed again) with the latest published
+weights in its engine; harness processes the crash orphaned are killed; every execution of a queued step
+that was not scored is queued again as a new attempt (only the last attempt is trained), and executions
+a crash kept from being queued are queued. A scored execution is never run or rewarded again.
 """
 
+from __future__ import annotations
+
 import json
-import time
+import os
+import signal
+import threading
+import uuid
 from collections.abc import Callable
-from concurrent.futures import wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gyre.controller import Controller, LocalCell, RunPlan, WeightStore
+from gyre.controller.plan import step_groups
+from gyre.errors import ConfigError
 from gyre.events.models import (
     CellRegistered,
-    RoleSwitchCompleted,
+    Event,
+    ExecutionFinished,
+    ExecutionQueued,
+    RewardRecorded,
     RoleSwitchRequested,
     RunFinished,
     RunStarted,
 )
 from gyre.log import LogWriter
+from gyre.scheduler import CellSpec, SchedulerView, get_policy
+from gyre.sink import LogSink
 from gyre.train.config import TrainConfig
+from gyre.train.core import StepTraining
 
 if TYPE_CHECKING:
     from gyre.evaluation import HeldOutEvaluator
-    from gyre.events.models import Event
 
 CELL = "cell0"
 
@@ -60,25 +79,61 @@ class RunSummary:
     steps: list[StepRecord]
     status: str
     policy_version: int
+    run_id: str = ""
 
 
 Progress = Callable[[str, dict], None]
 """Called with a phase name and figures; the CLI draws it with rich."""
 
 
-class TrainingRun:
-    """Owns every component of one run; `run()` drives the steps, `close()` stops everything cleanly."""
+def run_start(log_path: Path) -> RunStarted | None:
+    """The ``run_started`` of the log in ``log_path``, if there is a log."""
+    if not log_path.exists() or not any(log_path.glob("*.seg")):
+        return None
+    from gyre.log import LogReader
 
-    def __init__(self, config: TrainConfig, progress: Progress | None = None) -> None:
+    first = next(LogReader(log_path).events(to_seq=0), None)
+    if not isinstance(first, RunStarted):
+        raise ConfigError(f"{log_path} holds a log that does not begin with run_started; it is not a Gyre run")
+    return first
+
+
+def config_differences(recorded: dict, given: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(recorded) | set(given)):
+        a, b = recorded.get(key), given.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: recorded {a!r}, given {b!r}")
+    return out
+
+
+@dataclass
+class _StepFacts:
+    """A step's executions and rewards as folded from the log (so a resumed run reports the same)."""
+
+    version: int = 0
+    executions: set[str] = field(default_factory=set)
+    first_queued_us: int | None = None
+    last_finished_us: int | None = None
+
+
+class TrainingRun:
+    """Owns every component of one run; `run()` drives it through the controller, `close()` stops it."""
+
+    def __init__(self, config: TrainConfig, progress: Progress | None = None, *, resume: bool = False,
+                 kill_at: tuple[str, int] | None = None) -> None:
+        """``kill_at = (kind, n)``: SIGKILL this process once the controller folds the log's ``n``-th event of
+        that kind (counted from the log's start, resumed events included; `gyre.train.crash`)."""
         from gyre.engine.client import SyncHttpEngineClient
         from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
         from gyre.engine.local.scheduler import SchedulerConfig
         from gyre.harness.config import HarnessConfig
-        from gyre.harness.runner import HarnessRunner
-        from gyre.harness.sink import LogSink as HarnessSink
+        from gyre.harness.runner import Gate, HarnessRunner
         from gyre.harness.tasks import TaskSet
-        from gyre.proxy import LogSink as ProxySink
         from gyre.proxy import Proxy, ProxyConfig, ProxyServer, SamplingOverrides
+        from gyre.train.core import LocalCoreTrainer
         from gyre.trainer import StepCoordinator, TorchBackend
         from gyre.trainer.config import GSPOConfig, OptimizerConfig, TorchBackendConfig
 
@@ -86,29 +141,65 @@ class TrainingRun:
         self.progress = progress or (lambda phase, figures: None)
         self.run_dir = config.run_dir
         self.log_path = self.run_dir / "log"
-        self.run_id = f"{config.name}-{int(time.time())}"
+        held = run_start(self.log_path)
+        if resume:
+            if held is None:
+                raise ConfigError(f"--resume: {self.run_dir} holds no run to resume")
+            recorded = json.loads(held.config)
+            differences = config_differences(recorded, json.loads(config.model_dump_json()))
+            if differences:
+                raise ConfigError(f"--resume: the config differs from the one run {held.run_id} started with: "
+                                  + "; ".join(differences))
+            self.run_id = held.run_id
+        elif held is not None:
+            raise ConfigError(f"{self.run_dir} already holds the log of run {held.run_id}; give another run_dir, "
+                              f"or --resume to continue that run")
+        else:
+            self.run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
+        self.resumed = resume
+        self.records: dict[int, StepRecord] = {}
+        self._steps: dict[int, _StepFacts] = {}
+        self._step_of: dict[str, int] = {}
+        self._rewards: dict[str, float] = {}
+        self._futures: list[Future] = []
+        self._lock = threading.Lock()
         self._closers: list[Callable[[], None]] = []
-        self.writer = LogWriter(self.log_path, run_id=self.run_id)
+        self.policy = get_policy(config.scheduler.policy)
+        self.params = self.policy.params({"staleness": config.scheduler.staleness}
+                                         if config.scheduler.staleness else {})
+        self.sink = LogSink(LogWriter(self.log_path, run_id=self.run_id))
         try:
             self.tasks = TaskSet.load(config.rollout.tasks)
             known = [t.id for t in self.tasks]
             self.task_ids = list(config.rollout.task_ids) or known
             unknown = [t for t in self.task_ids if t not in known]
             if unknown:
-                from gyre.errors import ConfigError
-
                 raise ConfigError(f"rollout.task_ids names unknown task(s) {unknown}; the task set has {known}")
             harness = HarnessConfig.load(config.rollout.harness)
             overrides = {k: v for k, v in (("max_concurrency", config.rollout.max_concurrency),
                                            ("timeout_s", config.rollout.timeout_s)) if v is not None}
             harness = harness.model_copy(update=overrides)
-            self.writer.append([
-                RunStarted(run_id=self.run_id, name=config.name, policy="colocate", policy_version="train/1",
-                           config=config.model_dump_json(), seed=config.seed),
-                CellRegistered(cell_id=CELL, role="rollout", is_core=True,
-                               slots=harness.max_concurrency),
-            ])
-            self.writer.commit()
+
+            self.weights = WeightStore(self.run_dir, keep=config.checkpoint.keep_weights)
+            self.controller = Controller(self.sink, self.policy, self.params,
+                                         RunPlan(steps=config.steps, staleness=config.scheduler.staleness),
+                                         cells={}, rollouts=self)
+            self.controller.observe(self._observe)
+            if kill_at is not None:
+                self.controller.observe(_killer(*kill_at))
+            spec = CellSpec(CELL, is_core=True, slots=harness.max_concurrency)
+            if resume:
+                self.controller.catch_up(self.log_path)
+                cell = self.controller.view.cluster.cells[CELL]
+                role = cell.role
+            else:
+                role = self.policy.initial_roles([spec], self.params)[CELL]
+                self.controller.record([
+                    RunStarted(run_id=self.run_id, name=config.name, policy=self.policy.name,
+                               policy_version=self.policy.version, policy_params=self.params.model_dump_json(),
+                               config=config.model_dump_json(), seed=config.seed, decision_points="explicit"),
+                    CellRegistered(cell_id=CELL, role=role, is_core=True, slots=spec.slots),
+                ])
 
             engine = LocalEngine(LocalEngineConfig(
                 model=config.engine.model, seed=config.seed, num_threads=config.engine.threads,
@@ -125,14 +216,14 @@ class TrainingRun:
                                       max_tokens_cap=config.sampling.max_tokens,
                                       sampling=SamplingOverrides(temperature=config.sampling.temperature,
                                                                  top_p=1.0, top_k=-1)),
-                          sink=ProxySink(self.writer, close_writer=False))
+                          sink=self.sink.producer("proxy"))
             self.proxy = ProxyServer(proxy)
             proxy_url = self.proxy.start()
             self._closers.append(self.proxy.stop)
 
-            self.runner = HarnessRunner(harness, sink=HarnessSink(self.writer), proxy_url=proxy_url,
-                                        root=self.run_dir / "executions")
-            self._closers.append(lambda: self.runner.close(kill_running=True))
+            self.gate = Gate(is_open=role == "rollout")
+            self.runner = HarnessRunner(harness, sink=self.sink.producer("harness"), proxy_url=proxy_url,
+                                        root=self.run_dir / "executions", gate=self.gate)
 
             from gyre.engine.local.engine import load_model
 
@@ -143,119 +234,175 @@ class TrainingRun:
                 loss=GSPOConfig(eps_low=trainer.eps_low, eps_high=trainer.eps_high, tis_cap=trainer.tis_cap),
                 optimizer=OptimizerConfig(lr=trainer.lr, weight_decay=trainer.weight_decay,
                                           max_grad_norm=trainer.max_grad_norm)))
-            self.coordinator = StepCoordinator(self.writer)
-            self.heldout = self._heldout_evaluator(HarnessSink(self.writer).record)
+            trainer_sink = self.sink.producer("trainer")
+            self.coordinator = (StepCoordinator.resume(trainer_sink, self.log_path) if resume
+                                else StepCoordinator(trainer_sink))
+            self.trainer = LocalCoreTrainer(config, cell_id=CELL, run_id=self.run_id, log_path=self.log_path,
+                                            backend=self.backend, coordinator=self.coordinator,
+                                            weights=self.weights, published=None, on_trained=self._trained,
+                                            durable_seq=lambda: self.sink.writer.durable_seq)
+            self._closers.append(self.trainer.close)
+            engine_version = self._restore() if resume else 0
+            self.cell = LocalCell(CELL, engine=self.engine, admission=self.gate, trainer=self.trainer,
+                                  weights=self.weights, sink=self.sink.producer(f"cell:{CELL}"),
+                                  fail=self.controller.fail, redirect=self.proxy.redirect,
+                                  engine_version=engine_version)
+            self._closers.append(self.cell.close)
+            # Closed first: killing the harnesses ends a drain the cell may be waiting on.
+            self._closers.append(lambda: self.runner.close(kill_running=True))
+            self.controller.cells[CELL] = self.cell
+            self.heldout = self._heldout_evaluator(self.sink.producer("heldout").record)
+            self._evaluations: list[threading.Thread] = []
+            if resume:
+                self._resume_cell_and_rollouts()
         except BaseException:
             self.close()
             raise
-        self.policy_version = self.coordinator.state.policy_version
 
-    # -- one step ---------------------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        return self.coordinator.state.policy_version
 
-    def step(self, step: int) -> StepRecord:
-        from gyre.harness.runner import Execution
+    # -- the rollout side (the controller's `Rollouts`) ------------------------------------------------------
 
+    def queue(self, step: int, policy_version: int) -> None:
+        """Register and submit the executions of step ``step``: ``groups_per_step`` tasks x ``group_size``."""
+        for execution_id, group_id, task_id in self._step_plan(step):
+            self._submit(execution_id, group_id, task_id, step, policy_version, attempt=0)
+        self.progress("rollout", {"step": step, "queued": len(self._step_plan(step)), "version": policy_version})
+
+    def _step_plan(self, step: int) -> list[tuple[str, str, str]]:
+        """(execution id, group id, task id) of every execution of a step; ids are unique per run."""
         config = self.config.rollout
-        tasks = [self.task_ids[(step * config.groups_per_step + g) % len(self.task_ids)]
-                 for g in range(config.groups_per_step)]
-        executions = []
-        for g, task_id in enumerate(tasks):
-            group_id = f"s{step}-g{g}-{task_id}"
+        out = []
+        for g in range(config.groups_per_step):
+            task_id = self.task_ids[(step * config.groups_per_step + g) % len(self.task_ids)]
             for i in range(config.group_size):
-                execution_id = f"s{step}-g{g}-e{i}"
-                registration = self.proxy.register_execution(execution_id, cell_id=CELL,
-                                                             policy_version=self.policy_version)
-                executions.append(Execution(execution_id, self.tasks[task_id], group_id=group_id,
-                                            token=registration.token, policy_version=self.policy_version,
-                                            cell_id=CELL))
-        self.progress("rollout", {"step": step, "queued": len(executions), "version": self.policy_version})
-        started = time.monotonic()
-        futures = [self.runner.submit(e) for e in executions]
-        while wait(futures, timeout=0.5).not_done:
-            self.progress("rolling", {"step": step, "queued": self.runner.queued, "running": self.runner.running,
-                                      "done": sum(f.done() for f in futures), "version": self.policy_version})
-        results = [f.result() for f in futures]
-        for execution in executions:
-            self.proxy.proxy.unregister_execution(execution.execution_id)
-        self.writer.commit()
-        rewards = [r.reward for r in results if r.reward is not None]
-        record = StepRecord(step=step, policy_version=self.policy_version, executions=len(results),
+                out.append((f"{self.run_id}.s{step}-g{g}-e{i}", f"{self.run_id}.s{step}-g{g}-{task_id}", task_id))
+        return out
+
+    def _submit(self, execution_id: str, group_id: str, task_id: str, step: int, policy_version: int,
+                attempt: int) -> None:
+        from gyre.harness.runner import Execution
+        from gyre.harness.workspace import ExecutionDirs
+
+        if self.resumed:
+            set_aside(ExecutionDirs.for_execution(self.runner.root, execution_id, attempt).root)
+        registration = self.proxy.register_execution(execution_id, cell_id=CELL, policy_version=policy_version,
+                                                     attempt=attempt)
+        future = self.runner.submit(Execution(execution_id, self.tasks[task_id], group_id=group_id,
+                                              token=registration.token, policy_version=policy_version,
+                                              attempt=attempt, cell_id=CELL, step=step))
+        future.add_done_callback(lambda _: self.proxy.proxy.unregister_execution(execution_id))
+        self._futures.append(future)
+
+    def _observe(self, seq: int, event: Event) -> None:
+        """Per-step facts for the progress figures, folded from the log on the controller's thread."""
+        with self._lock:
+            if isinstance(event, ExecutionQueued) and event.step is not None:
+                facts = self._steps.setdefault(event.step, _StepFacts(event.policy_version))
+                facts.executions.add(event.execution_id)
+                self._step_of[event.execution_id] = event.step
+                if facts.first_queued_us is None and event.ts is not None:
+                    facts.first_queued_us = int(event.ts.timestamp() * 1e6)
+            elif isinstance(event, ExecutionFinished) and event.execution_id in self._step_of:
+                facts = self._steps[self._step_of[event.execution_id]]
+                if event.ts is not None:
+                    facts.last_finished_us = int(event.ts.timestamp() * 1e6)
+            elif isinstance(event, RewardRecorded):
+                self._rewards[event.execution_id] = event.reward
+
+    def _tick(self, view: SchedulerView) -> None:
+        waiting = [s for s in sorted(view.work.steps) if s >= 0 and s not in view.work.trained]
+        if waiting:
+            work = view.work.steps[waiting[0]]
+            self.progress("rolling", {"step": waiting[0], "queued": self.runner.queued,
+                                      "running": self.runner.running,
+                                      "done": work.executions - sum(work.group_sizes.values()),
+                                      "version": view.trainer.policy_version})
+
+    # -- the training side (called on the cell's thread) -----------------------------------------------------
+
+    def _trained(self, figures: StepTraining) -> None:
+        with self._lock:
+            facts = self._steps.get(figures.step, _StepFacts())
+            rewards = [self._rewards[e] for e in facts.executions if e in self._rewards]
+            rollout_s = ((facts.last_finished_us - facts.first_queued_us) / 1e6
+                         if facts.last_finished_us and facts.first_queued_us else 0.0)
+        record = StepRecord(step=figures.step, policy_version=facts.version, executions=len(facts.executions),
                             scored=len(rewards), reward_mean=sum(rewards) / len(rewards) if rewards else None,
-                            rollout_s=time.monotonic() - started)
-        self.progress("rolled out", {"step": step, "reward_mean": record.reward_mean})
-        self._train(step, {e.group_id for e in executions}, record)
-        return record
+                            micro_steps=figures.micro_steps, trained_tokens=figures.trained_tokens,
+                            forwarded_tokens=figures.forwarded_tokens,
+                            loss=figures.loss, rollout_s=rollout_s, train_s=figures.train_s,
+                            excluded=figures.excluded or {})
+        self.records[figures.step] = record
+        if not figures.micro_steps:
+            self.progress("skipped", {"step": figures.step, "reason": "no group had enough scored executions"})
+        self.after_step(record)
 
-    def _train(self, step: int, groups: set[str], record: StepRecord) -> None:
-        from gyre.trainer import TrainBatch, work
-        from gyre.trajectory import BatchBuilder, TrajectoryConfig
-        from gyre.trajectory.source import LogSource
+    # -- resume -----------------------------------------------------------------------------------------------
 
-        started = time.monotonic()
-        section = self.config.trajectory
-        builder = BatchBuilder(TrajectoryConfig(cap=section.cap, min_valid_per_group=section.min_valid_per_group,
-                                                token_budget=section.token_budget, form=section.form))
-        micro = list(builder.batches(g for g in LogSource(self.log_path).groups() if g.group_id in groups))
-        phases = {"rollout_s": record.rollout_s, "batch_s": time.monotonic() - started}
-        report = builder.report.to_dict()
-        record.excluded = {k: v for k, v in report.items()
-                           if (k.startswith("excluded_") or k.startswith("groups_")) and isinstance(v, int) and v}
-        if not micro:
-            self.progress("skipped", {"step": step, "reason": "no group had enough scored executions"})
-            return
-        self._switch("rollout", "training", "rollouts of the step are done; the core trains")
-        batches = [TrainBatch.from_micro_batch(mb, i) for i, mb in enumerate(micro)]
-        executions = {e for b in batches for e in b.execution_ids}
-        self.coordinator.start_step(len(batches), groups=len(groups), trajectories=report["trajectories_kept"])
-        self.coordinator.mark_ready({i: b.tokens for i, b in enumerate(batches)},
-                                    {i: b.execution_ids for i, b in enumerate(batches)})
-        self.progress("training", {"step": step, "micro_steps": len(batches)})
-        self.backend.zero_grad()
-        work(self.backend, self.coordinator, CELL, batches.__getitem__)
-        optimizer_started = time.monotonic()
-        result = self.backend.optimizer_step(normalizer=float(len(executions)))
-        phases["optimizer_s"] = time.monotonic() - optimizer_started
-        summary = self.coordinator.close_step(result, duration_s=time.monotonic() - started,
-                                              metrics={**builder.report.step_metrics(), **phases})
-        self._publish(result.policy_version)
-        self._switch("training", "rollout", "weights published; back to rollouts")
-        record.micro_steps = len(batches)
-        record.trained_tokens = sum(b.trained_tokens for b in batches)
-        record.forwarded_tokens = summary.tokens
-        record.loss = summary.stats.loss_sum / result.normalizer
-        record.train_s = time.monotonic() - started
+    def _restore(self) -> int:
+        """The trainer back to the logged state; returns the weight version now in the engine."""
+        aborted = self.coordinator.abort_open_step("the trainer restarted (resume)")
+        view = self.controller.view
+        retrained = self.trainer.restore(lambda s: step_groups(view, s))
+        self.progress("resumed", {"aborted_step": aborted, "retrained_steps": retrained,
+                                  "version": self.coordinator.state.policy_version})
+        published = self.trainer.published()
+        if published is None:
+            return 0
+        path = self.weights.verify(published.location, published.sha256)
+        self.engine.update_weights_from_disk(str(path), version=str(published.version))
+        return published.version
 
-    def _publish(self, version: int) -> None:
-        started = time.monotonic()
-        tensors = {name: tensor.detach().clone() for name, tensor in self.backend.named_tensors()}
-        response = self.engine.update_weights_from_tensor(tensors, version=str(version))
-        if not response.success:
-            from gyre.errors import GyreError
+    def _resume_cell_and_rollouts(self) -> None:
+        from gyre.log import LogReader
 
-            raise GyreError(f"the engine refused the weights of policy version {version}: {response.message}")
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        self.coordinator.publish(version, tensors=len(tensors), nbytes=nbytes, location="engine:" + CELL,
-                                 duration_s=time.monotonic() - started)
-        self.policy_version = version
+        view = self.controller.view
+        cell = view.cluster.cells[CELL]
+        if cell.switching_to is not None and cell.switching_to != cell.role:  # perform the pending decision again
+            pending = [e for e in LogReader(self.log_path).events(kinds=["role_switch_requested"])
+                       if isinstance(e, RoleSwitchRequested) and e.cell_id == CELL]
+            self.cell.switch(pending[-1])
+        elif cell.role == "training":
+            self.engine.pause("abort")
+        con = LogReader(self.log_path).duckdb()
+        attempts = {e: (a, t, g, s) for e, a, t, g, s in con.execute(
+            "SELECT execution_id, max(attempt), any_value(task_id), any_value(group_id), any_value(step) "
+            "FROM executions_queued WHERE run_id = ? GROUP BY execution_id", [self.run_id]).fetchall()}
+        reap_orphans(self.runner.root)
+        version = view.trainer.policy_version
+        for execution_id in sorted(view.work.execution_group):  # queued, not scored: run again
+            attempt, task_id, group_id, step = attempts[execution_id]
+            self._submit(execution_id, group_id, task_id, step, version, attempt=attempt + 1)
+        for step in sorted(s for s in view.work.steps if s >= 0):  # a crash in the middle of queueing a step
+            for execution_id, group_id, task_id in self._step_plan(step):
+                if execution_id not in attempts:
+                    self._submit(execution_id, group_id, task_id, step, version, attempt=0)
 
-    def _switch(self, from_role: str, to_role: str, reason: str) -> None:
-        started = time.monotonic()
-        self.writer.append(RoleSwitchRequested(cell_id=CELL, from_role=from_role, to_role=to_role, reason=reason,
-                                               watermark=self.runner.queued + self.runner.running))
-        self.writer.append(RoleSwitchCompleted(cell_id=CELL, from_role=from_role, to_role=to_role,
-                                               duration_s=time.monotonic() - started))
+    def after_step(self, record: StepRecord) -> None:
+        """Once a step is trained and its weights published: progress, and the place for per-step metrics
+        and held-out evaluation every N steps (they read the log and the published weights file)."""
+        self.progress("step", {"record": record})
+        if record.step + 1 < self.config.steps:  # the final policy is evaluated once the controller is done
+            self._evaluate_in_background(record.step + 1)
 
-    # -- the run ----------------------------------------------------------------------------------------
+    # -- the run ------------------------------------------------------------------------------------------
 
     def run(self) -> RunSummary:
-        records: list[StepRecord] = []
         status = "completed"
         try:
-            for step in range(self.config.steps):
-                self._evaluate(step)
-                records.append(self.step(step))
-                self.progress("step", {"record": records[-1]})
-            self._evaluate(self.config.steps)
+            if not self.resumed:
+                self._evaluate(0)  # the initial policy: the core serves until the controller decides
+            self.controller.run(tick=self._tick)
+            if self.heldout.plan.every:
+                # The run's last step is trained: nothing is left to schedule, so the core serves the last
+                # published weights again for the evaluations still due (not a scheduled role switch).
+                self.cell.serve_after_run()
+                for thread in self._evaluations:
+                    thread.join()
+                self._evaluate(self.config.steps)
         except KeyboardInterrupt:
             status = "interrupted"
             raise
@@ -264,12 +411,17 @@ class TrainingRun:
             raise
         finally:
             self._stop_components()  # nothing may write after run_finished
-            self.writer.append(RunFinished(run_id=self.run_id, status=status,
-                                           message=json.dumps({"steps": len(records)})))
-            self.close()
-        return RunSummary(self.log_path, records, status, self.policy_version)
+            try:
+                self.controller.record(RunFinished(run_id=self.run_id, status=status,
+                                                   message=json.dumps({"steps": len(self.records)})))
+            finally:
+                self.close()
+        steps = [self.records[s] for s in sorted(self.records)]
+        return RunSummary(self.log_path, steps, status, self.policy_version, self.run_id)
 
-    def _heldout_evaluator(self, record: Callable[["Event"], object]) -> "HeldOutEvaluator":
+    # -- held-out evaluation ----------------------------------------------------------------------------------
+
+    def _heldout_evaluator(self, record: Callable[[Event], object]) -> HeldOutEvaluator:
         from gyre.evaluation import HeldOutEvaluator, plan_heldout
         from gyre.harness.tasks import TaskSet
 
@@ -290,13 +442,69 @@ class TrainingRun:
         if event is not None:
             self.progress("heldout", {"event": event})
 
+    def _evaluate_in_background(self, steps_done: int) -> None:
+        """Called on the cell's thread after a publish, while the core still trains: the held-out executions
+        are admitted when the core serves again (its engine then holds the version just published)."""
+        if self.heldout.plan.due(steps_done, self.config.steps):
+            thread = threading.Thread(target=self._evaluate, args=(steps_done,), name=f"heldout-{steps_done}",
+                                      daemon=True)
+            self._evaluations.append(thread)
+            thread.start()
+
     def _stop_components(self) -> None:
         while self._closers:
             self._closers.pop()()
 
     def close(self) -> None:
-        """Stop the harnesses, the proxy and the engine, then commit and close the log. Idempotent."""
+        """Stop the cell, the harnesses, the proxy and the engine, then commit and close the log. Idempotent."""
         try:
             self._stop_components()
         finally:
-            self.writer.close()
+            self.sink.close()
+
+
+def _killer(kind: str, nth: int) -> Callable[[int, Event], None]:
+    seen = 0
+
+    def observe(seq: int, event: Event) -> None:
+        nonlocal seen
+        if event.kind == kind:
+            seen += 1
+            if seen >= nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return observe
+
+
+def reap_orphans(executions_dir: Path) -> int:
+    """Kill the process groups of harnesses a crash orphaned: every process working inside the run's
+    execution directories (their start may never have reached the log, so their pids are not known).
+    Returns how many groups were killed. Linux: reads /proc."""
+    root = str(executions_dir.resolve()) + os.sep
+    groups = set()
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if (os.readlink(entry / "cwd") + os.sep).startswith(root):
+                groups.add(os.getpgid(int(entry.name)))
+        except OSError:  # gone, or not ours to look at
+            continue
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except OSError:
+            continue
+    return len(groups)
+
+
+def set_aside(dirs_root: Path) -> None:
+    """Move an execution directory a crash left behind (its attempt never reached the log) out of the way,
+    keeping it: nothing already written is deleted."""
+    if dirs_root.exists():
+        stale = dirs_root.parent / ".stale"
+        stale.mkdir(exist_ok=True)
+        dirs_root.rename(stale / f"{dirs_root.name}.{uuid.uuid4().hex[:8]}")
+
+
+__all__ = ["CELL", "RunSummary", "StepRecord", "TrainingRun", "reap_orphans", "run_start", "set_aside"]

@@ -10,6 +10,7 @@ the core's own replica and the threads serving satellites call it concurrently.
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gyre.events.models import (
@@ -18,11 +19,12 @@ from gyre.events.models import (
     MicroStepFinished,
     SatelliteJoined,
     SatelliteLeft,
+    TrainStepAborted,
     TrainStepFinished,
     TrainStepStarted,
     WeightsPublished,
 )
-from gyre.log import LogWriter
+from gyre.sink import EventSink
 from gyre.state import TrainerState, TrainerView, replay
 from gyre.trainer.claims import Claim, decide, open_step
 from gyre.trainer.errors import StepProtocolError
@@ -48,13 +50,11 @@ class StepSummary:
 class StepCoordinator:
     """Arbiter of micro-step claims for one trainer (the core cell owns it, with the log writer)."""
 
-    def __init__(self, writer: LogWriter, state: TrainerState | None = None) -> None:
-        self.writer = writer
+    def __init__(self, sink: EventSink, state: TrainerState | None = None) -> None:
+        """Events go to ``sink``; ``state`` is the trainer projection of the log so far (None: a new log)."""
+        self.sink = sink
         self.view = TrainerView()
-        if state is None:
-            writer.commit()
-            state, _ = replay(self.view, writer.path)
-        self.state = state
+        self.state = state if state is not None else self.view.initial()
         self._lock = threading.Condition()
         self._ready: dict[int, int] = {}
         self._stats = LossStats()
@@ -62,6 +62,13 @@ class StepCoordinator:
         self._padded = self._trained = 0
         self._busy_s = 0.0
         self._executions: set[str] = set()
+
+    @classmethod
+    def resume(cls, sink: EventSink, log_path: str | Path) -> "StepCoordinator":
+        """A coordinator whose state is the fold of the log at ``log_path`` (a restart replays the log)."""
+        sink.commit()
+        state, _ = replay(TrainerView(), log_path)
+        return cls(sink, state)
 
     # -- steps -------------------------------------------------------------------------------------------
 
@@ -84,6 +91,16 @@ class StepCoordinator:
                 commit=True,
             )
             return step
+
+    def abort_open_step(self, reason: str) -> int | None:
+        """Close a step its trainer died in (a resume): it produced nothing and will be opened again."""
+        with self._lock:
+            step = open_step(self.state)
+            if step is None:
+                return None
+            self._append(TrainStepAborted(step=step.step, reason=reason), commit=True)
+            self._lock.notify_all()
+            return step.step
 
     def mark_ready(self, tokens: Mapping[int, int], executions: Mapping[int, tuple[str, ...]] | None = None) -> None:
         """Micro-steps whose data now exists (micro-step -> tokens); wakes replicas waiting for work."""
@@ -193,10 +210,12 @@ class StepCoordinator:
             return summary
 
     def publish(
-        self, policy_version: int, *, tensors: int, nbytes: int, location: str, duration_s: float = 0.0
+        self, policy_version: int, *, tensors: int, nbytes: int, location: str, duration_s: float = 0.0,
+        sha256: str = "",
     ) -> None:
         event = WeightsPublished(
-            policy_version=policy_version, tensors=tensors, bytes=nbytes, location=location, duration_s=duration_s
+            policy_version=policy_version, tensors=tensors, bytes=nbytes, location=location, duration_s=duration_s,
+            sha256=sha256,
         )
         with self._lock:
             self._append(event, commit=True)
@@ -219,9 +238,9 @@ class StepCoordinator:
             self._lock.notify_all()
 
     def _append(self, event: Event, *, commit: bool) -> None:
-        self.writer.append(event)
+        position = self.sink.record(event)
         if commit:
-            self.writer.commit()
+            self.sink.commit(position)
         self.view.apply(self.state, event)
 
 

@@ -97,6 +97,7 @@ def core_main(run: ReplicaRun, channels: Sequence[tuple[Any, Any]]) -> None:
     from safetensors.torch import save_file
 
     from gyre.log import LogWriter
+    from gyre.sink import LogSink
     from gyre.trainer.batch import TrainBatch
     from gyre.trainer.collective import ReplicaGroup
     from gyre.trainer.coordinator import StepCoordinator
@@ -105,8 +106,8 @@ def core_main(run: ReplicaRun, channels: Sequence[tuple[Any, Any]]) -> None:
 
     group = ReplicaGroup(0, len(channels) + 1, run.out_dir / "store") if channels else None
     backend = TorchBackend.from_pretrained(run.model_dir, run.backend)
-    with LogWriter(run.log_dir) as writer:
-        coordinator = StepCoordinator(writer)
+    with LogSink(LogWriter(run.log_dir)) as sink:
+        coordinator = StepCoordinator.resume(sink, run.log_dir)
         gate = StepGate()
         servers = [serve(coordinator, gate, requests, replies) for requests, replies in channels]
         _wait_for_satellites(coordinator, len(channels), run.timeout_s)

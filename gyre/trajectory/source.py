@@ -8,14 +8,17 @@ once the builder is done with it. Calls of executions that will not be trained (
 pending groups) are never kept.
 """
 
+import queue
+import threading
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 
+from gyre.events.models import EVENT_TYPES
 from gyre.log import LogReader
 from gyre.trajectory.calls import CALL_COLUMNS, CallFragment, ExecutionCalls
 from gyre.trajectory.errors import TrajectoryError
@@ -25,25 +28,27 @@ from gyre.trajectory.rewards import ExecutionOutcome
 OUTCOMES_SQL = """
 WITH
 ids AS (
-    SELECT execution_id FROM executions_queued
-    UNION SELECT execution_id FROM executions_finished
-    UNION SELECT execution_id FROM rewards
-    UNION SELECT execution_id FROM evaluation_failures
-    UNION SELECT execution_id FROM events WHERE kind = 'model_call_finished'),
+    SELECT execution_id FROM executions_queued WHERE {scope}
+    UNION SELECT execution_id FROM executions_finished WHERE {scope}
+    UNION SELECT execution_id FROM rewards WHERE {scope}
+    UNION SELECT execution_id FROM evaluation_failures WHERE {scope}
+    UNION SELECT execution_id FROM model_calls WHERE {scope}),
 queued AS (
-    SELECT execution_id, task_id, group_id, seq AS queued_seq FROM executions_queued
+    SELECT execution_id, task_id, group_id, seq AS queued_seq FROM executions_queued WHERE {scope}
     QUALIFY row_number() OVER (PARTITION BY execution_id ORDER BY seq DESC) = 1),
 finished AS (
-    SELECT execution_id, status FROM executions_finished
+    SELECT execution_id, status FROM executions_finished WHERE {scope}
     QUALIFY row_number() OVER (PARTITION BY execution_id ORDER BY seq DESC) = 1),
 evaluation AS (
     SELECT execution_id, reward, partial, error FROM (
-        SELECT execution_id, seq, reward, partial, NULL::VARCHAR AS error FROM rewards
+        SELECT execution_id, seq, reward, partial, NULL::VARCHAR AS error FROM rewards WHERE {scope}
         UNION ALL
-        SELECT execution_id, seq, NULL::DOUBLE, NULL::BOOLEAN, error FROM evaluation_failures)
+        SELECT execution_id, seq, NULL::DOUBLE, NULL::BOOLEAN, error FROM evaluation_failures WHERE {scope})
     QUALIFY row_number() OVER (PARTITION BY execution_id ORDER BY seq DESC) = 1),
 calls AS (
-    SELECT execution_id, count(*) AS calls FROM events WHERE kind = 'model_call_finished' GROUP BY execution_id)
+    SELECT execution_id, count(*) AS calls FROM model_calls LEFT JOIN queued USING (execution_id)
+    WHERE {scope} AND seq > coalesce(queued.queued_seq, -1)
+    GROUP BY execution_id)
 SELECT ids.execution_id, queued.group_id, queued.task_id, finished.status, evaluation.reward,
        coalesce(evaluation.partial, false) AS partial, evaluation.error, coalesce(calls.calls, 0) AS calls
 FROM ids
@@ -56,14 +61,23 @@ ORDER BY queued.queued_seq NULLS LAST, ids.execution_id
 
 CALLS_SQL = "SELECT execution_id, " + ", ".join(CALL_COLUMNS) + " FROM model_calls"
 
+RETRIED_SQL = """
+SELECT execution_id, max(seq) FROM executions_queued WHERE {scope} GROUP BY execution_id HAVING count(*) > 1
+"""
+"""Executions queued more than once (a new attempt after a crash): only calls after the last queueing count."""
+
 STREAM_ROWS = 4096
 
 
 class LogSource:
     """Groups of a log, as of the moment it is opened (a DuckDB snapshot of the log's views)."""
 
-    def __init__(self, path: str | Path, con: duckdb.DuckDBPyConnection | None = None, threads: int = 1) -> None:
+    def __init__(self, path: str | Path, con: duckdb.DuckDBPyConnection | None = None, threads: int = 1,
+                 run_id: str | None = None) -> None:
         """Open ``path`` (or use ``con``, a connection with the log's views, as it is).
+
+        With ``run_id``, every query sees only that run's events (a run directory may hold a resumed run's
+        log; analysis may combine logs).
 
         A connection opened here scans with ``threads`` DuckDB threads. One is the default: each scan thread
         keeps its own decode buffers (about 100 MB more peak per extra thread on a 43M-token log), and on
@@ -74,10 +88,24 @@ class LogSource:
             con = LogReader(self.path).duckdb()
             con.execute(f"SET threads = {int(threads)}")
         self.con = con
+        self.run_id = run_id
 
-    def outcomes(self) -> list[ExecutionOutcome]:
-        """One outcome per execution the log mentions, in the order they were queued."""
-        table = self.con.sql(OUTCOMES_SQL).to_arrow_table()
+    def _scope(self, group_ids: Iterable[str] | None) -> str:
+        """The predicate every query applies: the run, and the executions queued into ``group_ids``."""
+        terms = []
+        if self.run_id is not None:
+            terms.append(f"run_id = {_literal(self.run_id)}")
+        if group_ids is not None:  # resolved to literal ids, so the filter is pushed into every scan
+            groups = ", ".join(_literal(g) for g in group_ids) or "NULL"
+            run = f"run_id = {_literal(self.run_id)} AND " if self.run_id is not None else ""
+            ids = [row[0] for row in self.con.execute(
+                f"SELECT DISTINCT execution_id FROM executions_queued WHERE {run}group_id IN ({groups})").fetchall()]
+            terms.append(f"execution_id IN ({', '.join(_literal(e) for e in ids) or 'NULL'})")
+        return " AND ".join(terms) or "TRUE"
+
+    def outcomes(self, group_ids: Iterable[str] | None = None) -> list[ExecutionOutcome]:
+        """One outcome per execution the log mentions (or of ``group_ids``), in the order they were queued."""
+        table = self.con.sql(OUTCOMES_SQL.format(scope=self._scope(group_ids))).to_arrow_table()
         return [
             ExecutionOutcome(
                 execution_id=row["execution_id"],
@@ -94,12 +122,15 @@ class LogSource:
 
     def execution_calls(self, execution_id: str) -> pa.Table:
         """The ``model_calls`` rows of one execution (for ``show``; a full scan of the calls)."""
-        return self.con.sql(CALLS_SQL + " WHERE execution_id = ?", params=[execution_id]).to_arrow_table()
+        return self.con.sql(CALLS_SQL + f" WHERE execution_id = ? AND {self._scope(None)}",
+                            params=[execution_id]).to_arrow_table()
 
-    def groups(self) -> Iterator[Group]:
-        """Every group: those that need no calls first, then the rest as their calls complete in the scan."""
+    def groups(self, group_ids: Iterable[str] | None = None) -> Iterator[Group]:
+        """Every group (or those of ``group_ids``, with the predicate pushed into every query): those that
+        need no calls first, then the rest as their calls complete in the scan."""
+        scope = self._scope(group_ids)
         members: dict[str | None, list[ExecutionOutcome]] = defaultdict(list)
-        for outcome in self.outcomes():
+        for outcome in self.outcomes(group_ids):
             members[outcome.group_id].append(outcome)
         waiting: dict[str, set[str]] = {}
         wanted: dict[str, str] = {}
@@ -114,10 +145,16 @@ class LogSource:
         if not waiting:
             return
         expected = {o.execution_id: o.calls for outcomes in members.values() for o in outcomes}
+        retried = dict(self.con.execute(RETRIED_SQL.format(scope=scope)).fetchall())
         pieces: dict[str, list[CallFragment]] = defaultdict(list)
         received: dict[str, int] = defaultdict(int)
-        for batch in self.con.sql(CALLS_SQL).to_arrow_reader(STREAM_ROWS):
+        for batch in self.con.sql(f"{CALLS_SQL} WHERE {scope}").to_arrow_reader(STREAM_ROWS):
             for execution_id, rows in _split(batch, wanted):
+                if execution_id in retried:  # only the last attempt's calls
+                    seqs = batch.column("seq").to_numpy()
+                    rows = rows[seqs[rows] > retried[execution_id]]
+                    if not len(rows):
+                        continue
                 pieces[execution_id].append(CallFragment.from_rows(batch, rows))
                 received[execution_id] += len(rows)
                 if received[execution_id] < expected[execution_id]:
@@ -135,6 +172,80 @@ class LogSource:
                     )
                 )
             yield _loaded(group_id, members[group_id], pieces)
+
+
+BATCH_KINDS = ("execution_queued", "execution_finished", "reward_recorded", "evaluation_failed",
+               "model_call_finished")
+"""The kinds a batch is built from."""
+
+
+class LiveLogSource(LogSource):
+    """A run's growing log for step-by-step batch building: tables created once, data added incrementally.
+
+    A fresh `LogSource` per step decodes the whole live segment again, and every query scans every call,
+    so the cost of a step grows with the run. Here a follower thread tails the log (`LogReader.follow`:
+    only bytes not seen yet are read); `refresh(upto)` moves what it read, up to seq ``upto``, into one flat
+    table per batch kind, and each step's queries are filtered to its executions (`groups(group_ids=...)`),
+    a filter DuckDB pushes into each table scan.
+    """
+
+    def __init__(self, path: str | Path, run_id: str | None = None, threads: int = 1, poll_s: float = 0.02) -> None:
+        from gyre.events.schema import event_schema
+
+        con = duckdb.connect()
+        con.execute(f"SET threads = {int(threads)}")
+        con.register("gyre_new", event_schema().empty_table())
+        for kind in BATCH_KINDS:  # one flat table per kind: a step's filter never touches other rows' tokens
+            con.execute(f"CREATE TABLE {EVENT_TYPES[kind].view} AS {_flat(kind)}")
+        con.unregister("gyre_new")
+        super().__init__(path, con=con, run_id=run_id)
+        self.next_seq = 0
+        self._batches: queue.Queue[pa.RecordBatch | BaseException] = queue.Queue()
+        self._stop = threading.Event()
+        self._poll_s = poll_s
+        self._thread = threading.Thread(target=self._follow, name="gyre-batch-source", daemon=True)
+        self._thread.start()
+
+    def _follow(self) -> None:
+        try:
+            for batch in LogReader(self.path).follow(from_seq=0, poll_s=self._poll_s, stop=self._stop):
+                self._batches.put(batch)
+        except BaseException as error:  # handed to refresh, never swallowed
+            self._batches.put(error)
+
+    def refresh(self, upto: int, timeout_s: float = 60.0) -> int:
+        """Load the batch kinds' events up to seq ``upto`` (written to the log); returns the rows added."""
+        added = 0
+        while self.next_seq <= upto:
+            try:
+                item = self._batches.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TrajectoryError(f"the log at {self.path} did not reach seq {upto} within {timeout_s} s "
+                                      f"(read up to {self.next_seq - 1})") from None
+            if isinstance(item, BaseException):
+                raise TrajectoryError(f"following the log at {self.path} failed: {item}") from item
+            self.con.register("gyre_new", item)
+            for kind in BATCH_KINDS:
+                self.con.execute(f"INSERT INTO {EVENT_TYPES[kind].view} {_flat(kind)}")
+            self.con.unregister("gyre_new")
+            added += sum(1 for k in item.column("kind").to_pylist() if k in BATCH_KINDS)
+            self.next_seq = max(self.next_seq, item.column("seq")[-1].as_py() + 1)
+        return added
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.con.close()
+
+
+def _flat(kind: str) -> str:
+    from gyre.events.schema import ENVELOPE_COLUMNS
+
+    return f"SELECT {', '.join(ENVELOPE_COLUMNS)}, UNNEST({kind}) FROM gyre_new WHERE kind = '{kind}'"
+
+
+def _literal(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
 
 
 def _split(batch: pa.RecordBatch, wanted: dict[str, str]) -> Iterator[tuple[str, np.ndarray]]:

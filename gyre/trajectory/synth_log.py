@@ -213,6 +213,7 @@ def call_batch(rows: list[tuple[SynthExecution, int]], run_id: str) -> pa.Record
         "latency_s": pa.array([c.latency_s for _, c in calls], pa.float64()),
         "finish_reason": pa.array([c.finish_reason for _, c in calls], pa.string()),
         "drift_tokens": pa.array(np.zeros(n, dtype=np.int64)),
+        "attempt": pa.array(np.zeros(n, dtype=np.int64)),
     }
     payload = pa.StructArray.from_arrays([children[f.name] for f in struct_type], fields=list(struct_type))
     cells = [f"cell-{zlib.crc32(e.execution_id.encode()) % CELLS}" for e, _ in calls]

@@ -20,7 +20,8 @@ import pytest
 
 from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
 from gyre.log import LogReader, LogWriter
-from gyre.proxy import LogSink, Proxy, ProxyConfig, ProxyServer
+from gyre.proxy import Proxy, ProxyConfig, ProxyServer
+from gyre.sink import LogSink
 from tests.proxy.proxy_helpers import Seen, capture
 from tests.proxy.test_proxy_tito_log import REASSEMBLE
 

@@ -23,11 +23,10 @@ from gyre.harness import (
     HarnessConfig,
     HarnessError,
     HarnessRunner,
-    LogSink,
-    MemorySink,
     PythonEvaluator,
 )
 from gyre.log import LogReader, LogWriter
+from gyre.sink import LogSink, MemorySink
 from tests.harness.harness_helpers import TOKEN, execution, make_task, process_gone, shell, wait_for
 
 URL = "http://127.0.0.1:9"
@@ -216,10 +215,13 @@ def test_an_evaluator_crash_is_recorded_as_evaluation_failed(tmp_path: Path) -> 
 
 
 def test_log_sink_makes_the_events_durable(tmp_path: Path) -> None:
-    with LogWriter(tmp_path / "log", run_id="run-1") as writer, \
-            HarnessRunner(shell("printf hello > answer.txt"), sink=LogSink(writer), proxy_url=URL,
-                          root=tmp_path / "executions") as r:
+    writer = LogWriter(tmp_path / "log", run_id="run-1")
+    sink = LogSink(writer)
+    with HarnessRunner(shell("printf hello > answer.txt"), sink=sink, proxy_url=URL,
+                       root=tmp_path / "executions") as r:
         r.run(execution(make_task()))
+        assert writer.durable_seq == writer.next_seq - 1  # the reward is durable when the run returns
+    sink.close()
     events = list(LogReader(tmp_path / "log").events())
     assert [e.kind for e in events] == ["execution_queued", "execution_started", "execution_finished",
                                         "reward_recorded"]

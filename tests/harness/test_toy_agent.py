@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from gyre.events.models import ExecutionFinished, RewardRecorded
-from gyre.harness import HarnessConfig, HarnessRunner, MemorySink, TaskSet
+from gyre.harness import HarnessConfig, HarnessRunner, TaskSet
+from gyre.sink import MemorySink
 from tests.harness.harness_helpers import REPO, TOKEN, TOY_HARNESS, TOY_TASKS, execution
 from tests.harness.stand_in_server import Script, StandInServer, error, text, tool
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from gyre.events.models import ModelCallFinished, RewardRecorded
-from gyre.harness import Execution, HarnessConfig, HarnessRunner, MemorySink, TaskSet
+from gyre.harness import Execution, HarnessConfig, HarnessRunner, TaskSet
+from gyre.sink import MemorySink
 from tests.harness.harness_helpers import TOY_HARNESS, TOY_TASKS
 
 proxy = pytest.importorskip("gyre.proxy")
@@ -26,7 +27,7 @@ def call(name: str, arguments: dict[str, str]) -> str:
 
 
 def serve(engine_url: str) -> tuple[object, object]:
-    calls = proxy.MemorySink()
+    calls = MemorySink()
     server = proxy.ProxyServer(proxy.Proxy(proxy.ProxyConfig(engines={"cell0": engine_url}), sink=calls))
     server.start()
     return server, calls

@@ -20,7 +20,7 @@ from gyre.log import writer as writer_module
 from gyre.log.frames import BATCH_FRAME, CLOSE_FRAME, FORMAT_V0, Frame, scan
 from gyre.sim.runner import simulate
 from gyre.sim.scenario import load_scenario
-from gyre.sim.sink import LogSink
+from gyre.sink import LogSink
 
 runner = CliRunner()
 
@@ -60,9 +60,9 @@ def test_a_giant_batch_becomes_bounded_frames(log_dir: Path) -> None:
 def test_event_runs_and_the_simulator_sink_write_bounded_frames(log_dir: Path, monkeypatch) -> None:
     monkeypatch.setattr(writer_module, "MAX_FRAME_ROWS", 100)
     monkeypatch.setattr(LogSink, "COMMIT_EVENTS", 250)
-    sink = LogSink(log_dir, run_id="sim")
+    sink = LogSink.create(log_dir, run_id="sim", flush_interval_s=None)
     for i in range(9):
-        sink.append([RewardRecorded(execution_id=f"e{i}-{j}", reward=0.5) for j in range(50)])
+        sink.record([RewardRecorded(execution_id=f"e{i}-{j}", reward=0.5) for j in range(50)])
     sink.close()
     frames = _batch_frames(log_dir)
     assert max(f.count for f in frames) <= 100 and sum(f.count for f in frames) == 450

@@ -96,7 +96,7 @@ def test_encode_decode_round_trip(events: list) -> None:
         assert decoded.model_dump(exclude={"seq", "ts"}) == original.model_dump(exclude={"seq", "ts"})
     # Sparse: only the kinds present are stored.
     assert set(batch.schema.names) - {"seq", "ts", "kind", "run_id", "execution_id", "call_id", "cell_id",
-                                      "step"} == {e.kind for e in events}
+                                      "step", "producer", "producer_seq"} == {e.kind for e in events}
 
 
 def test_validate_batch_refuses_bad_columns_with_their_names() -> None:

@@ -152,10 +152,10 @@ def test_export_command_after_the_run_and_following_a_finished_one(tmp_path: Pat
     from gyre.cli import app
 
     write_run(tmp_path / "log", steps=2)
-    result = CliRunner().invoke(app, ["export", str(tmp_path), "--to", "tensorboard"])
+    result = CliRunner().invoke(app, ["metrics", str(tmp_path), "--to", "tensorboard"])
     assert result.exit_code == 0, result.output
     assert [s for s, _ in tensorboard_scalars(tmp_path / "tensorboard")["train/entropy"]] == [0, 1]
-    followed = CliRunner().invoke(app, ["export", str(tmp_path), "--to", "tensorboard", "--follow"])
+    followed = CliRunner().invoke(app, ["metrics", str(tmp_path), "--to", "tensorboard", "--follow"])
     assert followed.exit_code == 0, followed.output  # ends by itself at run_finished
-    bad = CliRunner().invoke(app, ["export", str(tmp_path / "none"), "--to", "tensorboard"])
+    bad = CliRunner().invoke(app, ["metrics", str(tmp_path / "none"), "--to", "tensorboard"])
     assert bad.exit_code == 2 and "no log at" in bad.output

@@ -10,8 +10,8 @@ import pytest
 
 from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
 from gyre.log import LogWriter
-from gyre.proxy import LogSink, MemorySink, Proxy, ProxyConfig, ProxyServer
-from gyre.proxy.sink import CallSink
+from gyre.proxy import Proxy, ProxyConfig, ProxyServer
+from gyre.sink import EventSink, LogSink, MemorySink
 from tests.proxy.proxy_helpers import TOKEN, Running, Seen, StartProxy, capture
 from tests.proxy.scripted_engine import ScriptedEngine
 
@@ -48,7 +48,7 @@ def start_proxy(tmp_path: Path) -> Iterator[StartProxy]:
     def start(engines: dict[str, str], *, log: bool = False, execution_id: str = "exec-1", **config: Any) -> Running:
         proxy_config = ProxyConfig(engines=engines, **config)
         log_dir = tmp_path / f"log{len(running)}" if log else None
-        sink: CallSink = LogSink(LogWriter(log_dir, run_id="test")) if log_dir else MemorySink()
+        sink: EventSink = LogSink(LogWriter(log_dir, run_id="test")) if log_dir else MemorySink()
         proxy = Proxy(proxy_config, sink=sink)
         server = ProxyServer(proxy)
         server.start()

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from gyre.engine.local import LocalEngineServer
-from gyre.proxy import MemorySink, Proxy, ProxyServer, Registration
-from gyre.proxy.sink import CallSink
+from gyre.proxy import Proxy, ProxyServer, Registration
+from gyre.sink import EventSink, MemorySink
 
 TOKEN = "test-token-0123456789abcdef"
 
@@ -49,7 +49,7 @@ def capture(server: LocalEngineServer, monkeypatch: pytest.MonkeyPatch, seen: di
 class Running:
     server: ProxyServer
     proxy: Proxy
-    sink: CallSink
+    sink: EventSink
     registration: Registration
     log_dir: Path | None
 

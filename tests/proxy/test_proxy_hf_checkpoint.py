@@ -17,10 +17,11 @@ from hypothesis import strategies as st
 from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
 from gyre.errors import ConfigError
 from gyre.log import LogReader
-from gyre.proxy import MemorySink, Proxy, ProxyConfig
+from gyre.proxy import Proxy, ProxyConfig
 from gyre.proxy.conversation import Conversation, Message, ToolCall, ToolSpec
 from gyre.proxy.template_render import TemplateError, TemplateRenderer, renderer_for, template_messages
 from gyre.proxy.tokens import TokenCodec
+from gyre.sink import MemorySink
 from tests.hf_checkpoint import save_checkpoint, train_tokenizer
 from tests.proxy.proxy_helpers import TOKEN, capture
 from tests.proxy.scripted_engine import ScriptedEngine

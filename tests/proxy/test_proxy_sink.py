@@ -10,7 +10,7 @@ import pytest
 from gyre.errors import LogClosedError, LogError
 from gyre.events.models import ModelCallStarted
 from gyre.log import LogReader, LogWriter
-from gyre.proxy import CallSink, LogSink, MemorySink
+from gyre.sink import EventSink, LogSink, MemorySink
 
 
 def _event(i: int) -> ModelCallStarted:
@@ -20,7 +20,7 @@ def _event(i: int) -> ModelCallStarted:
 def test_durable_means_readable_and_commits_are_grouped(tmp_path: Path) -> None:
     writer = LogWriter(tmp_path / "log", run_id="r")
     sink = LogSink(writer)
-    assert isinstance(sink, CallSink) and isinstance(MemorySink(), CallSink)
+    assert isinstance(sink, EventSink) and isinstance(MemorySink(), EventSink)
 
     async def call(i: int) -> None:
         await asyncio.sleep(0)

@@ -7,7 +7,7 @@ import pytest
 from gyre.scheduler import get_policy
 from gyre.sim.runner import policy_params, simulate
 from gyre.sim.scenario import load_scenario, with_values
-from gyre.sim.sink import MemorySink
+from gyre.sink import MemorySink
 
 CASES = [("elastic", 0, False), ("elastic", 1, False), ("colocate", 0, False), ("async", 0, False),
          ("async", 1, False), ("elastic", 0, True), ("elastic", 1, True), ("colocate", 0, True), ("async", 1, True)]

@@ -8,9 +8,9 @@ from gyre.sim.clock import Agenda, to_us
 from gyre.sim.rollouts import DecodeCurve, shared_transfer_s
 from gyre.sim.runner import simulate
 from gyre.sim.scenario import load_scenario, with_values
-from gyre.sim.sink import MemorySink
 from gyre.sim.training import SharedLink
 from gyre.sim.workload import sample_workload
+from gyre.sink import MemorySink
 
 CURVE = {"decode.share": 0.5, "decode.step_ms": 10.0, "decode.per_request_ms": 1.0, "decode.per_mtoken_ms": 5.0,
          "decode.reference_context_tokens": 50_000}

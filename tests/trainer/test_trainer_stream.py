@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from gyre.log import LogReader, LogWriter
+from gyre.sink import LogSink
 from gyre.state import TrainerState, TrainerView, fold, replay
 from gyre.trainer import Claim, StepCoordinator, StepProtocolError, decide
 from gyre.trainer.loss import LossStats
@@ -44,8 +45,15 @@ def writer(tmp_path):
         yield w
 
 
-def test_a_step_is_a_sequence_of_events_and_the_log_folds_to_the_same_state(writer):
-    c = StepCoordinator(writer)
+@pytest.fixture
+def sink(writer):
+    sink = LogSink(writer, close_writer=False)
+    yield sink
+    sink.close()
+
+
+def test_a_step_is_a_sequence_of_events_and_the_log_folds_to_the_same_state(writer, sink):
+    c = StepCoordinator(sink)
     step = c.start_step(2, groups=1)
     assert c.claim("core") == Claim("wait", step)
     c.mark_ready({0: 10}, {0: ("e1", "e2")})
@@ -79,22 +87,22 @@ def test_a_step_is_a_sequence_of_events_and_the_log_folds_to_the_same_state(writ
 
 
 def test_a_restarted_coordinator_resumes_from_the_log(tmp_path):
-    with LogWriter(tmp_path / "log") as w:
-        c = StepCoordinator(w)
+    with LogSink(LogWriter(tmp_path / "log")) as sink:
+        c = StepCoordinator(sink)
         c.start_step(1)
         c.mark_ready({0: 5})
         c.claim("core")
         c.finish("core", 0, 0, result(0))
         c.close_step(StepResult(policy_version=1, grad_norm=0.1, normalizer=1.0))
-    with LogWriter(tmp_path / "log") as w:
-        again = StepCoordinator(w)
+    with LogSink(LogWriter(tmp_path / "log")) as sink:
+        again = StepCoordinator.resume(sink, tmp_path / "log")
         assert again.state.policy_version == 1
         assert again.start_step(1) == 1
         assert again.state.steps[1].policy_version == 1
 
 
-def test_protocol_violations_are_refused(writer):
-    c = StepCoordinator(writer)
+def test_protocol_violations_are_refused(sink):
+    c = StepCoordinator(sink)
     with pytest.raises(StepProtocolError, match="no open step"):
         c.mark_ready({0: 1})
     c.start_step(2)
@@ -113,8 +121,8 @@ def test_protocol_violations_are_refused(writer):
         c.close_step(StepResult(policy_version=1, grad_norm=0.0, normalizer=1.0))
 
 
-def test_concurrent_replicas_never_share_a_micro_step(writer):
-    c = StepCoordinator(writer)
+def test_concurrent_replicas_never_share_a_micro_step(writer, sink):
+    c = StepCoordinator(sink)
     c.start_step(40)
     c.mark_ready({m: 1 for m in range(40)})
     got: dict[str, list[int]] = {f"cell-{i}": [] for i in range(4)}
@@ -135,12 +143,12 @@ def test_concurrent_replicas_never_share_a_micro_step(writer):
     assert {m: cell for cell, ms in got.items() for m in ms} == state.steps[0].claimed
 
 
-def test_the_work_loop_runs_what_it_claims(writer):
+def test_the_work_loop_runs_what_it_claims(sink):
     class Backend:
         def forward_backward(self, batch):
             return result(batch)
 
-    c = StepCoordinator(writer)
+    c = StepCoordinator(sink)
     c.start_step(3)
     feeder = threading.Timer(0.1, lambda: c.mark_ready({0: 1, 1: 1, 2: 1}))  # data arrives after the claims start
     feeder.start()

@@ -113,8 +113,9 @@ def test_an_execution_the_scan_returns_short_is_malformed_not_guessed(log: Path)
     source = LogSource(log)
     real = source.outcomes
 
-    def inflated() -> list[ExecutionOutcome]:
-        return [o if o.execution_id != "done" else dataclasses.replace(o, calls=o.calls + 1) for o in real()]
+    def inflated(group_ids=None) -> list[ExecutionOutcome]:
+        return [o if o.execution_id != "done" else dataclasses.replace(o, calls=o.calls + 1)
+                for o in real(group_ids)]
 
     source.outcomes = inflated  # type: ignore[method-assign]
     builder = BatchBuilder(TrajectoryConfig())

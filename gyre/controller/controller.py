@@ -1,0 +1,192 @@
+"""The controller: the one place a live run is driven, as fold → decide → act over the log.
+
+Every event of the run reaches the log through the controller's `LogSink` (the proxy, the harness runner
+and the trainer are producers on it); the sink tells the controller, in seq order, what it appended. The
+controller's loop, on its own thread:
+
+1. **fold** everything appended since the last round into the live projections (cluster, trainer, work:
+   the `SchedulerFold` the simulator and replay use), so the view is the fold of the log prefix ending at
+   ``folded_seq``;
+2. **decide**: call the configured policy's pure ``decide(view, params)``; each decision is stamped with
+   ``decided_at_seq = folded_seq``, recorded and made durable before anything acts on it (replay rebuilds
+   the view at exactly that prefix and must get the same decisions);
+3. **act**: hand each decision to its cell's actuator, then the plan's own commands (queue a step's
+   rollouts, train a step: `gyre.controller.plan`). Actuators report back only by events — a role switch
+   is complete when its `role_switch_completed` is folded, never when a call returns.
+
+The loop sleeps until the sink appends something, so it costs nothing while a run waits on harnesses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from gyre.controller.actuator import CellActuator, Rollouts
+from gyre.controller.plan import RunPlan, finished, next_step_to_queue, next_step_to_train, step_groups
+from gyre.errors import GyreError
+from gyre.events.models import Event, RoleSwitchRequested
+from gyre.scheduler import Policy, PolicyParams, SchedulerFold, SchedulerView
+from gyre.sink import LogSink
+
+log = logging.getLogger(__name__)
+
+
+class ControllerError(GyreError):
+    """An action failed, or a decision names a cell the controller has no actuator for."""
+
+
+@dataclass
+class ControllerStats:
+    decision_points: int = 0
+    decisions: int = 0
+    folded: int = 0
+
+
+class Controller:
+    """Folds, decides and acts for one run. Built over the run's sink before any producer records."""
+
+    def __init__(self, sink: LogSink, policy: Policy, params: PolicyParams, plan: RunPlan,
+                 cells: Mapping[str, CellActuator], rollouts: Rollouts, *, producer_id: str = "controller") -> None:
+        if sink.on_record is not None:
+            raise ControllerError("the sink already feeds another controller")
+        self.sink = sink
+        self.policy, self.params, self.plan = policy, params, plan
+        self.cells = dict(cells)
+        self.rollouts = rollouts
+        self.fold = SchedulerFold()
+        self.folded_seq = -1
+        self.stats = ControllerStats()
+        self.producer = sink.producer(producer_id)
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[int, list[Event]]] = []
+        self._failure: BaseException | None = None
+        self._training: int | None = None
+        self._decided_at = -2
+        """The prefix of the last decision point: a policy decides once per prefix."""
+        self._observers: list[Callable[[int, Event], None]] = []
+        sink.on_record = self._recorded
+
+    @property
+    def view(self) -> SchedulerView:
+        return self.fold.view
+
+    def observe(self, observer: Callable[[int, Event], None]) -> None:
+        """Also tell ``observer`` of each folded event and its seq (progress, metrics), on the controller's
+        thread (the events handed on by the sink carry no seq of their own)."""
+        self._observers.append(observer)
+
+    def catch_up(self, log_path) -> int:
+        """Fold the log as it stands (a resumed run), before anything new is recorded; returns its last seq."""
+        from gyre.log import LogReader
+
+        with self._cond:
+            if self._inbox:
+                raise ControllerError("catch_up must come before any producer records")
+        for event in LogReader(log_path).events():
+            assert event.seq is not None
+            self.fold.apply(event)
+            for observer in self._observers:
+                observer(event.seq, event)
+            self.folded_seq = event.seq
+        return self.folded_seq
+
+    # -- inputs ---------------------------------------------------------------------------------------------
+
+    def _recorded(self, first_seq: int, events: list[Event]) -> None:
+        with self._cond:
+            self._inbox.append((first_seq, events))
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """An actuator's action failed: the loop raises it on the controller's thread."""
+        with self._cond:
+            if self._failure is None:
+                self._failure = error
+            self._cond.notify_all()
+
+    def record(self, events: Event | list[Event]) -> int:
+        """The controller's own facts (run start, cells), durable when this returns."""
+        position = self.producer.record(events)
+        self.producer.commit(position)
+        return position
+
+    # -- the loop -------------------------------------------------------------------------------------------
+
+    def run(self, tick: Callable[[SchedulerView], None] | None = None, tick_s: float = 0.5) -> None:
+        """Drive the run until the plan is finished; raises the first failure of an action."""
+        while True:
+            self._wait(tick_s)
+            self._fold_new()
+            if tick is not None:
+                tick(self.view)
+            if finished(self.view, self.plan):
+                return
+            if self.folded_seq != self._decided_at:
+                self.step()
+
+    def step(self) -> None:
+        """One round at the current prefix: decide and act, then the plan's commands."""
+        self._decide()
+        self._plan()
+
+    def _wait(self, timeout_s: float) -> None:
+        """Sleep until something is appended, unless the current prefix is not decided on yet."""
+        with self._cond:
+            if not self._inbox and self._failure is None and self.folded_seq == self._decided_at:
+                self._cond.wait(timeout_s)
+            if self._failure is not None:
+                raise ControllerError(f"an action failed: {self._failure}") from self._failure
+
+    def _fold_new(self) -> None:
+        with self._cond:
+            batches, self._inbox = self._inbox, []
+        for first, events in batches:
+            if first != self.folded_seq + 1:
+                raise ControllerError(f"the controller folded up to seq {self.folded_seq} but was handed "
+                                      f"events from seq {first}: the sink's order is broken")
+            for seq, event in enumerate(events, start=first):
+                self.fold.apply(event)
+                for observer in self._observers:
+                    observer(seq, event)
+            self.folded_seq = first + len(events) - 1
+            self.stats.folded += len(events)
+        if self._training is not None and self._training in self.view.work.trained:
+            self._training = None
+
+    def _decide(self) -> None:
+        at = self._decided_at = self.folded_seq
+        decisions = self.policy.decide(self.view, self.params)
+        self.stats.decision_points += 1
+        if not decisions:
+            return
+        stamped = [d.model_copy(update={"decided_at_seq": at}) for d in decisions]
+        for decision in stamped:
+            if decision.cell_id not in self.cells:
+                raise ControllerError(f"policy {self.policy.name} decided for cell {decision.cell_id}, "
+                                      f"which has no actuator (known: {sorted(self.cells)})")
+        self.record(stamped)
+        self.stats.decisions += len(stamped)
+        self._fold_new()  # the decisions are part of the view before anything else is decided
+        for decision in stamped:
+            self.cells[decision.cell_id].switch(decision)
+
+    def _plan(self) -> None:
+        view = self.view
+        step = next_step_to_queue(view, self.plan)
+        if step is not None:
+            self.rollouts.queue(step, view.trainer.policy_version)
+            self._fold_new()
+        if self._training is None:
+            step = next_step_to_train(view)
+            if step is not None:
+                core = view.core
+                assert core is not None
+                self._training = step
+                self.cells[core.cell_id].train(step, step_groups(view, step))
+
+
+def decisions_of(events: list[Event]) -> list[RoleSwitchRequested]:
+    return [e for e in events if isinstance(e, RoleSwitchRequested)]

@@ -1,0 +1,209 @@
+"""The core cell's trainer replica: a step's batch from the log, GSPO micro-steps, optimizer step, durable publish.
+
+Everything it learns comes from the log (the step's groups, scoped to the run) and everything it does is an
+event through the coordinator (`train_step_started` ... `train_step_finished`, `weights_published`,
+`checkpoint_saved`), so the controller's fold follows training exactly as replay will.
+
+Resume (`restore`): load the last checkpoint, then retrain every step the log says finished after it, from
+the same logged batches, without logging it again; each retrained version's weights must have the checksum
+the log recorded (a step whose publish the crash cut off is published now). A step open at the crash is
+aborted and trained again by the controller's plan.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gyre.controller.local import Published
+from gyre.controller.weights import WeightsError, WeightStore, file_sha256, fsync_tree
+from gyre.events.models import CheckpointSaved, TrainStepFinished, WeightsPublished
+from gyre.log import LogReader
+from gyre.train.config import TrainConfig
+from gyre.trainer import StepCoordinator, TorchBackend
+from gyre.trainer.protocol import StepResult
+from gyre.trajectory.source import LiveLogSource
+
+
+@dataclass
+class StepTraining:
+    """What training one step did (the figures the CLI shows; all of it is also in the log)."""
+
+    step: int
+    micro_steps: int = 0
+    trained_tokens: int = 0
+    forwarded_tokens: int = 0
+    loss: float | None = None
+    train_s: float = 0.0
+    policy_version: int = 0
+    excluded: dict[str, int] | None = None
+
+
+class LocalCoreTrainer:
+    def __init__(self, config: TrainConfig, *, cell_id: str, run_id: str, log_path: Path, backend: TorchBackend,
+                 coordinator: StepCoordinator, weights: WeightStore, published: Published | None,
+                 on_trained: Callable[[StepTraining], None], durable_seq: Callable[[], int]) -> None:
+        self.config, self.cell_id, self.run_id, self.log_path = config, cell_id, run_id, log_path
+        self.backend, self.coordinator, self.weights = backend, coordinator, weights
+        self._published = published
+        self.on_trained = on_trained
+        self.durable_seq = durable_seq
+        self._source: LiveLogSource | None = None
+        self.run_dir = weights.run_dir
+        self._checkpointed: set[int] = set()
+
+    def join(self) -> None:
+        self.backend.model.train()
+
+    def published(self) -> Published | None:
+        return self._published
+
+    def _batches(self, groups: tuple[str, ...]) -> tuple[list, dict, dict]:
+        """The micro-batches of a step's groups, from the run's log as written so far."""
+        from gyre.trajectory import BatchBuilder, TrajectoryConfig
+
+        section = self.config.trajectory
+        builder = BatchBuilder(TrajectoryConfig(cap=section.cap, min_valid_per_group=section.min_valid_per_group,
+                                                token_budget=section.token_budget, form=section.form))
+        if self._source is None:
+            self._source = LiveLogSource(self.log_path, run_id=self.run_id)
+        self._source.refresh(self.durable_seq())
+        micro = list(builder.batches(self._source.groups(group_ids=groups)))
+        return micro, builder.report.to_dict(), builder.report.step_metrics()
+
+    def train_step(self, step: int, groups: tuple[str, ...]) -> None:
+        from gyre.trainer import TrainBatch, work
+
+        started = time.monotonic()
+        self.coordinator.sink.commit()  # every reward the fold has seen is on disk before the query
+        micro, report, metrics = self._batches(groups)
+        metrics["batch_s"] = time.monotonic() - started
+        figures = StepTraining(step, policy_version=self.coordinator.state.policy_version,
+                               excluded={k: v for k, v in report.items() if isinstance(v, int) and v
+                                         and (k.startswith("excluded_") or k.startswith("groups_"))})
+        batches = [TrainBatch.from_micro_batch(mb, i) for i, mb in enumerate(micro)]
+        opened = self.coordinator.start_step(len(batches), groups=len(groups),
+                                             trajectories=report.get("trajectories_kept", 0))
+        if opened != step:
+            raise RuntimeError(f"the trainer opened step {opened} for the batch of step {step}")
+        if not batches:  # no group had enough scored executions: the step closes without an update
+            version = self.coordinator.state.policy_version
+            self.coordinator.close_step(StepResult(policy_version=version, grad_norm=0.0, normalizer=1.0),
+                                        duration_s=time.monotonic() - started)
+            figures.train_s = time.monotonic() - started
+            self.on_trained(figures)
+            return
+        executions = {e for b in batches for e in b.execution_ids}
+        self.coordinator.mark_ready({i: b.tokens for i, b in enumerate(batches)},
+                                    {i: b.execution_ids for i, b in enumerate(batches)})
+        self.backend.zero_grad()
+        work(self.backend, self.coordinator, self.cell_id, batches.__getitem__)
+        optimizer_started = time.monotonic()
+        result = self.backend.optimizer_step(normalizer=float(len(executions)))
+        metrics["optimizer_s"] = time.monotonic() - optimizer_started
+        summary = self.coordinator.close_step(result, duration_s=time.monotonic() - started, metrics=metrics)
+        self.publish(result.policy_version)
+        figures.micro_steps = len(batches)
+        figures.trained_tokens = sum(b.trained_tokens for b in batches)
+        figures.forwarded_tokens = summary.tokens
+        figures.loss = summary.stats.loss_sum / result.normalizer
+        figures.train_s = time.monotonic() - started
+        self.on_trained(figures)
+
+    def close(self) -> None:
+        if self._source is not None:
+            self._source.close()
+            self._source = None
+
+    def publish(self, version: int) -> None:
+        stored = self.weights.save(version, dict(self.backend.named_tensors()))
+        self.coordinator.publish(version, tensors=stored.tensors, nbytes=stored.bytes, location=stored.location,
+                                 duration_s=stored.duration_s, sha256=stored.sha256)
+        self._published = Published(version, stored.location, stored.sha256)
+        step = max(self.coordinator.state.steps)
+        if (step + 1) % self.config.checkpoint.every_steps == 0:
+            self.checkpoint(step, version)
+        self.weights.prune(version, protected=self._checkpointed)
+
+    def checkpoint(self, step: int, version: int) -> None:
+        """Optimizer and trainer state after ``step``, durable, then `checkpoint_saved` names it."""
+        from gyre.trainer.torch_backend import OPTIMIZER_FILE
+
+        assert self._published is not None
+        location = f"checkpoints/step-{step:06d}"
+        path = self.backend.save_checkpoint(self.run_dir / location)
+        fsync_tree(path)
+        sink = self.coordinator.sink
+        sink.commit(sink.record(CheckpointSaved(
+            step=step, policy_version=version, covers_seq=self.durable_seq(), location=location,
+            weights=self._published.location, sha256=file_sha256(path / OPTIMIZER_FILE))))
+        self._checkpointed.add(version)
+
+    # -- resume ---------------------------------------------------------------------------------------------
+
+    def restore(self, step_groups: Callable[[int], tuple[str, ...]]) -> int:
+        """Bring the trainer to the state the log describes; returns the number of steps retrained."""
+        from gyre.trainer.torch_backend import OPTIMIZER_FILE
+
+        checkpoints: list[CheckpointSaved] = []
+        finished: dict[int, TrainStepFinished] = {}
+        published: dict[int, WeightsPublished] = {}
+        kinds = ["checkpoint_saved", "train_step_finished", "weights_published"]
+        for event in LogReader(self.log_path).events(kinds=kinds):
+            if isinstance(event, CheckpointSaved):
+                checkpoints.append(event)
+            elif isinstance(event, TrainStepFinished):
+                finished[event.step] = event
+            elif isinstance(event, WeightsPublished):
+                published[event.policy_version] = event
+        self._checkpointed = {c.policy_version for c in checkpoints}
+        first = 0
+        if checkpoints:
+            last = checkpoints[-1]
+            path = self.run_dir / last.location
+            if not path.is_dir() or file_sha256(path / OPTIMIZER_FILE) != last.sha256:
+                raise WeightsError(f"checkpoint {path} is missing or does not match the checksum in the log")
+            self.backend.load_checkpoint(path)
+            first = last.step + 1
+        retrained = 0
+        for step in sorted(s for s in finished if s >= first):
+            logged = finished[step]
+            if logged.policy_version == self.backend.policy_version:
+                continue  # the step had no update
+            self._retrain(step, step_groups(step))
+            retrained += 1
+            version = self.backend.policy_version
+            if version != logged.policy_version:
+                raise WeightsError(f"retraining step {step} gave policy version {version}, "
+                                   f"the log recorded {logged.policy_version}")
+            if version not in published:
+                self.publish(version)  # the crash came between the step and its publish
+                continue
+            record = published[version]
+            scratch = self.weights.save(version, dict(self.backend.named_tensors()),
+                                        location=f"weights/v{version:06d}.resume.safetensors")
+            scratch_path = self.weights.path(scratch.location)
+            if scratch.sha256 != record.sha256:
+                scratch_path.unlink()
+                raise WeightsError(f"retraining step {step} did not reproduce the logged weights of version "
+                                   f"{version} (checksum {scratch.sha256}, the log recorded {record.sha256})")
+            scratch_path.replace(self.weights.path(record.location))  # identical bytes: restores a lost file
+        if published:
+            latest = published[max(published)]
+            if latest.policy_version == self.backend.policy_version:
+                self._published = Published(latest.policy_version, latest.location, latest.sha256)
+        return retrained
+
+    def _retrain(self, step: int, groups: tuple[str, ...]) -> None:
+        """Train a logged step again, in the order it was trained, logging nothing."""
+        from gyre.trainer import TrainBatch
+
+        micro, _, _ = self._batches(groups)
+        batches = [TrainBatch.from_micro_batch(mb, i) for i, mb in enumerate(micro)]
+        executions = {e for b in batches for e in b.execution_ids}
+        self.backend.zero_grad()
+        for batch in batches:
+            self.backend.forward_backward(batch)
+        self.backend.optimizer_step(normalizer=float(len(executions)))

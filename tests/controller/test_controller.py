@@ -1,0 +1,142 @@
+"""The controller over real logs with stand-in actuators: explicit decision points replay exactly.
+
+The stand-ins do what a cell and the harness runner do, as events: a role switch completes, a train step
+runs and publishes, executions are queued, start, finish and are scored on another thread — so decisions
+land while other producers append, and replay must still rebuild each view at exactly its prefix.
+"""
+
+import threading
+
+import pytest
+
+from gyre.controller import Controller, RunPlan
+from gyre.events.models import (
+    CellRegistered,
+    ExecutionFinished,
+    ExecutionQueued,
+    ExecutionStarted,
+    RewardRecorded,
+    RoleSwitchCompleted,
+    RoleSwitchRequested,
+    RunStarted,
+    TrainStepFinished,
+    TrainStepStarted,
+    WeightsPublished,
+)
+from gyre.harness.runner import Gate
+from gyre.log import LogReader, LogWriter
+from gyre.replay.exact import replay_decisions
+from gyre.scheduler import get_policy
+from gyre.sink import LogSink
+
+
+class StandInCell:
+    def __init__(self, sink: LogSink, gate: Gate) -> None:
+        self.producer = sink.producer("cell:c0")
+        self.gate = gate
+        self.version = 0
+
+    def switch(self, decision: RoleSwitchRequested) -> None:
+        if decision.to_role == "training":
+            self.gate.close()
+            self.gate.wait_idle()
+        else:
+            self.gate.open()
+        self.producer.record(RoleSwitchCompleted(cell_id=decision.cell_id, from_role=decision.from_role,
+                                                 to_role=decision.to_role, duration_s=0.01))
+
+    def train(self, step: int, groups: tuple[str, ...]) -> None:
+        self.producer.record([
+            TrainStepStarted(step=step, policy_version=self.version, planned_micro_steps=1, groups=len(groups)),
+            TrainStepFinished(step=step, policy_version=self.version + 1, micro_steps=1),
+            WeightsPublished(policy_version=self.version + 1),
+        ])
+        self.version += 1
+
+    def close(self) -> None:
+        pass
+
+
+class StandInRollouts:
+    """Queues on the controller's thread; the executions run on a thread of their own."""
+
+    def __init__(self, sink: LogSink, size: int, gate: Gate) -> None:
+        self.producer = sink.producer("harness")
+        self.size = size
+        self.gate = gate
+        self.threads: list[threading.Thread] = []
+
+    def queue(self, step: int, policy_version: int) -> None:
+        ids = [f"r.s{step}-e{i}" for i in range(self.size)]
+        self.producer.record([ExecutionQueued(execution_id=e, task_id="t", group_id=f"r.s{step}-g{i % 2}",
+                                              policy_version=policy_version, step=step)
+                              for i, e in enumerate(ids)])
+
+        def run() -> None:
+            for e in ids:
+                assert self.gate.enter(lambda: False)  # only while the cell serves rollouts
+                self.producer.record(ExecutionStarted(execution_id=e, cell_id="c0"))
+                self.producer.record(ExecutionFinished(execution_id=e, status="completed", duration_s=1.0))
+                self.producer.record(RewardRecorded(execution_id=e, reward=0.5))
+                self.gate.leave()
+
+        thread = threading.Thread(target=run)
+        self.threads.append(thread)
+        thread.start()
+
+
+def drive(log_dir, policy_name: str, steps: int = 3) -> Controller:
+    policy = get_policy(policy_name)
+    params = policy.params({})
+    sink = LogSink(LogWriter(log_dir, run_id="r"))
+    gate = Gate()
+    rollouts = StandInRollouts(sink, size=4, gate=gate)
+    controller = Controller(sink, policy, params, RunPlan(steps=steps), cells={}, rollouts=rollouts)
+    controller.cells["c0"] = StandInCell(sink, gate)
+    controller.record([RunStarted(run_id="r", name="t", policy=policy.name, policy_version=policy.version,
+                                  policy_params=params.model_dump_json(), decision_points="explicit"),
+                       CellRegistered(cell_id="c0", role="rollout", is_core=True, slots=2)])
+    try:
+        controller.run(tick_s=5.0)
+    finally:
+        for t in rollouts.threads:
+            t.join()
+        sink.close()
+    return controller
+
+
+@pytest.mark.parametrize("policy", ["elastic", "colocate"])
+def test_a_live_log_replays_with_no_mismatch(tmp_path, policy):
+    controller = drive(tmp_path / "log", policy)
+    report = replay_decisions(tmp_path / "log")
+    assert report.mismatches == [], report.to_dict()
+    assert report.decisions == controller.stats.decisions > 0
+    decisions = list(LogReader(tmp_path / "log").events(kinds=["role_switch_requested"]))
+    assert all(d.decided_at_seq is not None and d.decided_at_seq < d.seq for d in decisions)
+    # one cell: it trains when a step's data is ready and serves otherwise, so the roles alternate
+    assert [d.to_role for d in decisions] == ["training", "rollout"] * 2 + ["training"]
+
+
+def test_replay_reports_an_altered_decision(tmp_path):
+    drive(tmp_path / "log", "elastic", steps=2)
+    events = list(LogReader(tmp_path / "log").events())
+    target = next(i for i, e in enumerate(events) if isinstance(e, RoleSwitchRequested) and e.to_role == "rollout")
+    tampered = list(events)
+    tampered[target] = events[target].model_copy(update={"reason": "tampered", "watermark": 99})
+    with LogWriter(tmp_path / "tampered", run_id="r") as writer:
+        writer.append([e.model_copy(update={"seq": None}) for e in tampered])
+    report = replay_decisions(tmp_path / "tampered")
+    assert len(report.mismatches) == 1
+    [mismatch] = report.mismatches
+    assert mismatch.seq == events[target].seq
+    assert mismatch.recorded[0]["reason"] == "tampered" and mismatch.replayed[0]["reason"] != "tampered"
+
+
+def test_replay_reports_a_decision_moved_to_another_prefix(tmp_path):
+    drive(tmp_path / "log", "elastic", steps=2)
+    events = list(LogReader(tmp_path / "log").events())
+    target = next(i for i, e in enumerate(events) if isinstance(e, RoleSwitchRequested))
+    moved = events[target].model_copy(update={"decided_at_seq": events[target].decided_at_seq - 3})
+    with LogWriter(tmp_path / "moved", run_id="r") as writer:
+        writer.append([e.model_copy(update={"seq": None}) for e in [*events[:target], moved, *events[target + 1:]]])
+    assert replay_decisions(tmp_path / "moved").mismatches

@@ -1,0 +1,70 @@
+"""kill -9 a training run at 20+ seeded points (rollout, mid-step, publish, resume itself), resume each time:
+the run completes with every reward counted once, gapless policy versions and an exact replay."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gyre.controller.weights import WeightsError, file_sha256
+from gyre.log import LogReader, LogWriter
+from gyre.train.config import CheckpointSection, RolloutSection, SamplingSection, TrainConfig, TrainerSection
+from gyre.train.crash import torture
+from gyre.train.loop import TrainingRun
+
+QUICK = Path(__file__).parent / "quick"
+
+
+def test_killed_at_twenty_points_and_resumed_nothing_is_lost_or_doubled(tmp_path: Path) -> None:
+    config = TrainConfig(
+        name="crash", run_dir=tmp_path / "run", seed=2, steps=8,
+        rollout=RolloutSection(tasks=QUICK / "tasks.toml", harness=QUICK / "harness.toml", task_ids=("hello",),
+                               groups_per_step=1, group_size=2, max_concurrency=2, timeout_s=30),
+        sampling=SamplingSection(max_tokens=8),
+        trainer=TrainerSection(lr=1e-3, eps_low=0.2, eps_high=0.28),
+        checkpoint=CheckpointSection(every_steps=2),  # steps after a checkpoint are retrained on resume
+    )
+    report = torture(config, points=20, seed=11)
+    assert report.ok, report.problems
+    assert len(report.kill_points) >= 20
+    assert report.executions == 16 and report.rewards == 16
+    assert report.versions == list(range(1, 9))
+    # during rollout, mid-step and during publish (the first points), then seeded phase events
+    assert report.kill_points[:3] == [("reward_recorded", 1), ("micro_step_claimed", 1), ("weights_published", 1)]
+
+
+def quick_config(run_dir: Path, steps: int) -> TrainConfig:
+    return TrainConfig(
+        name="retrain", run_dir=run_dir, seed=4, steps=steps,
+        rollout=RolloutSection(tasks=QUICK / "tasks.toml", harness=QUICK / "harness.toml", task_ids=("hello",),
+                               groups_per_step=1, group_size=2, max_concurrency=2, timeout_s=30),
+        sampling=SamplingSection(max_tokens=8), trainer=TrainerSection(lr=1e-3, eps_low=0.2, eps_high=0.28),
+        checkpoint=CheckpointSection(every_steps=5),  # no checkpoint: a resume retrains every step
+    )
+
+
+def test_a_resume_retrains_logged_steps_to_the_logged_checksums(tmp_path: Path) -> None:
+    config = quick_config(tmp_path / "run", steps=1)
+    TrainingRun(config).run()
+    notes: list[dict] = []
+    resumed = TrainingRun(config, lambda phase, figures: notes.append(figures) if phase == "resumed" else None,
+                          resume=True)
+    resumed.close()
+    assert notes == [{"aborted_step": None, "retrained_steps": 1, "version": 1}]
+    # The weights file is lost: the retrained step's identical bytes restore it.
+    (config.run_dir / "weights" / "v000001.safetensors").unlink()
+    TrainingRun(config, resume=True).close()
+    [published] = LogReader(config.run_dir / "log").events(kinds=["weights_published"])
+    assert file_sha256(config.run_dir / published.location) == published.sha256
+
+
+def test_a_resume_that_cannot_reproduce_the_logged_weights_stops(tmp_path: Path) -> None:
+    config = quick_config(tmp_path / "run", steps=1)
+    TrainingRun(config).run()
+    events = list(LogReader(config.run_dir / "log").events())
+    shutil.rmtree(config.run_dir / "log")
+    with LogWriter(config.run_dir / "log", run_id=events[0].run_id) as writer:  # a log whose checksum lies
+        writer.append([e.model_copy(update={"seq": None, "sha256": "0" * 64} if e.kind == "weights_published"
+                                    else {"seq": None}) for e in events])
+    with pytest.raises(WeightsError, match="did not reproduce the logged weights of version 1"):
+        TrainingRun(config, resume=True)
