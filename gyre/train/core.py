@@ -44,12 +44,15 @@ class StepTraining:
 class LocalCoreTrainer:
     def __init__(self, config: TrainConfig, *, cell_id: str, run_id: str, log_path: Path, backend: TorchBackend,
                  coordinator: StepCoordinator, weights: WeightStore, published: Published | None,
-                 on_trained: Callable[[StepTraining], None], durable_seq: Callable[[], int]) -> None:
+                 on_trained: Callable[[StepTraining], None], durable_seq: Callable[[], int],
+                 rollout_s: Callable[[int], float | None] = lambda step: None) -> None:
         self.config, self.cell_id, self.run_id, self.log_path = config, cell_id, run_id, log_path
         self.backend, self.coordinator, self.weights = backend, coordinator, weights
         self._published = published
         self.on_trained = on_trained
         self.durable_seq = durable_seq
+        self.rollout_s = rollout_s
+        """A step's rollout phase (first queued to last finished, folded from the log), for its metrics."""
         self._source: LiveLogSource | None = None
         self.run_dir = weights.run_dir
         self._checkpointed: set[int] = set()
@@ -80,6 +83,7 @@ class LocalCoreTrainer:
         self.coordinator.sink.commit()  # every reward the fold has seen is on disk before the query
         micro, report, metrics = self._batches(groups)
         metrics["batch_s"] = time.monotonic() - started
+        metrics["rollout_s"] = self.rollout_s(step)
         figures = StepTraining(step, policy_version=self.coordinator.state.policy_version,
                                excluded={k: v for k, v in report.items() if isinstance(v, int) and v
                                          and (k.startswith("excluded_") or k.startswith("groups_"))})

@@ -240,7 +240,8 @@ class TrainingRun:
             self.trainer = LocalCoreTrainer(config, cell_id=CELL, run_id=self.run_id, log_path=self.log_path,
                                             backend=self.backend, coordinator=self.coordinator,
                                             weights=self.weights, published=None, on_trained=self._trained,
-                                            durable_seq=lambda: self.sink.writer.durable_seq)
+                                            durable_seq=lambda: self.sink.writer.durable_seq,
+                                            rollout_s=self._rollout_s)
             self._closers.append(self.trainer.close)
             engine_version = self._restore() if resume else 0
             self.cell = LocalCell(CELL, engine=self.engine, admission=self.gate, trainer=self.trainer,
@@ -312,6 +313,13 @@ class TrainingRun:
             elif isinstance(event, RewardRecorded):
                 self._rewards[event.execution_id] = event.reward
 
+    def _rollout_s(self, step: int) -> float | None:
+        with self._lock:
+            facts = self._steps.get(step)
+            if facts is None or not facts.last_finished_us or not facts.first_queued_us:
+                return None
+            return (facts.last_finished_us - facts.first_queued_us) / 1e6
+
     def _tick(self, view: SchedulerView) -> None:
         waiting = [s for s in sorted(view.work.steps) if s >= 0 and s not in view.work.trained]
         if waiting:
@@ -327,8 +335,7 @@ class TrainingRun:
         with self._lock:
             facts = self._steps.get(figures.step, _StepFacts())
             rewards = [self._rewards[e] for e in facts.executions if e in self._rewards]
-            rollout_s = ((facts.last_finished_us - facts.first_queued_us) / 1e6
-                         if facts.last_finished_us and facts.first_queued_us else 0.0)
+        rollout_s = self._rollout_s(figures.step) or 0.0
         record = StepRecord(step=figures.step, policy_version=facts.version, executions=len(facts.executions),
                             scored=len(rewards), reward_mean=sum(rewards) / len(rewards) if rewards else None,
                             micro_steps=figures.micro_steps, trained_tokens=figures.trained_tokens,
