@@ -12,7 +12,7 @@ from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
 from gyre.log import LogWriter
 from gyre.proxy import Proxy, ProxyConfig, ProxyServer
 from gyre.sink import EventSink, LogSink, MemorySink
-from tests.proxy.proxy_helpers import TOKEN, Running, Seen, StartProxy, capture
+from tests.proxy.proxy_helpers import TOKEN, Engines, Running, Seen, StartProxy, capture
 from tests.proxy.scripted_engine import ScriptedEngine
 
 
@@ -30,6 +30,19 @@ def engine_capture(engine_server: LocalEngineServer, monkeypatch: pytest.MonkeyP
     seen: dict[str, Seen] = {}
     capture(engine_server, monkeypatch, seen)
     return seen
+
+
+@pytest.fixture
+def two_engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[Engines]:
+    """Two fresh local engines with the same seed (a redirect's source and target), captured."""
+    servers = [LocalEngineServer(LocalEngine(LocalEngineConfig(seed=0))) for _ in range(2)]
+    seen: dict[str, Seen] = {}
+    for server in servers:
+        server.start()
+        capture(server, monkeypatch, seen)
+    yield servers[0], servers[1], seen
+    for server in servers:
+        server.stop()
 
 
 @pytest.fixture

@@ -67,6 +67,5 @@ class Running:
 
 
 StartProxy = Callable[..., Running]
-
-
-StartProxy = Callable[..., Running]
+Engines = tuple[LocalEngineServer, LocalEngineServer, dict[str, Seen]]
+"""Two local engines (`two_engines`) and what each admitted and produced, by rid."""

@@ -6,35 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Iterator
 
 import openai
 import pytest
 
 from gyre.engine import SyncHttpEngineClient
-from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
+from gyre.engine.local import LocalEngineConfig
 from gyre.log import LogReader
 from gyre.model import build_tiny_model
 from gyre.proxy.kv_mover import MooncakeKvMover
 from gyre.proxy.routing import KvMove, KvMoveResult
-from tests.proxy.proxy_helpers import TOKEN, Running, Seen, StartProxy, capture
+from tests.proxy.proxy_helpers import TOKEN, Engines, Running, StartProxy
 
 MESSAGES = [{"role": "user", "content": "Write a long answer about caches, pages and engines. " * 4}]
 MAX_TOKENS = 48
-
-Engines = tuple[LocalEngineServer, LocalEngineServer, dict[str, Seen]]
-
-
-@pytest.fixture
-def two_engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[Engines]:
-    servers = [LocalEngineServer(LocalEngine(LocalEngineConfig(seed=0))) for _ in range(2)]
-    seen: dict[str, Seen] = {}
-    for server in servers:
-        server.start()
-        capture(server, monkeypatch, seen)
-    yield servers[0], servers[1], seen
-    for server in servers:
-        server.stop()
 
 
 def _redirect_mid_stream(p: Running, old_url: str) -> None:

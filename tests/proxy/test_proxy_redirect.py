@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -14,29 +14,14 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from gyre.engine import SyncHttpEngineClient
-from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
+from gyre.engine.local import LocalEngineServer
 from gyre.model.tokenizer import build_tokenizer
 from gyre.proxy import Proxy
 from tests.conftest import Threads
-from tests.proxy.proxy_helpers import TOKEN, Seen, StartProxy, capture
+from tests.proxy.proxy_helpers import TOKEN, Engines, StartProxy
 
 MESSAGES = [{"role": "user", "content": "Write a long answer."}]
 SEED = 11  # the seed-0 tiny model samples 64 tokens for this prompt and seed without an end-of-turn
-
-
-Engines = tuple[LocalEngineServer, LocalEngineServer, dict[str, Seen]]
-
-
-@pytest.fixture
-def two_engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[Engines]:
-    servers = [LocalEngineServer(LocalEngine(LocalEngineConfig(seed=0))) for _ in range(2)]
-    seen: dict[str, Seen] = {}
-    for server in servers:
-        server.start()
-        capture(server, monkeypatch, seen)
-    yield servers[0], servers[1], seen
-    for server in servers:
-        server.stop()
 
 
 def _wait(predicate: Callable[[], bool], timeout_s: float = 120.0) -> None:
