@@ -46,7 +46,8 @@ async def last_generation(call: ActiveCall) -> Generation:
     return final
 
 
-def _unfinished(final: Generation) -> ApiError | None:
+def engine_aborted(final: Generation) -> ApiError | None:
+    """The error a harness gets when the engine aborted its call (every front end answers it the same way)."""
     if final.finish is not None and final.finish.type == "abort":
         return ApiError("overloaded", f"the engine aborted the call: {final.finish.message or 'no reason given'}")
     return None
@@ -79,7 +80,7 @@ def anthropic_router(proxy: Proxy) -> APIRouter:
             )
         try:
             final = await until_disconnect(request, last_generation(call), config.disconnect_poll_s)
-            problem = _unfinished(final)
+            problem = engine_aborted(final)
             if problem is not None:
                 raise problem
             parser = new_parser(settings.stop, tools, "toolu_", proxy.renderer.tool_call_separator)
@@ -156,7 +157,7 @@ async def _stream(
             yield _error_event(from_engine(e))
             return
         assert final is not None
-        problem = _unfinished(final)
+        problem = engine_aborted(final)
         if problem is not None:
             yield _error_event(problem)
             return

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gyre.engine import EngineError
-from gyre.proxy.anthropic_api import last_generation
+from gyre.proxy.anthropic_api import engine_aborted, last_generation
 from gyre.proxy.core import ActiveCall, CallSettings, Generation, Proxy
 from gyre.proxy.errors import ApiError
 from gyre.proxy.http import ClientGone, error_body, execution_of, from_engine, read_model, request_id, until_disconnect
@@ -213,8 +213,8 @@ def responses_router(proxy: Proxy) -> APIRouter:
             )
         try:
             final = await until_disconnect(request, last_generation(call), config.disconnect_poll_s)
-            if final.finish is not None and final.finish.type == "abort":
-                raise ApiError("overloaded", f"the engine aborted the call: {final.finish.message or 'no reason'}")
+            if (problem := engine_aborted(final)) is not None:
+                raise problem
             assert final.finish is not None
             reply = Reply()
             text = final_text(proxy.codec, final.output_ids, final.finish)
