@@ -43,8 +43,11 @@ class StepSummary:
     padded_tokens: int = 0
     forward_backward_s: float = 0.0
     """Sum of the micro-steps' durations (replicas in parallel add up: compute time, not wall time)."""
-    trained_tokens: int = 0
-    """Tokens the loss was taken over."""
+
+    @property
+    def trained_tokens(self) -> int:
+        """Tokens the loss was taken over."""
+        return self.stats.tokens
 
 
 class StepCoordinator:
@@ -59,7 +62,7 @@ class StepCoordinator:
         self._ready: dict[int, int] = {}
         self._stats = LossStats()
         self._tokens = 0
-        self._padded = self._trained = 0
+        self._padded = 0
         self._busy_s = 0.0
         self._executions: set[str] = set()
 
@@ -79,7 +82,7 @@ class StepCoordinator:
                 raise StepProtocolError(f"step {self.state.current_step} is still open")
             step = max(self.state.steps, default=-1) + 1
             self._ready, self._stats, self._tokens, self._executions = {}, LossStats(), 0, set()
-            self._padded, self._trained, self._busy_s = 0, 0, 0.0
+            self._padded, self._busy_s = 0, 0.0
             self._append(
                 TrainStepStarted(
                     step=step,
@@ -159,7 +162,6 @@ class StepCoordinator:
             self._stats = self._stats + result.stats
             self._tokens += result.tokens
             self._padded += result.padded_tokens
-            self._trained += result.trained_tokens
             self._busy_s += result.duration_s
             self._lock.notify_all()
 
@@ -190,7 +192,7 @@ class StepCoordinator:
             if step is None or step.pending:
                 raise StepProtocolError("close_step before every planned micro-step finished")
             summary = StepSummary(step.step, self._stats, self._tokens, len(self._executions), self._padded,
-                                  self._busy_s, self._trained)
+                                  self._busy_s)
             self._append(
                 TrainStepFinished(
                     step=step.step,
@@ -249,7 +251,7 @@ def step_metrics(summary: StepSummary) -> dict[str, Any]:
     stats = summary.stats
     measured = stats.tokens > 0
     return {
-        "tokens_trained": stats.tokens,
+        "tokens_trained": summary.trained_tokens,
         "tokens_padded": summary.padded_tokens,
         "tokens_per_s": summary.tokens / summary.forward_backward_s if summary.forward_backward_s > 0 else None,
         "forward_backward_s": summary.forward_backward_s,
