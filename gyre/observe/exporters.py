@@ -4,6 +4,7 @@ Both libraries are imported when an exporter is built, not when Gyre is: a run t
 loads them. W&B runs in offline mode only (nothing leaves the machine); ``wandb sync DIR`` uploads later.
 """
 
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,6 +51,10 @@ class WandbExporter:
 
     def __init__(self, directory: str | Path, *, project: str, name: str, config: dict[str, Any] | None = None
                  ) -> None:
+        # wandb.init prints a Weave advert whenever an LLM SDK (openai: the proxy's, the toy agent's) is
+        # imported, whatever Settings(silent=True) says: it breaks the CLI's terminal-width table. Its only
+        # switch is this variable; a user's own setting wins.
+        os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
         import wandb
 
         self.directory = Path(directory)
