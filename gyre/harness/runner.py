@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gyre.events.fields import ExecutionStatus
@@ -123,6 +123,11 @@ class Gate:
                 return False
             self._inside += 1
             return True
+
+    def place(self, execution_id: str) -> str | None:
+        """The cell an admitted execution runs on (None: the one it was submitted with). A cluster's gate
+        places it on the admitting cell with the most free slots."""
+        return None
 
     def leave(self) -> None:
         with self._cond:
@@ -227,6 +232,9 @@ class HarnessRunner:
                                     "cancelled before it started (runner closed while its cell was not serving)",
                                     False)
             try:
+                cell_id = self.gate.place(execution.execution_id)
+                if cell_id is not None:
+                    execution = replace(execution, cell_id=cell_id)
                 return self._execute_counted(execution)
             finally:
                 self.gate.leave()

@@ -33,7 +33,7 @@ from gyre.proxy.errors import ApiError
 from gyre.proxy.kv_mover import MooncakeKvMover
 from gyre.proxy.registry import ExecutionRegistry, ExecutionState, Registration
 from gyre.proxy.render import ChatRenderer
-from gyre.proxy.routing import Flight, KvMove, KvMover, RecomputeKv, Router
+from gyre.proxy.routing import UNPLACED, Flight, KvMove, KvMover, RecomputeKv, Router
 from gyre.proxy.template_render import renderer_for
 from gyre.proxy.tito import CallRecord, Plan
 from gyre.proxy.tokens import TokenCodec
@@ -117,7 +117,11 @@ class Proxy:
         self, execution_id: str, token: str | None = None, *, cell_id: str | None = None, policy_version: int = 0,
         attempt: int = 0,
     ) -> Registration:
-        """Accept calls carrying `token` (generated when None) as `execution_id`, pinned to `cell_id`."""
+        """Accept calls carrying `token` (generated when None) as `execution_id`, pinned to `cell_id`.
+
+        ``cell_id=UNPLACED``: pinned later, when its harness starts (`Router.place`, in a cluster)."""
+        if cell_id == UNPLACED:
+            return self.registry.add(execution_id, token, UNPLACED, policy_version, attempt).registration
         cell = self.router.pin(execution_id, cell_id)
         try:
             state = self.registry.add(execution_id, token, cell, policy_version, attempt)
@@ -146,6 +150,27 @@ class Proxy:
             except EngineError as e:  # a dead cell: the request fails by itself and the call moves on
                 log.warning("redirect: aborting %s on %s failed: %s", flight.rid, from_cell, e)
         return moved
+
+    async def redirect_plan(self, from_cell: str, planned: Mapping[str, str],
+                            executions: Mapping[str, str] | None = None) -> tuple[int, dict[str, str]]:
+        """A cell leaves rollout (the cluster path): it admits no new execution; each in-flight call named in
+        ``planned`` (call id -> cell) continues where the plan says, any other call on the cell (one that
+        started after the decision) where its execution is repinned; executions move to their planned call's
+        cell (``executions``: execution id -> cell), the rest to the admitting cell with the most free slots.
+        Returns the number of calls redirected and the new pins."""
+        if from_cell in self.router.admitting():
+            self.router.set_route(from_cell, 0, admitting=False)
+        moved = self.router.repin_plan(from_cell, executions or {})
+        engine = self.router.engine(from_cell)
+        flights = self.router.flights_on(from_cell)
+        for flight in flights:
+            flight.redirect_to = planned.get(flight.call_id) or self.router.cell_of(flight.execution_id)
+        for flight in flights:
+            try:
+                await engine.abort(flight.rid)
+            except EngineError as e:  # a dead cell: the request fails by itself and the call moves on
+                log.warning("redirect: aborting %s on %s failed: %s", flight.rid, from_cell, e)
+        return len(flights), moved
 
     def stats(self) -> dict[str, int]:
         return {"executions": len(self.registry), "calls_in_flight": len(self._active)}

@@ -3,6 +3,10 @@
 Each execution is pinned to one cell (its engine keeps the execution's prefix cache warm). Whoever schedules
 sets the pins (`register_execution(cell_id=...)`, `redirect`); without a choice, an execution goes to the
 cell with the fewest pinned executions.
+
+In a cluster the controller also says which cells admit new executions and how many slots each has
+(`set_route`); `place` then pins an execution, when its harness starts, to the admitting cell with the most
+free slots, and `repin_plan` moves a leaving cell's executions where the policy's redirect plan says.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from typing import Protocol
 
 from gyre.proxy.errors import UnknownCellError
 from gyre.proxy.transport import GenerateEngine
+
+UNPLACED = ""
+"""The cell of an execution registered before it is placed (a cluster places it when its harness starts)."""
 
 
 @dataclass(eq=False)
@@ -39,6 +46,8 @@ class Router:
         self._lock = threading.Lock()  # pins change from the runner's thread too (register_execution)
         self._pins: dict[str, str] = {}
         self._flights: dict[str, set[Flight]] = {cell: set() for cell in engines}
+        self._slots: dict[str, int] = {}
+        """Cells that admit new executions, with their slots (set by the controller's routing updates)."""
 
     @property
     def cells(self) -> list[str]:
@@ -53,6 +62,59 @@ class Router:
     def add_cell(self, cell_id: str, engine: GenerateEngine) -> None:
         self._engines[cell_id] = engine
         self._flights.setdefault(cell_id, set())
+
+    def set_route(self, cell_id: str, slots: int, admitting: bool) -> None:
+        """Whether ``cell_id`` (whose engine must be known) admits new executions, and its slots."""
+        self.engine(cell_id)
+        with self._lock:
+            if admitting:
+                self._slots[cell_id] = slots
+            else:
+                self._slots.pop(cell_id, None)
+
+    def admitting(self) -> dict[str, int]:
+        """Admitting cells and their free slots (slots minus the executions pinned there)."""
+        with self._lock:
+            return self._free_locked()
+
+    def _free_locked(self) -> dict[str, int]:
+        load = dict.fromkeys(self._slots, 0)
+        for cell in self._pins.values():
+            if cell in load:
+                load[cell] += 1
+        return {cell: self._slots[cell] - load[cell] for cell in sorted(self._slots)}
+
+    def place(self, execution_id: str) -> str | None:
+        """Pin ``execution_id`` to the admitting cell with the most free slots (lowest id among equals);
+        None when no admitting cell has a free slot."""
+        with self._lock:
+            free = self._free_locked()
+            best = max(free, key=lambda c: free[c], default=None)
+            if best is None or free[best] <= 0:
+                return None
+            self._pins[execution_id] = best
+            return best
+
+    def repin_plan(self, from_cell: str, planned: Mapping[str, str]) -> dict[str, str]:
+        """Move every execution pinned to ``from_cell``: to ``planned[execution]`` where the plan names it,
+        else to the admitting cell (other than ``from_cell``) with the most free slots. Returns the new pins."""
+        for cell in set(planned.values()):
+            self.engine(cell)
+        with self._lock:
+            free = {c: n for c, n in self._free_locked().items() if c != from_cell}
+            moved: dict[str, str] = {}
+            for execution in sorted(e for e, cell in self._pins.items() if cell == from_cell):
+                target = planned.get(execution)
+                if target is None:
+                    target = max(free, key=lambda c: free[c], default=None)
+                    if target is None:
+                        raise ValueError(f"cannot move execution {execution} off cell {from_cell}: "
+                                         "no other cell admits executions")
+                moved[execution] = target
+                if target in free:
+                    free[target] -= 1
+            self._pins.update(moved)
+        return moved
 
     def pin(self, execution_id: str, cell_id: str | None = None) -> str:
         """Pin an execution to `cell_id`, or to the cell with the fewest pinned executions."""
@@ -71,7 +133,10 @@ class Router:
             self._pins.pop(execution_id, None)
 
     def cell_of(self, execution_id: str) -> str:
-        return self._pins[execution_id]
+        try:
+            return self._pins[execution_id]
+        except KeyError:
+            raise UnknownCellError(f"execution {execution_id!r} is not placed on any cell yet") from None
 
     def repin(self, from_cell: str, to_cells: Sequence[str]) -> dict[str, str]:
         """Move every execution pinned to `from_cell` onto `to_cells`, spread evenly; returns the new pins."""

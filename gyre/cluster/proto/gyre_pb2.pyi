@@ -35,7 +35,7 @@ class Heartbeat(_message.Message):
     def __init__(self, sent_us: _Optional[int] = ...) -> None: ...
 
 class CommandDone(_message.Message):
-    __slots__ = ("command_id", "ok", "error", "figures")
+    __slots__ = ("command_id", "ok", "error", "figures", "detail")
     class FiguresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -47,11 +47,13 @@ class CommandDone(_message.Message):
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FIGURES_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     ok: bool
     error: str
     figures: _containers.ScalarMap[str, float]
-    def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., figures: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    detail: bytes
+    def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., figures: _Optional[_Mapping[str, float]] = ..., detail: _Optional[bytes] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("run_id", "held", "heartbeat_s")
@@ -145,12 +147,14 @@ class JoinStep(_message.Message):
     def __init__(self, trainer_endpoint: _Optional[str] = ..., weights: _Optional[_Union[WeightsRef, _Mapping]] = ...) -> None: ...
 
 class Train(_message.Message):
-    __slots__ = ("step", "groups")
+    __slots__ = ("step", "groups", "upto_seq")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    UPTO_SEQ_FIELD_NUMBER: _ClassVar[int]
     step: int
     groups: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step: _Optional[int] = ..., groups: _Optional[_Iterable[str]] = ...) -> None: ...
+    upto_seq: int
+    def __init__(self, step: _Optional[int] = ..., groups: _Optional[_Iterable[str]] = ..., upto_seq: _Optional[int] = ...) -> None: ...
 
 class Leave(_message.Message):
     __slots__ = ("reason",)

@@ -1,0 +1,78 @@
+"""`gyre run` configuration: a `gyre train` config plus `[cluster]` (the cells) and a wider `[scheduler]`.
+
+One file describes the whole run; the controller and every process it starts read the same file, each
+taking its own section (a cell its slots and whether it is the core, the proxy the rollout settings).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Self
+
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
+
+from gyre.errors import ConfigError
+from gyre.train.config import TrainConfig, _Section
+
+
+class ClusterSection(_Section):
+    """The cells of the run: ``cells`` of ``slots`` executions each; ``core`` owns weights and optimizer."""
+
+    cells: PositiveInt = Field(4, description="cell processes (cell0 .. cellN-1)")
+    slots: PositiveInt = Field(4, description="concurrent executions a rollout cell serves")
+    core: str = Field("cell0", description="the cell that owns weights and optimizer")
+    host: str = Field("127.0.0.1", description="interface every server of the run binds (loopback by default)")
+    port: NonNegativeInt = Field(0, description="the controller's gRPC port (0: any free port)")
+    heartbeat_s: PositiveFloat = Field(1.0, description="how often a process tells the controller it lives")
+    dead_after_s: PositiveFloat = Field(30.0, description="silence after which a cell counts as lost")
+    start_timeout_s: PositiveFloat = Field(180.0, description="how long the processes may take to connect")
+    cell_threads: PositiveInt = Field(1, description="torch threads of each cell process")
+
+    @property
+    def cell_ids(self) -> list[str]:
+        return [f"cell{i}" for i in range(self.cells)]
+
+    @model_validator(mode="after")
+    def _core_is_a_cell(self) -> Self:
+        if self.core not in self.cell_ids:
+            raise ValueError(f"cluster.core {self.core!r} is not one of the cells {self.cell_ids}")
+        return self
+
+
+class ClusterSchedulerSection(_Section):
+    """The policy the controller runs, with its parameters (the same `decide(view, params)` as the simulator)."""
+
+    policy: str = Field("elastic", pattern="^(elastic|colocate|async)$")
+    staleness: NonNegativeInt = Field(0, description="steps a batch may lag the policy that trains it")
+    params: dict[str, Any] = Field(default_factory=dict, description="the policy's parameters (gyre.scheduler.params)")
+
+    @field_validator("params")
+    @classmethod
+    def _json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        json.dumps(value)
+        return value
+
+
+class ClusterConfig(TrainConfig):
+    cluster: ClusterSection = ClusterSection()
+    scheduler: ClusterSchedulerSection = ClusterSchedulerSection()  # type: ignore[assignment]
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.scheduler.policy == "async" and self.cluster.cells < 2:
+            raise ValueError("scheduler.policy async needs at least two cells (a rollout and a training pool)")
+        return self
+
+    def policy_params(self) -> dict[str, Any]:
+        params = dict(self.scheduler.params)
+        if self.scheduler.staleness:
+            params.setdefault("staleness", self.scheduler.staleness)
+        return params
+
+    @classmethod
+    def load(cls, path: str | Path) -> Self:
+        try:
+            return super().load(path)
+        except ConfigError as error:
+            raise ConfigError(str(error).replace("invalid train config", "invalid cluster config")) from error
