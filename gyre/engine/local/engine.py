@@ -142,6 +142,17 @@ class LocalEngine:
 
         return self.scheduler.call(run)
 
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: str | None = None) -> UpdateWeightsResponse:
+        """Install every parameter from tensors already in this process (a cell that pulled them over
+        Mooncake): no file and no HTTP body in between. Waits until they are installed."""
+
+        def run() -> UpdateWeightsResponse:
+            paused = self._install(tensors, True, "tensors", False, True, version)
+            return UpdateWeightsResponse(success=True, message=f"loaded {len(tensors)} tensors",
+                                         num_paused_requests=paused)
+
+        return self.scheduler.call(run).result()
+
     def _install(
         self,
         tensors: dict[str, torch.Tensor],

@@ -1,0 +1,220 @@
+"""The controller's side of a cluster: each cell's actuator as commands down its stream, rollouts via the proxy.
+
+`RemoteCell` is the `CellActuator` of a cell process. It performs a recorded decision as a sequence of
+commands, one at a time on the cell's own thread, and records `role_switch_completed` only once every part
+has completed, with each part's measured seconds and bytes as the processes reported them:
+
+- rollout -> training: the proxy stops admitting executions to the cell and redirects its in-flight calls
+  exactly as the decision's plan says (`redirect_s`, `redirected_calls`); the cell pauses its engine
+  (`engine_pause_s`) and releases its memory; it joins training (`trainer_join_s`): the core's replica is
+  resident, a satellite pulls the current weights from the core over Mooncake and claims micro-steps.
+- training -> rollout: a satellite leaves the trainer; the cell loads the latest published weights into its
+  engine (`weights_bytes`, `weights_s`: a Mooncake pull from the core), resumes it (`engine_resume_s`), and
+  the proxy admits executions to it again.
+
+`ClusterRollouts` queues a step's executions: the controller mints their tokens and the proxy process
+registers them and hands them to its harness runner; `execution_queued` is durable when it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gyre import auth
+from gyre.cluster.proto import gyre_pb2
+from gyre.events.models import RoleSwitchCompleted, RoleSwitchRequested
+from gyre.sink import EventSink
+
+if TYPE_CHECKING:
+    from gyre.cluster.hub import Hub
+
+log = logging.getLogger(__name__)
+
+COMMAND_TIMEOUT_S = 3600.0
+"""A command's longest wait (a train step of a real model can take long); a lost cell fails it sooner."""
+
+
+class CommandFailed(RuntimeError):
+    """A process reported that a command failed; the message names the process and the command."""
+
+
+def wait_done(future: Future[gyre_pb2.CommandDone], what: str) -> gyre_pb2.CommandDone:
+    done = future.result(COMMAND_TIMEOUT_S)
+    if not done.ok:
+        raise CommandFailed(f"{what} failed: {done.error}")
+    return done
+
+
+@dataclass
+class CellInfo:
+    """What a cell said when it registered (its hello), and what the controller tracks about it."""
+
+    cell_id: str
+    slots: int
+    is_core: bool
+    engine_url: str
+    trainer_endpoint: str = ""
+    transfer_session: str = ""
+    role: str = "rollout"
+    engine_version: int = 0
+
+
+@dataclass
+class Directory:
+    """The cells, the proxy's view of them, and the latest published weights (shared by every actuator)."""
+
+    cells: dict[str, CellInfo] = field(default_factory=dict)
+    weights: gyre_pb2.WeightsRef = field(default_factory=lambda: gyre_pb2.WeightsRef(version=0))
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def core(self) -> CellInfo:
+        return next(c for c in self.cells.values() if c.is_core)
+
+    def routing(self) -> gyre_pb2.Routing:
+        with self.lock:
+            return gyre_pb2.Routing(cells=[
+                gyre_pb2.CellRoute(cell_id=c.cell_id, engine_url=c.engine_url, slots=c.slots,
+                                   admitting=c.role == "rollout") for c in sorted(self.cells.values(),
+                                                                                  key=lambda c: c.cell_id)])
+
+
+class Commands:
+    """Typed commands to the processes through the hub (each returns a future of its `CommandDone`)."""
+
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+
+    def cell(self, cell_id: str, what: str, **body: object) -> gyre_pb2.CommandDone:
+        return wait_done(self.hub.command_cell(cell_id, gyre_pb2.CellCommand(**body)), f"{what} on cell {cell_id}")
+
+    def proxy(self, what: str, **body: object) -> gyre_pb2.CommandDone:
+        return wait_done(self.hub.command_proxy(gyre_pb2.ProxyCommand(**body)), f"{what} on the proxy")
+
+
+class RemoteCell:
+    """A cell process's actuator: decisions and train steps as ordered commands, completions as events."""
+
+    def __init__(self, cell_id: str, *, commands: Commands, directory: Directory, sink: EventSink,
+                 fail: Callable[[BaseException], None], upto: Callable[[], int]) -> None:
+        self.cell_id = cell_id
+        self.commands, self.directory, self.sink, self.fail = commands, directory, sink, fail
+        self.upto = upto
+        """The controller's folded seq: a train step's batch is built from that (durable) log prefix."""
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"gyre-actuator-{cell_id}", daemon=True)
+        self._thread.start()
+
+    @property
+    def info(self) -> CellInfo:
+        return self.directory.cells[self.cell_id]
+
+    # -- the actuator interface -----------------------------------------------------------------------------
+
+    def switch(self, decision: RoleSwitchRequested) -> None:
+        self._queue.put(lambda: self._switch(decision))
+
+    def train(self, step: int, groups: tuple[str, ...]) -> None:
+        self._queue.put(lambda: self._train(step, groups))
+
+    def close(self) -> None:
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (action := self._queue.get()) is not None:
+            try:
+                action()
+            except BaseException as error:  # reported, never swallowed: the controller ends the run
+                log.exception("cell %s: action failed", self.cell_id)
+                self.fail(error)
+                return
+
+    # -- actions --------------------------------------------------------------------------------------------
+
+    def _switch(self, decision: RoleSwitchRequested) -> None:
+        started = time.perf_counter()
+        parts = self._leave_rollout(decision) if decision.to_role == "training" else self._return_to_rollout()
+        done = RoleSwitchCompleted(cell_id=self.cell_id, from_role=decision.from_role, to_role=decision.to_role,
+                                   duration_s=time.perf_counter() - started, **parts)
+        self.sink.commit(self.sink.record(done))
+
+    def _leave_rollout(self, decision: RoleSwitchRequested) -> dict:
+        c = self.commands
+        with self.directory.lock:
+            self.info.role = "training"
+        calls = [gyre_pb2.CallRedirect(call_id=r.call_id, execution_id=r.execution_id, to_cell_id=r.to_cell_id)
+                 for r in decision.redirects]
+        redirect = c.proxy("redirect", redirect=gyre_pb2.RedirectCell(from_cell_id=self.cell_id, calls=calls))
+        parts: dict = {"redirect_s": redirect.figures["redirect_s"],
+                       "redirected_calls": int(redirect.figures["redirected_calls"]), "drain_s": 0.0}
+        parts["engine_pause_s"] = c.cell(self.cell_id, "pause", pause=gyre_pb2.Pause(mode="abort")).figures[
+            "engine_pause_s"]
+        c.cell(self.cell_id, "release", release=gyre_pb2.Release())
+        core = self.directory.core
+        joined = c.cell(self.cell_id, "join step", join_step=gyre_pb2.JoinStep(
+            trainer_endpoint=core.trainer_endpoint, weights=self.directory.weights))
+        parts["trainer_join_s"] = joined.figures["trainer_join_s"]
+        return parts
+
+    def _return_to_rollout(self) -> dict:
+        c = self.commands
+        if not self.info.is_core:
+            c.cell(self.cell_id, "leave", leave=gyre_pb2.Leave(reason="returning to rollout"))
+        weights = self.directory.weights
+        parts: dict = {"weights_bytes": 0, "weights_s": 0.0}
+        if weights.version != self.info.engine_version:
+            loaded = c.cell(self.cell_id, "load weights", load_weights=gyre_pb2.LoadWeights(weights=weights))
+            parts = {"weights_bytes": int(loaded.figures["weights_bytes"]), "weights_s": loaded.figures["weights_s"]}
+            self.info.engine_version = weights.version
+        parts["engine_resume_s"] = c.cell(self.cell_id, "serve", serve=gyre_pb2.Serve()).figures["engine_resume_s"]
+        with self.directory.lock:
+            self.info.role = "rollout"
+        c.proxy("routing", routing=self.directory.routing())
+        return parts
+
+    def _train(self, step: int, groups: tuple[str, ...]) -> None:
+        upto = self.upto()
+        self.sink.commit(upto)  # the batch's calls and rewards are durable before the core queries them
+        done = self.commands.cell(self.cell_id, f"train step {step}",
+                                  train=gyre_pb2.Train(step=step, groups=list(groups), upto_seq=upto))
+        if done.detail:
+            ref = gyre_pb2.WeightsRef.FromString(done.detail)
+            with self.directory.lock:
+                if ref.version >= self.directory.weights.version:
+                    self.directory.weights = ref
+
+
+@dataclass(frozen=True)
+class PlannedExecution:
+    execution_id: str
+    group_id: str
+    task_id: str
+
+
+class ClusterRollouts:
+    """The controller's `Rollouts`: a step's executions, with minted tokens, queued on the proxy process."""
+
+    def __init__(self, commands: Commands, plan: Callable[[int], list[PlannedExecution]],
+                 on_queued: Callable[[int, int, int], None] | None = None) -> None:
+        self.commands, self.plan, self.on_queued = commands, plan, on_queued
+
+    def queue(self, step: int, policy_version: int) -> None:
+        specs = [gyre_pb2.ExecutionSpec(execution_id=e.execution_id, group_id=e.group_id, task_id=e.task_id,
+                                        step=step, policy_version=policy_version, attempt=0, token=auth.mint())
+                 for e in self.plan(step)]
+        self.commands.proxy(f"queue step {step}", queue=gyre_pb2.QueueExecutions(executions=specs))
+        if self.on_queued is not None:
+            self.on_queued(step, len(specs), policy_version)

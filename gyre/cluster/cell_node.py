@@ -1,0 +1,246 @@
+"""One cell as a process (`gyre cell --controller ADDR --cell-id ID --config CONFIG`).
+
+A cell hosts an engine (the CPU engine here, its SGLang-native HTTP API; an SGLang server on GPUs), a
+Mooncake Transfer Engine endpoint, and a trainer replica: the core's (backend, optimizer, step coordinator,
+the Trainer service satellites call) or, while it is lent to training, a satellite's. The controller sends
+commands down its Cell stream, one at a time in order; each returns the measured seconds and bytes of its
+parts, and every fact (a train step, a publish, a micro-step) goes up as an event.
+
+Commands: ``pause`` / ``release`` the engine (leaving rollout), ``join_step`` (a satellite: pull the
+current weights from the core over Mooncake, claim micro-steps of the running step), ``train`` (the core:
+build the step's batch from the log prefix the controller names, train it with any satellites, publish),
+``leave`` (drop the satellite replica), ``load_weights`` (pull a published version over Mooncake, or read
+its file, into the engine), ``serve`` (resume generation), ``stop``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gyre.cluster.config import ClusterConfig
+from gyre.cluster.proto import gyre_pb2
+
+if TYPE_CHECKING:
+    from gyre.engine.local import LocalEngineConfig
+    from gyre.train.core import LocalCoreTrainer, StepTraining
+    from gyre.trainer import TorchBackend
+
+log = logging.getLogger(__name__)
+
+
+def engine_config(config: ClusterConfig, threads: int) -> LocalEngineConfig:
+    from gyre.engine.local import LocalEngineConfig
+    from gyre.engine.local.scheduler import SchedulerConfig
+
+    return LocalEngineConfig(
+        model=config.engine.model, seed=config.seed, num_threads=threads,
+        scheduler=SchedulerConfig(max_running_requests=config.engine.max_running_requests,
+                                  max_step_tokens=max(2048, config.engine.max_running_requests), seed=config.seed))
+
+
+def torch_backend(config: ClusterConfig) -> TorchBackend:
+    """A trainer replica of the run's model, initialised as every replica is (same seed, same weights)."""
+    from gyre.engine.local import LocalEngineConfig
+    from gyre.engine.local.engine import load_model
+    from gyre.trainer import TorchBackend
+    from gyre.trainer.config import GSPOConfig, OptimizerConfig, TorchBackendConfig
+
+    model, _ = load_model(LocalEngineConfig(model=config.engine.model, seed=config.seed))
+    model.train()
+    trainer = config.trainer
+    return TorchBackend(model, TorchBackendConfig(
+        loss=GSPOConfig(eps_low=trainer.eps_low, eps_high=trainer.eps_high, tis_cap=trainer.tis_cap),
+        optimizer=OptimizerConfig(lr=trainer.lr, weight_decay=trainer.weight_decay,
+                                  max_grad_norm=trainer.max_grad_norm)))
+
+
+class CellNode:
+    def __init__(self, config: ClusterConfig, cell_id: str, controller: str, secret: str) -> None:
+        import torch
+
+        from gyre.cluster.link import ControllerLink
+        from gyre.engine.client import SyncHttpEngineClient
+        from gyre.engine.local import LocalEngine, LocalEngineServer
+        from gyre.transfer import EndpointConfig, TransferEndpoint
+
+        if cell_id not in config.cluster.cell_ids:
+            raise ValueError(f"cell {cell_id!r} is not a cell of this run ({config.cluster.cell_ids})")
+        torch.set_num_threads(config.cluster.cell_threads)  # this process is the cell: its threads are its own
+        self.config, self.cell_id, self.secret = config, cell_id, secret
+        self.is_core = cell_id == config.cluster.core
+        self.run_dir = Path(config.run_dir)
+        self.stopped = threading.Event()
+        self._closers: list = []
+        self.engine = LocalEngine(engine_config(config, config.cluster.cell_threads))
+        self.engine_server = LocalEngineServer(self.engine, host=config.cluster.host)
+        self.engine_url = self.engine_server.start()
+        self._closers.append(self.engine_server.stop)
+        self.engine_client = SyncHttpEngineClient(self.engine_url)
+        self._closers.append(self.engine_client.close)
+        self.endpoint = TransferEndpoint(EndpointConfig(hostname=config.cluster.host))
+        self._closers.append(self.endpoint.close)
+        self.trainer_service: Any = None
+        trainer_endpoint = ""
+        if self.is_core:
+            from gyre.cluster.trainer_service import TrainerServer
+
+            self.trainer_service = TrainerServer(secret=secret, host=config.cluster.host, endpoint=self.endpoint)
+            trainer_endpoint = self.trainer_service.start()
+            self._closers.append(self.trainer_service.stop)
+        producers = [f"cell:{cell_id}"] + (["trainer"] if self.is_core else [])
+        self.hello = gyre_pb2.CellHello(cell_id=cell_id, slots=config.cluster.slots, is_core=self.is_core,
+                                        engine_url=self.engine_url, trainer_endpoint=trainer_endpoint,
+                                        transfer_session=self.endpoint.session_id,
+                                        incarnation=uuid.uuid4().hex, producers=producers)
+        self.link = ControllerLink(controller, secret=secret, hello=self.hello, handler=self.handle)
+        self.core: LocalCoreTrainer | None = None
+        self.satellite: Any = None
+        self._upto = -1
+        self._trained: StepTraining | None = None
+        self.engine_version = 0
+
+    def start(self) -> None:
+        welcome = self.link.start()
+        self.run_id = welcome.run_id
+        if self.is_core:
+            self._build_core()
+
+    def _build_core(self) -> None:
+        from gyre.controller import WeightStore
+        from gyre.train.core import LocalCoreTrainer
+        from gyre.trainer import StepCoordinator
+
+        coordinator = StepCoordinator(self.link.producer("trainer"))
+        self.backend = torch_backend(self.config)
+        self.weights = WeightStore(self.run_dir, keep=self.config.checkpoint.keep_weights)
+        self.core = LocalCoreTrainer(self.config, cell_id=self.cell_id, run_id=self.run_id,
+                                     log_path=self.run_dir / "log", backend=self.backend, coordinator=coordinator,
+                                     weights=self.weights, published=None, on_trained=self._on_trained,
+                                     durable_seq=lambda: self._upto)
+        self.trainer_service.attach(coordinator, self.core)
+        self._closers.append(self.core.close)
+
+    def _on_trained(self, figures: StepTraining) -> None:
+        self._trained = figures
+
+    # -- commands -------------------------------------------------------------------------------------------
+
+    def handle(self, command: gyre_pb2.CellCommand) -> Mapping[str, float] | tuple[Mapping[str, float], bytes]:
+        body = command.WhichOneof("body")
+        started = time.perf_counter()
+        if body == "pause":
+            self.engine_client.pause(command.pause.mode or "abort")
+            return {"engine_pause_s": time.perf_counter() - started}
+        if body == "release":
+            self.engine_client.flush_cache()  # the CPU engine's KV; SGLang: release_memory_occupation
+            return {"release_s": time.perf_counter() - started}
+        if body == "serve":
+            self.engine_client.resume()
+            return {"engine_resume_s": time.perf_counter() - started}
+        if body == "load_weights":
+            return self._load_weights(command.load_weights.weights)
+        if body == "join_step":
+            return self._join(command.join_step)
+        if body == "leave":
+            return self._leave(command.leave.reason)
+        if body == "train":
+            return self._train(command.train)
+        if body == "stop":
+            self.stopped.set()
+            return {}
+        raise ValueError(f"cell {self.cell_id} does not know command {body!r}")
+
+    def _load_weights(self, ref: gyre_pb2.WeightsRef) -> Mapping[str, float]:
+        """Bring the engine to version ``ref.version``: a Mooncake pull from the core where it offers the
+        bytes, else its durable file (what SGLang's `update_weights_from_disk` reads)."""
+        started = time.perf_counter()
+        if ref.version == self.engine_version:
+            return {"weights_bytes": 0.0, "weights_s": 0.0}
+        if ref.peer_session and ref.manifest:
+            from gyre.transfer.tensors import pull_weights
+
+            tensors = pull_weights(self.endpoint, ref.peer_session, ref.manifest)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            self.engine.load_weights(tensors, version=str(ref.version))
+        else:
+            from gyre.controller import WeightStore
+
+            path = WeightStore(self.run_dir).verify(ref.location, ref.sha256)
+            response = self.engine_client.update_weights_from_disk(str(path), version=str(ref.version))
+            if not response.success:
+                raise RuntimeError(f"engine of cell {self.cell_id} refused weights v{ref.version}: {response.message}")
+            nbytes = path.stat().st_size
+        self.engine_version = ref.version
+        return {"weights_bytes": float(nbytes), "weights_s": time.perf_counter() - started}
+
+    def _join(self, join: gyre_pb2.JoinStep) -> Mapping[str, float]:
+        if self.is_core:
+            return {"trainer_join_s": 0.0}  # the core's replica is resident
+        from gyre.cluster.satellite import SatelliteReplica
+
+        started = time.perf_counter()
+        if self.satellite is None:
+            self.satellite = SatelliteReplica(cell_id=self.cell_id, backend=torch_backend(self.config),
+                                              endpoint=self.endpoint, secret=self.secret)
+        figures = dict(self.satellite.join(join.trainer_endpoint) or {})
+        figures["trainer_join_s"] = time.perf_counter() - started
+        return figures
+
+    def _leave(self, reason: str) -> Mapping[str, float]:
+        started = time.perf_counter()
+        if self.satellite is not None:
+            self.satellite.leave(reason or "returning to rollout")
+        return {"trainer_leave_s": time.perf_counter() - started}
+
+    def _train(self, train: gyre_pb2.Train) -> tuple[Mapping[str, float], bytes]:
+        if self.core is None:
+            raise RuntimeError(f"cell {self.cell_id} is not the core: it cannot train a step")
+        self._upto = train.upto_seq
+        self._trained = None
+        self.core.train_step(train.step, tuple(train.groups))
+        figures = self._trained
+        out: dict[str, float] = {}
+        if figures is not None:
+            out = {"micro_steps": float(figures.micro_steps), "trained_tokens": float(figures.trained_tokens),
+                   "forwarded_tokens": float(figures.forwarded_tokens), "train_s": figures.train_s,
+                   "policy_version": float(figures.policy_version)}
+            if figures.loss is not None:
+                out["loss"] = figures.loss
+        return out, self.published_ref().SerializeToString()
+
+    def published_ref(self) -> gyre_pb2.WeightsRef:
+        """The latest published weights: the file, and the core's Mooncake-registered copy of the bytes."""
+        assert self.core is not None
+        published = self.core.published()
+        if published is None:
+            return gyre_pb2.WeightsRef(version=0)
+        manifest = self.trainer_service.manifest(published.version) if self.trainer_service else b""
+        return gyre_pb2.WeightsRef(version=published.version, location=published.location,
+                                   sha256=published.sha256, peer_session=self.endpoint.session_id if manifest else "",
+                                   manifest=manifest or b"")
+
+    def close(self) -> None:
+        self.stopped.set()
+        try:
+            self.link.close()
+        finally:
+            while self._closers:
+                closer = self._closers.pop()
+                try:
+                    closer()
+                except Exception:  # one component failing to stop must not keep the others running
+                    log.exception("cell %s: stopping a component failed", self.cell_id)
+
+
+def main(config_path: Path, controller: str, cell_id: str) -> None:
+    from gyre.cluster.auth import secret_from_env
+    from gyre.cluster.node import serve_until_stopped
+
+    node = CellNode(ClusterConfig.load(config_path), cell_id, controller, secret_from_env())
+    serve_until_stopped(node)

@@ -1,0 +1,205 @@
+"""The proxy process of a cluster run (`gyre proxy serve --controller ADDR`): proxy plus harness runner.
+
+The harnesses live here, never in the controller, so they outlive a controller crash. The controller drives
+this process through its Proxy stream:
+- **Routing**: every cell's engine, its slots and whether it admits new executions (rollout cells do);
+- **QueueExecutions**: executions with the tokens the controller minted; each is registered unplaced and
+  submitted to the runner, whose gate places it, when its harness starts, on the admitting cell with the
+  most free slots (`execution_started.cell_id`); done once every `execution_queued` is durable;
+- **RedirectCell**: a cell leaves rollout: it admits nothing new, its in-flight calls continue exactly where
+  the decision's redirect plan says, its other executions move to the cells that stay.
+Events (model calls, executions, rewards) go up as batches; a call's reply still waits until its events are
+durable in the controller's log (the link's sink acks durability).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gyre.cluster.config import ClusterConfig
+from gyre.cluster.proto import gyre_pb2
+from gyre.harness.runner import Gate
+from gyre.proxy.routing import Router
+
+if TYPE_CHECKING:
+    from gyre.harness.runner import HarnessRunner
+    from gyre.harness.tasks import TaskSet
+    from gyre.proxy import Proxy, ProxyServer
+
+log = logging.getLogger(__name__)
+
+PROXY_PRODUCERS = ("proxy", "harness")
+
+
+class PlacementGate(Gate):
+    """Admits an execution while some admitting cell has a free slot, then places it there.
+
+    ``enter`` reserves room (free slots over all admitting cells, less executions admitted but not yet
+    placed); ``place`` pins the execution (`Router.place`). A routing update or an execution leaving its cell
+    wakes the waiters (`interrupt`).
+    """
+
+    def __init__(self, router: Router) -> None:
+        super().__init__(is_open=True)
+        self.router = router
+        self._reserved = 0
+
+    def enter(self, stop: Callable[[], bool]) -> bool:
+        with self._cond:
+            self._cond.wait_for(lambda: stop() or sum(self.router.admitting().values()) > self._reserved)
+            if stop():
+                return False
+            self._reserved += 1
+            self._inside += 1
+            return True
+
+    def place(self, execution_id: str) -> str | None:
+        with self._cond:
+            self._reserved -= 1
+            cell = self.router.place(execution_id)
+            if cell is None:  # routes changed between enter and place: no cell admits it any more
+                raise RuntimeError(f"no admitting cell has a free slot for execution {execution_id}")
+            return cell
+
+
+@dataclass
+class _Components:
+    proxy: Proxy
+    server: ProxyServer
+    runner: HarnessRunner
+    gate: PlacementGate
+    tasks: TaskSet
+
+
+class ProxyNode:
+    """Builds the proxy and the runner on the first routing update (it names the engines) and serves commands."""
+
+    def __init__(self, config: ClusterConfig, controller: str, secret: str, *, host: str | None = None) -> None:
+        from gyre.cluster.link import ControllerLink
+
+        self.config = config
+        self.host = host or config.cluster.host
+        self.hello = gyre_pb2.ProxyHello(proxy_id="proxy", incarnation=uuid.uuid4().hex,
+                                         producers=list(PROXY_PRODUCERS))
+        self.link = ControllerLink(controller, secret=secret, hello=self.hello, handler=self.handle)
+        self.parts: _Components | None = None
+        self.stopped = False
+
+    def start(self) -> None:
+        self.link.start()
+
+    # -- commands -------------------------------------------------------------------------------------------
+
+    def handle(self, command: gyre_pb2.ProxyCommand) -> Mapping[str, float]:
+        body = command.WhichOneof("body")
+        if body == "routing":
+            return self._route(command.routing)
+        if body == "queue":
+            return self._queue(command.queue)
+        if body == "redirect":
+            return self._redirect(command.redirect)
+        if body == "stop":
+            self.close()
+            return {}
+        raise ValueError(f"the proxy does not know command {body!r}")
+
+    def _build(self, routing: gyre_pb2.Routing) -> _Components:
+        from gyre.harness.config import HarnessConfig
+        from gyre.harness.runner import HarnessRunner
+        from gyre.harness.tasks import TaskSet
+        from gyre.proxy import Proxy, ProxyConfig, ProxyServer, SamplingOverrides
+
+        config = self.config
+        proxy = Proxy(ProxyConfig(engines={r.cell_id: r.engine_url for r in routing.cells},
+                                  tokenizer=config.engine.model, max_tokens_cap=config.sampling.max_tokens,
+                                  sampling=SamplingOverrides(temperature=config.sampling.temperature,
+                                                             top_p=1.0, top_k=-1)),
+                      sink=self.link.producer("proxy"))
+        server = ProxyServer(proxy, host=self.host)
+        url = server.start()
+        harness = HarnessConfig.load(config.rollout.harness)
+        slots = config.cluster.cells * config.cluster.slots
+        overrides = {"max_concurrency": slots}
+        if config.rollout.timeout_s is not None:
+            overrides["timeout_s"] = config.rollout.timeout_s
+        harness = harness.model_copy(update=overrides)
+        gate = PlacementGate(proxy.router)
+        runner = HarnessRunner(harness, sink=self.link.producer("harness"), proxy_url=url,
+                               root=Path(config.run_dir) / "executions", gate=gate)
+        return _Components(proxy, server, runner, gate, TaskSet.load(config.rollout.tasks))
+
+    def _route(self, routing: gyre_pb2.Routing) -> Mapping[str, float]:
+        if self.parts is None:
+            self.parts = self._build(routing)
+        router: Router = self.parts.proxy.router
+        for route in routing.cells:
+            if route.cell_id not in router.cells:
+                from gyre.proxy.transport import EngineLink
+
+                router.add_cell(route.cell_id, EngineLink(route.engine_url))
+            router.set_route(route.cell_id, route.slots, route.admitting)
+        self.parts.gate.interrupt()
+        return {"admitting": float(sum(r.admitting for r in routing.cells))}
+
+    def _queue(self, queue: gyre_pb2.QueueExecutions) -> Mapping[str, float]:
+        from gyre.harness.runner import Execution
+        from gyre.proxy.routing import UNPLACED
+
+        parts = self._require()
+        proxy, runner = parts.proxy, parts.runner
+        for spec in queue.executions:
+            proxy.register_execution(spec.execution_id, spec.token, cell_id=UNPLACED,
+                                     policy_version=spec.policy_version, attempt=spec.attempt)
+            future = runner.submit(Execution(spec.execution_id, parts.tasks[spec.task_id],
+                                             group_id=spec.group_id, token=spec.token,
+                                             policy_version=spec.policy_version, attempt=spec.attempt,
+                                             step=spec.step))
+            future.add_done_callback(lambda _, e=spec.execution_id: self._ended(e))
+        runner.sink.commit()  # every execution_queued is durable
+        return {"queued": float(len(queue.executions))}
+
+    def _ended(self, execution_id: str) -> None:
+        parts = self.parts
+        if parts is None:
+            return
+        parts.proxy.unregister_execution(execution_id)
+        parts.gate.interrupt()  # its slot is free
+
+    def _redirect(self, redirect: gyre_pb2.RedirectCell) -> Mapping[str, float]:
+        parts = self._require()
+        planned = {c.call_id: c.to_cell_id for c in redirect.calls}
+        executions = {c.execution_id: c.to_cell_id for c in redirect.calls if c.execution_id}
+        started = time.perf_counter()
+        calls, moved = parts.server.call(
+            parts.proxy.redirect_plan(redirect.from_cell_id, planned, executions))
+        return {"redirect_s": time.perf_counter() - started, "redirected_calls": float(calls),
+                "moved_executions": float(len(moved))}
+
+    def _require(self) -> _Components:
+        if self.parts is None:
+            raise RuntimeError("the proxy has had no routing update yet: it knows no engine")
+        return self.parts
+
+    def close(self) -> None:
+        """Kill running harnesses (the run is over), stop the HTTP server; the link flushes last."""
+        if self.stopped:
+            return
+        self.stopped = True
+        if self.parts is not None:
+            self.parts.runner.close(kill_running=True)
+            self.parts.server.stop()
+
+
+def main(config_path: Path, controller: str) -> None:
+    """`gyre proxy serve --controller ADDR --config CONFIG`: serve until the controller says stop."""
+    from gyre.cluster.auth import secret_from_env
+    from gyre.cluster.node import serve_until_stopped
+
+    node = ProxyNode(ClusterConfig.load(config_path), controller, secret_from_env())
+    serve_until_stopped(node)
