@@ -5,6 +5,8 @@ from typing import Annotated
 
 import typer
 
+from gyre.cluster.cli import cell as cluster_cell
+from gyre.cluster.cli import run as cluster_run
 from gyre.engine.cli import engine_app
 from gyre.harness.cli import harness_app
 from gyre.log.cli import log_app
@@ -30,6 +32,8 @@ app.command("export")(export)
 app.add_typer(trainer_app, name="trainer")
 app.command("report")(report)
 app.command("metrics")(export_metrics)
+app.command("run")(cluster_run)
+app.command("cell")(cluster_cell)
 
 schema_app = typer.Typer(no_args_is_help=True, help="The event schema.")
 app.add_typer(schema_app, name="schema")

@@ -72,6 +72,15 @@ class ClusterConfig(TrainConfig):
 
     @classmethod
     def load(cls, path: str | Path) -> Self:
+        """A TOML file (as `gyre train` reads), or the JSON a controller writes for the processes it starts."""
+        path = Path(path)
+        if path.suffix == ".json":
+            try:
+                return cls.model_validate_json(path.read_text())
+            except FileNotFoundError:
+                raise ConfigError(f"no config file at {path}") from None
+            except ValueError as error:
+                raise ConfigError(f"invalid cluster config {path}: {error}") from error
         try:
             return super().load(path)
         except ConfigError as error:

@@ -35,7 +35,8 @@ def _engines(specs: list[str]) -> dict[str, str]:
 
 @proxy_app.command()
 def serve(
-    engine: Annotated[list[str], typer.Option(help="Engine as CELL=URL (or URL); repeat for several cells.")],
+    engine: Annotated[list[str] | None, typer.Option(
+        help="Engine as CELL=URL (or URL); repeat for several cells.")] = None,
     host: Annotated[str, typer.Option(help="Interface to bind (loopback unless you mean otherwise).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8080,
     log_dir: Annotated[Path | None, typer.Option(help="Event log directory (default: events kept in memory).")] = None,
@@ -58,8 +59,22 @@ def serve(
     kv_mover: Annotated[
         str, typer.Option(help="Redirected calls: 'recompute' their KV, or move it with 'mooncake'.")
     ] = "recompute",
+    controller: Annotated[str | None, typer.Option(
+        help="Serve a cluster run: the controller's gRPC address (HOST:PORT); the engines, executions and "
+             "log come from it, the run secret from $GYRE_RUN_SECRET.")] = None,
+    config: Annotated[Path | None, typer.Option(help="With --controller: the run's config file.")] = None,
 ) -> None:
     """Serve /v1/messages, /v1/messages/count_tokens, /v1/chat/completions, /v1/responses and /v1/models."""
+    if controller is not None:
+        if config is None:
+            raise typer.BadParameter("--controller needs the run's --config", param_hint="--config")
+        from gyre.cluster.proxy_node import main as serve_cluster
+
+        serve_cluster(config, controller)
+        return
+    if not engine:
+        raise typer.BadParameter("give at least one --engine (or --controller for a cluster run)",
+                                 param_hint="--engine")
     from gyre.auth import TokenError, TokenFile
     from gyre.errors import GyreError
     from gyre.log import LogWriter

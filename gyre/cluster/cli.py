@@ -1,0 +1,110 @@
+"""`gyre run CONFIG` (the controller of a cluster run) and `gyre cell` (one cell process)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from gyre.errors import GyreError
+
+console = Console()
+
+
+def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g. examples/cluster-cpu.toml")],
+        steps: Annotated[int | None, typer.Option(help="override the number of steps")] = None,
+        policy: Annotated[str | None, typer.Option(help="override scheduler.policy (elastic|colocate|async)")] = None,
+        run_dir: Annotated[Path | None, typer.Option(help="override run_dir")] = None,
+        ) -> None:
+    """Run RL on a cluster of cell processes: controller here, each cell and the proxy its own process."""
+    from gyre.cluster.config import ClusterConfig
+    from gyre.cluster.run import ClusterRun
+
+    try:
+        settings = ClusterConfig.load(config)
+        updates: dict = {}
+        if steps is not None:
+            updates["steps"] = steps
+        if run_dir is not None:
+            updates["run_dir"] = run_dir
+        if policy is not None:
+            updates["scheduler"] = settings.scheduler.model_copy(update={"policy": policy})
+        if updates:
+            settings = ClusterConfig.model_validate({**settings.model_dump(), **{
+                k: (v.model_dump() if hasattr(v, "model_dump") else v) for k, v in updates.items()}})
+    except (GyreError, ValueError) as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from None
+    cluster = settings.cluster
+    console.print(f"[bold]gyre run[/bold] {settings.name}: {cluster.cells} cells x {cluster.slots} slots "
+                  f"(core {cluster.core}), policy {settings.scheduler.policy}, {settings.steps} steps, "
+                  f"run directory {settings.run_dir}")
+    status = console.status("starting the controller, the cells and the proxy")
+
+    def progress(phase: str, figures: dict) -> None:
+        if phase == "tick":
+            roles = " ".join(f"{c}:{r}" for c, r in figures["cells"].items())
+            status.update(f"watermark {figures['watermark']} | {roles} | trained {figures['trained']}/"
+                          f"{figures['steps']} | policy v{figures['version']}")
+        elif phase == "spawned":
+            status.update(f"waiting for {', '.join(figures['processes'])} to connect (output in {figures['logs']})")
+        elif phase == "rollout":
+            console.print(f"[dim]step {figures['step']}: {figures['queued']} executions queued on policy "
+                          f"v{figures['version']}[/dim]")
+        elif phase == "switch":
+            console.print(f"[cyan]{figures['cell']} -> {figures['to']}[/cyan] in {figures['seconds']:.2f}s")
+        elif phase == "step":
+            reward = "n/a" if figures["reward_mean"] is None else f"{figures['reward_mean']:.3f}"
+            console.print(f"step {figures['step']}: reward mean {reward} over {figures['scored']} scored, "
+                          f"{figures['micro_steps']} micro-steps, policy v{figures['policy_version']}, "
+                          f"at {figures['wall_s']:.0f}s")
+
+    try:
+        with status:
+            cluster_run = ClusterRun(settings, progress)
+            summary = cluster_run.run()
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted; the log is committed[/yellow]")
+        raise typer.Exit(130) from None
+    except GyreError as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(1) from None
+    console.print(summary_table(summary))
+    console.print(timeline_table(summary))
+    console.print(f"log: {summary.log} (run {summary.run_id}); `gyre replay {summary.log}` re-derives every decision")
+
+
+def summary_table(summary) -> Table:
+    table = Table(title=f"{summary.policy}: {summary.status} in {summary.wall_s:.0f}s, {summary.switches} switches")
+    for column in ("step", "policy", "micro-steps", "reward", "scored", "at (s)"):
+        table.add_column(column, justify="right")
+    for s in summary.steps:
+        reward = "n/a" if s["reward_mean"] is None else f"{s['reward_mean']:.3f}"
+        table.add_row(str(s["step"]), f"v{s['policy_version']}", str(s["micro_steps"]), reward, str(s["scored"]),
+                      f"{s['wall_s']:.0f}")
+    return table
+
+
+def timeline_table(summary) -> Table:
+    table = Table(title="role timeline (seconds from run start)")
+    table.add_column("cell")
+    table.add_column("roles")
+    by_cell: dict[str, list[str]] = {}
+    for span in summary.timeline:
+        by_cell.setdefault(span.cell_id, []).append(f"{span.role} {span.start_s:.0f}-{span.end_s or 0:.0f}")
+    for cell, spans in sorted(by_cell.items()):
+        table.add_row(cell, " | ".join(spans))
+    return table
+
+
+def cell(controller: Annotated[str, typer.Option(help="the controller's gRPC address, HOST:PORT")],
+         cell_id: Annotated[str, typer.Option(help="this cell's id (cell0 .. cellN-1)")],
+         config: Annotated[Path, typer.Option(help="the run's config file")],
+         ) -> None:
+    """One cell of a cluster run: engine + trainer replica + transfer endpoint (secret from $GYRE_RUN_SECRET)."""
+    from gyre.cluster.cell_node import main
+
+    main(config, controller, cell_id)
