@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -82,6 +83,8 @@ class Agent:
     stats: Stats
     log: Callable[..., None]
     spawn: Callable[[str], Outcome] | None = None
+    environment: Callable[[], float] | None = None
+    """Time the agent's environment takes after each model reply (tools, tests): see `EnvironmentLatency`."""
     messages: list[dict[str, Any]] = field(default_factory=list)
 
     def run(self, task: str, max_turns: int) -> Outcome:
@@ -98,6 +101,9 @@ class Agent:
             since_compaction += 1
             self.messages.append(reply.as_message())
             last_text = reply.content or last_text
+            if self.environment is not None:
+                waited = self.environment()
+                self.log("environment", agent=self.name, turn=turn, seconds=round(waited, 3))
             self.log("turn", agent=self.name, turn=turn, tool_calls=len(reply.tool_calls),
                      finish_reason=reply.finish_reason)
             if not reply.tool_calls:
@@ -144,6 +150,42 @@ class Agent:
         ]
 
 
+@dataclass(frozen=True)
+class EnvironmentLatency:
+    """A heavy-tailed environment: after each model reply the agent waits ``lognormal(mu, sigma)`` seconds (the
+    body: tool calls, builds), and with probability ``tail_p`` ``tail_s`` seconds instead (the mass near the
+    timeout: a hung test suite). Seeded by the execution id, so a run's latencies are reproducible; while an
+    agent waits its CPU is idle, which is the capacity an elastic scheduler lends to training.
+
+    Spec: ``MU,SIGMA[,TAIL_P,TAIL_S]`` (``0.0,1.0,0.1,20``: median 1 s, one wait in ten 20 s)."""
+
+    mu: float
+    sigma: float
+    tail_p: float = 0.0
+    tail_s: float = 0.0
+
+    @classmethod
+    def parse(cls, spec: str) -> EnvironmentLatency:
+        try:
+            values = [float(v) for v in spec.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--env-latency {spec!r}: expected MU,SIGMA[,TAIL_P,TAIL_S]") from None
+        if len(values) not in (2, 4) or values[1] < 0 or (len(values) == 4 and not 0 <= values[2] <= 1):
+            raise argparse.ArgumentTypeError(f"--env-latency {spec!r}: expected MU,SIGMA[,TAIL_P,TAIL_S] with "
+                                             "SIGMA >= 0 and 0 <= TAIL_P <= 1")
+        return cls(*values)
+
+    def sampler(self, seed: str) -> Callable[[], float]:
+        rng = random.Random(seed)
+
+        def wait() -> float:
+            seconds = self.tail_s if rng.random() < self.tail_p else rng.lognormvariate(self.mu, self.sigma)
+            time.sleep(seconds)
+            return seconds
+
+        return wait
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("prompt", nargs="?", help="the task (or use --task-file)")
@@ -162,6 +204,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
     parser.add_argument("--run-timeout-s", type=float, default=10.0, help="limit of one `run` tool call")
     parser.add_argument("--no-subagent", action="store_true", help="do not offer the delegate tool")
+    parser.add_argument("--env-latency", type=EnvironmentLatency.parse, default=None,
+                        help="heavy-tailed wait after each model reply: MU,SIGMA[,TAIL_P,TAIL_S] (seconds, "
+                             "lognormal body; seeded by $GYRE_EXECUTION_ID)")
     args = parser.parse_args(argv)
     if (args.prompt is None) == (args.task_file is None):
         parser.error("give the task either as PROMPT or with --task-file")
@@ -193,10 +238,12 @@ def main(argv: list[str]) -> int:
         print(f"toy-agent: --answer-file: {e}", file=sys.stderr)
         return 2
     stats = Stats()
+    environment = (args.env_latency.sampler(os.environ.get("GYRE_EXECUTION_ID", "") + task)
+                   if args.env_latency is not None else None)
 
     def agent(name: str, tool_names: tuple[str, ...], spawn: Callable[[str], Outcome] | None) -> Agent:
         return Agent(name, model, tools, tool_names, args.compact_every, args.summary_max_tokens or args.max_tokens,
-                     stats, log, spawn)
+                     stats, log, spawn, environment)
 
     def spawn(sub_task: str) -> Outcome:
         stats.subagents += 1
