@@ -102,17 +102,18 @@ class Router:
             self.engine(cell)
         with self._lock:
             free = {c: n for c, n in self._free_locked().items() if c != from_cell}
-            moved: dict[str, str] = {}
-            for execution in sorted(e for e, cell in self._pins.items() if cell == from_cell):
-                target = planned.get(execution)
-                if target is None:
-                    target = max(free, key=lambda c: free[c], default=None)
-                    if target is None:
-                        raise ValueError(f"cannot move execution {execution} off cell {from_cell}: "
-                                         "no other cell admits executions")
-                moved[execution] = target
+            leaving = sorted(e for e, cell in self._pins.items() if cell == from_cell)
+            moved = {e: planned[e] for e in leaving if e in planned}  # the plan first: it reserved these slots
+            for target in moved.values():
                 if target in free:
                     free[target] -= 1
+            for execution in (e for e in leaving if e not in planned):
+                target = max(free, key=lambda c: free[c], default=None)
+                if target is None:
+                    raise ValueError(f"cannot move execution {execution} off cell {from_cell}: "
+                                     "no other cell admits executions")
+                moved[execution] = target
+                free[target] -= 1
             self._pins.update(moved)
         return moved
 
