@@ -5,8 +5,10 @@ folds the same log reaches the same plan. Rules:
 - Step ``s`` is queued once step ``s - 1 - staleness`` has been trained (on-policy at staleness 0: the
   rollouts of step ``s`` wait for the weights of step ``s - 1``), steps in order, ``steps`` of them.
 - The core trains the lowest untrained step once every execution of its batch is done (scored, excluded
-  or failed), and only while it is settled in the training role with no train step open. Live runs train
-  whole steps; streaming micro-steps of incomplete batches is the simulator's ablation.
+  or failed), and only while it is settled in the training role with no train step open and no other cell
+  on its way to training (a cell the policy lends joins the step rather than missing it: its switch takes
+  seconds, a step's micro-steps may take less). Live runs train whole steps; streaming micro-steps of
+  incomplete batches is the simulator's ablation.
 - The run is finished when every step is trained and the last version is published.
 """
 
@@ -41,6 +43,8 @@ def next_step_to_train(view: SchedulerView) -> int | None:
     if core is None or core.role != "training" or core.switching_to not in (None, "training"):
         return None
     if view.open_step is not None:
+        return None
+    if view.entering("training"):
         return None
     waiting = [s for s in queued_steps(view) if s not in view.work.trained]
     if not waiting:

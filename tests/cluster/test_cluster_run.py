@@ -1,0 +1,113 @@
+"""A 3-cell run with cells and the proxy as processes: live role switching on the policy's decisions.
+
+The scripted harness makes one model call (stdlib, starts in milliseconds). Elastic lends the core and then a
+second cell to training once the step's executions no longer need them; the lent cell pulls the current
+weights from the core over Mooncake and claims micro-steps of the running step; when the next step's
+executions raise the watermark it returns to rollout and loads the new weights. The log must show all of it,
+the trained weights must equal one replica doing the same micro-steps, and replay must re-derive every
+decision.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gyre.cluster.config import ClusterConfig, ClusterSchedulerSection, ClusterSection
+from gyre.cluster.run import ClusterRun
+from gyre.log import LogReader
+from gyre.replay.exact import replay_decisions
+from gyre.train.config import RolloutSection, SamplingSection, TrainerSection, TrajectorySection
+
+pytestmark = pytest.mark.integration
+
+QUICK = Path(__file__).parents[1] / "controller" / "quick"
+
+
+def cluster_config(run_dir: Path, steps: int = 2) -> ClusterConfig:
+    return ClusterConfig(
+        name="three", run_dir=run_dir, seed=3, steps=steps,
+        cluster=ClusterSection(cells=3, slots=2, core="cell0", heartbeat_s=0.5, dead_after_s=60),
+        scheduler=ClusterSchedulerSection(policy="elastic", params={"hysteresis_slots": 0}),
+        rollout=RolloutSection(tasks=QUICK / "tasks.toml", harness=QUICK / "harness.toml", task_ids=("hello",),
+                               groups_per_step=1, group_size=4, timeout_s=60),
+        sampling=SamplingSection(max_tokens=8),
+        trajectory=TrajectorySection(token_budget=64, min_valid_per_group=2),  # a micro-step per execution
+        trainer=TrainerSection(lr=1e-3, eps_low=0.2, eps_high=0.28),
+    )
+
+
+@pytest.fixture(scope="module")
+def three_cells(tmp_path_factory: pytest.TempPathFactory) -> tuple[ClusterConfig, Path]:
+    config = cluster_config(tmp_path_factory.mktemp("cluster") / "run")
+    summary = ClusterRun(config).run()
+    assert summary.status == "completed"
+    return config, summary.log
+
+
+def _events(log: Path, kind: str) -> list:
+    return list(LogReader(log).events(kinds=[kind]))
+
+
+def test_a_lent_cell_trains_as_a_satellite_and_returns(three_cells: tuple[ClusterConfig, Path]) -> None:
+    config, log = three_cells
+    switches = _events(log, "role_switch_completed")
+    lent = [s for s in switches if s.to_role == "training" and s.cell_id != "cell0"]
+    assert lent, f"no cell but the core was lent to training: {[(s.cell_id, s.to_role) for s in switches]}"
+    satellite = lent[0].cell_id
+    assert lent[0].engine_pause_s is not None and lent[0].trainer_join_s is not None  # parts are measured
+    claimed = [c for c in _events(log, "micro_step_claimed") if c.cell_id == satellite]
+    assert claimed, f"{satellite} joined training but claimed no micro-step"
+    joined = [j for j in _events(log, "satellite_joined") if j.cell_id == satellite]
+    assert joined, "the satellite's join is not in the log"
+    back = [s for s in switches if s.cell_id == satellite and s.to_role == "rollout"]
+    assert back and back[0].weights_bytes and back[0].weights_bytes > 0  # it loaded newer weights to serve
+    versions = [p.policy_version for p in _events(log, "weights_published")]
+    assert versions == list(range(1, config.steps + 1))
+
+
+def test_redirected_calls_finish_where_the_plan_sent_them(three_cells: tuple[ClusterConfig, Path]) -> None:
+    _, log = three_cells
+    finished = {f.call_id: f for f in _events(log, "model_call_finished")}
+    for redirect in _events(log, "call_redirected"):
+        assert finished[redirect.call_id].cell_id == redirect.to_cell_id
+    rewards = _events(log, "reward_recorded")
+    queued = _events(log, "execution_queued")
+    assert len(rewards) == len(queued) == 8  # every execution scored once: none lost in a switch
+
+
+def test_the_steps_weights_equal_one_replica_on_the_same_micro_steps(three_cells: tuple[ClusterConfig, Path]) -> None:
+    from gyre.cluster.cell_node import torch_backend
+    from gyre.trainer import TrainBatch
+    from gyre.trajectory import BatchBuilder, LogSource, TrajectoryConfig
+
+    config, log = three_cells
+    backend = torch_backend(config)
+    run_id = _events(log, "run_started")[0].run_id
+    steps = {s.step: s for s in _events(log, "train_step_started")}
+    groups = {q.step: q.group_id for q in _events(log, "execution_queued")}
+    section = config.trajectory
+    source = LogSource(log, run_id=run_id)
+    for step in sorted(steps):
+        builder = BatchBuilder(TrajectoryConfig(cap=section.cap, min_valid_per_group=section.min_valid_per_group,
+                                                token_budget=section.token_budget, form=section.form))
+        micro = list(builder.batches(source.groups(group_ids=[groups[step]])))
+        batches = [TrainBatch.from_micro_batch(mb, i) for i, mb in enumerate(micro)]
+        assert len(batches) == steps[step].planned_micro_steps
+        backend.zero_grad()
+        for batch in batches:
+            backend.forward_backward(batch)
+        backend.optimizer_step(normalizer=float(len({e for b in batches for e in b.execution_ids})))
+    published = _events(log, "weights_published")[-1]
+    trained = load_file(str(Path(config.run_dir) / published.location))
+    for name, tensor in backend.named_tensors():
+        torch.testing.assert_close(trained[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_replay_rederives_every_decision(three_cells: tuple[ClusterConfig, Path]) -> None:
+    _, log = three_cells
+    report = replay_decisions(log)
+    assert report.decisions > 0 and report.mismatches == [], report.to_dict()
