@@ -14,9 +14,10 @@ event loop, so the controller's synchronous code keeps its threads. Per stream:
 
 A peer is *lost* — ``on_cell_lost`` / ``on_proxy_lost``, its pending commands failed with `ClusterError` —
 when its stream ended and did not come back within ``dead_after_s``, when nothing arrived on a live stream
-for ``dead_after_s`` (heartbeats missed), when it closed its stream, or when a new incarnation of the same
-id connected (the old process is gone). A lost incarnation is refused if it comes back: the controller has
-already acted on its loss, so only a restarted process (a new incarnation) rejoins.
+for ``dead_after_s`` (heartbeats missed), or when a new incarnation of the same id connected (the old process
+is gone). A link's clean close looks like any other ended stream (gRPC shows a cancelled call as the end of
+its requests too), so it is lost after ``dead_after_s`` as well. A lost incarnation is refused if it comes
+back: the controller has already acted on its loss, so only a restarted process (a new incarnation) rejoins.
 """
 
 from __future__ import annotations
@@ -71,7 +72,6 @@ class _Stream:
     def __init__(self) -> None:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.ended: _End | None = None
-        self.closed_by_peer = False
 
     def send(self, message: Any) -> None:
         if self.ended is None:
@@ -126,7 +126,8 @@ class Hub:
         self._peers: dict[Key, _Peer] = {}
         self._lost: dict[tuple[Key, str], str] = {}
         self._cond = threading.Condition()
-        self._ids = itertools.count(1)
+        # command ids start at the clock (µs): a link that outlives a controller restart never sees one repeated
+        self._ids = itertools.count(time.time_ns() // 1000)
         self._ids_lock = threading.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._running = False
@@ -230,13 +231,13 @@ class Hub:
         if command.WhichOneof("body") is None:
             raise ValueError(f"a {type(command).__name__} without a body (serve, pause, ...) says nothing to do")
         copy.CopyFrom(command)
-        with self._ids_lock:
-            copy.command_id = next(self._ids)
         future: concurrent.futures.Future[gyre_pb2.CommandDone] = concurrent.futures.Future()
-        if not self._running:
-            _fail(future, ClusterError(f"the hub is not running; command {copy.command_id} was not sent"))
-            return future
-        self._thread.call(self._enqueue, key, copy, future)
+        with self._ids_lock:  # numbered and queued together: a peer gets its commands in command_id order
+            copy.command_id = next(self._ids)
+            if self._running:
+                self._thread.call(self._enqueue, key, copy, future)
+                return future
+        _fail(future, ClusterError(f"the hub is not running; command {copy.command_id} was not sent"))
         return future
 
     def _enqueue(self, key: Key, command: Command, future: concurrent.futures.Future[gyre_pb2.CommandDone]) -> None:
@@ -282,6 +283,12 @@ class Hub:
                                 f"a {kind} hello must name its {'cell_id' if kind == 'cell' else 'proxy_id'} "
                                 f"and incarnation (got {peer_id!r}, {hello.incarnation!r})")
         key: Key = ("cell", peer_id) if kind == "cell" else ("proxy", "")
+        for other_key, other in self._peers.items():
+            shared = set(other.hello.producers) & set(hello.producers)
+            if other_key != key and other.lost is None and shared:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{kind} {peer_id} names producers {sorted(shared)}, which {other.name} records "
+                                    "as: two processes numbering one producer would drop each other's events")
         lost = self._lost.get((key, hello.incarnation))
         if lost is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -344,16 +351,13 @@ class Hub:
         if self._stopping:
             return
         log.info("%s stream ended: %s", peer.name, reason)
-        if stream.closed_by_peer:
-            self._declare_lost(peer, "it closed its stream")
 
     async def _read(self, peer: _Peer, stream: _Stream, context: grpc.aio.ServicerContext) -> None:
         try:
             while stream.ended is None:
                 message = await context.read()
-                if message is grpc.aio.EOF:
-                    stream.closed_by_peer = True
-                    stream.end(None, f"{peer.name} closed its stream")
+                if message is grpc.aio.EOF:  # a close, or a cancelled call: the server cannot tell them apart
+                    stream.end(None, f"{peer.name} ended its stream")
                     return
                 if stream.ended is not None:
                     return

@@ -17,6 +17,7 @@ declared lost — stops: ``error`` says why, ``on_failed`` is told, and the sink
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import random
@@ -327,6 +328,8 @@ class ControllerLink:
                 self._run.result(timeout=10)
             except TimeoutError:
                 log.warning("%s %r: the stream did not end within 10 s of close", self.kind, self.peer_id)
+            except concurrent.futures.CancelledError:  # the loop was stopped under it (sever)
+                pass
         self._thread.stop()
 
     def _begin_close(self) -> None:
@@ -339,8 +342,14 @@ class ControllerLink:
     # -- test hooks ----------------------------------------------------------------------------------------
 
     def stop_heartbeats(self) -> None:
-        """Stop sending heartbeats while keeping the stream (a hung process, for tests of dead-cell detection)."""
+        """Test hook: stop sending heartbeats but keep the stream (a hung process)."""
         self._silent = True
+
+    def sever(self) -> None:
+        """Test hook: stop dead, as a killed process would: the call is cut, nothing flushed, no goodbye."""
+        self._closed = True
+        self._thread.stop()
+        self._commands.put(None)
 
     # -- the stream (the loop thread) ----------------------------------------------------------------------
 
@@ -525,8 +534,13 @@ class ControllerLink:
             return gyre_pb2.CommandDone(command_id=command.command_id, ok=False, error=f"{type(e).__name__}: {e}")
         return done
 
+    DONE_KEPT = 4096
+    """Outcomes kept to answer a repeated command: the hub repeats only those pending when a stream broke."""
+
     def _finished(self, done: gyre_pb2.CommandDone) -> None:
         self._done[done.command_id] = done
+        while len(self._done) > self.DONE_KEPT:
+            del self._done[next(iter(self._done))]
         if self._conn is not None:
             self._conn.queue.put_nowait(self._up(done=done))
 

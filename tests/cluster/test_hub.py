@@ -259,3 +259,80 @@ def test_admin_status_needs_the_secret(cluster) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         asyncio.run(status(()))
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_cell_whose_stream_ends_for_good_is_lost(make_cluster) -> None:
+    cluster = make_cluster(heartbeat_s=0.05, dead_after_s=0.5)
+    gone = threading.Event()
+    lost: list[tuple[str, str]] = []
+    cluster.hub.on_cell_lost = lambda cell_id, reason: (lost.append((cell_id, reason)), gone.set())
+    link = cluster.link("c3")
+    link.sever()  # a killed process: no goodbye
+    assert gone.wait(5)
+    assert lost[0][0] == "c3" and "did not reconnect within 0.5 s" in lost[0][1]
+
+
+def test_a_closed_log_refuses_the_batch(cluster) -> None:
+    link = cluster.link("c0")
+    cluster.sink.close()
+    position = link.producer("c0").record(_lost(1))
+    with pytest.raises(SinkError, match=r"refused event batch 1.*closed"):
+        link.sink.commit(position)
+
+
+def test_stopping_the_hub_fails_pending_commands(cluster) -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def handler(command: gyre_pb2.CellCommand) -> None:
+        started.set()
+        release.wait(5)
+
+    cluster.link("c0", handler=handler)
+    future = cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve()))
+    assert started.wait(5)
+    cluster.hub.stop()
+    with pytest.raises(ClusterError, match="the hub stopped"):
+        future.result(5)
+    with pytest.raises(ClusterError, match="not running"):
+        cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())).result(5)
+    release.set()
+
+
+def test_commands_to_unknown_cells_fail_at_once(cluster) -> None:
+    with pytest.raises(ClusterError, match="cell 'c9' has not connected"):
+        cluster.hub.command_cell("c9", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())).result(5)
+    with pytest.raises(ClusterError, match="the proxy has not connected"):
+        cluster.hub.command_proxy(gyre_pb2.ProxyCommand(stop=gyre_pb2.Stop())).result(5)
+    with pytest.raises(ValueError, match="without a body"):
+        cluster.hub.command_cell("c9", gyre_pb2.CellCommand())
+
+
+def test_two_processes_cannot_share_a_producer(cluster) -> None:
+    cluster.link("c0", producers=("shared",))
+    with pytest.raises(ClusterError, match=r"malformed.*\['shared'\], which cell c0 records as"):
+        cluster.link("c1", producers=("shared",), connect_timeout_s=5)
+
+
+def test_a_taken_port_is_a_clear_error(cluster) -> None:
+    from gyre.cluster.hub import Hub
+
+    port = int(cluster.address.rsplit(":", 1)[1])
+    hub = Hub(cluster.sink, run_id="run-1", secret=cluster.secret, port=port)
+    with pytest.raises(ClusterError, match=f"cannot listen on 127.0.0.1:{port}"):
+        hub.start()
+
+
+def test_a_failing_status_is_internal(cluster) -> None:
+    def broken() -> gyre_pb2.StatusReply:
+        raise RuntimeError("no fold yet")
+
+    cluster.hub.status = broken
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(cluster.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await gyre_pb2_grpc.AdminStub(channel).Status(gyre_pb2.StatusRequest(),
+                                                              metadata=metadata(cluster.secret))
+            assert failed.value.code() == grpc.StatusCode.INTERNAL and "no fold yet" in failed.value.details()
+
+    asyncio.run(main())
