@@ -393,8 +393,13 @@ class ControllerLink:
             call = stub.Connect(metadata=self._metadata)
             conn: _Conn | None = None
             try:
-                await self._io(call, call.write(self._up(hello=self.hello)))
-                first = await self._io(call, call.read())
+                try:
+                    async with asyncio.timeout(self.connect_timeout_s):  # a hung controller must not hold a retry
+                        await self._io(call, call.write(self._up(hello=self.hello)))
+                        first = await self._io(call, call.read())
+                except TimeoutError:
+                    raise _Ended(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 f"no Welcome within {self.connect_timeout_s} s of hello") from None
                 if first is grpc.aio.EOF:
                     raise _Ended(grpc.StatusCode.UNAVAILABLE, "the controller ended the stream before its Welcome")
                 if first.WhichOneof("body") != "welcome":

@@ -336,3 +336,39 @@ def test_a_failing_status_is_internal(cluster) -> None:
             assert failed.value.code() == grpc.StatusCode.INTERNAL and "no fold yet" in failed.value.details()
 
     asyncio.run(main())
+
+
+def test_concurrent_producers_across_repeated_breaks_land_exactly_once(cluster) -> None:
+    link = cluster.link("c0", producers=("a", "b"))
+    rounds, per_round = 4, 6
+    barrier = threading.Barrier(3)
+
+    def produce(name: str) -> None:
+        producer = link.producer(name)
+        for r in range(rounds):
+            for i in range(per_round):
+                producer.record(_lost(1 + i % 3, f"{name}{r}.{i}."))
+            barrier.wait(5)  # the main thread breaks the stream between rounds
+            barrier.wait(5)
+
+    threads = [threading.Thread(target=produce, args=(name,)) for name in ("a", "b")]
+    cluster.sink.gate.clear()  # the first rounds stay un-acked: they are re-sent after each break
+    for thread in threads:
+        thread.start()
+    for r in range(rounds):
+        barrier.wait(5)
+        cluster.hub.drop("c0")
+        if r == rounds // 2:
+            cluster.sink.gate.set()
+        barrier.wait(5)
+    for thread in threads:
+        thread.join(5)
+    link.sink.commit()
+    per_producer = rounds * sum(1 + i % 3 for i in range(per_round))
+    events = cluster.events()
+    assert len(events) == 2 * per_producer
+    for name in ("a", "b"):
+        mine = [e for e in events if e.producer == name]
+        assert [e.producer_seq for e in mine] == list(range(per_producer))
+        assert [e.reason for e in mine] == [f"{name}{r}.{i}.{k}" for r in range(rounds) for i in range(per_round)
+                                            for k in range(1 + i % 3)]
