@@ -16,6 +16,7 @@ from gyre.cluster.link import ControllerLink
 from gyre.cluster.proto import gyre_pb2
 from gyre.events.models import Event
 from gyre.log import LogReader
+from gyre.log.writer import LogWriter
 from gyre.sink import LogSink
 
 RUN_ID = "run-1"
@@ -70,6 +71,15 @@ class Cluster:
         if start:
             link.start()
         return link
+
+    def restart(self) -> None:
+        """A controller crash and resume: a new sink over the same log (its producer table read back from it)
+        and a new hub on the same port."""
+        self.hub.stop()
+        self.sink.close()
+        self.sink = GatedSink(LogWriter(self.path, run_id=RUN_ID), on_record=self._on_record)
+        self.hub = Hub(self.sink, run_id=RUN_ID, secret=self.secret, port=int(self.address.rsplit(":", 1)[1]))
+        self.hub.start()
 
     def events(self) -> list[Event]:
         self.sink.commit()

@@ -372,3 +372,20 @@ def test_concurrent_producers_across_repeated_breaks_land_exactly_once(cluster) 
         assert [e.producer_seq for e in mine] == list(range(per_producer))
         assert [e.reason for e in mine] == [f"{name}{r}.{i}.{k}" for r in range(rounds) for i in range(per_round)
                                             for k in range(1 + i % 3)]
+
+
+def test_a_link_outlives_a_controller_restart(cluster) -> None:
+    link = cluster.link("c0", backoff_s=(0.01, 0.1))
+    producer = link.producer("c0")
+    link.sink.commit(producer.record(_lost(2, "a")))
+    cluster.sink.gate.clear()
+    producer.record(_lost(1, "b"))
+    cluster.wait_recorded(3)
+    cluster.sink.gate.set()
+    cluster.restart()  # b's ack may die with the first controller: then b is re-sent and dropped as held
+    last = producer.record(_lost(2, "c"))  # recorded during or after the restart
+    link.sink.commit(last)
+    events = cluster.events()
+    assert [e.reason for e in events] == ["a0", "a1", "b0", "c0", "c1"]
+    assert _stamps(events) == [("c0", i) for i in range(5)]
+    assert cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())).result(5).ok
