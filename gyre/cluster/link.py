@@ -8,7 +8,9 @@ the controller's sink drops what it already holds (producer stamps), so each eve
 
 Commands run on one dedicated thread, in the order they arrive (a cell's commands never overlap). Each
 command id runs once per process; a repeat (the hub re-sends what was pending when the stream broke) is
-answered with the recorded `CommandDone`.
+answered with the recorded `CommandDone`. The handler returns the command's figures (a mapping, or None),
+or a whole `CommandDone` when the command has a ``detail`` to return; an exception is reported as
+``ok=False`` with its text.
 
 A link that the controller refuses for good — a wrong secret, a protocol error, a refused batch, a process
 declared lost — stops: ``error`` says why, ``on_failed`` is told, and the sink's waiters fail with `SinkError`.
@@ -42,7 +44,7 @@ log = logging.getLogger(__name__)
 
 Hello = gyre_pb2.CellHello | gyre_pb2.ProxyHello
 Command = gyre_pb2.CellCommand | gyre_pb2.ProxyCommand
-Handler = Callable[[Any], Mapping[str, float] | None]
+Handler = Callable[[Any], Mapping[str, float] | gyre_pb2.CommandDone | None]
 
 CLIENT_OPTIONS: tuple[tuple[str, int], ...] = (
     *GRPC_OPTIONS,
@@ -218,7 +220,7 @@ class ControllerLink:
     """A cell's or the proxy's stream to the controller (see the module docstring)."""
 
     def __init__(self, address: str, *, secret: str, hello: gyre_pb2.CellHello | gyre_pb2.ProxyHello,
-                 handler: Callable[[Any], Mapping[str, float] | None],
+                 handler: Handler,
                  backoff_s: tuple[float, float] = (0.05, 2.0), connect_timeout_s: float = 30.0) -> None:
         if isinstance(hello, gyre_pb2.CellHello):
             self.kind, copy = "cell", gyre_pb2.CellHello()
@@ -240,6 +242,7 @@ class ControllerLink:
         self.welcome: gyre_pb2.Welcome | None = None
         self.error: ClusterError | None = None
         self.on_failed: Callable[[ClusterError], None] | None = None
+        """Told, on the link's loop thread (it must not block), when the link stops for good."""
         self.connections = 0
         """Streams that reached their Welcome (1 + the reconnects so far)."""
         self._thread = LoopThread(f"gyre-link-{self.peer_id}")
@@ -299,6 +302,9 @@ class ControllerLink:
             return
         if self._thread.here:
             raise RuntimeError("ControllerLink.close was called on the link's own loop thread")
+        if threading.current_thread() is self._command_thread:
+            raise RuntimeError("ControllerLink.close was called from the command handler: the command's "
+                               "CommandDone could never go up; close the link once the handler has returned")
         self._closed = True
         flushed: BaseException | None = None
         if self._run is not None and self.error is None:
@@ -530,10 +536,14 @@ class ControllerLink:
     def _execute(self, command: Command) -> gyre_pb2.CommandDone:
         body = command.WhichOneof("body")
         try:
-            figures = self.handler(command)
-            done = gyre_pb2.CommandDone(command_id=command.command_id, ok=True)
-            for name, value in (figures or {}).items():
-                done.figures[name] = float(value)
+            result = self.handler(command)
+            done = gyre_pb2.CommandDone(ok=True)
+            if isinstance(result, gyre_pb2.CommandDone):  # a command with a result (Train: its WeightsRef)
+                done.CopyFrom(result)
+            else:
+                for name, value in (result or {}).items():
+                    done.figures[name] = float(value)
+            done.command_id = command.command_id
         except Exception as e:  # reported to the controller as ok=False, with the error
             log.exception("%s %r: command %d (%s) failed", self.kind, self.peer_id, command.command_id, body)
             return gyre_pb2.CommandDone(command_id=command.command_id, ok=False, error=f"{type(e).__name__}: {e}")

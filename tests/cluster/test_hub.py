@@ -112,6 +112,8 @@ def test_commands_return_figures_and_errors_in_order_on_one_thread(cluster) -> N
             order.append(command.command_id)
             if command.WhichOneof("body") == "pause":
                 raise RuntimeError(f"cannot pause ({command.pause.mode})")
+            if command.WhichOneof("body") == "train":
+                return gyre_pb2.CommandDone(detail=b"weights", figures={"train_s": 2.0})
             return {"load_s": 0.25, "bytes": 1024} if command.WhichOneof("body") == "load_weights" else None
         finally:
             running.release()
@@ -120,13 +122,15 @@ def test_commands_return_figures_and_errors_in_order_on_one_thread(cluster) -> N
     futures = [cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())),
                cluster.hub.command_cell("c0", gyre_pb2.CellCommand(load_weights=gyre_pb2.LoadWeights())),
                cluster.hub.command_cell("c0", gyre_pb2.CellCommand(pause=gyre_pb2.Pause(mode="abort"))),
-               cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve()))]
+               cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())),
+               cluster.hub.command_cell("c0", gyre_pb2.CellCommand(train=gyre_pb2.Train(step=1)))]
     done = [f.result(5) for f in futures]
     ids = [d.command_id for d in done]
     assert ids == sorted(ids) and order == ids and len(threads) == 1
-    assert [d.ok for d in done] == [True, True, False, True]
+    assert [d.ok for d in done] == [True, True, False, True, True]
     assert dict(done[1].figures) == {"load_s": 0.25, "bytes": 1024.0}
     assert done[2].error == "RuntimeError: cannot pause (abort)"
+    assert (done[4].detail, dict(done[4].figures), done[4].ok) == (b"weights", {"train_s": 2.0}, True)
 
 
 def test_a_command_pending_over_a_reconnect_runs_once(cluster) -> None:
