@@ -9,8 +9,8 @@ the controller's sink drops what it already holds (producer stamps), so each eve
 Commands run on one dedicated thread, in the order they arrive (a cell's commands never overlap). Each
 command id runs once per process; a repeat (the hub re-sends what was pending when the stream broke) is
 answered with the recorded `CommandDone`. The handler returns the command's figures (a mapping, or None),
-or a whole `CommandDone` when the command has a ``detail`` to return; an exception is reported as
-``ok=False`` with its text.
+or a whole `CommandDone` when the command has a ``detail`` to return (ok unless its ``error`` is set); an
+exception is reported as ``ok=False`` with its text.
 
 A link that the controller refuses for good — a wrong secret, a protocol error, a refused batch, a process
 declared lost — stops: ``error`` says why, ``on_failed`` is told, and the sink's waiters fail with `SinkError`.
@@ -540,6 +540,7 @@ class ControllerLink:
             done = gyre_pb2.CommandDone(ok=True)
             if isinstance(result, gyre_pb2.CommandDone):  # a command with a result (Train: its WeightsRef)
                 done.CopyFrom(result)
+                done.ok = not done.error  # proto3's ok defaults to False: only an error makes it a failure
             else:
                 for name, value in (result or {}).items():
                     done.figures[name] = float(value)
