@@ -1,0 +1,533 @@
+"""The controller's end of the control plane: one bidi stream per cell and one for the proxy, plus Admin.
+
+A `Hub` serves the Cell, Proxy and Admin services (grpc.aio, behind the run secret) on its own thread and
+event loop, so the controller's synchronous code keeps its threads. Per stream:
+
+- the first message up must be hello; the hub answers `Welcome` with where each of the process's producers
+  stands in the log (``held``), so a restarted process continues at held + 1;
+- event batches are recorded into the sink in arrival order (only stamped events: exactly once needs the
+  stamps) and acknowledged once durable — each wait on its own task, so one fsync never stalls the stream;
+  a refused batch (a gap, a closed log) is acknowledged with its error and ends the stream;
+- commands go down with a ``command_id``; the caller's future resolves with the process's `CommandDone`.
+  Commands not yet done are sent again when the same incarnation reconnects (the process runs each id once
+  and answers a repeat with its recorded `CommandDone`).
+
+A peer is *lost* — ``on_cell_lost`` / ``on_proxy_lost``, its pending commands failed with `ClusterError` —
+when its stream ended and did not come back within ``dead_after_s``, when nothing arrived on a live stream
+for ``dead_after_s`` (heartbeats missed), or when a new incarnation of the same id connected (the old process
+is gone). A link's clean close looks like any other ended stream (gRPC shows a cancelled call as the end of
+its requests too), so it is lost after ``dead_after_s`` as well. A lost incarnation is refused if it comes
+back: the controller has already acted on its loss, so only a restarted process (a new incarnation) rejoins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from gyre.cluster.aio import GRPC_OPTIONS, LoopThread
+from gyre.cluster.auth import SecretInterceptor
+from gyre.cluster.errors import ClusterError
+from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
+from gyre.cluster.wire import unpack_events
+from gyre.errors import GyreError
+from gyre.events.models import Event
+from gyre.sink import LogSink
+
+log = logging.getLogger(__name__)
+
+Hello = gyre_pb2.CellHello | gyre_pb2.ProxyHello
+Command = gyre_pb2.CellCommand | gyre_pb2.ProxyCommand
+Key = tuple[str, str]
+"""("cell", cell_id), or ("proxy", "") for the run's one proxy."""
+
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    *GRPC_OPTIONS,
+    ("grpc.so_reuseport", 0),  # an explicit port already taken is an error, not a second silent listener
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),  # links' keepalive pings are welcome
+    ("grpc.http2.max_ping_strikes", 0),
+)
+
+
+@dataclass
+class _End:
+    """Queued last on a stream: end it with ``code`` (None: end it cleanly)."""
+
+    code: grpc.StatusCode | None
+    message: str
+
+
+class _Stream:
+    """One connected call: the messages queued down it, and why it ended."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.ended: _End | None = None
+
+    def send(self, message: Any) -> None:
+        if self.ended is None:
+            self.queue.put_nowait(message)
+
+    def end(self, code: grpc.StatusCode | None, message: str) -> None:
+        if self.ended is None:
+            self.ended = _End(code, message)
+            self.queue.put_nowait(self.ended)
+
+
+@dataclass
+class _Peer:
+    kind: str
+    peer_id: str
+    hello: Hello
+    stream: _Stream | None = None
+    last_seen: float = field(default_factory=time.monotonic)
+    disconnected_at: float | None = None
+    disconnect_reason: str = ""
+    pending: dict[int, tuple[Command, concurrent.futures.Future[gyre_pb2.CommandDone]]] = field(default_factory=dict)
+    lost: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} {self.peer_id}"
+
+
+class Hub:
+    """The controller's gRPC server for cells, the proxy and Admin (see the module docstring)."""
+
+    def __init__(self, sink: LogSink, *, run_id: str, secret: str, host: str = "127.0.0.1", port: int = 0,
+                 heartbeat_s: float = 1.0, dead_after_s: float = 10.0,
+                 status: Callable[[], gyre_pb2.StatusReply] | None = None) -> None:
+        if dead_after_s <= heartbeat_s:
+            raise ValueError(f"dead_after_s ({dead_after_s}) must exceed heartbeat_s ({heartbeat_s}): "
+                             "a peer would be declared lost between two heartbeats")
+        self.sink = sink
+        self.run_id = run_id
+        self.host = host
+        self.port = port
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
+        self.status = status
+        self.on_cell_hello: Callable[[gyre_pb2.CellHello], None] | None = None
+        self.on_cell_lost: Callable[[str, str], None] | None = None
+        self.on_proxy_hello: Callable[[gyre_pb2.ProxyHello], None] | None = None
+        self.on_proxy_lost: Callable[[str], None] | None = None
+        self._interceptor = SecretInterceptor(secret)
+        self._thread = LoopThread("gyre-hub")
+        self._server: grpc.aio.Server | None = None
+        self._peers: dict[Key, _Peer] = {}
+        self._lost: dict[tuple[Key, str], str] = {}
+        self._cond = threading.Condition()
+        # command ids start at the clock (µs): a link that outlives a controller restart never sees one repeated
+        self._ids = itertools.count(time.time_ns() // 1000)
+        self._ids_lock = threading.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._running = False
+        self._stopping = False
+        self.address = ""
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+
+    def start(self) -> str:
+        """Bind and serve; returns ``host:port`` (the bound port when ``port`` was 0)."""
+        self._thread.start()
+        try:
+            self.address = self._thread.submit(self._start()).result(timeout=30)
+        except BaseException:
+            self._thread.stop()
+            raise
+        self._running = True
+        return self.address
+
+    async def _start(self) -> str:
+        server = grpc.aio.server(interceptors=[self._interceptor], options=SERVER_OPTIONS)
+        gyre_pb2_grpc.add_CellServicer_to_server(_CellService(self), server)
+        gyre_pb2_grpc.add_ProxyServicer_to_server(_ProxyService(self), server)
+        gyre_pb2_grpc.add_AdminServicer_to_server(_AdminService(self), server)
+        try:
+            port = server.add_insecure_port(f"{self.host}:{self.port}")
+        except RuntimeError as e:
+            raise ClusterError(f"the hub cannot listen on {self.host}:{self.port}: {e}") from e
+        if port == 0:
+            raise ClusterError(f"the hub cannot listen on {self.host}:{self.port} (in use?)")
+        await server.start()
+        self._server = server
+        self._spawn(self._monitor())
+        return f"{self.host}:{port}"
+
+    def stop(self) -> None:
+        """Stop serving; commands not yet done fail with `ClusterError`. Does not close the sink. Idempotent."""
+        if not self._running:
+            return
+        self._running = False
+        self._thread.submit(self._stop()).result(timeout=30)
+        self._thread.stop()
+
+    async def _stop(self) -> None:
+        self._stopping = True
+        for peer in self._peers.values():
+            for command_id, (_, future) in peer.pending.items():
+                _fail(future, ClusterError(f"the hub stopped before {peer.name} finished command {command_id}"))
+            peer.pending.clear()
+        if self._server is not None:
+            await self._server.stop(grace=0.5)
+        for task in list(self._tasks):
+            task.cancel()
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- queries (any thread) ------------------------------------------------------------------------------
+
+    def connected(self, cell_id: str) -> bool:
+        with self._cond:
+            return self._live(("cell", cell_id))
+
+    def heartbeat_age(self, cell_id: str) -> float | None:
+        """Seconds since anything last arrived from the cell (None: it never connected)."""
+        with self._cond:
+            peer = self._peers.get(("cell", cell_id))
+            return None if peer is None else time.monotonic() - peer.last_seen
+
+    def wait_for(self, cell_ids: Iterable[str], proxy: bool, timeout_s: float) -> None:
+        """Block until every named cell (and the proxy, if ``proxy``) is connected; else `TimeoutError`."""
+        if self._thread.here:
+            raise RuntimeError("Hub.wait_for was called on the hub's own loop thread (from a callback?): "
+                               "it would wait forever")
+        keys = [("cell", c) for c in cell_ids] + ([("proxy", "")] if proxy else [])
+        with self._cond:
+            if self._cond.wait_for(lambda: all(self._live(k) for k in keys), timeout_s):
+                return
+            missing = [("the proxy" if k[0] == "proxy" else f"cell {k[1]!r}") for k in keys if not self._live(k)]
+        raise TimeoutError(f"not connected to the hub at {self.address} after {timeout_s} s: {', '.join(missing)}")
+
+    def _live(self, key: Key) -> bool:
+        peer = self._peers.get(key)
+        return peer is not None and peer.stream is not None and peer.lost is None
+
+    # -- commands (any thread) -----------------------------------------------------------------------------
+
+    def command_cell(self, cell_id: str, command: gyre_pb2.CellCommand
+                     ) -> concurrent.futures.Future[gyre_pb2.CommandDone]:
+        """Send ``command`` (a copy, given the next command_id) to a cell; the future gets its `CommandDone`."""
+        return self._command(("cell", cell_id), command, gyre_pb2.CellCommand())
+
+    def command_proxy(self, command: gyre_pb2.ProxyCommand) -> concurrent.futures.Future[gyre_pb2.CommandDone]:
+        """Send ``command`` (a copy, given the next command_id) to the proxy."""
+        return self._command(("proxy", ""), command, gyre_pb2.ProxyCommand())
+
+    def _command(self, key: Key, command: Command, copy: Command) -> concurrent.futures.Future[gyre_pb2.CommandDone]:
+        if command.WhichOneof("body") is None:
+            raise ValueError(f"a {type(command).__name__} without a body (serve, pause, ...) says nothing to do")
+        copy.CopyFrom(command)
+        future: concurrent.futures.Future[gyre_pb2.CommandDone] = concurrent.futures.Future()
+        with self._ids_lock:  # numbered and queued together: a peer gets its commands in command_id order
+            copy.command_id = next(self._ids)
+            if self._running:
+                self._thread.call(self._enqueue, key, copy, future)
+                return future
+        _fail(future, ClusterError(f"the hub is not running; command {copy.command_id} was not sent"))
+        return future
+
+    def _enqueue(self, key: Key, command: Command, future: concurrent.futures.Future[gyre_pb2.CommandDone]) -> None:
+        peer = self._peers.get(key)
+        what = "the proxy" if key[0] == "proxy" else f"cell {key[1]!r}"
+        if self._stopping:
+            _fail(future, ClusterError(f"the hub stopped; command {command.command_id} to {what} was not sent"))
+        elif peer is None:
+            _fail(future, ClusterError(f"{what} has not connected to the hub; command {command.command_id} "
+                                       f"({command.WhichOneof('body')}) was not sent"))
+        elif peer.lost is not None:
+            _fail(future, ClusterError(f"{peer.name} was lost ({peer.lost}); command {command.command_id} "
+                                       f"({command.WhichOneof('body')}) was not sent"))
+        else:
+            peer.pending[command.command_id] = (command, future)
+            if peer.stream is not None:
+                peer.stream.send(_down(peer.kind, command=command))
+
+    # -- test hooks ----------------------------------------------------------------------------------------
+
+    def drop(self, peer_id: str) -> None:
+        """End a peer's current stream as a broken network would (tests of reconnects); the peer may come back."""
+        async def drop() -> None:
+            for peer in self._peers.values():
+                if peer.peer_id == peer_id and peer.stream is not None:
+                    peer.stream.end(grpc.StatusCode.UNAVAILABLE, f"the hub dropped {peer.name}'s stream")
+        self._thread.submit(drop()).result(timeout=10)
+
+    # -- streams (the loop thread) -------------------------------------------------------------------------
+
+    async def _connect(self, kind: str, context: grpc.aio.ServicerContext) -> None:
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        body = first.WhichOneof("body")
+        if body != "hello":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the first message on a {kind} stream must be hello, got {body or 'an empty message'}")
+        hello: Hello = first.hello
+        peer_id = hello.cell_id if kind == "cell" else hello.proxy_id
+        if not peer_id or not hello.incarnation:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"a {kind} hello must name its {'cell_id' if kind == 'cell' else 'proxy_id'} "
+                                f"and incarnation (got {peer_id!r}, {hello.incarnation!r})")
+        key: Key = ("cell", peer_id) if kind == "cell" else ("proxy", "")
+        for other_key, other in self._peers.items():
+            shared = set(other.hello.producers) & set(hello.producers)
+            if other_key != key and other.lost is None and shared:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{kind} {peer_id} names producers {sorted(shared)}, which {other.name} records "
+                                    "as: two processes numbering one producer would drop each other's events")
+        lost = self._lost.get((key, hello.incarnation))
+        if lost is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{kind} {peer_id!r} incarnation {hello.incarnation!r} was declared lost ({lost}); "
+                                "a lost process does not come back: restart it")
+        stream = _Stream()
+        peer = self._attach(key, kind, peer_id, hello, stream)
+        reader = asyncio.get_running_loop().create_task(self._read(peer, stream, context))
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, _End):
+                    if item.code is not None:
+                        await context.abort(item.code, item.message)
+                    return
+                await context.write(item)
+        finally:
+            reader.cancel()
+            self._detach(peer, stream)
+
+    def _attach(self, key: Key, kind: str, peer_id: str, hello: Hello, stream: _Stream) -> _Peer:
+        peer = self._peers.get(key)
+        fresh = peer is None or peer.lost is not None or peer.hello.incarnation != hello.incarnation
+        if peer is not None and peer.lost is None and fresh:
+            self._declare_lost(peer, f"replaced by incarnation {hello.incarnation!r}")
+        if fresh:
+            peer = _Peer(kind, peer_id, hello)
+        else:
+            assert peer is not None
+            if peer.stream is not None:
+                peer.stream.end(grpc.StatusCode.ABORTED, f"{peer.name} connected again: this stream is replaced")
+        assert peer is not None
+        with self._cond:
+            self._peers[key] = peer
+            peer.stream = stream
+            peer.last_seen = time.monotonic()
+            peer.disconnected_at = None
+            self._cond.notify_all()
+        held = {p: self.sink.held(p) for p in hello.producers}
+        stream.send(_down(kind, welcome=gyre_pb2.Welcome(run_id=self.run_id, held=held, heartbeat_s=self.heartbeat_s)))
+        for command_id in sorted(peer.pending):
+            stream.send(_down(kind, command=peer.pending[command_id][0]))
+        log.info("%s connected (incarnation %s%s)", peer.name, hello.incarnation, "" if fresh else ", again")
+        if fresh:
+            if kind == "cell":
+                self._callback("on_cell_hello", self.on_cell_hello, hello)
+            else:
+                self._callback("on_proxy_hello", self.on_proxy_hello, hello)
+        return peer
+
+    def _detach(self, peer: _Peer, stream: _Stream) -> None:
+        reason = stream.ended.message if stream.ended is not None else "the call ended"
+        with self._cond:
+            if peer.stream is not stream:
+                return
+            peer.stream = None
+            peer.disconnected_at = time.monotonic()
+            peer.disconnect_reason = reason
+            self._cond.notify_all()
+        if self._stopping:
+            return
+        log.info("%s stream ended: %s", peer.name, reason)
+
+    async def _read(self, peer: _Peer, stream: _Stream, context: grpc.aio.ServicerContext) -> None:
+        try:
+            while stream.ended is None:
+                message = await context.read()
+                if message is grpc.aio.EOF:  # a close, or a cancelled call: the server cannot tell them apart
+                    stream.end(None, f"{peer.name} ended its stream")
+                    return
+                if stream.ended is not None:
+                    return
+                peer.last_seen = time.monotonic()
+                body = message.WhichOneof("body")
+                if body == "heartbeat":
+                    continue
+                if body == "events":
+                    self._on_events(peer, stream, message.events)
+                elif body == "done":
+                    self._on_done(peer, message.done)
+                else:
+                    stream.end(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{peer.name} sent {body or 'an empty message'} after its hello")
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AbortError:  # the hub ended the call itself; the read just learnt it
+            return
+        except grpc.aio.AioRpcError as e:
+            stream.end(None, f"reading from {peer.name} failed: {e.code().name} {e.details()}")
+        except Exception as e:  # a bug here must end the stream loudly, not leave it half-served
+            log.exception("reading %s's stream failed", peer.name)
+            stream.end(grpc.StatusCode.INTERNAL, f"the hub failed on {peer.name}'s stream: {e!r}")
+
+    def _on_events(self, peer: _Peer, stream: _Stream, batch: gyre_pb2.EventBatch) -> None:
+        try:
+            events = unpack_events(batch.arrow_ipc)
+            self._check_stamps(peer, events)
+            position = self.sink.record(events)
+        except (GyreError, ValueError) as e:  # a gap, unstamped events, a closed log, a bad batch
+            self._refuse(peer, stream, batch.batch_id, f"{type(e).__name__}: {e}")
+            return
+        if batch.wait:
+            self._spawn(self._ack_durable(peer, stream, batch.batch_id, position))
+        else:
+            stream.send(_down(peer.kind, ack=gyre_pb2.EventAck(batch_id=batch.batch_id, position=position)))
+
+    def _check_stamps(self, peer: _Peer, events: list[Event]) -> None:
+        named = set(peer.hello.producers)
+        for index, event in enumerate(events):
+            if event.producer is None or event.producer_seq is None:
+                raise GyreError(f"event {index} ({event.kind}) has no producer stamp: events from {peer.name} must "
+                                "come through a Producer (exactly once needs producer and producer_seq)")
+            if event.producer not in named:
+                raise GyreError(f"event {index} ({event.kind}) comes from producer {event.producer!r}, which "
+                                f"{peer.name}'s hello does not name (it names {sorted(named)})")
+
+    async def _ack_durable(self, peer: _Peer, stream: _Stream, batch_id: int, position: int) -> None:
+        try:
+            await self.sink.durable(position)
+        except GyreError as e:
+            self._refuse(peer, stream, batch_id, f"not durable: {type(e).__name__}: {e}")
+            return
+        stream.send(_down(peer.kind, ack=gyre_pb2.EventAck(batch_id=batch_id, position=position, durable=True)))
+
+    def _refuse(self, peer: _Peer, stream: _Stream, batch_id: int, error: str) -> None:
+        log.error("refused event batch %d from %s: %s", batch_id, peer.name, error)
+        stream.send(_down(peer.kind, ack=gyre_pb2.EventAck(batch_id=batch_id, error=error)))
+        stream.end(grpc.StatusCode.FAILED_PRECONDITION, f"event batch {batch_id} was refused: {error}")
+
+    def _on_done(self, peer: _Peer, done: gyre_pb2.CommandDone) -> None:
+        entry = peer.pending.pop(done.command_id, None)
+        if entry is not None:  # else a repeat of one already resolved
+            _resolve(entry[1], done)
+
+    def _declare_lost(self, peer: _Peer, reason: str) -> None:
+        if peer.lost is not None or self._stopping:
+            return
+        with self._cond:
+            peer.lost = reason
+            self._lost[((peer.kind, peer.peer_id if peer.kind == "cell" else ""), peer.hello.incarnation)] = reason
+            self._cond.notify_all()
+        if peer.stream is not None:
+            peer.stream.end(grpc.StatusCode.FAILED_PRECONDITION, f"{peer.name} was declared lost: {reason}")
+        log.warning("%s (incarnation %s) lost: %s", peer.name, peer.hello.incarnation, reason)
+        pending, peer.pending = peer.pending, {}
+        for command_id, (command, future) in sorted(pending.items()):
+            _fail(future, ClusterError(f"{peer.name} was lost ({reason}) before command {command_id} "
+                                       f"({command.WhichOneof('body')}) was done"))
+        if peer.kind == "cell":
+            self._callback("on_cell_lost", self.on_cell_lost, peer.peer_id, reason)
+        else:
+            self._callback("on_proxy_lost", self.on_proxy_lost, peer.peer_id)
+
+    async def _monitor(self) -> None:
+        """Declare lost the peers that went quiet, or whose stream ended and did not come back."""
+        interval = max(0.01, min(self.heartbeat_s, self.dead_after_s / 4))
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for peer in list(self._peers.values()):
+                if peer.lost is not None:
+                    continue
+                if peer.stream is not None and now - peer.last_seen > self.dead_after_s:
+                    self._declare_lost(peer, f"nothing arrived for {now - peer.last_seen:.1f} s (heartbeats "
+                                             f"every {self.heartbeat_s} s; dead after {self.dead_after_s} s)")
+                elif (peer.stream is None and peer.disconnected_at is not None
+                      and now - peer.disconnected_at > self.dead_after_s):
+                    self._declare_lost(peer, f"its stream ended ({peer.disconnect_reason}) and it did not "
+                                             f"reconnect within {self.dead_after_s} s")
+
+    def _callback(self, name: str, callback: Callable[..., None] | None, *args: Any) -> None:
+        if callback is None:
+            return
+        try:
+            callback(*args)
+        except Exception:  # the controller's bug: logged with its traceback; the stream keeps serving
+            log.exception("Hub.%s%r raised", name, args)
+
+    # -- admin ---------------------------------------------------------------------------------------------
+
+    async def _status(self, context: grpc.aio.ServicerContext) -> gyre_pb2.StatusReply:
+        if self.status is None:
+            return self._minimal_status()
+        try:
+            reply = await asyncio.to_thread(self.status)
+        except Exception as e:  # reported to the caller as INTERNAL, with the error
+            log.exception("the status callback failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"status failed: {e!r}")
+        if not reply.run_id:
+            reply.run_id = self.run_id
+        return reply
+
+    def _minimal_status(self) -> gyre_pb2.StatusReply:
+        now = time.monotonic()
+        cells = [gyre_pb2.CellStatus(cell_id=p.peer_id, connected=p.stream is not None and p.lost is None,
+                                     is_core=p.hello.is_core, slots=p.hello.slots,
+                                     last_heartbeat_age_s=now - p.last_seen)
+                 for k, p in sorted(self._peers.items()) if k[0] == "cell"]
+        return gyre_pb2.StatusReply(run_id=self.run_id, cells=cells, proxy_connected=self._live(("proxy", "")))
+
+
+def _down(kind: str, **body: Any) -> gyre_pb2.CellDown | gyre_pb2.ProxyDown:
+    return gyre_pb2.CellDown(**body) if kind == "cell" else gyre_pb2.ProxyDown(**body)
+
+
+def _resolve(future: concurrent.futures.Future[Any], value: Any) -> None:
+    try:
+        future.set_result(value)
+    except concurrent.futures.InvalidStateError:  # the caller cancelled it: nobody waits for the outcome
+        return
+
+
+def _fail(future: concurrent.futures.Future[Any], error: BaseException) -> None:
+    try:
+        future.set_exception(error)
+    except concurrent.futures.InvalidStateError:  # the caller cancelled it: nobody waits for the outcome
+        return
+
+
+class _CellService(gyre_pb2_grpc.CellServicer):
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+
+    async def Connect(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        await self.hub._connect("cell", context)
+
+
+class _ProxyService(gyre_pb2_grpc.ProxyServicer):
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+
+    async def Connect(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        await self.hub._connect("proxy", context)
+
+
+class _AdminService(gyre_pb2_grpc.AdminServicer):
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+
+    async def Status(self, request: gyre_pb2.StatusRequest,
+                     context: grpc.aio.ServicerContext) -> gyre_pb2.StatusReply:
+        return await self.hub._status(context)

@@ -1,0 +1,576 @@
+"""A process's end of the control plane: one stream to the controller's `Hub`, kept up across breaks.
+
+`ControllerLink` runs the stream on its own thread and event loop. Events go up through `RemoteSink`
+(an `EventSink`, so the proxy and the cell record exactly as they would into a local `LogSink`); each batch
+is kept until the hub acknowledges it durable. When the stream breaks the link reconnects with jittered
+exponential backoff, says hello again (the same incarnation) and re-sends every batch not yet acknowledged:
+the controller's sink drops what it already holds (producer stamps), so each event lands exactly once.
+
+Commands run on one dedicated thread, in the order they arrive (a cell's commands never overlap). Each
+command id runs once per process; a repeat (the hub re-sends what was pending when the stream broke) is
+answered with the recorded `CommandDone`. The handler returns the command's figures (a mapping, or None),
+or a whole `CommandDone` when the command has a ``detail`` to return (ok unless its ``error`` is set); an
+exception is reported as ``ok=False`` with its text.
+
+A link that the controller refuses for good — a wrong secret, a protocol error, a refused batch, a process
+declared lost — stops: ``error`` says why, ``on_failed`` is told, and the sink's waiters fail with `SinkError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from gyre.cluster.aio import GRPC_OPTIONS, LoopThread
+from gyre.cluster.auth import metadata
+from gyre.cluster.errors import ClusterError
+from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
+from gyre.cluster.wire import pack_events
+from gyre.events.models import Event
+from gyre.sink import Producer, SinkError
+
+log = logging.getLogger(__name__)
+
+Hello = gyre_pb2.CellHello | gyre_pb2.ProxyHello
+Command = gyre_pb2.CellCommand | gyre_pb2.ProxyCommand
+Handler = Callable[[Any], Mapping[str, float] | gyre_pb2.CommandDone | None]
+
+CLIENT_OPTIONS: tuple[tuple[str, int], ...] = (
+    *GRPC_OPTIONS,
+    ("grpc.keepalive_time_ms", 10_000),  # a silent network partition breaks the call instead of hanging it
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+
+FATAL = {
+    grpc.StatusCode.UNAUTHENTICATED: "refused the run secret",
+    grpc.StatusCode.PERMISSION_DENIED: "refused this process",
+    grpc.StatusCode.INVALID_ARGUMENT: "refused the stream as malformed",
+    grpc.StatusCode.FAILED_PRECONDITION: "ended the stream for good",
+    grpc.StatusCode.UNIMPLEMENTED: "does not serve this service",
+}
+"""Endings that another attempt cannot fix: the link stops instead of reconnecting."""
+
+
+@dataclass
+class _Batch:
+    batch_id: int
+    data: bytes
+    last: int  # the local position of the batch's last event
+
+
+class RemoteSink:
+    """An `EventSink` whose events go to the controller's log over the link's stream.
+
+    Positions are *local*: ``record`` returns the count of events recorded through this sink, minus one.
+    They order this sink's events and say what ``commit``/``durable`` wait for; they are not log seqs and
+    are comparable only within one sink. Only stamped events are taken (`Producer`, from ``link.producer``).
+    """
+
+    def __init__(self, producers: Sequence[str], notify: Callable[[], None]) -> None:
+        self._producers = frozenset(producers)
+        self._notify = notify
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._count = 0
+        self._next_batch = 1
+        self._unacked: dict[int, _Batch] = {}  # in batch id order (ids are assigned under the lock)
+        self._acked: set[int] = set()
+        self._durable_batch = 0
+        self._durable = -1
+        self._waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._error: SinkError | None = None
+        self._closed = False
+
+    def record(self, events: Event | Sequence[Event]) -> int:
+        batch = [events] if isinstance(events, Event) else list(events)
+        self._check(batch)
+        data = pack_events(batch) if batch else b""
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if self._closed:
+                raise SinkError("the remote sink is closed")
+            if not batch:
+                return self._count - 1
+            self._count += len(batch)
+            entry = _Batch(self._next_batch, data, self._count - 1)
+            self._next_batch += 1
+            self._unacked[entry.batch_id] = entry
+        self._notify()
+        return entry.last
+
+    def _check(self, batch: list[Event]) -> None:
+        for index, event in enumerate(batch):
+            if event.producer is None or event.producer_seq is None:
+                raise SinkError(f"event {index} ({event.kind}) has no producer stamp: record through a Producer "
+                                "(ControllerLink.producer), exactly once across reconnects needs the stamps")
+            if event.producer not in self._producers:
+                raise SinkError(f"event {index} ({event.kind}) comes from producer {event.producer!r}, which this "
+                                f"link's hello does not name (it names {sorted(self._producers)})")
+
+    def commit(self, position: int | None = None) -> None:
+        with self._cond:
+            target = self._count - 1 if position is None else self._known(position)
+            self._cond.wait_for(lambda: self._durable >= target or self._error is not None)
+            if self._durable < target:
+                assert self._error is not None
+                raise self._error
+
+    async def durable(self, position: int) -> None:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            self._known(position)
+            if self._durable >= position:
+                return
+            if self._error is not None:
+                raise self._error
+            self._waiters.append((position, loop, future))
+        await future
+
+    def _known(self, position: int) -> int:
+        if position >= self._count:
+            raise ValueError(f"position {position} was never returned by this sink (it has recorded {self._count} "
+                             "events; positions are local to one RemoteSink, not log seqs)")
+        return position
+
+    def close(self) -> None:
+        """Wait until everything recorded is durable, then refuse more. Idempotent."""
+        if self._error is None:
+            self.commit()
+        with self._lock:
+            self._closed = True
+
+    # -- the link's side (its loop thread) -----------------------------------------------------------------
+
+    def _pending(self, after: int) -> list[_Batch]:
+        with self._lock:
+            return [b for bid, b in self._unacked.items() if bid > after]
+
+    def _ack(self, ack: gyre_pb2.EventAck) -> None:
+        if ack.error:
+            self._fail(SinkError(f"the controller refused event batch {ack.batch_id}: {ack.error}"))
+            return
+        if not ack.durable:
+            return
+        with self._cond:
+            if ack.batch_id not in self._unacked:
+                return  # a repeat: acknowledged already
+            self._acked.add(ack.batch_id)
+            while self._durable_batch + 1 in self._acked:
+                self._durable_batch += 1
+                self._acked.discard(self._durable_batch)
+                self._durable = self._unacked.pop(self._durable_batch).last
+            ready = [w for w in self._waiters if w[0] <= self._durable]
+            self._waiters = [w for w in self._waiters if w[0] > self._durable]
+            self._cond.notify_all()
+        for _, loop, future in ready:
+            _settle(loop, future, None)
+
+    def _fail(self, error: SinkError) -> None:
+        with self._cond:
+            if self._error is not None:
+                return
+            self._error = error
+            waiters, self._waiters = self._waiters, []
+            self._cond.notify_all()
+        for _, loop, future in waiters:
+            _settle(loop, future, error)
+
+    @property
+    def unacked(self) -> int:
+        """Batches sent or queued that the controller has not acknowledged durable yet."""
+        with self._lock:
+            return len(self._unacked)
+
+
+class _Conn:
+    """One connected call: the messages queued up it, and which batches it has been given."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.sent_upto = 0
+        self.broken = False
+
+
+class _Ended(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+_CLOSE = object()
+
+
+class ControllerLink:
+    """A cell's or the proxy's stream to the controller (see the module docstring)."""
+
+    def __init__(self, address: str, *, secret: str, hello: gyre_pb2.CellHello | gyre_pb2.ProxyHello,
+                 handler: Handler,
+                 backoff_s: tuple[float, float] = (0.05, 2.0), connect_timeout_s: float = 30.0) -> None:
+        if isinstance(hello, gyre_pb2.CellHello):
+            self.kind, copy = "cell", gyre_pb2.CellHello()
+        elif isinstance(hello, gyre_pb2.ProxyHello):
+            self.kind, copy = "proxy", gyre_pb2.ProxyHello()
+        else:
+            raise TypeError(f"hello must be a CellHello or a ProxyHello, not {type(hello).__name__}")
+        copy.CopyFrom(hello)
+        if not copy.incarnation:
+            copy.incarnation = uuid.uuid4().hex
+        self.address = address
+        self.hello = copy
+        self.handler = handler
+        self.backoff_s = backoff_s
+        self.connect_timeout_s = connect_timeout_s
+        self.peer_id = copy.cell_id if self.kind == "cell" else copy.proxy_id
+        self._metadata = metadata(secret)
+        self.sink = RemoteSink(list(copy.producers), self._notify)
+        self.welcome: gyre_pb2.Welcome | None = None
+        self.error: ClusterError | None = None
+        self.on_failed: Callable[[ClusterError], None] | None = None
+        """Told, on the link's loop thread (it must not block), when the link stops for good."""
+        self.connections = 0
+        """Streams that reached their Welcome (1 + the reconnects so far)."""
+        self._thread = LoopThread(f"gyre-link-{self.peer_id}")
+        self._ready = threading.Event()
+        self._producers: dict[str, Producer] = {}
+        self._producers_lock = threading.Lock()
+        self._commands: queue.Queue[Any] = queue.Queue()
+        self._command_thread = threading.Thread(target=self._command_loop, name=f"gyre-commands-{self.peer_id}",
+                                                daemon=True)
+        self._done: dict[int, gyre_pb2.CommandDone] = {}
+        self._seen: set[int] = set()
+        self._conn: _Conn | None = None
+        self._run: Any = None
+        self._closing = False
+        self._closed = False
+        self._silent = False
+        self._last_error = "no attempt yet"
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+
+    def start(self) -> gyre_pb2.Welcome:
+        """Connect; blocks until the first Welcome. `ClusterError` if refused or none after connect_timeout_s."""
+        if self._run is not None:
+            raise RuntimeError("ControllerLink.start was called twice")
+        self._thread.start()
+        self._command_thread.start()
+        self._run = self._thread.submit(self._main())
+        self._ready.wait(self.connect_timeout_s)
+        if self.welcome is None:
+            error = self.error or ClusterError(
+                f"no Welcome from the controller at {self.address} within {self.connect_timeout_s} s "
+                f"({self.kind} {self.peer_id!r}; last error: {self._last_error})")
+            self._shutdown()
+            raise error
+        return self.welcome
+
+    def producer(self, producer_id: str) -> Producer:
+        """The `Producer` for ``producer_id`` (one per id and link), continuing after what the log holds from it."""
+        if self.welcome is None:
+            raise ClusterError("ControllerLink.producer needs the Welcome's positions: call start() first")
+        if producer_id not in self.hello.producers:
+            raise ValueError(f"producer {producer_id!r} is not named in the hello's producers "
+                             f"{list(self.hello.producers)}: the controller tells positions only for those")
+        with self._producers_lock:
+            if producer_id not in self._producers:
+                next_seq = self.welcome.held.get(producer_id, -1) + 1
+                self._producers[producer_id] = Producer(self.sink, producer_id, next_seq)
+            return self._producers[producer_id]
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Flush (wait until every recorded event is durable), then end the stream and stop. Idempotent.
+
+        ``timeout_s`` bounds the flush: `ClusterError` if the controller has not acknowledged everything by
+        then (the link is stopped anyway). A failed link is not flushed: its events cannot become durable.
+        """
+        if self._closed:
+            return
+        if self._thread.here:
+            raise RuntimeError("ControllerLink.close was called on the link's own loop thread")
+        if threading.current_thread() is self._command_thread:
+            raise RuntimeError("ControllerLink.close was called from the command handler: the command's "
+                               "CommandDone could never go up; close the link once the handler has returned")
+        self._closed = True
+        flushed: BaseException | None = None
+        if self._run is not None and self.error is None:
+            flusher = threading.Thread(target=self._flush, daemon=True)
+            flusher.start()
+            flusher.join(timeout_s)
+            if flusher.is_alive():
+                flushed = ClusterError(f"{self.sink.unacked} event batches of {self.kind} {self.peer_id!r} were "
+                                       f"not acknowledged durable within {timeout_s} s of close")
+        self._shutdown()
+        if flushed is not None:
+            raise flushed
+
+    def _flush(self) -> None:
+        try:
+            self.sink.close()
+        except SinkError as e:  # the link failed meanwhile: self.error says why, and close reports nothing more
+            log.warning("%s %r closed without flushing: %s", self.kind, self.peer_id, e)
+
+    def _shutdown(self) -> None:
+        self._commands.put(None)
+        if threading.current_thread() is not self._command_thread and self._command_thread.is_alive():
+            self._command_thread.join(10)
+        if self._run is not None:
+            self._thread.call(self._begin_close)
+            try:
+                self._run.result(timeout=10)
+            except TimeoutError:
+                log.warning("%s %r: the stream did not end within 10 s of close", self.kind, self.peer_id)
+            except concurrent.futures.CancelledError:  # the loop was stopped under it (sever)
+                pass
+        self._thread.stop()
+
+    def _begin_close(self) -> None:
+        self._closing = True
+        if self._conn is not None:
+            self._conn.queue.put_nowait(_CLOSE)
+        elif self._main_task is not None:
+            self._main_task.cancel()
+
+    # -- test hooks ----------------------------------------------------------------------------------------
+
+    def stop_heartbeats(self) -> None:
+        """Test hook: stop sending heartbeats but keep the stream (a hung process)."""
+        self._silent = True
+
+    def sever(self) -> None:
+        """Test hook: stop dead, as a killed process would: the call is cut, nothing flushed, no goodbye."""
+        self._closed = True
+        self._thread.stop()
+        self._commands.put(None)
+
+    # -- the stream (the loop thread) ----------------------------------------------------------------------
+
+    _main_task: asyncio.Task[Any] | None = None
+
+    async def _main(self) -> None:
+        self._main_task = asyncio.current_task()
+        delay = self.backoff_s[0]
+        while not self._closing:
+            before = self.connections
+            try:
+                await self._session()
+            except _Ended as e:
+                if e.code in FATAL:
+                    self._fail(ClusterError(f"the controller at {self.address} {FATAL[e.code]} "
+                                            f"({self.kind} {self.peer_id!r}; {e.code.name}: {e.details})"))
+                    return
+                self._last_error = str(e)
+            except asyncio.CancelledError:
+                if self._closing:
+                    return
+                raise
+            if self._closing:
+                return
+            if self.connections > before:  # it was up: start the backoff over
+                delay = self.backoff_s[0]
+            log.info("%s %r: stream to %s ended (%s); reconnecting in ~%.2f s", self.kind, self.peer_id,
+                     self.address, self._last_error, delay)
+            try:
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            except asyncio.CancelledError:
+                if self._closing:
+                    return
+                raise
+            delay = min(delay * 2, self.backoff_s[1])
+
+    async def _session(self) -> None:
+        """One call: hello, Welcome, then serve until it ends (`_Ended` unless the link closed it)."""
+        async with grpc.aio.insecure_channel(self.address, options=CLIENT_OPTIONS) as channel:
+            stub = gyre_pb2_grpc.CellStub(channel) if self.kind == "cell" else gyre_pb2_grpc.ProxyStub(channel)
+            call = stub.Connect(metadata=self._metadata)
+            conn: _Conn | None = None
+            try:
+                try:
+                    async with asyncio.timeout(self.connect_timeout_s):  # a hung controller must not hold a retry
+                        await self._io(call, call.write(self._up(hello=self.hello)))
+                        first = await self._io(call, call.read())
+                except TimeoutError:
+                    raise _Ended(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 f"no Welcome within {self.connect_timeout_s} s of hello") from None
+                if first is grpc.aio.EOF:
+                    raise _Ended(grpc.StatusCode.UNAVAILABLE, "the controller ended the stream before its Welcome")
+                if first.WhichOneof("body") != "welcome":
+                    raise _Ended(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"the controller answered hello with {first.WhichOneof('body')}, not a Welcome")
+                self._welcomed(first.welcome)
+                conn = _Conn(call)
+                self._conn = conn
+                self.connections += 1
+                tasks = [asyncio.get_running_loop().create_task(self._write(conn)),
+                         asyncio.get_running_loop().create_task(self._beat(conn, first.welcome.heartbeat_s))]
+                self._pump()
+                try:
+                    while True:
+                        message = await self._io(call, call.read(), conn)
+                        if message is grpc.aio.EOF:
+                            code = await call.code()
+                            if code != grpc.StatusCode.OK or not self._closing:
+                                raise _Ended(code, await call.details() or "the controller ended the stream")
+                            return
+                        self._on_message(message)
+                finally:
+                    self._conn = None
+                    for task in tasks:
+                        task.cancel()
+            finally:
+                call.cancel()
+
+    async def _io(self, call: Any, step: Any, conn: _Conn | None = None) -> Any:
+        """Await a read or write; any ending of the call becomes `_Ended` with the call's status."""
+        try:
+            return await step
+        except grpc.aio.AioRpcError as e:
+            raise _Ended(e.code(), e.details() or "") from e
+        except asyncio.InvalidStateError as e:
+            raise _Ended(await call.code(), await call.details() or "the call ended") from e
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if (task is not None and task.cancelling()) or conn is None or not conn.broken:
+                raise
+            raise _Ended(grpc.StatusCode.UNAVAILABLE, "writing to the controller failed") from None
+
+    def _welcomed(self, welcome: gyre_pb2.Welcome) -> None:
+        if self.welcome is not None and welcome.run_id != self.welcome.run_id:
+            raise _Ended(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"the controller now serves run {welcome.run_id!r}, not {self.welcome.run_id!r}")
+        if self.welcome is None:
+            self.welcome = welcome
+            self._ready.set()
+
+    def _on_message(self, message: Any) -> None:
+        body = message.WhichOneof("body")
+        if body == "ack":
+            self.sink._ack(message.ack)
+        elif body == "command":
+            self._on_command(message.command)
+        else:
+            log.warning("%s %r: ignoring an unexpected %s from the controller", self.kind, self.peer_id, body)
+
+    async def _write(self, conn: _Conn) -> None:
+        try:
+            while True:
+                message = await conn.queue.get()
+                if message is _CLOSE:
+                    await conn.call.done_writing()
+                    return
+                await conn.call.write(message)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+            conn.broken = True  # the reader learns the call's status
+            log.debug("%s %r: write failed: %r", self.kind, self.peer_id, e)
+            conn.call.cancel()
+
+    async def _beat(self, conn: _Conn, every_s: float) -> None:
+        every_s = every_s if every_s > 0 else 1.0
+        while True:
+            await asyncio.sleep(every_s)
+            if not self._silent:
+                conn.queue.put_nowait(self._up(heartbeat=gyre_pb2.Heartbeat(sent_us=time.time_ns() // 1000)))
+
+    def _notify(self) -> None:
+        self._thread.call(self._pump)
+
+    def _pump(self) -> None:
+        """Queue on the live call every batch it has not been given yet, in batch order."""
+        conn = self._conn
+        if conn is None:
+            return
+        for batch in self.sink._pending(conn.sent_upto):
+            conn.queue.put_nowait(self._up(events=gyre_pb2.EventBatch(batch_id=batch.batch_id,
+                                                                       arrow_ipc=batch.data, wait=True)))
+            conn.sent_upto = batch.batch_id
+
+    def _up(self, **body: Any) -> gyre_pb2.CellUp | gyre_pb2.ProxyUp:
+        return gyre_pb2.CellUp(**body) if self.kind == "cell" else gyre_pb2.ProxyUp(**body)
+
+    def _fail(self, error: ClusterError) -> None:
+        if self.error is not None:
+            return
+        self.error = error
+        log.error("%s", error)
+        self.sink._fail(SinkError(str(error)))
+        self._ready.set()
+        if self.on_failed is not None:
+            try:
+                self.on_failed(error)
+            except Exception:  # the process's bug: logged with its traceback
+                log.exception("ControllerLink.on_failed raised")
+
+    # -- commands ------------------------------------------------------------------------------------------
+
+    def _on_command(self, command: Command) -> None:
+        command_id = command.command_id
+        if command_id in self._done:
+            if self._conn is not None:
+                self._conn.queue.put_nowait(self._up(done=self._done[command_id]))
+        elif command_id not in self._seen:
+            self._seen.add(command_id)
+            self._commands.put(command)
+
+    def _command_loop(self) -> None:
+        while True:
+            command = self._commands.get()
+            if command is None:
+                return
+            done = self._execute(command)
+            self._thread.call(self._finished, done)
+
+    def _execute(self, command: Command) -> gyre_pb2.CommandDone:
+        body = command.WhichOneof("body")
+        try:
+            result = self.handler(command)
+            done = gyre_pb2.CommandDone(ok=True)
+            if isinstance(result, gyre_pb2.CommandDone):  # a command with a result (Train: its WeightsRef)
+                done.CopyFrom(result)
+                done.ok = not done.error  # proto3's ok defaults to False: only an error makes it a failure
+            else:
+                for name, value in (result or {}).items():
+                    done.figures[name] = float(value)
+            done.command_id = command.command_id
+        except Exception as e:  # reported to the controller as ok=False, with the error
+            log.exception("%s %r: command %d (%s) failed", self.kind, self.peer_id, command.command_id, body)
+            return gyre_pb2.CommandDone(command_id=command.command_id, ok=False, error=f"{type(e).__name__}: {e}")
+        return done
+
+    DONE_KEPT = 4096
+    """Outcomes kept to answer a repeated command: the hub repeats only those pending when a stream broke."""
+
+    def _finished(self, done: gyre_pb2.CommandDone) -> None:
+        self._done[done.command_id] = done
+        while len(self._done) > self.DONE_KEPT:
+            del self._done[next(iter(self._done))]
+        if self._conn is not None:
+            self._conn.queue.put_nowait(self._up(done=done))
+
+
+def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], error: BaseException | None) -> None:
+    def settle() -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # that loop is closed: nobody awaits there any more
+        return

@@ -1,0 +1,41 @@
+"""Events on the wire: an Arrow IPC stream holding one record batch of the log's event schema.
+
+The batch is the log's own encoding (`gyre.events.codec`), so what the controller appends is bit for bit
+what the producer built. ``seq`` is the log's to assign: it travels as 0.. and comes back as ``None``.
+An event without a ``ts`` is stamped when packed (the sender's clock, as `LogSink` would stamp it), so a
+batch re-sent after a reconnect carries the same stamps as the first time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pyarrow as pa
+
+from gyre.errors import EventValidationError
+from gyre.events.codec import check_events, decode, encode
+from gyre.events.models import Event
+from gyre.events.schema import event_schema
+
+
+def pack_events(events: Sequence[Event]) -> bytes:
+    """One Arrow IPC stream of ``events`` (an empty sequence packs as a stream with no batch)."""
+    checked = check_events(events)
+    out = pa.BufferOutputStream()
+    if not checked:
+        with pa.ipc.new_stream(out, event_schema()):
+            pass
+        return out.getvalue().to_pybytes()
+    batch = encode(checked, 0)
+    with pa.ipc.new_stream(out, batch.schema) as writer:
+        writer.write_batch(batch)
+    return out.getvalue().to_pybytes()
+
+
+def unpack_events(data: bytes) -> list[Event]:
+    """The events of a packed batch, ``seq`` cleared; a malformed buffer is an `EventValidationError`."""
+    try:
+        batches = list(pa.ipc.open_stream(pa.py_buffer(data)))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise EventValidationError(f"an event batch of {len(data)} bytes is not an Arrow IPC stream: {e}") from e
+    return [event.model_copy(update={"seq": None}) for batch in batches for event in decode(batch)]

@@ -1,0 +1,395 @@
+"""The control-plane streams end to end: a `Hub` over a real `LogSink` and `ControllerLink`s, over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from typing import Any
+
+import grpc
+import pytest
+
+from gyre.cluster.auth import metadata
+from gyre.cluster.errors import ClusterError
+from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
+from gyre.events import CellLost
+from gyre.sink import Producer, SinkError
+
+
+def _lost(n: int, tag: str = "e") -> list[CellLost]:
+    return [CellLost(cell_id="c0", reason=f"{tag}{i}") for i in range(n)]
+
+
+def _stamps(events: list[Any]) -> list[tuple[str | None, int | None]]:
+    return [(e.producer, e.producer_seq) for e in events]
+
+
+def test_events_go_up_and_are_durable_when_commit_returns(cluster) -> None:
+    link = cluster.link("c0")
+    assert link.welcome.run_id == "run-1" and dict(link.welcome.held) == {"c0": -1}
+    producer = link.producer("c0")
+    assert producer is link.producer("c0")  # one numbering per id: two would collide
+    first = producer.record(_lost(3))
+    second = producer.record(_lost(2, "f"))
+    assert (first, second) == (2, 4)  # local positions
+    link.sink.commit(second)
+    assert cluster.sink.writer.durable_seq >= 4
+    events = cluster.events()
+    assert [e.reason for e in events] == ["e0", "e1", "e2", "f0", "f1"]
+    assert _stamps(events) == [("c0", i) for i in range(5)]
+
+
+def test_durable_can_be_awaited_on_another_loop(cluster) -> None:
+    link = cluster.link("c0")
+    position = link.producer("c0").record(_lost(1))
+    asyncio.run(asyncio.wait_for(link.sink.durable(position), 5))
+    assert cluster.sink.writer.durable_seq >= 0
+
+
+def test_the_sink_refuses_unstamped_and_unnamed_events(cluster) -> None:
+    link = cluster.link("c0")
+    with pytest.raises(SinkError, match="no producer stamp"):
+        link.sink.record(_lost(1))
+    with pytest.raises(SinkError, match=r"'other'.*does not name"):
+        Producer(link.sink, "other").record(_lost(1))
+    with pytest.raises(ValueError, match="not named"):
+        link.producer("other")
+
+
+def test_a_broken_stream_resends_unacked_batches_exactly_once(cluster) -> None:
+    link = cluster.link("c0")
+    producer = link.producer("c0")
+    cluster.sink.gate.clear()  # the hub records but holds its durable acks
+    producer.record(_lost(3, "a"))
+    producer.record(_lost(2, "b"))
+    cluster.wait_recorded(5)
+    assert link.sink.unacked == 2
+    cluster.hub.drop("c0")  # the acks of a and b die with the stream
+    last = producer.record(_lost(2, "c"))  # sent on the broken stream or the next one
+    cluster.sink.gate.set()
+    link.sink.commit(last)
+    assert link.connections >= 2
+    events = cluster.events()
+    assert [e.reason for e in events] == ["a0", "a1", "a2", "b0", "b1", "c0", "c1"]
+    assert _stamps(events) == [("c0", i) for i in range(7)]
+
+
+def test_a_restarted_producer_continues_after_what_the_log_holds(cluster) -> None:
+    old = cluster.link("c0", incarnation="first")
+    old.sink.commit(old.producer("c0").record(_lost(3)))
+    old.close()
+    new = cluster.link("c0", incarnation="second")
+    assert new.welcome.held["c0"] == 2
+    producer = new.producer("c0")
+    assert producer.next_seq == 3
+    new.sink.commit(producer.record(_lost(2, "n")))
+    assert _stamps(cluster.events()) == [("c0", i) for i in range(5)]
+
+
+def test_a_gap_is_refused_and_fails_the_link(cluster) -> None:
+    link = cluster.link("c0")
+    failed = threading.Event()
+    link.on_failed = lambda error: failed.set()
+    position = Producer(link.sink, "c0", next_seq=5).record(_lost(1))  # 0..4 never sent
+    with pytest.raises(SinkError, match="skipped from -1 to 5"):
+        link.sink.commit(position)
+    assert failed.wait(5)
+    with pytest.raises(SinkError):
+        link.producer("c0").record(_lost(1))
+    assert cluster.events() == []
+
+
+def test_commands_return_figures_and_errors_in_order_on_one_thread(cluster) -> None:
+    threads: set[int] = set()
+    order: list[int] = []
+    running = threading.Lock()
+
+    def handler(command: gyre_pb2.CellCommand) -> dict[str, float] | None:
+        assert running.acquire(blocking=False), "two commands overlapped"
+        try:
+            threads.add(threading.get_ident())
+            order.append(command.command_id)
+            if command.WhichOneof("body") == "pause":
+                raise RuntimeError(f"cannot pause ({command.pause.mode})")
+            if command.WhichOneof("body") == "train":
+                return gyre_pb2.CommandDone(detail=b"weights", figures={"train_s": 2.0})
+            return {"load_s": 0.25, "bytes": 1024} if command.WhichOneof("body") == "load_weights" else None
+        finally:
+            running.release()
+
+    cluster.link("c0", handler=handler)
+    futures = [cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())),
+               cluster.hub.command_cell("c0", gyre_pb2.CellCommand(load_weights=gyre_pb2.LoadWeights())),
+               cluster.hub.command_cell("c0", gyre_pb2.CellCommand(pause=gyre_pb2.Pause(mode="abort"))),
+               cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())),
+               cluster.hub.command_cell("c0", gyre_pb2.CellCommand(train=gyre_pb2.Train(step=1)))]
+    done = [f.result(5) for f in futures]
+    ids = [d.command_id for d in done]
+    assert ids == sorted(ids) and order == ids and len(threads) == 1
+    assert [d.ok for d in done] == [True, True, False, True, True]
+    assert dict(done[1].figures) == {"load_s": 0.25, "bytes": 1024.0}
+    assert done[2].error == "RuntimeError: cannot pause (abort)"
+    assert (done[4].detail, dict(done[4].figures), done[4].ok) == (b"weights", {"train_s": 2.0}, True)
+
+
+def test_a_command_pending_over_a_reconnect_runs_once(cluster) -> None:
+    started, release = threading.Event(), threading.Event()
+    runs: list[int] = []
+
+    def handler(command: gyre_pb2.CellCommand) -> dict[str, float]:
+        runs.append(command.command_id)
+        started.set()
+        assert release.wait(5)
+        return {"s": 1.0}
+
+    link = cluster.link("c0", handler=handler)
+    future = cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve()))
+    assert started.wait(5)
+    cluster.hub.drop("c0")  # the hub re-sends the command on the next stream: the link must not run it again
+    release.set()
+    assert future.result(5).ok
+    # another command after the reconnect proves the link is back and the re-sent one was not re-run
+    assert cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())).result(5).ok
+    assert len(runs) == len(set(runs)) == 2
+    assert link.connections >= 2
+
+
+def test_a_silent_cell_is_lost_and_its_commands_fail(make_cluster) -> None:
+    cluster = make_cluster(heartbeat_s=0.05, dead_after_s=0.5)
+    lost: list[tuple[str, str]] = []
+    gone = threading.Event()
+    cluster.hub.on_cell_lost = lambda cell_id, reason: (lost.append((cell_id, reason)), gone.set())
+    release = threading.Event()
+    link = cluster.link("c7", handler=lambda command: release.wait(5) and None)
+    future = cluster.hub.command_cell("c7", gyre_pb2.CellCommand(serve=gyre_pb2.Serve()))
+    link.stop_heartbeats()
+    assert gone.wait(5)
+    assert lost[0][0] == "c7" and "nothing arrived" in lost[0][1]
+    with pytest.raises(ClusterError, match="c7 was lost"):
+        future.result(5)
+    assert not cluster.hub.connected("c7")
+    with pytest.raises(ClusterError, match="c7 was lost"):
+        cluster.hub.command_cell("c7", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())).result(5)
+    release.set()
+
+
+def test_a_new_incarnation_replaces_the_old(cluster) -> None:
+    hellos: list[str] = []
+    lost: list[tuple[str, str]] = []
+    cluster.hub.on_cell_hello = lambda hello: hellos.append(hello.incarnation)
+    cluster.hub.on_cell_lost = lambda cell_id, reason: lost.append((cell_id, reason))
+    old = cluster.link("c0", incarnation="one")
+    failed = threading.Event()
+    old.on_failed = lambda error: failed.set()
+    cluster.link("c0", incarnation="two")
+    assert failed.wait(5) and "FAILED_PRECONDITION" in str(old.error)
+    assert hellos == ["one", "two"] and lost == [("c0", "replaced by incarnation 'two'")]
+    assert cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())).result(5).ok
+
+
+def test_wait_for_names_the_missing(cluster) -> None:
+    cluster.link("c0")
+    cluster.hub.wait_for(["c0"], proxy=False, timeout_s=5)
+    with pytest.raises(TimeoutError, match="cell 'c1', the proxy"):
+        cluster.hub.wait_for(["c0", "c1"], proxy=True, timeout_s=0.05)
+    assert cluster.hub.heartbeat_age("c0") is not None and cluster.hub.heartbeat_age("c1") is None
+
+
+def test_the_proxy_stream(cluster) -> None:
+    seen: list[str] = []
+    cluster.hub.on_proxy_hello = lambda hello: seen.append(hello.url)
+    got: list[str] = []
+
+    def handler(command: gyre_pb2.ProxyCommand) -> None:
+        got.extend(c.cell_id for c in command.routing.cells)
+
+    from gyre.cluster.link import ControllerLink
+
+    link = ControllerLink(cluster.address, secret=cluster.secret, handler=handler,
+                          hello=gyre_pb2.ProxyHello(proxy_id="proxy", url="http://127.0.0.1:1", producers=["proxy"]))
+    cluster.links.append(link)
+    link.start()
+    cluster.hub.wait_for([], proxy=True, timeout_s=5)
+    routing = gyre_pb2.Routing(cells=[gyre_pb2.CellRoute(cell_id="c0"), gyre_pb2.CellRoute(cell_id="c1")])
+    assert cluster.hub.command_proxy(gyre_pb2.ProxyCommand(routing=routing)).result(5).ok
+    link.sink.commit(link.producer("proxy").record(_lost(2)))
+    assert seen == ["http://127.0.0.1:1"] and got == ["c0", "c1"]
+    assert _stamps(cluster.events()) == [("proxy", 0), ("proxy", 1)]
+
+
+def test_a_wrong_secret_fails_start_clearly(cluster) -> None:
+    from gyre import auth
+
+    link = cluster.link("c0", start=False, secret=auth.mint(auth.RUN_PREFIX), connect_timeout_s=5)
+    with pytest.raises(ClusterError, match=r"refused the run secret.*UNAUTHENTICATED"):
+        link.start()
+
+
+def test_no_controller_fails_start_after_the_timeout(cluster) -> None:
+    from gyre.cluster.link import ControllerLink
+
+    link = ControllerLink("127.0.0.1:1", secret=cluster.secret, hello=gyre_pb2.CellHello(cell_id="c0"),
+                          handler=lambda command: None, connect_timeout_s=0.3)
+    with pytest.raises(ClusterError, match=re.escape("no Welcome from the controller at 127.0.0.1:1 within 0.3 s")):
+        link.start()
+
+
+def test_the_first_message_must_be_hello(cluster) -> None:
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(cluster.address) as channel:
+            call = gyre_pb2_grpc.CellStub(channel).Connect(metadata=metadata(cluster.secret))
+            await call.write(gyre_pb2.CellUp(heartbeat=gyre_pb2.Heartbeat()))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call.read()
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "first message on a cell stream must be hello, got heartbeat" in refused.value.details()
+
+    asyncio.run(main())
+
+
+def test_admin_status_needs_the_secret(cluster) -> None:
+    cluster.link("c0")
+
+    async def status(secret_metadata: Any) -> gyre_pb2.StatusReply:
+        async with grpc.aio.insecure_channel(cluster.address) as channel:
+            return await gyre_pb2_grpc.AdminStub(channel).Status(gyre_pb2.StatusRequest(), metadata=secret_metadata)
+
+    reply = asyncio.run(status(metadata(cluster.secret)))
+    assert reply.run_id == "run-1" and [(c.cell_id, c.connected, c.slots) for c in reply.cells] == [("c0", True, 2)]
+    cluster.hub.status = lambda: gyre_pb2.StatusReply(watermark=3, policy="elastic")
+    reply = asyncio.run(status(metadata(cluster.secret)))
+    assert (reply.run_id, reply.watermark, reply.policy) == ("run-1", 3, "elastic")
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        asyncio.run(status(()))
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_cell_whose_stream_ends_for_good_is_lost(make_cluster) -> None:
+    cluster = make_cluster(heartbeat_s=0.05, dead_after_s=0.5)
+    gone = threading.Event()
+    lost: list[tuple[str, str]] = []
+    cluster.hub.on_cell_lost = lambda cell_id, reason: (lost.append((cell_id, reason)), gone.set())
+    link = cluster.link("c3")
+    link.sever()  # a killed process: no goodbye
+    assert gone.wait(5)
+    assert lost[0][0] == "c3" and "did not reconnect within 0.5 s" in lost[0][1]
+
+
+def test_a_closed_log_refuses_the_batch(cluster) -> None:
+    link = cluster.link("c0")
+    cluster.sink.close()
+    position = link.producer("c0").record(_lost(1))
+    with pytest.raises(SinkError, match=r"refused event batch 1.*closed"):
+        link.sink.commit(position)
+
+
+def test_stopping_the_hub_fails_pending_commands(cluster) -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def handler(command: gyre_pb2.CellCommand) -> None:
+        started.set()
+        release.wait(5)
+
+    cluster.link("c0", handler=handler)
+    future = cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve()))
+    assert started.wait(5)
+    cluster.hub.stop()
+    with pytest.raises(ClusterError, match="the hub stopped"):
+        future.result(5)
+    with pytest.raises(ClusterError, match="not running"):
+        cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())).result(5)
+    release.set()
+
+
+def test_commands_to_unknown_cells_fail_at_once(cluster) -> None:
+    with pytest.raises(ClusterError, match="cell 'c9' has not connected"):
+        cluster.hub.command_cell("c9", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())).result(5)
+    with pytest.raises(ClusterError, match="the proxy has not connected"):
+        cluster.hub.command_proxy(gyre_pb2.ProxyCommand(stop=gyre_pb2.Stop())).result(5)
+    with pytest.raises(ValueError, match="without a body"):
+        cluster.hub.command_cell("c9", gyre_pb2.CellCommand())
+
+
+def test_two_processes_cannot_share_a_producer(cluster) -> None:
+    cluster.link("c0", producers=("shared",))
+    with pytest.raises(ClusterError, match=r"malformed.*\['shared'\], which cell c0 records as"):
+        cluster.link("c1", producers=("shared",), connect_timeout_s=5)
+
+
+def test_a_taken_port_is_a_clear_error(cluster) -> None:
+    from gyre.cluster.hub import Hub
+
+    port = int(cluster.address.rsplit(":", 1)[1])
+    hub = Hub(cluster.sink, run_id="run-1", secret=cluster.secret, port=port)
+    with pytest.raises(ClusterError, match=f"cannot listen on 127.0.0.1:{port}"):
+        hub.start()
+
+
+def test_a_failing_status_is_internal(cluster) -> None:
+    def broken() -> gyre_pb2.StatusReply:
+        raise RuntimeError("no fold yet")
+
+    cluster.hub.status = broken
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(cluster.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await gyre_pb2_grpc.AdminStub(channel).Status(gyre_pb2.StatusRequest(),
+                                                              metadata=metadata(cluster.secret))
+            assert failed.value.code() == grpc.StatusCode.INTERNAL and "no fold yet" in failed.value.details()
+
+    asyncio.run(main())
+
+
+def test_concurrent_producers_across_repeated_breaks_land_exactly_once(cluster) -> None:
+    link = cluster.link("c0", producers=("a", "b"))
+    rounds, per_round = 4, 6
+    barrier = threading.Barrier(3)
+
+    def produce(name: str) -> None:
+        producer = link.producer(name)
+        for r in range(rounds):
+            for i in range(per_round):
+                producer.record(_lost(1 + i % 3, f"{name}{r}.{i}."))
+            barrier.wait(5)  # the main thread breaks the stream between rounds
+            barrier.wait(5)
+
+    threads = [threading.Thread(target=produce, args=(name,)) for name in ("a", "b")]
+    cluster.sink.gate.clear()  # the first rounds stay un-acked: they are re-sent after each break
+    for thread in threads:
+        thread.start()
+    for r in range(rounds):
+        barrier.wait(5)
+        cluster.hub.drop("c0")
+        if r == rounds // 2:
+            cluster.sink.gate.set()
+        barrier.wait(5)
+    for thread in threads:
+        thread.join(5)
+    link.sink.commit()
+    per_producer = rounds * sum(1 + i % 3 for i in range(per_round))
+    events = cluster.events()
+    assert len(events) == 2 * per_producer
+    for name in ("a", "b"):
+        mine = [e for e in events if e.producer == name]
+        assert [e.producer_seq for e in mine] == list(range(per_producer))
+        assert [e.reason for e in mine] == [f"{name}{r}.{i}.{k}" for r in range(rounds) for i in range(per_round)
+                                            for k in range(1 + i % 3)]
+
+
+def test_a_link_outlives_a_controller_restart(cluster) -> None:
+    link = cluster.link("c0", backoff_s=(0.01, 0.1))
+    producer = link.producer("c0")
+    link.sink.commit(producer.record(_lost(2, "a")))
+    cluster.sink.gate.clear()
+    producer.record(_lost(1, "b"))
+    cluster.wait_recorded(3)
+    cluster.sink.gate.set()
+    cluster.restart()  # b's ack may die with the first controller: then b is re-sent and dropped as held
+    last = producer.record(_lost(2, "c"))  # recorded during or after the restart
+    link.sink.commit(last)
+    events = cluster.events()
+    assert [e.reason for e in events] == ["a0", "a1", "b0", "c0", "c1"]
+    assert _stamps(events) == [("c0", i) for i in range(5)]
+    assert cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())).result(5).ok
