@@ -410,16 +410,19 @@ class GradientSlots:
 
     def sum_into(self, grad_buffers: Sequence[torch.Tensor], slot_ids: Iterable[str]) -> None:
         """Add each named slot to ``grad_buffers`` (in place, in their order), buffer by buffer."""
-        if [g.numel() for g in grad_buffers] != list(self.sizes):
-            raise TransferError("the gradient buffers do not match the slots' layout")
         for slot_id in slot_ids:
-            flat = self.slot(slot_id)
-            offset = 0
-            with torch.no_grad():
-                for g in grad_buffers:
-                    n = g.numel()
-                    g.add_(flat[offset:offset + n].view(g.shape).to(g.dtype))
-                    offset += n
+            self.sum_flat_into(grad_buffers, self.slot(slot_id))
+
+    def sum_flat_into(self, grad_buffers: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+        """Add one flat fp32 vector of this layout to ``grad_buffers`` (in place)."""
+        if [g.numel() for g in grad_buffers] != list(self.sizes) or flat.numel() != self.numel:
+            raise TransferError("the gradient buffers do not match the slots' layout")
+        offset = 0
+        with torch.no_grad():
+            for g in grad_buffers:
+                n = g.numel()
+                g.add_(flat[offset:offset + n].view(g.shape).to(g.dtype))
+                offset += n
 
     def close(self) -> None:
         with self._lock:
