@@ -325,6 +325,18 @@ class MicroStepFinished(Event):
     tokens_trained: NonNegativeInt | None = Field(None, description="policy tokens the loss was taken over")
 
 
+class MicroStepReleased(Event):
+    """A satellite's micro-step taken back before its gradients reached the core (its lease ran out, it left,
+    or the controller lost its cell): it is claimable again, and whatever the satellite did for it is dropped."""
+
+    kind: ClassVar[str] = "micro_step_released"
+    view: ClassVar[str] = "micro_steps_released"
+    step: NonNegativeInt
+    cell_id: str
+    micro_step: NonNegativeInt
+    reason: str = ""
+
+
 class TrainStepFinished(Event):
     kind: ClassVar[str] = "train_step_finished"
     view: ClassVar[str] = "train_steps"

@@ -61,6 +61,15 @@ class TrainerView(Projection[TrainerState]):
         if step in s.steps:
             s.steps[step].finished.add(micro_step)
 
+    @on("micro_step_released", "step", "micro_step", "cell_id")
+    def _released(self, s: TrainerState, step, micro_step, cell_id) -> None:
+        current = s.steps.get(step)
+        if current is None or current.closed:
+            return
+        if current.claimed.get(micro_step) == cell_id:  # only its holder's claim: a later claim stays
+            del current.claimed[micro_step]
+            current.finished.discard(micro_step)
+
     @on("train_step_finished", "step", "policy_version", "samples", "tokens", "loss")
     def _finished(self, s: TrainerState, step, policy_version, samples, tokens, loss) -> None:
         current = s.steps.get(step)

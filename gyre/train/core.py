@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gyre.controller.local import Published
 from gyre.controller.weights import WeightsError, WeightStore, file_sha256, fsync_tree
@@ -25,6 +26,9 @@ from gyre.train.config import TrainConfig
 from gyre.trainer import StepCoordinator, TorchBackend
 from gyre.trainer.protocol import StepResult
 from gyre.trajectory.source import LiveLogSource
+
+if TYPE_CHECKING:
+    from gyre.cluster.trainer_service import TrainerHub
 
 
 @dataclass
@@ -56,6 +60,9 @@ class LocalCoreTrainer:
         self._source: LiveLogSource | None = None
         self.run_dir = weights.run_dir
         self._checkpointed: set[int] = set()
+        self.satellites: TrainerHub | None = None
+        """Set by the core cell's Trainer service (``TrainerServer.attach``): each step then also waits for the
+        satellites' gradients and publishes over Mooncake. None: a single replica, as ``gyre train``."""
 
     def join(self) -> None:
         self.backend.model.train()
@@ -100,14 +107,21 @@ class LocalCoreTrainer:
             self.on_trained(figures)
             return
         executions = {e for b in batches for e in b.execution_ids}
+        self.backend.zero_grad()
+        if self.satellites is not None:  # before mark_ready: a satellite's claim needs the step's batches
+            self.satellites.open_step(step, batches, self.backend)
         self.coordinator.mark_ready({i: b.tokens for i, b in enumerate(batches)},
                                     {i: b.execution_ids for i, b in enumerate(batches)})
-        self.backend.zero_grad()
-        work(self.backend, self.coordinator, self.cell_id, batches.__getitem__)
+        if self.satellites is None:
+            work(self.backend, self.coordinator, self.cell_id, batches.__getitem__)
+        else:  # also waits for every satellite's gradients (or its lease) and adds them to the core's
+            self.satellites.run_step(self.backend, batches.__getitem__)
         optimizer_started = time.monotonic()
         result = self.backend.optimizer_step(normalizer=float(len(executions)))
         metrics["optimizer_s"] = time.monotonic() - optimizer_started
         summary = self.coordinator.close_step(result, duration_s=time.monotonic() - started, metrics=metrics)
+        if self.satellites is not None:
+            self.satellites.close_step()
         self.publish(result.policy_version)
         figures.micro_steps = len(batches)
         figures.trained_tokens = sum(b.trained_tokens for b in batches)
@@ -122,7 +136,10 @@ class LocalCoreTrainer:
             self._source = None
 
     def publish(self, version: int) -> None:
-        stored = self.weights.save(version, dict(self.backend.named_tensors()))
+        named = dict(self.backend.named_tensors())
+        stored = self.weights.save(version, named)
+        if self.satellites is not None:  # the same bytes, registered for satellites' and engines' Mooncake pulls
+            self.satellites.publish(version, named, location=stored.location, sha256=stored.sha256)
         self.coordinator.publish(version, tensors=stored.tensors, nbytes=stored.bytes, location=stored.location,
                                  duration_s=stored.duration_s, sha256=stored.sha256)
         self._published = Published(version, stored.location, stored.sha256)

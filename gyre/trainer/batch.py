@@ -74,6 +74,41 @@ class TrainBatch:
         """Total token weight: the micro-batch's share of its step's loss normaliser."""
         return float(self.token_weights.sum())
 
+    _TENSORS = ("input_ids", "position_ids", "parent", "subtree_end", "blocks", "trained", "unit_ids",
+                "token_weights", "behaviour_logprobs", "advantages")
+
+    def to_bytes(self) -> bytes:
+        """The batch as safetensors (its tensors, the rest as JSON metadata): what a satellite is sent."""
+        import json
+
+        from safetensors.torch import save
+
+        meta = {"form": self.form, "index": str(self.index), "num_units": str(self.num_units),
+                "row_tokens": str(self.row_tokens), "units": json.dumps(self.units),
+                "execution_ids": json.dumps(self.execution_ids)}
+        return save({name: getattr(self, name).contiguous() for name in self._TENSORS}, metadata=meta)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "TrainBatch":
+        """The batch ``to_bytes`` wrote; anything else is a ``BatchFormatError`` naming what is wrong."""
+        import json
+
+        from safetensors.torch import load
+
+        try:
+            tensors = load(data)
+            header = int.from_bytes(data[:8], "little")  # safetensors: u64 header length, then the JSON header
+            meta = json.loads(data[8:8 + header]).get("__metadata__") or {}
+        except Exception as e:
+            raise BatchFormatError(f"not a serialized TrainBatch: {e}") from e
+        missing = [n for n in cls._TENSORS if n not in tensors]
+        if missing or not {"form", "index", "num_units", "units", "execution_ids"} <= meta.keys():
+            raise BatchFormatError(f"serialized TrainBatch lacks {missing or sorted(meta)}")
+        return cls(form=meta["form"], index=int(meta["index"]), num_units=int(meta["num_units"]),
+                   units=tuple((str(e), int(k)) for e, k in json.loads(meta["units"])),
+                   execution_ids=tuple(json.loads(meta["execution_ids"])), row_tokens=int(meta.get("row_tokens", 0)),
+                   **{n: tensors[n] for n in cls._TENSORS})
+
     @classmethod
     def from_micro_batch(cls, micro_batch: Any, index: int | None = None, *, share: bool = True) -> "TrainBatch":
         """From a ``gyre.trajectory.MicroBatch`` (either form); ``index`` overrides its running number."""

@@ -49,3 +49,12 @@ def decide(state: TrainerState, ready: Container[int]) -> Claim:
         if m in ready:
             return Claim("claimed", step.step, m)
     return Claim("wait", step.step)
+
+
+def held_by(state: TrainerState, cell_id: str) -> list[int]:
+    """Micro-steps of the open step that ``cell_id`` holds (claimed, finished or not): releasing the cell
+    makes exactly these claimable again."""
+    step = open_step(state)
+    if step is None:
+        return []
+    return sorted(m for m, cell in step.claimed.items() if cell == cell_id)

@@ -8,7 +8,7 @@ the core's own replica and the threads serving satellites call it concurrently.
 """
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from gyre.events.models import (
     Event,
     MicroStepClaimed,
     MicroStepFinished,
+    MicroStepReleased,
     SatelliteJoined,
     SatelliteLeft,
     TrainStepAborted,
@@ -26,7 +27,7 @@ from gyre.events.models import (
 )
 from gyre.sink import EventSink
 from gyre.state import TrainerState, TrainerView, replay
-from gyre.trainer.claims import Claim, decide, open_step
+from gyre.trainer.claims import Claim, decide, held_by, open_step
 from gyre.trainer.errors import StepProtocolError
 from gyre.trainer.loss import LossStats
 from gyre.trainer.protocol import MicroStepResult, StepResult
@@ -60,10 +61,8 @@ class StepCoordinator:
         self.state = state if state is not None else self.view.initial()
         self._lock = threading.Condition()
         self._ready: dict[int, int] = {}
-        self._stats = LossStats()
-        self._tokens = 0
-        self._padded = 0
-        self._busy_s = 0.0
+        self._results: dict[int, MicroStepResult] = {}
+        """The open step's finished micro-steps' results: a released one is dropped, so nothing counts twice."""
         self._executions: set[str] = set()
 
     @classmethod
@@ -81,8 +80,7 @@ class StepCoordinator:
             if open_step(self.state) is not None:
                 raise StepProtocolError(f"step {self.state.current_step} is still open")
             step = max(self.state.steps, default=-1) + 1
-            self._ready, self._stats, self._tokens, self._executions = {}, LossStats(), 0, set()
-            self._padded, self._busy_s = 0, 0.0
+            self._ready, self._results, self._executions = {}, {}, set()
             self._append(
                 TrainStepStarted(
                     step=step,
@@ -132,6 +130,11 @@ class StepCoordinator:
             )
             return Claim("claimed", decision.step, decision.micro_step, tokens)
 
+    def notify(self) -> None:
+        """Wake everyone waiting on the coordinator (something outside it changed: gradients landed)."""
+        with self._lock:
+            self._lock.notify_all()
+
     def wait_for_work(self, timeout_s: float) -> None:
         """Block until something changes (a micro-step ready, a step opened or closed) or the timeout."""
         with self._lock:
@@ -159,11 +162,34 @@ class StepCoordinator:
                 ),
                 commit=True,
             )
-            self._stats = self._stats + result.stats
-            self._tokens += result.tokens
-            self._padded += result.padded_tokens
-            self._busy_s += result.duration_s
+            self._results[micro_step] = result
             self._lock.notify_all()
+
+    def release(self, cell_id: str, micro_steps: Iterable[int], reason: str) -> list[int]:
+        """Take back ``cell_id``'s micro-steps of the open step (claimed or finished, gradients not landed):
+        one ``micro_step_released`` each, their results dropped; they are claimable again. Returns those
+        released (a micro-step the cell no longer holds is skipped)."""
+        with self._lock:
+            step = open_step(self.state)
+            if step is None:
+                return []
+            released = []
+            for m in sorted(set(micro_steps)):
+                if step.claimed.get(m) != cell_id:
+                    continue
+                self._append(MicroStepReleased(step=step.step, cell_id=cell_id, micro_step=m, reason=reason),
+                             commit=False)
+                self._results.pop(m, None)
+                released.append(m)
+            if released:
+                self.sink.commit()
+                self._lock.notify_all()
+            return released
+
+    def held_by(self, cell_id: str) -> list[int]:
+        """Micro-steps of the open step that ``cell_id`` claimed or finished (what releasing it would free)."""
+        with self._lock:
+            return held_by(self.state, cell_id)
 
     def all_finished(self) -> bool:
         with self._lock:
@@ -191,8 +217,10 @@ class StepCoordinator:
             step = open_step(self.state)
             if step is None or step.pending:
                 raise StepProtocolError("close_step before every planned micro-step finished")
-            summary = StepSummary(step.step, self._stats, self._tokens, len(self._executions), self._padded,
-                                  self._busy_s)
+            results = [self._results[m] for m in sorted(self._results)]
+            stats = sum((r.stats for r in results), LossStats())
+            summary = StepSummary(step.step, stats, sum(r.tokens for r in results), len(self._executions),
+                                  sum(r.padded_tokens for r in results), sum(r.duration_s for r in results))
             self._append(
                 TrainStepFinished(
                     step=step.step,
@@ -200,7 +228,7 @@ class StepCoordinator:
                     micro_steps=step.planned_micro_steps,
                     samples=summary.samples,
                     tokens=summary.tokens,
-                    loss=self._stats.loss_sum / result.normalizer,
+                    loss=stats.loss_sum / result.normalizer,
                     grad_norm=result.grad_norm,
                     duration_s=duration_s,
                     **step_metrics(summary),

@@ -359,32 +359,38 @@ class TrainerJoin(_message.Message):
     def __init__(self, cell_id: _Optional[str] = ..., transfer_session: _Optional[str] = ...) -> None: ...
 
 class TrainerJoined(_message.Message):
-    __slots__ = ("step", "weights", "gradient_slot")
+    __slots__ = ("step", "weights", "gradient_slot", "lease_s")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_SLOT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
     step: int
     weights: WeightsRef
     gradient_slot: bytes
-    def __init__(self, step: _Optional[int] = ..., weights: _Optional[_Union[WeightsRef, _Mapping]] = ..., gradient_slot: _Optional[bytes] = ...) -> None: ...
+    lease_s: float
+    def __init__(self, step: _Optional[int] = ..., weights: _Optional[_Union[WeightsRef, _Mapping]] = ..., gradient_slot: _Optional[bytes] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class ClaimRequest(_message.Message):
-    __slots__ = ("cell_id",)
+    __slots__ = ("cell_id", "policy_version")
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     cell_id: str
-    def __init__(self, cell_id: _Optional[str] = ...) -> None: ...
+    policy_version: int
+    def __init__(self, cell_id: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class ClaimReply(_message.Message):
-    __slots__ = ("status", "step", "micro_step", "batch")
+    __slots__ = ("status", "step", "micro_step", "batch", "weights")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICRO_STEP_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     status: str
     step: int
     micro_step: int
     batch: bytes
-    def __init__(self, status: _Optional[str] = ..., step: _Optional[int] = ..., micro_step: _Optional[int] = ..., batch: _Optional[bytes] = ...) -> None: ...
+    weights: WeightsRef
+    def __init__(self, status: _Optional[str] = ..., step: _Optional[int] = ..., micro_step: _Optional[int] = ..., batch: _Optional[bytes] = ..., weights: _Optional[_Union[WeightsRef, _Mapping]] = ...) -> None: ...
 
 class MicroStepDone(_message.Message):
     __slots__ = ("cell_id", "step", "micro_step", "result")
@@ -423,3 +429,9 @@ class TrainerAck(_message.Message):
     ok: bool
     error: str
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class TrainerHeartbeat(_message.Message):
+    __slots__ = ("cell_id",)
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    cell_id: str
+    def __init__(self, cell_id: _Optional[str] = ...) -> None: ...

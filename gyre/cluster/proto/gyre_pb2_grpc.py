@@ -275,6 +275,11 @@ class TrainerStub:
                 request_serializer=gyre__pb2.TrainerLeave.SerializeToString,
                 response_deserializer=gyre__pb2.TrainerAck.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/gyre.v1.Trainer/Heartbeat',
+                request_serializer=gyre__pb2.TrainerHeartbeat.SerializeToString,
+                response_deserializer=gyre__pb2.TrainerAck.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -310,6 +315,12 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -336,6 +347,11 @@ def add_TrainerServicer_to_server(servicer, server):
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
                     request_deserializer=gyre__pb2.TrainerLeave.FromString,
+                    response_serializer=gyre__pb2.TrainerAck.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=gyre__pb2.TrainerHeartbeat.FromString,
                     response_serializer=gyre__pb2.TrainerAck.SerializeToString,
             ),
     }
@@ -473,6 +489,33 @@ class Trainer:
             target,
             '/gyre.v1.Trainer/Leave',
             gyre__pb2.TrainerLeave.SerializeToString,
+            gyre__pb2.TrainerAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gyre.v1.Trainer/Heartbeat',
+            gyre__pb2.TrainerHeartbeat.SerializeToString,
             gyre__pb2.TrainerAck.FromString,
             options,
             channel_credentials,
