@@ -131,7 +131,7 @@ class CellNode:
 
     # -- commands -------------------------------------------------------------------------------------------
 
-    def handle(self, command: gyre_pb2.CellCommand) -> Mapping[str, float] | tuple[Mapping[str, float], bytes]:
+    def handle(self, command: gyre_pb2.CellCommand) -> Mapping[str, float] | gyre_pb2.CommandDone:
         body = command.WhichOneof("body")
         started = time.perf_counter()
         if body == "pause":
@@ -198,7 +198,7 @@ class CellNode:
             self.satellite.leave(reason or "returning to rollout")
         return {"trainer_leave_s": time.perf_counter() - started}
 
-    def _train(self, train: gyre_pb2.Train) -> tuple[Mapping[str, float], bytes]:
+    def _train(self, train: gyre_pb2.Train) -> gyre_pb2.CommandDone:
         if self.core is None:
             raise RuntimeError(f"cell {self.cell_id} is not the core: it cannot train a step")
         self._upto = train.upto_seq
@@ -212,7 +212,7 @@ class CellNode:
                    "policy_version": float(figures.policy_version)}
             if figures.loss is not None:
                 out["loss"] = figures.loss
-        return out, self.published_ref().SerializeToString()
+        return gyre_pb2.CommandDone(figures=out, detail=self.published_ref().SerializeToString())
 
     def published_ref(self) -> gyre_pb2.WeightsRef:
         """The latest published weights: the file, and the core's Mooncake-registered copy of the bytes."""
