@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import threading
 from typing import Any
 
 import grpc
 import pytest
 
+from gyre import auth
 from gyre.cluster.auth import metadata
 from gyre.cluster.errors import ClusterError
+from gyre.cluster.hub import Hub
+from gyre.cluster.link import ControllerLink
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.events import CellLost
-from gyre.sink import Producer, SinkError
+from gyre.sink import LogSink, Producer, SinkError
 
 
 def _lost(n: int, tag: str = "e") -> list[CellLost]:
@@ -204,8 +208,6 @@ def test_the_proxy_stream(cluster) -> None:
     def handler(command: gyre_pb2.ProxyCommand) -> None:
         got.extend(c.cell_id for c in command.routing.cells)
 
-    from gyre.cluster.link import ControllerLink
-
     link = ControllerLink(cluster.address, secret=cluster.secret, handler=handler,
                           hello=gyre_pb2.ProxyHello(proxy_id="proxy", url="http://127.0.0.1:1", producers=["proxy"]))
     cluster.links.append(link)
@@ -219,16 +221,12 @@ def test_the_proxy_stream(cluster) -> None:
 
 
 def test_a_wrong_secret_fails_start_clearly(cluster) -> None:
-    from gyre import auth
-
     link = cluster.link("c0", start=False, secret=auth.mint(auth.RUN_PREFIX), connect_timeout_s=5)
     with pytest.raises(ClusterError, match=r"refused the run secret.*UNAUTHENTICATED"):
         link.start()
 
 
 def test_no_controller_fails_start_after_the_timeout(cluster) -> None:
-    from gyre.cluster.link import ControllerLink
-
     link = ControllerLink("127.0.0.1:1", secret=cluster.secret, hello=gyre_pb2.CellHello(cell_id="c0"),
                           handler=lambda command: None, connect_timeout_s=0.3)
     with pytest.raises(ClusterError, match=re.escape("no Welcome from the controller at 127.0.0.1:1 within 0.3 s")):
@@ -318,7 +316,6 @@ def test_two_processes_cannot_share_a_producer(cluster) -> None:
 
 
 def test_a_taken_port_is_a_clear_error(cluster) -> None:
-    from gyre.cluster.hub import Hub
 
     port = int(cluster.address.rsplit(":", 1)[1])
     hub = Hub(cluster.sink, run_id="run-1", secret=cluster.secret, port=port)
@@ -393,3 +390,26 @@ def test_a_link_outlives_a_controller_restart(cluster) -> None:
     assert [e.reason for e in events] == ["a0", "a1", "b0", "c0", "c1"]
     assert _stamps(events) == [("c0", i) for i in range(5)]
     assert cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())).result(5).ok
+
+
+def test_a_link_started_before_its_controller_waits_for_it(tmp_path) -> None:
+    with socket.socket() as probe:  # a port nobody listens on yet
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    secret = auth.mint(auth.RUN_PREFIX)
+    link = ControllerLink(f"127.0.0.1:{port}", secret=secret, hello=gyre_pb2.CellHello(cell_id="c0"),
+                          handler=lambda command: None, backoff_s=(0.01, 0.05), connect_timeout_s=10)
+    welcomes: list[gyre_pb2.Welcome] = []
+    starter = threading.Thread(target=lambda: welcomes.append(link.start()))
+    starter.start()
+    sink = LogSink.create(tmp_path / "log", "run-1")
+    hub = Hub(sink, run_id="run-1", secret=secret, port=port)
+    try:
+        hub.start()
+        starter.join(10)
+        assert welcomes and welcomes[0].run_id == "run-1"
+        hub.wait_for(["c0"], proxy=False, timeout_s=5)
+    finally:
+        link.close(timeout_s=5)
+        hub.stop()
+        sink.close()
