@@ -269,7 +269,11 @@ class Hub:
     # -- streams (the loop thread) -------------------------------------------------------------------------
 
     async def _connect(self, kind: str, context: grpc.aio.ServicerContext) -> None:
-        first = await context.read()
+        try:
+            first = await asyncio.wait_for(context.read(), self.dead_after_s)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no hello on the {kind} stream within {self.dead_after_s} s")
         if first is grpc.aio.EOF:
             return
         body = first.WhichOneof("body")

@@ -413,3 +413,17 @@ def test_a_link_started_before_its_controller_waits_for_it(tmp_path) -> None:
         link.close(timeout_s=5)
         hub.stop()
         sink.close()
+
+
+def test_a_stream_without_hello_is_ended(make_cluster) -> None:
+    cluster = make_cluster(heartbeat_s=0.05, dead_after_s=0.3)
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(cluster.address) as channel:
+            call = gyre_pb2_grpc.CellStub(channel).Connect(metadata=metadata(cluster.secret))
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await asyncio.wait_for(call.read(), 5)
+            assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "no hello on the cell stream within 0.3 s" in ended.value.details()
+
+    asyncio.run(main())
