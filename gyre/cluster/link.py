@@ -28,15 +28,19 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import grpc
+import pyarrow as pa
 
 from gyre.cluster.aio import GRPC_OPTIONS, LoopThread
 from gyre.cluster.auth import metadata
 from gyre.cluster.errors import ClusterError
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.cluster.wire import pack_events
+from gyre.errors import GyreError
+from gyre.events.codec import check_events
 from gyre.events.models import Event
 from gyre.sink import Producer, SinkError
 
@@ -64,10 +68,15 @@ FATAL = {
 
 
 @dataclass
-class _Batch:
-    batch_id: int
-    data: bytes
-    last: int  # the local position of the batch's last event
+class _Record:
+    record_id: int
+    events: list[Event]
+    last: int  # the local position of the record's last event
+    weight: int  # a size estimate (elements of its lists and strings) that bounds one wire batch
+
+
+def _weight(events: list[Event]) -> int:
+    return sum(1 + sum(len(v) for v in e.__dict__.values() if isinstance(v, list | str | bytes)) for e in events)
 
 
 class RemoteSink:
@@ -76,7 +85,17 @@ class RemoteSink:
     Positions are *local*: ``record`` returns the count of events recorded through this sink, minus one.
     They order this sink's events and say what ``commit``/``durable`` wait for; they are not log seqs and
     are comparable only within one sink. Only stamped events are taken (`Producer`, from ``link.producer``).
+
+    Each ``record`` is kept until acknowledged. The link packs on its own thread, not the caller's, and
+    coalesces the records waiting to be sent into one wire batch whose ``batch_id`` is its last record's id;
+    an acknowledgement covers every record up to it (the hub records a stream's batches in order, and a
+    durable position covers everything before it in the log).
     """
+
+    BATCH_EVENTS = 4096
+    BATCH_WEIGHT = 4 << 20
+    """A wire batch holds at most this many events, or records this heavy (~16-32 MB of token lists and
+    log-probs) — one heavier record travels alone; gRPC's message limit is 512 MiB here."""
 
     def __init__(self, producers: Sequence[str], notify: Callable[[], None]) -> None:
         self._producers = frozenset(producers)
@@ -84,19 +103,19 @@ class RemoteSink:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._count = 0
-        self._next_batch = 1
-        self._unacked: dict[int, _Batch] = {}  # in batch id order (ids are assigned under the lock)
-        self._acked: set[int] = set()
-        self._durable_batch = 0
+        self._next_record = 1
+        self._unacked: dict[int, _Record] = {}  # in record id order (ids are assigned under the lock)
+        self._durable_record = 0
         self._durable = -1
         self._waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._error: SinkError | None = None
         self._closed = False
 
     def record(self, events: Event | Sequence[Event]) -> int:
-        batch = [events] if isinstance(events, Event) else list(events)
+        batch = check_events([events] if isinstance(events, Event) else list(events))
         self._check(batch)
-        data = pack_events(batch) if batch else b""
+        now = datetime.now(UTC)  # stamped once, here: a re-sent (re-packed) record keeps its time
+        batch = [e if e.ts is not None else e.model_copy(update={"ts": now}) for e in batch]
         with self._lock:
             if self._error is not None:
                 raise self._error
@@ -105,9 +124,9 @@ class RemoteSink:
             if not batch:
                 return self._count - 1
             self._count += len(batch)
-            entry = _Batch(self._next_batch, data, self._count - 1)
-            self._next_batch += 1
-            self._unacked[entry.batch_id] = entry
+            entry = _Record(self._next_record, batch, self._count - 1, _weight(batch))
+            self._next_record += 1
+            self._unacked[entry.record_id] = entry
         self._notify()
         return entry.last
 
@@ -155,9 +174,23 @@ class RemoteSink:
 
     # -- the link's side (its loop thread) -----------------------------------------------------------------
 
-    def _pending(self, after: int) -> list[_Batch]:
+    def _batches(self, after: int) -> list[list[_Record]]:
+        """The records after record id ``after``, grouped into wire batches, in order."""
         with self._lock:
-            return [b for bid, b in self._unacked.items() if bid > after]
+            records = [r for rid, r in self._unacked.items() if rid > after]
+        groups: list[list[_Record]] = []
+        events = weight = 0
+        for record in records:
+            if groups and groups[-1] and (events + len(record.events) > self.BATCH_EVENTS
+                                          or weight + record.weight > self.BATCH_WEIGHT):
+                groups.append([])
+                events = weight = 0
+            if not groups:
+                groups.append([])
+            groups[-1].append(record)
+            events += len(record.events)
+            weight += record.weight
+        return groups
 
     def _ack(self, ack: gyre_pb2.EventAck) -> None:
         if ack.error:
@@ -166,13 +199,15 @@ class RemoteSink:
         if not ack.durable:
             return
         with self._cond:
-            if ack.batch_id not in self._unacked:
-                return  # a repeat: acknowledged already
-            self._acked.add(ack.batch_id)
-            while self._durable_batch + 1 in self._acked:
-                self._durable_batch += 1
-                self._acked.discard(self._durable_batch)
-                self._durable = self._unacked.pop(self._durable_batch).last
+            if ack.batch_id <= self._durable_record:
+                return  # a repeat: covered already
+            if ack.batch_id >= self._next_record:
+                log.warning("ignoring an ack of batch %d: only %d records were sent", ack.batch_id,
+                            self._next_record - 1)
+                return
+            while self._unacked and next(iter(self._unacked)) <= ack.batch_id:
+                self._durable = self._unacked.pop(next(iter(self._unacked))).last
+            self._durable_record = ack.batch_id
             ready = [w for w in self._waiters if w[0] <= self._durable]
             self._waiters = [w for w in self._waiters if w[0] > self._durable]
             self._cond.notify_all()
@@ -191,7 +226,7 @@ class RemoteSink:
 
     @property
     def unacked(self) -> int:
-        """Batches sent or queued that the controller has not acknowledged durable yet."""
+        """Records sent or waiting to be sent that the controller has not acknowledged durable yet."""
         with self._lock:
             return len(self._unacked)
 
@@ -489,14 +524,20 @@ class ControllerLink:
         self._thread.call(self._pump)
 
     def _pump(self) -> None:
-        """Queue on the live call every batch it has not been given yet, in batch order."""
+        """Queue on the live call every record it has not been given yet, in order, coalesced into batches."""
         conn = self._conn
         if conn is None:
             return
-        for batch in self.sink._pending(conn.sent_upto):
-            conn.queue.put_nowait(self._up(events=gyre_pb2.EventBatch(batch_id=batch.batch_id,
-                                                                       arrow_ipc=batch.data, wait=True)))
-            conn.sent_upto = batch.batch_id
+        for group in self.sink._batches(conn.sent_upto):
+            try:
+                data = pack_events([e for record in group for e in record.events])
+            except (GyreError, ValueError, pa.ArrowException) as e:  # a record that cannot be encoded
+                self._fail(ClusterError(f"{self.kind} {self.peer_id!r} could not pack records "
+                                        f"{group[0].record_id}..{group[-1].record_id}: {e}"))
+                return
+            last = group[-1].record_id
+            conn.queue.put_nowait(self._up(events=gyre_pb2.EventBatch(batch_id=last, arrow_ipc=data, wait=True)))
+            conn.sent_upto = last
 
     def _up(self, **body: Any) -> gyre_pb2.CellUp | gyre_pb2.ProxyUp:
         return gyre_pb2.CellUp(**body) if self.kind == "cell" else gyre_pb2.ProxyUp(**body)
