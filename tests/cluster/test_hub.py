@@ -17,7 +17,7 @@ from gyre.cluster.errors import ClusterError
 from gyre.cluster.hub import Hub
 from gyre.cluster.link import ControllerLink
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
-from gyre.events import CellLost
+from gyre.events import CellLost, ModelCallFinished
 from gyre.sink import LogSink, Producer, SinkError
 
 
@@ -427,3 +427,13 @@ def test_a_stream_without_hello_is_ended(make_cluster) -> None:
             assert "no hello on the cell stream within 0.3 s" in ended.value.details()
 
     asyncio.run(main())
+
+
+def test_a_call_larger_than_grpcs_default_message_limit(cluster) -> None:
+    link = cluster.link("c0")
+    n = 600_000  # int32 ids and float32 log-probs: 4.8 MB, over gRPC's default 4 MiB
+    call = ModelCallFinished(execution_id="e", call_id="k", cell_id="c0", output_ids=[7] * n,
+                             output_logprobs=[-0.5] * n)
+    link.sink.commit(link.producer("c0").record([call]))
+    [logged] = cluster.events()
+    assert len(logged.output_ids) == n and logged.producer_seq == 0
