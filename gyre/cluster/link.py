@@ -232,7 +232,7 @@ class RemoteSink:
 
 
 class _Conn:
-    """One connected call: the messages queued up it, and which batches it has been given."""
+    """One connected call: the messages queued up it, and the last record it has been given."""
 
     def __init__(self, call: Any) -> None:
         self.call = call
@@ -255,8 +255,8 @@ class ControllerLink:
     """A cell's or the proxy's stream to the controller (see the module docstring)."""
 
     def __init__(self, address: str, *, secret: str, hello: gyre_pb2.CellHello | gyre_pb2.ProxyHello,
-                 handler: Handler,
-                 backoff_s: tuple[float, float] = (0.05, 2.0), connect_timeout_s: float = 30.0) -> None:
+                 handler: Handler, backoff_s: tuple[float, float] = (0.05, 2.0),
+                 connect_timeout_s: float = 30.0) -> None:
         if isinstance(hello, gyre_pb2.CellHello):
             self.kind, copy = "cell", gyre_pb2.CellHello()
         elif isinstance(hello, gyre_pb2.ProxyHello):
@@ -291,6 +291,7 @@ class ControllerLink:
         self._seen: set[int] = set()
         self._conn: _Conn | None = None
         self._run: Any = None
+        self._main_task: asyncio.Task[Any] | None = None
         self._closing = False
         self._closed = False
         self._silent = False
@@ -393,8 +394,6 @@ class ControllerLink:
         self._commands.put(None)
 
     # -- the stream (the loop thread) ----------------------------------------------------------------------
-
-    _main_task: asyncio.Task[Any] | None = None
 
     async def _main(self) -> None:
         self._main_task = asyncio.current_task()
