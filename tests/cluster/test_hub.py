@@ -437,3 +437,14 @@ def test_a_call_larger_than_grpcs_default_message_limit(cluster) -> None:
     link.sink.commit(link.producer("c0").record([call]))
     [logged] = cluster.events()
     assert len(logged.output_ids) == n and logged.producer_seq == 0
+
+
+def test_a_stopped_cell_leaves_without_being_lost(cluster) -> None:
+    lost: list[tuple[str, str]] = []
+    cluster.hub.on_cell_lost = lambda cell_id, reason: lost.append((cell_id, reason))
+    link = cluster.link("c0")
+    assert cluster.hub.command_cell("c0", gyre_pb2.CellCommand(stop=gyre_pb2.Stop())).result(5).ok
+    link.close(timeout_s=5)  # returns once the hub has ended the stream (and seen the cell leave)
+    with pytest.raises(ClusterError, match=r"c0 was lost \(it stopped"):
+        cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())).result(5)
+    assert lost == [] and not cluster.hub.connected("c0")
