@@ -180,6 +180,8 @@ class Hub:
             for command_id, (_, future) in peer.pending.items():
                 _fail(future, ClusterError(f"the hub stopped before {peer.name} finished command {command_id}"))
             peer.pending.clear()
+            if peer.stream is not None:  # ended by hand: the server's stop then waits for no handler
+                peer.stream.end(grpc.StatusCode.UNAVAILABLE, f"the controller at {self.address} is stopping")
         if self._server is not None:
             await self._server.stop(grace=0.5)
         for task in list(self._tasks):
