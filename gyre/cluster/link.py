@@ -1,10 +1,11 @@
 """A process's end of the control plane: one stream to the controller's `Hub`, kept up across breaks.
 
 `ControllerLink` runs the stream on its own thread and event loop. Events go up through `RemoteSink`
-(an `EventSink`, so the proxy and the cell record exactly as they would into a local `LogSink`); each batch
-is kept until the hub acknowledges it durable. When the stream breaks the link reconnects with jittered
-exponential backoff, says hello again (the same incarnation) and re-sends every batch not yet acknowledged:
-the controller's sink drops what it already holds (producer stamps), so each event lands exactly once.
+(an `EventSink`, so the proxy and the cell record exactly as they would into a local `LogSink`); each record
+is kept until the hub acknowledges it durable. A heartbeat goes up every ``Welcome.heartbeat_s``. When the
+stream breaks the link reconnects with jittered exponential backoff, says hello again (the same incarnation)
+and re-sends every record not yet acknowledged: the controller's sink drops what it already holds (producer
+stamps), so each event lands exactly once.
 
 Commands run on one dedicated thread, in the order they arrive (a cell's commands never overlap). Each
 command id runs once per process; a repeat (the hub re-sends what was pending when the stream broke) is
