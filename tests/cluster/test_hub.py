@@ -62,6 +62,8 @@ def test_the_sink_refuses_unstamped_and_unnamed_events(cluster) -> None:
 
 
 def test_a_broken_stream_resends_unacked_batches_exactly_once(cluster) -> None:
+    hellos: list[str] = []
+    cluster.hub.on_cell_hello = lambda hello: hellos.append(hello.cell_id)
     link = cluster.link("c0")
     producer = link.producer("c0")
     cluster.sink.gate.clear()  # the hub records but holds its durable acks
@@ -77,6 +79,24 @@ def test_a_broken_stream_resends_unacked_batches_exactly_once(cluster) -> None:
     events = cluster.events()
     assert [e.reason for e in events] == ["a0", "a1", "a2", "b0", "b1", "c0", "c1"]
     assert _stamps(events) == [("c0", i) for i in range(7)]
+    assert hellos == ["c0"]  # a reconnect of the same incarnation is no new cell
+
+
+def test_durable_awaited_on_another_loop_across_a_break(cluster) -> None:
+    link = cluster.link("c0")
+    producer = link.producer("c0")
+    cluster.sink.gate.clear()
+
+    async def main() -> None:
+        position = producer.record(_lost(2))
+        waiting = asyncio.ensure_future(link.sink.durable(position))
+        await asyncio.to_thread(cluster.wait_recorded, 2)
+        await asyncio.to_thread(cluster.hub.drop, "c0")
+        cluster.sink.gate.set()
+        await asyncio.wait_for(waiting, 5)
+
+    asyncio.run(main())
+    assert _stamps(cluster.events()) == [("c0", 0), ("c0", 1)]
 
 
 def test_a_restarted_producer_continues_after_what_the_log_holds(cluster) -> None:
