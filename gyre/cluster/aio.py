@@ -38,6 +38,7 @@ class LoopThread:
             if pending:
                 self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.run_until_complete(self.loop.shutdown_default_executor())  # Admin's status calls
             self.loop.close()
 
     @property

@@ -16,8 +16,10 @@ A peer is *lost* — ``on_cell_lost`` / ``on_proxy_lost``, its pending commands 
 when its stream ended and did not come back within ``dead_after_s``, when nothing arrived on a live stream
 for ``dead_after_s`` (heartbeats missed), or when a new incarnation of the same id connected (the old process
 is gone). A link's clean close looks like any other ended stream (gRPC shows a cancelled call as the end of
-its requests too), so it is lost after ``dead_after_s`` as well. A lost incarnation is refused if it comes
-back: the controller has already acted on its loss, so only a restarted process (a new incarnation) rejoins.
+its requests too), so it is lost after ``dead_after_s`` as well — except after a Stop command it has done:
+then its stream's end is its exit, and it leaves at once, without ``on_*_lost``. A lost incarnation is
+refused if it comes back: the controller has already acted on its loss, so only a restarted process (a new
+incarnation) rejoins.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class _Peer:
     disconnect_reason: str = ""
     pending: dict[int, tuple[Command, concurrent.futures.Future[gyre_pb2.CommandDone]]] = field(default_factory=dict)
     lost: str | None = None
+    stopped: bool = False  # it has done a Stop command: its stream's end is its exit, not a loss
 
     @property
     def name(self) -> str:
@@ -177,6 +180,8 @@ class Hub:
             for command_id, (_, future) in peer.pending.items():
                 _fail(future, ClusterError(f"the hub stopped before {peer.name} finished command {command_id}"))
             peer.pending.clear()
+            if peer.stream is not None:  # ended by hand: the server's stop then waits for no handler
+                peer.stream.end(grpc.StatusCode.UNAVAILABLE, f"the controller at {self.address} is stopping")
         if self._server is not None:
             await self._server.stop(grace=0.5)
         for task in list(self._tasks):
@@ -269,7 +274,11 @@ class Hub:
     # -- streams (the loop thread) -------------------------------------------------------------------------
 
     async def _connect(self, kind: str, context: grpc.aio.ServicerContext) -> None:
-        first = await context.read()
+        try:
+            first = await asyncio.wait_for(context.read(), self.dead_after_s)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no hello on the {kind} stream within {self.dead_after_s} s")
         if first is grpc.aio.EOF:
             return
         body = first.WhichOneof("body")
@@ -351,6 +360,8 @@ class Hub:
         if self._stopping:
             return
         log.info("%s stream ended: %s", peer.name, reason)
+        if peer.stopped:
+            self._declare_lost(peer, "it stopped (its Stop command is done) and ended its stream")
 
     async def _read(self, peer: _Peer, stream: _Stream, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -420,8 +431,11 @@ class Hub:
 
     def _on_done(self, peer: _Peer, done: gyre_pb2.CommandDone) -> None:
         entry = peer.pending.pop(done.command_id, None)
-        if entry is not None:  # else a repeat of one already resolved
-            _resolve(entry[1], done)
+        if entry is None:  # a repeat of one already resolved
+            return
+        if done.ok and entry[0].WhichOneof("body") == "stop":
+            peer.stopped = True
+        _resolve(entry[1], done)
 
     def _declare_lost(self, peer: _Peer, reason: str) -> None:
         if peer.lost is not None or self._stopping:
@@ -432,11 +446,14 @@ class Hub:
             self._cond.notify_all()
         if peer.stream is not None:
             peer.stream.end(grpc.StatusCode.FAILED_PRECONDITION, f"{peer.name} was declared lost: {reason}")
-        log.warning("%s (incarnation %s) lost: %s", peer.name, peer.hello.incarnation, reason)
+        log.log(logging.INFO if peer.stopped else logging.WARNING, "%s (incarnation %s) %s: %s", peer.name,
+                peer.hello.incarnation, "left" if peer.stopped else "lost", reason)
         pending, peer.pending = peer.pending, {}
         for command_id, (command, future) in sorted(pending.items()):
             _fail(future, ClusterError(f"{peer.name} was lost ({reason}) before command {command_id} "
                                        f"({command.WhichOneof('body')}) was done"))
+        if peer.stopped:  # the controller asked it to go: nothing to tell
+            return
         if peer.kind == "cell":
             self._callback("on_cell_lost", self.on_cell_lost, peer.peer_id, reason)
         else:

@@ -1,10 +1,11 @@
 """A process's end of the control plane: one stream to the controller's `Hub`, kept up across breaks.
 
 `ControllerLink` runs the stream on its own thread and event loop. Events go up through `RemoteSink`
-(an `EventSink`, so the proxy and the cell record exactly as they would into a local `LogSink`); each batch
-is kept until the hub acknowledges it durable. When the stream breaks the link reconnects with jittered
-exponential backoff, says hello again (the same incarnation) and re-sends every batch not yet acknowledged:
-the controller's sink drops what it already holds (producer stamps), so each event lands exactly once.
+(an `EventSink`, so the proxy and the cell record exactly as they would into a local `LogSink`); each record
+is kept until the hub acknowledges it durable. A heartbeat goes up every ``Welcome.heartbeat_s``. When the
+stream breaks the link reconnects with jittered exponential backoff, says hello again (the same incarnation)
+and re-sends every record not yet acknowledged: the controller's sink drops what it already holds (producer
+stamps), so each event lands exactly once.
 
 Commands run on one dedicated thread, in the order they arrive (a cell's commands never overlap). Each
 command id runs once per process; a repeat (the hub re-sends what was pending when the stream broke) is
@@ -28,15 +29,19 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import grpc
+import pyarrow as pa
 
 from gyre.cluster.aio import GRPC_OPTIONS, LoopThread
 from gyre.cluster.auth import metadata
 from gyre.cluster.errors import ClusterError
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.cluster.wire import pack_events
+from gyre.errors import GyreError
+from gyre.events.codec import check_events
 from gyre.events.models import Event
 from gyre.sink import Producer, SinkError
 
@@ -64,10 +69,15 @@ FATAL = {
 
 
 @dataclass
-class _Batch:
-    batch_id: int
-    data: bytes
-    last: int  # the local position of the batch's last event
+class _Record:
+    record_id: int
+    events: list[Event]
+    last: int  # the local position of the record's last event
+    weight: int  # a size estimate (elements of its lists and strings) that bounds one wire batch
+
+
+def _weight(events: list[Event]) -> int:
+    return sum(1 + sum(len(v) for v in e.__dict__.values() if isinstance(v, list | str | bytes)) for e in events)
 
 
 class RemoteSink:
@@ -76,7 +86,17 @@ class RemoteSink:
     Positions are *local*: ``record`` returns the count of events recorded through this sink, minus one.
     They order this sink's events and say what ``commit``/``durable`` wait for; they are not log seqs and
     are comparable only within one sink. Only stamped events are taken (`Producer`, from ``link.producer``).
+
+    Each ``record`` is kept until acknowledged. The link packs on its own thread, not the caller's, and
+    coalesces the records waiting to be sent into one wire batch whose ``batch_id`` is its last record's id;
+    an acknowledgement covers every record up to it (the hub records a stream's batches in order, and a
+    durable position covers everything before it in the log).
     """
+
+    BATCH_EVENTS = 4096
+    BATCH_WEIGHT = 4 << 20
+    """A wire batch holds at most this many events, or records this heavy (~16-32 MB of token lists and
+    log-probs) — one heavier record travels alone; gRPC's message limit is 512 MiB here."""
 
     def __init__(self, producers: Sequence[str], notify: Callable[[], None]) -> None:
         self._producers = frozenset(producers)
@@ -84,19 +104,19 @@ class RemoteSink:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._count = 0
-        self._next_batch = 1
-        self._unacked: dict[int, _Batch] = {}  # in batch id order (ids are assigned under the lock)
-        self._acked: set[int] = set()
-        self._durable_batch = 0
+        self._next_record = 1
+        self._unacked: dict[int, _Record] = {}  # in record id order (ids are assigned under the lock)
+        self._durable_record = 0
         self._durable = -1
         self._waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._error: SinkError | None = None
         self._closed = False
 
     def record(self, events: Event | Sequence[Event]) -> int:
-        batch = [events] if isinstance(events, Event) else list(events)
+        batch = check_events([events] if isinstance(events, Event) else list(events))
         self._check(batch)
-        data = pack_events(batch) if batch else b""
+        now = datetime.now(UTC)  # stamped once, here: a re-sent (re-packed) record keeps its time
+        batch = [e if e.ts is not None else e.model_copy(update={"ts": now}) for e in batch]
         with self._lock:
             if self._error is not None:
                 raise self._error
@@ -105,9 +125,9 @@ class RemoteSink:
             if not batch:
                 return self._count - 1
             self._count += len(batch)
-            entry = _Batch(self._next_batch, data, self._count - 1)
-            self._next_batch += 1
-            self._unacked[entry.batch_id] = entry
+            entry = _Record(self._next_record, batch, self._count - 1, _weight(batch))
+            self._next_record += 1
+            self._unacked[entry.record_id] = entry
         self._notify()
         return entry.last
 
@@ -155,9 +175,23 @@ class RemoteSink:
 
     # -- the link's side (its loop thread) -----------------------------------------------------------------
 
-    def _pending(self, after: int) -> list[_Batch]:
+    def _batches(self, after: int) -> list[list[_Record]]:
+        """The records after record id ``after``, grouped into wire batches, in order."""
         with self._lock:
-            return [b for bid, b in self._unacked.items() if bid > after]
+            records = [r for rid, r in self._unacked.items() if rid > after]
+        groups: list[list[_Record]] = []
+        events = weight = 0
+        for record in records:
+            if groups and groups[-1] and (events + len(record.events) > self.BATCH_EVENTS
+                                          or weight + record.weight > self.BATCH_WEIGHT):
+                groups.append([])
+                events = weight = 0
+            if not groups:
+                groups.append([])
+            groups[-1].append(record)
+            events += len(record.events)
+            weight += record.weight
+        return groups
 
     def _ack(self, ack: gyre_pb2.EventAck) -> None:
         if ack.error:
@@ -166,13 +200,15 @@ class RemoteSink:
         if not ack.durable:
             return
         with self._cond:
-            if ack.batch_id not in self._unacked:
-                return  # a repeat: acknowledged already
-            self._acked.add(ack.batch_id)
-            while self._durable_batch + 1 in self._acked:
-                self._durable_batch += 1
-                self._acked.discard(self._durable_batch)
-                self._durable = self._unacked.pop(self._durable_batch).last
+            if ack.batch_id <= self._durable_record:
+                return  # a repeat: covered already
+            if ack.batch_id >= self._next_record:
+                log.warning("ignoring an ack of batch %d: only %d records were sent", ack.batch_id,
+                            self._next_record - 1)
+                return
+            while self._unacked and next(iter(self._unacked)) <= ack.batch_id:
+                self._durable = self._unacked.pop(next(iter(self._unacked))).last
+            self._durable_record = ack.batch_id
             ready = [w for w in self._waiters if w[0] <= self._durable]
             self._waiters = [w for w in self._waiters if w[0] > self._durable]
             self._cond.notify_all()
@@ -191,13 +227,13 @@ class RemoteSink:
 
     @property
     def unacked(self) -> int:
-        """Batches sent or queued that the controller has not acknowledged durable yet."""
+        """Records sent or waiting to be sent that the controller has not acknowledged durable yet."""
         with self._lock:
             return len(self._unacked)
 
 
 class _Conn:
-    """One connected call: the messages queued up it, and which batches it has been given."""
+    """One connected call: the messages queued up it, and the last record it has been given."""
 
     def __init__(self, call: Any) -> None:
         self.call = call
@@ -220,8 +256,8 @@ class ControllerLink:
     """A cell's or the proxy's stream to the controller (see the module docstring)."""
 
     def __init__(self, address: str, *, secret: str, hello: gyre_pb2.CellHello | gyre_pb2.ProxyHello,
-                 handler: Handler,
-                 backoff_s: tuple[float, float] = (0.05, 2.0), connect_timeout_s: float = 30.0) -> None:
+                 handler: Handler, backoff_s: tuple[float, float] = (0.05, 2.0),
+                 connect_timeout_s: float = 30.0) -> None:
         if isinstance(hello, gyre_pb2.CellHello):
             self.kind, copy = "cell", gyre_pb2.CellHello()
         elif isinstance(hello, gyre_pb2.ProxyHello):
@@ -256,6 +292,7 @@ class ControllerLink:
         self._seen: set[int] = set()
         self._conn: _Conn | None = None
         self._run: Any = None
+        self._main_task: asyncio.Task[Any] | None = None
         self._closing = False
         self._closed = False
         self._silent = False
@@ -358,8 +395,6 @@ class ControllerLink:
         self._commands.put(None)
 
     # -- the stream (the loop thread) ----------------------------------------------------------------------
-
-    _main_task: asyncio.Task[Any] | None = None
 
     async def _main(self) -> None:
         self._main_task = asyncio.current_task()
@@ -489,14 +524,20 @@ class ControllerLink:
         self._thread.call(self._pump)
 
     def _pump(self) -> None:
-        """Queue on the live call every batch it has not been given yet, in batch order."""
+        """Queue on the live call every record it has not been given yet, in order, coalesced into batches."""
         conn = self._conn
         if conn is None:
             return
-        for batch in self.sink._pending(conn.sent_upto):
-            conn.queue.put_nowait(self._up(events=gyre_pb2.EventBatch(batch_id=batch.batch_id,
-                                                                       arrow_ipc=batch.data, wait=True)))
-            conn.sent_upto = batch.batch_id
+        for group in self.sink._batches(conn.sent_upto):
+            try:
+                data = pack_events([e for record in group for e in record.events])
+            except (GyreError, ValueError, pa.ArrowException) as e:  # a record that cannot be encoded
+                self._fail(ClusterError(f"{self.kind} {self.peer_id!r} could not pack records "
+                                        f"{group[0].record_id}..{group[-1].record_id}: {e}"))
+                return
+            last = group[-1].record_id
+            conn.queue.put_nowait(self._up(events=gyre_pb2.EventBatch(batch_id=last, arrow_ipc=data, wait=True)))
+            conn.sent_upto = last
 
     def _up(self, **body: Any) -> gyre_pb2.CellUp | gyre_pb2.ProxyUp:
         return gyre_pb2.CellUp(**body) if self.kind == "cell" else gyre_pb2.ProxyUp(**body)

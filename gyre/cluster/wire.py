@@ -2,8 +2,8 @@
 
 The batch is the log's own encoding (`gyre.events.codec`), so what the controller appends is bit for bit
 what the producer built. ``seq`` is the log's to assign: it travels as 0.. and comes back as ``None``.
-An event without a ``ts`` is stamped when packed (the sender's clock, as `LogSink` would stamp it), so a
-batch re-sent after a reconnect carries the same stamps as the first time.
+An event without a ``ts`` is stamped when packed (the sender's clock, as `LogSink` would stamp it);
+`RemoteSink` stamps at ``record`` already, so a record re-packed after a reconnect keeps its time.
 """
 
 from __future__ import annotations

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import threading
 from typing import Any
 
 import grpc
 import pytest
 
+from gyre import auth
 from gyre.cluster.auth import metadata
 from gyre.cluster.errors import ClusterError
+from gyre.cluster.hub import Hub
+from gyre.cluster.link import ControllerLink
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
-from gyre.events import CellLost
-from gyre.sink import Producer, SinkError
+from gyre.events import CellLost, ModelCallFinished
+from gyre.sink import LogSink, Producer, SinkError
 
 
 def _lost(n: int, tag: str = "e") -> list[CellLost]:
@@ -58,6 +62,8 @@ def test_the_sink_refuses_unstamped_and_unnamed_events(cluster) -> None:
 
 
 def test_a_broken_stream_resends_unacked_batches_exactly_once(cluster) -> None:
+    hellos: list[str] = []
+    cluster.hub.on_cell_hello = lambda hello: hellos.append(hello.cell_id)
     link = cluster.link("c0")
     producer = link.producer("c0")
     cluster.sink.gate.clear()  # the hub records but holds its durable acks
@@ -73,6 +79,24 @@ def test_a_broken_stream_resends_unacked_batches_exactly_once(cluster) -> None:
     events = cluster.events()
     assert [e.reason for e in events] == ["a0", "a1", "a2", "b0", "b1", "c0", "c1"]
     assert _stamps(events) == [("c0", i) for i in range(7)]
+    assert hellos == ["c0"]  # a reconnect of the same incarnation is no new cell
+
+
+def test_durable_awaited_on_another_loop_across_a_break(cluster) -> None:
+    link = cluster.link("c0")
+    producer = link.producer("c0")
+    cluster.sink.gate.clear()
+
+    async def main() -> None:
+        position = producer.record(_lost(2))
+        waiting = asyncio.ensure_future(link.sink.durable(position))
+        await asyncio.to_thread(cluster.wait_recorded, 2)
+        await asyncio.to_thread(cluster.hub.drop, "c0")
+        cluster.sink.gate.set()
+        await asyncio.wait_for(waiting, 5)
+
+    asyncio.run(main())
+    assert _stamps(cluster.events()) == [("c0", 0), ("c0", 1)]
 
 
 def test_a_restarted_producer_continues_after_what_the_log_holds(cluster) -> None:
@@ -204,8 +228,6 @@ def test_the_proxy_stream(cluster) -> None:
     def handler(command: gyre_pb2.ProxyCommand) -> None:
         got.extend(c.cell_id for c in command.routing.cells)
 
-    from gyre.cluster.link import ControllerLink
-
     link = ControllerLink(cluster.address, secret=cluster.secret, handler=handler,
                           hello=gyre_pb2.ProxyHello(proxy_id="proxy", url="http://127.0.0.1:1", producers=["proxy"]))
     cluster.links.append(link)
@@ -219,16 +241,12 @@ def test_the_proxy_stream(cluster) -> None:
 
 
 def test_a_wrong_secret_fails_start_clearly(cluster) -> None:
-    from gyre import auth
-
     link = cluster.link("c0", start=False, secret=auth.mint(auth.RUN_PREFIX), connect_timeout_s=5)
     with pytest.raises(ClusterError, match=r"refused the run secret.*UNAUTHENTICATED"):
         link.start()
 
 
 def test_no_controller_fails_start_after_the_timeout(cluster) -> None:
-    from gyre.cluster.link import ControllerLink
-
     link = ControllerLink("127.0.0.1:1", secret=cluster.secret, hello=gyre_pb2.CellHello(cell_id="c0"),
                           handler=lambda command: None, connect_timeout_s=0.3)
     with pytest.raises(ClusterError, match=re.escape("no Welcome from the controller at 127.0.0.1:1 within 0.3 s")):
@@ -318,7 +336,6 @@ def test_two_processes_cannot_share_a_producer(cluster) -> None:
 
 
 def test_a_taken_port_is_a_clear_error(cluster) -> None:
-    from gyre.cluster.hub import Hub
 
     port = int(cluster.address.rsplit(":", 1)[1])
     hub = Hub(cluster.sink, run_id="run-1", secret=cluster.secret, port=port)
@@ -393,3 +410,61 @@ def test_a_link_outlives_a_controller_restart(cluster) -> None:
     assert [e.reason for e in events] == ["a0", "a1", "b0", "c0", "c1"]
     assert _stamps(events) == [("c0", i) for i in range(5)]
     assert cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())).result(5).ok
+
+
+def test_a_link_started_before_its_controller_waits_for_it(tmp_path) -> None:
+    with socket.socket() as probe:  # a port nobody listens on yet
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    secret = auth.mint(auth.RUN_PREFIX)
+    link = ControllerLink(f"127.0.0.1:{port}", secret=secret, hello=gyre_pb2.CellHello(cell_id="c0"),
+                          handler=lambda command: None, backoff_s=(0.01, 0.05), connect_timeout_s=10)
+    welcomes: list[gyre_pb2.Welcome] = []
+    starter = threading.Thread(target=lambda: welcomes.append(link.start()))
+    starter.start()
+    sink = LogSink.create(tmp_path / "log", "run-1")
+    hub = Hub(sink, run_id="run-1", secret=secret, port=port)
+    try:
+        hub.start()
+        starter.join(10)
+        assert welcomes and welcomes[0].run_id == "run-1"
+        hub.wait_for(["c0"], proxy=False, timeout_s=5)
+    finally:
+        link.close(timeout_s=5)
+        hub.stop()
+        sink.close()
+
+
+def test_a_stream_without_hello_is_ended(make_cluster) -> None:
+    cluster = make_cluster(heartbeat_s=0.05, dead_after_s=0.3)
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(cluster.address) as channel:
+            call = gyre_pb2_grpc.CellStub(channel).Connect(metadata=metadata(cluster.secret))
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await asyncio.wait_for(call.read(), 5)
+            assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "no hello on the cell stream within 0.3 s" in ended.value.details()
+
+    asyncio.run(main())
+
+
+def test_a_call_larger_than_grpcs_default_message_limit(cluster) -> None:
+    link = cluster.link("c0")
+    n = 600_000  # int32 ids and float32 log-probs: 4.8 MB, over gRPC's default 4 MiB
+    call = ModelCallFinished(execution_id="e", call_id="k", cell_id="c0", output_ids=[7] * n,
+                             output_logprobs=[-0.5] * n)
+    link.sink.commit(link.producer("c0").record([call]))
+    [logged] = cluster.events()
+    assert len(logged.output_ids) == n and logged.producer_seq == 0
+
+
+def test_a_stopped_cell_leaves_without_being_lost(cluster) -> None:
+    lost: list[tuple[str, str]] = []
+    cluster.hub.on_cell_lost = lambda cell_id, reason: lost.append((cell_id, reason))
+    link = cluster.link("c0")
+    assert cluster.hub.command_cell("c0", gyre_pb2.CellCommand(stop=gyre_pb2.Stop())).result(5).ok
+    link.close(timeout_s=5)  # returns once the hub has ended the stream (and seen the cell leave)
+    with pytest.raises(ClusterError, match=r"c0 was lost \(it stopped"):
+        cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())).result(5)
+    assert lost == [] and not cluster.hub.connected("c0")
