@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from gyre.cluster.config import ClusterConfig
 from gyre.cluster.proto import gyre_pb2
+from gyre.cluster.proxy_node import LINK_CLOSE_S
 
 if TYPE_CHECKING:
     from gyre.engine.local import LocalEngineConfig
@@ -123,7 +124,8 @@ class CellNode:
                                      log_path=self.run_dir / "log", backend=self.backend, coordinator=coordinator,
                                      weights=self.weights, published=None, on_trained=self._on_trained,
                                      durable_seq=lambda: self._upto)
-        self.trainer_service.attach(coordinator, self.core)
+        hub = self.trainer_service.attach(coordinator, self.core)
+        hub.publish(0, dict(self.backend.named_tensors()))  # the initial weights: a satellite may join before step 1
         self._closers.append(self.core.close)
 
     def _on_trained(self, figures: StepTraining) -> None:
@@ -228,7 +230,7 @@ class CellNode:
     def close(self) -> None:
         self.stopped.set()
         try:
-            self.link.close()
+            self.link.close(timeout_s=LINK_CLOSE_S)
         finally:
             while self._closers:
                 closer = self._closers.pop()

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROXY_PRODUCERS = ("proxy", "harness")
+LINK_CLOSE_S = 30.0
+"""How long a stopping process waits for its last events to be acknowledged (the controller may be gone)."""
 
 
 class PlacementGate(Gate):
@@ -105,7 +107,7 @@ class ProxyNode:
         if body == "redirect":
             return self._redirect(command.redirect)
         if body == "stop":
-            self.close()
+            self._stop_components()
             return {}
         raise ValueError(f"the proxy does not know command {body!r}")
 
@@ -186,14 +188,19 @@ class ProxyNode:
             raise RuntimeError("the proxy has had no routing update yet: it knows no engine")
         return self.parts
 
-    def close(self) -> None:
-        """Kill running harnesses (the run is over), stop the HTTP server; the link flushes last."""
+    def _stop_components(self) -> None:
+        """Kill running harnesses (the run is over) and stop the HTTP server; their last events are sent."""
         if self.stopped:
             return
         self.stopped = True
         if self.parts is not None:
             self.parts.runner.close(kill_running=True)
             self.parts.server.stop()
+
+    def close(self) -> None:
+        """Stop the components, then flush the link (every event acknowledged durable, or a timeout)."""
+        self._stop_components()
+        self.link.close(timeout_s=LINK_CLOSE_S)
 
 
 def main(config_path: Path, controller: str) -> None:

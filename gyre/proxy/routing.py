@@ -97,7 +97,9 @@ class Router:
 
     def repin_plan(self, from_cell: str, planned: Mapping[str, str]) -> dict[str, str]:
         """Move every execution pinned to ``from_cell``: to ``planned[execution]`` where the plan names it,
-        else to the admitting cell (other than ``from_cell``) with the most free slots. Returns the new pins."""
+        else to the admitting cell (other than ``from_cell``) with the most free slots; with no such cell it
+        stays (the policy leaves a cell only when it holds no running execution it could not move).
+        Returns the new pins."""
         for cell in set(planned.values()):
             self.engine(cell)
         with self._lock:
@@ -109,9 +111,8 @@ class Router:
                     free[target] -= 1
             for execution in (e for e in leaving if e not in planned):
                 target = max(free, key=lambda c: free[c], default=None)
-                if target is None:
-                    raise ValueError(f"cannot move execution {execution} off cell {from_cell}: "
-                                     "no other cell admits executions")
+                if target is None:  # every cell leaves: the policy saw no execution here (this one has ended,
+                    continue        # its runner not yet done unregistering it); it keeps its pin
                 moved[execution] = target
                 free[target] -= 1
             self._pins.update(moved)

@@ -55,16 +55,18 @@ def _events(log: Path, kind: str) -> list:
 def test_a_lent_cell_trains_as_a_satellite_and_returns(three_cells: tuple[ClusterConfig, Path]) -> None:
     config, log = three_cells
     switches = _events(log, "role_switch_completed")
-    lent = [s for s in switches if s.to_role == "training" and s.cell_id != "cell0"]
+    lent = {s.cell_id for s in switches if s.to_role == "training" and s.cell_id != "cell0"}
     assert lent, f"no cell but the core was lent to training: {[(s.cell_id, s.to_role) for s in switches]}"
-    satellite = lent[0].cell_id
-    assert lent[0].engine_pause_s is not None and lent[0].trainer_join_s is not None  # parts are measured
-    claimed = [c for c in _events(log, "micro_step_claimed") if c.cell_id == satellite]
-    assert claimed, f"{satellite} joined training but claimed no micro-step"
-    joined = [j for j in _events(log, "satellite_joined") if j.cell_id == satellite]
-    assert joined, "the satellite's join is not in the log"
-    back = [s for s in switches if s.cell_id == satellite and s.to_role == "rollout"]
-    assert back and back[0].weights_bytes and back[0].weights_bytes > 0  # it loaded newer weights to serve
+    for s in switches:  # every switch's parts are measured
+        assert (s.engine_pause_s is not None and s.trainer_join_s is not None if s.to_role == "training"
+                else s.engine_resume_s is not None and s.weights_s is not None)
+    claimed = {c.cell_id for c in _events(log, "micro_step_claimed")} & lent
+    assert claimed, f"cells {sorted(lent)} joined training but none claimed a micro-step"
+    joined = {j.cell_id for j in _events(log, "satellite_joined")}
+    assert claimed <= joined, "a satellite claimed without its join in the log"
+    back = [s for s in switches if s.cell_id in lent and s.to_role == "rollout"]
+    assert back, "no lent cell returned to rollout when the next step raised the watermark"
+    assert all(s.weights_bytes for s in back)  # each loaded the newer weights (over Mooncake) to serve them
     versions = [p.policy_version for p in _events(log, "weights_published")]
     assert versions == list(range(1, config.steps + 1))
 
@@ -82,7 +84,8 @@ def test_redirected_calls_finish_where_the_plan_sent_them(three_cells: tuple[Clu
 def test_the_steps_weights_equal_one_replica_on_the_same_micro_steps(three_cells: tuple[ClusterConfig, Path]) -> None:
     from gyre.cluster.cell_node import torch_backend
     from gyre.trainer import TrainBatch
-    from gyre.trajectory import BatchBuilder, LogSource, TrajectoryConfig
+    from gyre.trajectory import BatchBuilder, TrajectoryConfig
+    from gyre.trajectory.source import LogSource
 
     config, log = three_cells
     backend = torch_backend(config)
