@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv clean
+.PHONY: demo demo-train test lint venv clean
 .PHONY: check browser
 
 venv: $(STAMP)
@@ -16,7 +16,17 @@ $(STAMP): pyproject.toml | syslibs
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# The 4-cell elastic run: controller here, 4 cell processes and the proxy (with the harnesses) as processes.
 demo: $(STAMP)
+	rm -rf runs/cluster-cpu
+	$(BIN)/gyre run examples/cluster-cpu.toml
+	$(BIN)/gyre replay runs/cluster-cpu/log
+	$(BIN)/gyre log sql runs/cluster-cpu/log "SELECT cell_id, to_role, count(*) AS switches, \
+	  round(avg(duration_s), 2) AS mean_s, sum(redirected_calls) AS redirected, max(weights_bytes) AS weights_bytes \
+	  FROM role_switches GROUP BY ALL ORDER BY ALL"
+
+# The single-cell loop (`gyre train`): engine, proxy, harnesses and trainer in one process.
+demo-train: $(STAMP)
 	rm -rf runs/tiny-cpu
 	$(BIN)/gyre train examples/tiny-cpu.toml
 	$(BIN)/gyre log sql runs/tiny-cpu/log "SELECT s.step, s.policy_version, round(s.loss, 4) AS loss, \
