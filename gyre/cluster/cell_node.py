@@ -139,10 +139,12 @@ class CellNode:
         if body == "pause":
             self.engine_client.pause(command.pause.mode or "abort")
             return {"engine_pause_s": time.perf_counter() - started}
-        if body == "release":
-            self.engine_client.flush_cache()  # the CPU engine's KV; SGLang: release_memory_occupation
+        if body == "release":  # SGLang frees GPU weights and KV; the CPU engine its KV cache
+            self.engine_client.release_memory_occupation()
             return {"release_s": time.perf_counter() - started}
         if body == "serve":
+            if self.engine.released:
+                self.engine_client.resume_memory_occupation()
             self.engine_client.resume()
             return {"engine_resume_s": time.perf_counter() - started}
         if body == "load_weights":

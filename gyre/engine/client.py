@@ -504,6 +504,13 @@ class SyncHttpEngineClient:
     def flush_cache(self) -> None:
         self._request("POST", "/flush_cache")
 
+    def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """SGLang's release of GPU memory before a cell trains (``tags``: "weights", "kv_cache"; None: both)."""
+        self._request("POST", "/release_memory_occupation", body={} if tags is None else {"tags": list(tags)})
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        self._request("POST", "/resume_memory_occupation", body={} if tags is None else {"tags": list(tags)})
+
     def health(self) -> bool:
         try:
             self._request("GET", "/health")

@@ -66,6 +66,8 @@ class LocalEngine:
 
     def __init__(self, config: LocalEngineConfig | None = None) -> None:
         self.config = config or LocalEngineConfig()
+        self.released: set[str] = set()
+        """Memory tags released for training (`/release_memory_occupation`), until resumed."""
         torch.set_num_threads(self.config.num_threads)
         self.model, self.tokenizer = load_model(self.config)
         self.model_path = self.config.model

@@ -247,6 +247,22 @@ def build_app(engine: LocalEngine) -> FastAPI:
         await asyncio.wrap_future(engine.scheduler.flush_cache())
         return Response("Cache flushed.\n", status_code=200)
 
+    # SGLang's memory release around training (`{"tags": ["weights", "kv_cache"]}`, optional). The CPU engine
+    # frees what it can: its KV cache (the radix cache is flushed); its weights stay resident (host memory is
+    # not what a CPU cell lends to training), and it reports the tags it holds as released.
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request) -> JSONResponse:
+        tags = await _memory_tags(request)
+        await asyncio.wrap_future(engine.scheduler.flush_cache())
+        engine.released |= tags
+        return JSONResponse({"success": True, "message": f"released {sorted(tags)}"})
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request) -> JSONResponse:
+        tags = await _memory_tags(request)
+        engine.released -= tags
+        return JSONResponse({"success": True, "message": f"resumed {sorted(tags)}"})
+
     @app.get("/health")
     @app.get("/health_generate")
     async def health() -> Response:
@@ -303,6 +319,26 @@ async def _sse(
     finally:
         if not finished:
             engine.scheduler.abort(rid)
+
+
+MEMORY_TAGS = frozenset({"weights", "kv_cache"})
+
+
+async def _memory_tags(request: Request) -> set[str]:
+    """The tags of a memory release/resume body (all of them when the body or its `tags` is absent)."""
+    raw = await request.body()
+    if not raw.strip():
+        return set(MEMORY_TAGS)
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise EngineRequestError("body", "is not valid JSON") from None
+    tags = body.get("tags") if isinstance(body, dict) else None
+    if tags is None:
+        return set(MEMORY_TAGS)
+    if not isinstance(tags, list) or not set(tags) <= MEMORY_TAGS:
+        raise EngineRequestError("tags", f"must be a list of {sorted(MEMORY_TAGS)}, got {tags!r}")
+    return set(tags)
 
 
 class LocalEngineServer:
