@@ -86,7 +86,10 @@ class ClusterRun:
         self.run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
         self.secret = auth.mint(auth.RUN_PREFIX)
         self.policy = get_policy(config.scheduler.policy)
-        self.params = self.policy.params(config.policy_params())
+        try:
+            self.params = self.policy.params(config.policy_params())
+        except ValueError as error:
+            raise ConfigError(f"scheduler.params do not fit policy {self.policy.version}: {error}") from error
         self.sink = LogSink(LogWriter(self.log_path, run_id=self.run_id))
         self.directory = Directory()
         self.processes: dict[str, subprocess.Popen] = {}

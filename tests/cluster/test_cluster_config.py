@@ -1,0 +1,45 @@
+"""`gyre run` configuration: the shipped example loads, and bad input names what is wrong."""
+
+from pathlib import Path
+
+import pytest
+
+from gyre.cluster.config import ClusterConfig
+from gyre.errors import ConfigError
+from gyre.scheduler import get_policy
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "cluster-cpu.toml"
+
+
+def test_the_example_loads_with_its_policy_parameters() -> None:
+    config = ClusterConfig.load(EXAMPLE)
+    assert config.cluster.cell_ids == ["cell0", "cell1", "cell2", "cell3"] and config.cluster.core == "cell0"
+    params = get_policy(config.scheduler.policy).params(config.policy_params())
+    assert params.hysteresis_slots == 1
+
+
+def test_the_json_a_controller_writes_reads_back(tmp_path: Path) -> None:
+    config = ClusterConfig.load(EXAMPLE)
+    path = tmp_path / "cluster-config.json"
+    path.write_text(config.model_dump_json())
+    assert ClusterConfig.load(path) == config
+
+
+@pytest.mark.parametrize(("toml", "named"), [
+    ('[cluster]\ncells = 2\ncore = "cell5"\n', "cluster.core 'cell5' is not one of the cells"),
+    ('[cluster]\ncells = 1\n[scheduler]\npolicy = "async"\n', "async needs at least two cells"),
+    ('[scheduler]\npolicy = "fifo"\n', "scheduler.policy"),
+    ('[cluster]\nslotz = 3\n', "cluster.slotz"),
+])
+def test_bad_input_is_refused_naming_the_key(tmp_path: Path, toml: str, named: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match="invalid cluster config") as refused:
+        ClusterConfig.load(path)
+    assert named in str(refused.value)
+
+
+def test_unknown_policy_parameters_are_refused() -> None:
+    config = ClusterConfig.model_validate({"scheduler": {"policy": "elastic", "params": {"hysteresis": 1}}})
+    with pytest.raises(ValueError, match="hysteresis"):
+        get_policy("elastic").params(config.policy_params())
