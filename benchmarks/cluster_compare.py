@@ -35,8 +35,8 @@ from gyre.replay.counterfactual import retime_run
 POLICIES = ("elastic", "colocate", "async")
 
 _WINDOW = """
-SELECT epoch(min(ts)) FILTER (WHERE kind = 'execution_queued'),
-       epoch(max(ts)) FILTER (WHERE kind = 'weights_published') FROM events
+SELECT epoch(min(ts) FILTER (WHERE kind = 'execution_queued')),
+       epoch(max(ts) FILTER (WHERE kind = 'weights_published')) FROM events
 """
 _ROLLOUT_BUSY = """
 SELECT sum(epoch(f.ts) - epoch(s.ts)) / any_value(c.slots)
