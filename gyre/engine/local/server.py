@@ -19,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from gyre.engine.errors import EngineError, EngineRequestError, KvRefusedError
@@ -78,7 +79,7 @@ async def _parse(request: Request, model: type[M], *, optional_body: bool = Fals
         return model()
     try:
         data = json.loads(raw)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8
         raise _BadRequest("body", f"request body is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise _BadRequest("body", "request body must be a JSON object")
@@ -167,6 +168,10 @@ def build_app(engine: LocalEngine) -> FastAPI:
     async def _kv_refused(_: Request, e: KvRefusedError) -> JSONResponse:
         body = {"error": {"message": e.message, "field": e.field, "type": "kv_refused"}}
         return JSONResponse(body, status_code=409)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _error(e.status_code, "path", f"{request.method} {request.url.path}: {e.detail}")
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(_: Request, e: ClientDisconnect) -> Response:
