@@ -163,6 +163,11 @@ class PythonEvaluator:
         said = f"; stderr: {said}" if said else ""
         if ended.timed_out:
             return failed("timeout", f"evaluator {self.name!r} did not return within {self.timeout_s:g}s{said}")
+        if not ended.started:
+            return failed("infrastructure", f"the child process of evaluator {self.name!r} "
+                                            f"{_exit_reason(ended.exitcode)} before calling it (see the "
+                                            "runner's stderr; a script must guard its entry point with "
+                                            "`if __name__ == '__main__':`)")
         return failed("crash", f"evaluator {self.name!r} {_exit_reason(ended.exitcode)} without a result{said}")
 
 

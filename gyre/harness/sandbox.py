@@ -22,6 +22,7 @@ import os
 import pickle
 import resource
 import signal
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from gyre.harness.process import TAG_VAR, kill_tagged, new_tag
 T = TypeVar("T")
 R = TypeVar("R")
 
+_STARTED = "started"
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["gyre.harness.evaluators"])
 
@@ -93,10 +95,15 @@ class Raised:
 
 @dataclass(frozen=True)
 class Died:
-    """The child ended without an answer: killed at the time limit (`timed_out`) or exited on its own."""
+    """The child ended without an answer: killed at the time limit (`timed_out`) or exited on its own.
+
+    `started` is False when it died before reaching the function: multiprocessing could not prepare it
+    (the parent's `__main__` is not importable, say), a failure of the infrastructure, not of the function.
+    """
 
     timed_out: bool
     exitcode: int | None
+    started: bool
 
 
 Ended = Returned[R] | Raised | Died
@@ -125,22 +132,35 @@ def call_in_child(function: Callable[[T], object], argument: T, finish: Callable
     try:
         process.start()
     except (pickle.PicklingError, TypeError, AttributeError) as e:
+        receiver.close()
         raise OSError(f"cannot send the function to a child process: {e}") from e
     finally:
         sender.close()
     try:
-        ready = multiprocessing.connection.wait([receiver, process.sentinel], timeout_s)
+        deadline = time.monotonic() + timeout_s
         answer: Returned[R] | Raised | None = None
-        if receiver in ready:
-            with contextlib.suppress(EOFError):  # the child died after the pipe was readable, without a word
-                answer = receiver.recv()
-        timed_out = not ready
+        started = timed_out = False
+        while answer is None:
+            ready = multiprocessing.connection.wait([receiver, process.sentinel], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                timed_out = True
+                break
+            if receiver not in ready and not receiver.poll(0):
+                break  # exited without a word
+            try:
+                message = receiver.recv()
+            except EOFError:  # the pipe closed: the child is gone
+                break
+            if message == _STARTED:
+                started = True
+            else:
+                answer = message
         # Whatever the child started in its session goes too (it is also how a timed-out child is killed).
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
         kill_tagged(tag, process.pid)
         process.join()
-        return answer if answer is not None else Died(timed_out, process.exitcode)
+        return answer if answer is not None else Died(timed_out, process.exitcode, started)
     finally:
         receiver.close()
         process.close()
@@ -149,6 +169,7 @@ def call_in_child(function: Callable[[T], object], argument: T, finish: Callable
 def _child(sender: Connection, tag: str, function: Callable[[T], object], argument: T,
            finish: Callable[[object], R], memory_bytes: int | None, stdout: Path, stderr: Path) -> None:
     os.setsid()
+    sender.send(_STARTED)
     os.environ[TAG_VAR] = tag  # what it starts inherits the tag, so one that leaves the session is found
     for fd, path in ((1, stdout), (2, stderr)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

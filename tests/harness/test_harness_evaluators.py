@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import math
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -217,3 +219,15 @@ def test_python_evaluator_loading(tmp_path: Path) -> None:
         load_function("missing.py:grade", tmp_path)
     with pytest.raises(ConfigError, match="cannot load 'no_such_module_xyz'"):
         load_function("no_such_module_xyz:grade", tmp_path)
+
+
+def test_a_child_that_cannot_be_prepared_is_an_infrastructure_failure(tmp_path: Path) -> None:
+    """Code piped to `python -` has a `__main__` that multiprocessing cannot import in the child."""
+    script = (f"from pathlib import Path\nfrom gyre.harness import EvaluationContext, PythonEvaluator, TaskSpec\n"
+              f"from tests.harness.harness_helpers import read_answer\n"
+              f"w = Path({str(tmp_path)!r}) / 'w'\nw.mkdir()\n"
+              f"ctx = EvaluationContext('e', TaskSpec(id='t', prompt='p'), w, w.parent / 's')\n"
+              f"print(PythonEvaluator(read_answer).evaluate(ctx).error)\n")
+    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.stdout.strip() == "infrastructure", done.stderr[-2000:]

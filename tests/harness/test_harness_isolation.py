@@ -37,15 +37,15 @@ def escaping_harness(pid_file: Path, then: str) -> str:
     return f"{sys.executable} {script}; while [ ! -e {pid_file} ]; do sleep 0.01; done; {then}"
 
 
-def survivors(tag: str) -> list[int]:
-    """Live processes (not zombies) whose environment carries `tag`."""
+def marked(variable: str) -> list[int]:
+    """Live processes (not zombies) whose environment holds `variable` (`NAME=value`)."""
     found = []
     for name in filter(str.isdigit, os.listdir("/proc")):
         try:
             environ = Path(f"/proc/{name}/environ").read_bytes()
         except OSError:
             continue
-        if f"{TAG_VAR}={tag}".encode() in environ.split(b"\0") and not process_gone(int(name)):
+        if variable.encode() in environ.split(b"\0") and not process_gone(int(name)):
             found.append(int(name))
     return found
 
@@ -61,7 +61,19 @@ def test_a_timeout_kills_a_grandchild_that_left_the_session(tmp_path: Path) -> N
     ended = process.wait(0, grace_s=0.1)  # the limit has passed: as at a timeout
     assert ended.timed_out
     assert not Path(f"/proc/{escaped}").exists()  # killed, and reaped by this subreaper: not even a zombie
-    assert survivors(process.tag) == []
+    assert marked(f"{TAG_VAR}={process.tag}") == []
+
+
+def test_after_a_harness_timeout_no_process_of_the_execution_is_left(tmp_path: Path) -> None:
+    """Whenever the timeout falls (before or after the grandchild escaped), nothing of the execution runs on."""
+    pid_file = tmp_path / "escaped.pid"
+    with HarnessRunner(shell(escaping_harness(pid_file, "sleep 300"), timeout_s=1.0), sink=MemorySink(),
+                       proxy_url=URL, root=tmp_path / "runs") as r:
+        result = r.run(execution(make_task()))
+    assert result.status == "timed_out"
+    assert marked(f"GYRE_EXECUTION_ID={result.execution_id}") == []
+    if pid_file.exists():  # it escaped before the timeout (the usual case): then it is gone, not even a zombie
+        assert not Path(f"/proc/{int(pid_file.read_text())}").exists()
 
 
 def test_the_runner_reaps_escaped_children_after_an_exit_and_a_cancel(tmp_path: Path) -> None:
