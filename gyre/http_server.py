@@ -117,19 +117,22 @@ class GuardedH11Protocol(H11Protocol):
             else:
                 self._refusal = Refusal("invalid_request", f"malformed HTTP request: {e}")
             raise
+        refusal = None
         if isinstance(event, h11.Request):
-            self._on_head(event)
+            refusal = self._on_head(event)
         elif isinstance(event, h11.Data):
             self._body_bytes += len(event.data)
             if self._body_bytes > self.limits.max_body_bytes:
-                self._refuse(Refusal("too_large", f"request body exceeds the limit of "
-                                                  f"{self.limits.max_body_bytes} bytes"))
-                raise h11.RemoteProtocolError("body too large")  # stops uvicorn's event loop for this connection
+                refusal = Refusal("too_large", f"request body exceeds the limit of {self.limits.max_body_bytes} bytes")
         elif isinstance(event, h11.EndOfMessage):
             self._disarm()
+        if refusal is not None:
+            self._refuse(refusal)
+            return h11.PAUSED  # uvicorn stops reading; the request never reaches the app (or reads no further)
         return event
 
-    def _on_head(self, event: h11.Request) -> None:
+    def _on_head(self, event: h11.Request) -> Refusal | None:
+        """A refusal of the request from its head alone (None: admitted, body timer armed)."""
         self._disarm()
         self._in_head = False
         self._path = event.target.partition(b"?")[0].decode("ascii", "replace")
@@ -145,12 +148,10 @@ class GuardedH11Protocol(H11Protocol):
             if declared is not None and int(declared) > self.limits.max_body_bytes:  # h11 checked it is digits
                 refusal = Refusal("too_large", f"request body of {int(declared)} bytes exceeds the limit of "
                                                f"{self.limits.max_body_bytes} bytes")
-        if refusal is not None:
-            self._refusal = refusal
-            raise h11.RemoteProtocolError(refusal.message)  # answered by send_400_response, before the app
-        if self.conn.their_state is h11.SEND_BODY:
+        if refusal is None and self.conn.their_state is h11.SEND_BODY:
             self._arm(self.limits.body_timeout_s, f"request body not received within "
                                                   f"{self.limits.body_timeout_s:g}s")
+        return refusal
 
     def on_response_complete(self) -> None:
         self._in_head, self._path, self._body_bytes = True, None, 0
@@ -160,7 +161,7 @@ class GuardedH11Protocol(H11Protocol):
     # -- answering instead of the app ----------------------------------------------------------------
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to a protocol error (and to the refusals raised above): in the app's shape."""
+        """uvicorn's answer to an h11 protocol error: in the app's shape."""
         self._refuse(self._refusal or Refusal("invalid_request", msg))
 
     def _refuse(self, refusal: Refusal) -> None:
