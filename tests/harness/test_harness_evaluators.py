@@ -177,9 +177,9 @@ def test_python_evaluator_crash_and_timeout(tmp_path: Path) -> None:
 
 def test_python_evaluator_runs_in_a_child_that_can_die(tmp_path: Path) -> None:
     """Out of memory, a hard exit, a signal: each is a crash of the child, and this process carries on."""
-    outcome = PythonEvaluator(allocates_forever, memory_mb=1024).evaluate(context(tmp_path))
+    outcome = PythonEvaluator(allocates_forever, memory_mb=512).evaluate(context(tmp_path))
     assert isinstance(outcome, FailureOutcome) and outcome.error == "crash"
-    assert "out of memory (limit 1024 MiB)" in outcome.message
+    assert "out of memory (limit 512 MiB)" in outcome.message
     outcome = PythonEvaluator(exits_hard, name="quitter").evaluate(context(tmp_path))
     assert isinstance(outcome, FailureOutcome) and outcome.error == "crash"
     assert "'quitter' exited with code 7 without a result" in outcome.message
@@ -203,7 +203,7 @@ def test_python_evaluator_must_pickle(tmp_path: Path) -> None:
 
 def test_command_evaluator_memory_limit(tmp_path: Path) -> None:
     hog = "hoard = []\nwhile True:\n    hoard.append(bytearray(64 << 20))\n"
-    outcome = command(tmp_path, hog, memory_mb=1024).evaluate(context(tmp_path))
+    outcome = command(tmp_path, hog, memory_mb=512).evaluate(context(tmp_path))
     assert isinstance(outcome, FailureOutcome) and outcome.error == "crash" and "MemoryError" in outcome.message
 
 

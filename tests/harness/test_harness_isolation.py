@@ -98,7 +98,7 @@ def test_the_runner_reaps_escaped_children_after_an_exit_and_a_cancel(tmp_path: 
 
 def test_evaluators_that_exhaust_memory_hang_or_exit_fail_and_the_runner_carries_on(tmp_path: Path) -> None:
     sink = MemorySink()
-    broken = [PythonEvaluator(allocates_forever, name="hog", memory_mb=1024),
+    broken = [PythonEvaluator(allocates_forever, name="hog", memory_mb=512),
               PythonEvaluator(loops_forever, name="hang", timeout_s=0.5),
               PythonEvaluator(exits_hard, name="quit")]
     with HarnessRunner(shell("printf hello > answer.txt", max_concurrency=2), sink=sink, proxy_url=URL,
