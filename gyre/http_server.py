@@ -38,6 +38,8 @@ _STATUS: dict[RefusalKind, int] = {"invalid_request": 400, "too_large": 413, "re
                                    "overloaded": 503}
 _PATH = re.compile(rb"^[A-Z]{1,16} (/[^ ?#\r\n]*)")
 _HEAD_PREFIX_BYTES = 2048
+REFUSAL_LINGER_S = 2.0
+"""How long a refused connection is still read (and discarded) after its answer, before it is closed."""
 
 
 class ServerLimits(BaseModel):
@@ -84,6 +86,9 @@ class GuardedH11Protocol(H11Protocol):
         self._body_bytes = 0
         self._refusal: Refusal | None = None
         self._in_head = True
+        self._refused = False
+        self._answered = False
+        """The request being read has its answer already (the app answered before its body ended)."""
         self._receive_event = self.conn.next_event
         self.conn.next_event = self._next_event  # type: ignore[method-assign]  # observe every parsed event
 
@@ -100,6 +105,8 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # the rest of a refused request: read only so that closing does not reset the answer
         if self._in_head:
             if self._timer is None:  # the first bytes of a keep-alive connection's next request
                 self._arm(self.limits.header_timeout_s, "request head not received within "
@@ -122,10 +129,12 @@ class GuardedH11Protocol(H11Protocol):
             refusal = self._on_head(event)
         elif isinstance(event, h11.Data):
             self._body_bytes += len(event.data)
-            if self._body_bytes > self.limits.max_body_bytes:
+            if self._body_bytes > self.limits.max_body_bytes and not self._answered:  # answered: uvicorn drains it
                 refusal = Refusal("too_large", f"request body exceeds the limit of {self.limits.max_body_bytes} bytes")
         elif isinstance(event, h11.EndOfMessage):
             self._disarm()
+            if self._answered:  # the app answered before the body ended
+                self._next_head()
         if refusal is not None:
             self._refuse(refusal)
             return h11.PAUSED  # uvicorn stops reading; the request never reaches the app (or reads no further)
@@ -134,7 +143,7 @@ class GuardedH11Protocol(H11Protocol):
     def _on_head(self, event: h11.Request) -> Refusal | None:
         """A refusal of the request from its head alone (None: admitted, body timer armed)."""
         self._disarm()
-        self._in_head = False
+        self._in_head = self._answered = False
         self._path = event.target.partition(b"?")[0].decode("ascii", "replace")
         refusal = None
         head_bytes = len(event.method) + len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
@@ -154,9 +163,16 @@ class GuardedH11Protocol(H11Protocol):
         return refusal
 
     def on_response_complete(self) -> None:
-        self._in_head, self._path, self._body_bytes = True, None, 0
-        self._head_prefix.clear()
+        self._answered = True
+        if self.conn.their_state is h11.DONE:  # else the app answered early, the body is still coming, and
+            self._disarm()                     # the body timer still bounds how long it may take
+            self._next_head()
         super().on_response_complete()
+
+
+    def _next_head(self) -> None:
+        self._in_head, self._path, self._body_bytes, self._answered = True, None, 0, False
+        self._head_prefix.clear()
 
     # -- answering instead of the app ----------------------------------------------------------------
 
@@ -166,7 +182,10 @@ class GuardedH11Protocol(H11Protocol):
 
     def _refuse(self, refusal: Refusal) -> None:
         self._disarm()
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self._refused:
+            return
+        if self._answered:
+            self.transport.close()  # its answer is sent; a body that stalls after it just loses the connection
             return
         if self.cycle is not None and not self.cycle.response_complete:
             if self.cycle.response_started:  # too late for an answer: the app's own is half sent
@@ -183,7 +202,15 @@ class GuardedH11Protocol(H11Protocol):
                  f"content-length: {len(payload)}", "connection: close",
                  *(f"{k}: {v}" for k, v in headers.items())]
         self.transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + payload)
-        self.transport.close()
+        # Closing with unread input makes the kernel send RST, and a client still sending its body may then
+        # lose the answer: half-close instead, discard what still comes, and close after a linger.
+        self._refused = True
+        self.connections.discard(self)  # a lingering refused connection does not count against the cap
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.loop.call_later(REFUSAL_LINGER_S, self.transport.close)
+        else:
+            self.transport.close()
 
     def _arm(self, delay_s: float, message: str) -> None:
         self._disarm()

@@ -69,6 +69,9 @@ def test_bodies_and_heads_over_the_limit(proxy: Running) -> None:
     declared = request("POST", "/v1/messages", b"", AUTH, length=str(10**12))  # refused before any body
     assert f"exceeds the limit of {LIMIT} bytes" in anthropic_error(exchange(proxy.url, declared), 413,
                                                                       "request_too_large")
+    with connect(proxy.url) as sock:  # a client that sends its body regardless still reads the answer
+        sock.sendall(request("POST", "/v1/messages", b"", AUTH, length=str(1 << 20)) + b"x" * (1 << 20))
+        anthropic_error(read_response(sock), 413, "request_too_large")
     chunks = b"".join(b"400\r\n" + b"x" * 0x400 + b"\r\n" for _ in range(8)) + b"0\r\n\r\n"
     head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
     openai_error(exchange(proxy.url, head + chunks), 413, "request_too_large")
