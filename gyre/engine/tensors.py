@@ -8,7 +8,6 @@ client stays importable without them.
 from __future__ import annotations
 
 import base64
-import binascii
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
@@ -39,7 +38,7 @@ def decode_named_tensors(entries: list[str]) -> dict[str, torch.Tensor]:
         field = f"serialized_named_tensors.{i}"
         try:
             blob = base64.b64decode(entry, validate=True)
-        except binascii.Error as e:
+        except ValueError as e:  # binascii.Error, and a ValueError for non-ASCII text (found by fuzzing)
             raise EngineRequestError(field, f"not valid base64: {e}") from e
         try:
             tensors.update(load(blob))

@@ -66,6 +66,11 @@ DEFAULT_INHERITED_ENV: tuple[str, ...] = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", 
 """Variables a harness inherits from Gyre's environment. Everything else (credentials above all) stays out."""
 
 
+DEFAULT_EVALUATOR_MEMORY_MB = 8192
+"""Address-space limit of an evaluator process (RLIMIT_AS, MiB): it counts reserved virtual memory, so a
+runtime that reserves large arenas (a JVM, V8's WebAssembly) may need a higher one, or None (no limit)."""
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -120,6 +125,8 @@ class CommandEvaluatorConfig(_Frozen):
     env: dict[str, str] = Field(default_factory=dict)
     timeout_s: PositiveFloat = 60.0
     kill_grace_s: NonNegativeFloat = 1.0
+    memory_mb: PositiveInt | None = Field(DEFAULT_EVALUATOR_MEMORY_MB,
+                                          description="address-space limit of the program (None: no limit)")
 
     @model_validator(mode="after")
     def _check_placeholders(self) -> Self:
@@ -129,17 +136,20 @@ class CommandEvaluatorConfig(_Frozen):
 
 
 class PythonEvaluatorConfig(_Frozen):
-    """Calls a Python function in Gyre's process: `module.path:function` or `file.py:function`.
+    """Calls a Python function in a child process: `module.path:function` or `file.py:function`.
 
     A `file.py` path is relative to the task set's directory. The function gets an `EvaluationContext` and
-    returns a reward, `(reward, details)` or a `Score`. Use it for cheap, trusted checks; code from the
-    workspace belongs in a command evaluator, whose process can be killed.
+    returns a reward, `(reward, details)` or a `Score`. The child is forked from a warm parent (cheap), has
+    `memory_mb` of address space and `timeout_s`; a crash, a timeout or an exhausted limit is
+    `evaluation_failed`, never a reward.
     """
 
     type: Literal["python"]
     name: str = Field("python", min_length=1)
     function: str = Field(pattern=r"^[^:]+:[A-Za-z_][A-Za-z0-9_]*$")
     timeout_s: PositiveFloat = 60.0
+    memory_mb: PositiveInt | None = Field(DEFAULT_EVALUATOR_MEMORY_MB,
+                                          description="address-space limit of the child (None: no limit)")
 
 
 EvaluatorConfig = Annotated[CommandEvaluatorConfig | PythonEvaluatorConfig, Field(discriminator="type")]

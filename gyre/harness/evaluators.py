@@ -6,16 +6,14 @@ message; a score comes back only when the evaluator finished and produced a vali
 
 from __future__ import annotations
 
-import concurrent.futures
-import hashlib
+import dataclasses
+import functools
 import importlib
-import importlib.util
 import json
 import os
+import signal
 import sys
-import threading
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast, get_args
@@ -23,6 +21,7 @@ from typing import cast, get_args
 from gyre.errors import ConfigError
 from gyre.events.fields import EvaluationFailure
 from gyre.harness.config import (
+    DEFAULT_EVALUATOR_MEMORY_MB,
     DEFAULT_INHERITED_ENV,
     CommandEvaluatorConfig,
     EvaluatorConfig,
@@ -37,6 +36,7 @@ from gyre.harness.evaluation import (
     checked_outcome,
 )
 from gyre.harness.process import GroupProcess, tail
+from gyre.harness.sandbox import FileFunction, Raised, Returned, call_in_child, check_picklable
 from gyre.harness.template import expand_all
 
 MESSAGE_CHARS = 800
@@ -91,7 +91,8 @@ class CommandEvaluator:
                         strict=True))
         stdout, stderr = scratch / "evaluator.stdout", scratch / "evaluator.stderr"
         try:
-            process = GroupProcess(argv, cwd=context.workspace, env=env, stdout=stdout, stderr=stderr)
+            process = GroupProcess(argv, cwd=context.workspace, env=env, stdout=stdout, stderr=stderr,
+                                   memory_bytes=None if self.config.memory_mb is None else self.config.memory_mb << 20)
         except OSError as e:
             return failed("infrastructure", f"cannot start evaluator command {argv[0]!r}: {e}")
         ended = process.wait(self.config.timeout_s, grace_s=self.config.kill_grace_s)
@@ -120,18 +121,22 @@ class CommandEvaluator:
 
 
 class PythonEvaluator:
-    """Calls `function(context)` in a daemon thread of this process, bounded by `timeout_s`.
+    """Calls `function(context)` in a child process with a time and a memory limit (see `sandbox`).
 
-    The function returns a reward, `(reward, details)` or a `Score`; whatever it raises is a crash.
-    Trap: a thread cannot be killed. After a timeout the call is abandoned (reported as `timeout`) but keeps
-    running until it returns; a daemon thread at least never blocks the interpreter's exit.
+    The function returns a reward, `(reward, details)` or a `Score`; whatever it raises is a crash, an
+    exhausted memory limit too, and a child that dies (`os._exit`, a signal) or overruns `timeout_s` is
+    killed with everything it started: the runner only ever sees an outcome. The function must pickle by
+    reference: a module-level function, or what `load_function` returns for a `file.py:name`.
     """
 
     def __init__(self, function: Callable[[EvaluationContext], object], *, name: str = "python",
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, memory_mb: int | None = DEFAULT_EVALUATOR_MEMORY_MB) -> None:
+        """Raises `TypeError` when `function` cannot be sent to a child (a lambda, a nested function)."""
+        check_picklable(function)
         self.function = function
         self.name = name
         self.timeout_s = timeout_s
+        self.memory_mb = memory_mb
 
     def evaluate(self, context: EvaluationContext) -> EvaluationOutcome:
         started = time.monotonic()
@@ -142,61 +147,63 @@ class PythonEvaluator:
 
         if not context.workspace.is_dir():
             return failed("infrastructure", f"workspace {context.workspace} does not exist")
-        future = _call_in_daemon_thread(self.function, context, name=f"gyre-evaluator-{context.execution_id}")
+        stdout, stderr = context.scratch_dir / "evaluator.stdout", context.scratch_dir / "evaluator.stderr"
         try:
-            error = future.exception(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            return failed("timeout", f"evaluator {self.name!r} did not return within {self.timeout_s:g}s")
-        if error is not None:
-            where = traceback.extract_tb(error.__traceback__)[-1:]
-            at = f" at {where[0].filename}:{where[0].lineno}" if where else ""
-            return failed("crash", f"{type(error).__name__}: {error}{at}")
-        result = future.result()
-        if isinstance(result, Score):
-            reward, details = result.reward, result.details
-        elif isinstance(result, tuple) and len(result) == 2:
-            reward, details = result
-        else:
-            reward, details = result, {}
-        return checked_outcome(self.name, reward, details, partial=context.partial,
-                               duration_s=time.monotonic() - started)
+            context.scratch_dir.mkdir(parents=True, exist_ok=True)
+            ended = call_in_child(self.function, context, functools.partial(_score, self.name, context.partial),
+                                  timeout_s=self.timeout_s, stdout=stdout, stderr=stderr,
+                                  memory_bytes=None if self.memory_mb is None else self.memory_mb << 20)
+        except OSError as e:
+            return failed("infrastructure", f"cannot start evaluator {self.name!r} in a child process: {e}")
+        if isinstance(ended, Returned):
+            return dataclasses.replace(ended.value, duration_s=time.monotonic() - started)
+        if isinstance(ended, Raised):
+            return failed("crash", ended.message)
+        said = tail(stderr, MESSAGE_CHARS)
+        said = f"; stderr: {said}" if said else ""
+        if ended.timed_out:
+            return failed("timeout", f"evaluator {self.name!r} did not return within {self.timeout_s:g}s{said}")
+        if not ended.started:
+            return failed("infrastructure", f"the child process of evaluator {self.name!r} "
+                                            f"{_exit_reason(ended.exitcode)} before calling it (see the "
+                                            "runner's stderr; a script must guard its entry point with "
+                                            "`if __name__ == '__main__':`)")
+        return failed("crash", f"evaluator {self.name!r} {_exit_reason(ended.exitcode)} without a result{said}")
 
 
-def _call_in_daemon_thread(function: Callable[[EvaluationContext], object], context: EvaluationContext, *,
-                           name: str) -> concurrent.futures.Future[object]:
-    future: concurrent.futures.Future[object] = concurrent.futures.Future()
+def _score(evaluator: str, partial: bool, result: object) -> EvaluationOutcome:
+    """What a Python evaluator's result means; runs in the child, so a result that does not pickle is fine."""
+    if isinstance(result, Score):
+        reward, details = result.reward, result.details
+    elif isinstance(result, tuple) and len(result) == 2:
+        reward, details = result
+    else:
+        reward, details = result, {}
+    return checked_outcome(evaluator, reward, details, partial=partial, duration_s=0.0)
 
-    def target() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            result = function(context)
-        except BaseException as e:  # handed to the caller through the future, as concurrent.futures does
-            future.set_exception(e)
-        else:
-            future.set_result(result)
 
-    threading.Thread(target=target, name=name, daemon=True).start()
-    return future
+def _exit_reason(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    return f"exited with code {exitcode}"
 
 
 def load_function(reference: str, base_dir: Path) -> Callable[[EvaluationContext], object]:
-    """`module.path:name` (imported) or `file.py:name` (loaded from `base_dir`), as a `ConfigError` if missing."""
+    """`module.path:name` (imported) or `file.py:name` (loaded from `base_dir`), as a `ConfigError` if missing.
+
+    A `file.py` function comes back as a `FileFunction`, which a child process can load again.
+    """
     module_ref, _, attr = reference.rpartition(":")
     try:
         if module_ref.endswith(".py"):
-            path = (base_dir / module_ref).resolve()
-            digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
-            spec = importlib.util.spec_from_file_location(f"gyre_evaluator_{path.stem}_{digest}", path)
-            if spec is None or spec.loader is None:
-                raise ImportError(f"not a Python file: {path}")
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            function: object = FileFunction((base_dir / module_ref).resolve(), attr)
+            cast(FileFunction, function).load()
         else:
-            module = importlib.import_module(module_ref)
+            function = getattr(importlib.import_module(module_ref), attr, None)
+    except AttributeError as e:
+        raise ConfigError(f"python evaluator {reference!r}: {module_ref!r} has no callable {attr!r}") from e
     except (ImportError, OSError, SyntaxError) as e:
         raise ConfigError(f"python evaluator {reference!r}: cannot load {module_ref!r}: {e}") from e
-    function = getattr(module, attr, None)
     if not callable(function):
         raise ConfigError(f"python evaluator {reference!r}: {module_ref!r} has no callable {attr!r}")
     return function
@@ -207,4 +214,4 @@ def build_evaluator(config: EvaluatorConfig, taskset_dir: Path) -> Evaluator:
         return CommandEvaluator(config, taskset_dir)
     assert isinstance(config, PythonEvaluatorConfig)
     return PythonEvaluator(load_function(config.function, taskset_dir), name=config.name,
-                           timeout_s=config.timeout_s)
+                           timeout_s=config.timeout_s, memory_mb=config.memory_mb)

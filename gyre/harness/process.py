@@ -10,14 +10,27 @@ killed while the zombie still pins the id, and only then is the leader reaped.
 
 Output goes to files, not pipes: a grandchild that inherited a pipe would keep it open after the leader
 died, and reading until EOF would hang until the grandchild exits.
+
+A child that calls `setsid` (a daemonising double fork) leaves the group, so `killpg` misses it. Every
+process started here carries a random tag in its environment (`GYRE_PROCESS_TAG`), which its descendants
+inherit; when the leader ends, every process with the tag, or descending from the leader, is killed too
+(`kill_tagged`). The runner also makes itself a child subreaper (`become_subreaper`), so such an orphan is
+re-parented to the runner rather than to init, and is reaped here: none survives as a zombie either.
+Trap: a descendant that both leaves the session and clears its environment (`env -i`) after its parent
+died is out of reach; only a per-execution cgroup would close that, and none is delegated to Gyre here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import os
+import resource
+import secrets
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -26,6 +39,94 @@ from pathlib import Path
 
 POLL_MIN_S = 0.001
 POLL_MAX_S = 0.05
+TAG_VAR = "GYRE_PROCESS_TAG"
+REAP_LIMIT_S = 10.0
+"""How long `kill_tagged` waits for killed processes to disappear (one stuck in the kernel, state D)."""
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux); False where that is unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def new_tag() -> str:
+    return secrets.token_hex(16)
+
+
+def kill_tagged(tag: str, root: int | None = None) -> set[int]:
+    """SIGKILL every process whose environment holds `TAG_VAR=tag` or that descends from `root`, and reap
+    those re-parented to this process; returns the pids killed. Never touches `root` itself.
+
+    Sweeps /proc until a sweep finds nothing new and every killed process is gone (a process may fork
+    between two sweeps; a killed one's children are re-parented to the subreaper, then reaped here).
+    """
+    if not os.path.isdir("/proc/self"):
+        return set()
+    me, marker = os.getpid(), f"{TAG_VAR}={tag}".encode()
+    killed: set[int] = set()
+    deadline = time.monotonic() + REAP_LIMIT_S
+    delay = POLL_MIN_S
+    while True:
+        table = _process_table()
+        found = {pid for pid, (_, state) in table.items() if state != "Z" and pid != root and _tagged(pid, marker)}
+        if root is not None:
+            found |= _descendants(root, table)
+        found -= {me}
+        new = found - killed
+        for pid in new:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        killed |= new
+        left = [pid for pid in killed if pid in table]  # still running, or a zombie not yet reaped
+        for pid in left:
+            if table[pid][0] == me:  # re-parented to this subreaper: reaping it is this process's job
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+        if (not new and not left) or time.monotonic() > deadline:
+            return killed
+        time.sleep(delay)
+        delay = min(delay * 2, POLL_MAX_S)
+
+
+def _process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state letter) of every process in /proc."""
+    table: dict[int, tuple[int, str]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        table[int(name)] = (int(fields[1]), fields[0].decode())
+    return table
+
+
+def _tagged(pid: int, marker: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return marker in f.read().split(b"\0")
+    except OSError:  # gone, or another user's process: not ours
+        return False
+
+
+def _descendants(root: int, table: dict[int, tuple[int, str]]) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found: set[int] = set()
+    stack = list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        if pid not in found:
+            found.add(pid)
+            stack.extend(children.get(pid, []))
+    return found
 
 
 @dataclass(frozen=True)
@@ -43,12 +144,22 @@ class GroupProcess:
     """Start `argv` as a session leader; `wait` enforces the limit and cleans up the group."""
 
     def __init__(self, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], stdout: Path,
-                 stderr: Path) -> None:
-        """Raises `OSError` when the program cannot be started (not found, not executable)."""
+                 stderr: Path, memory_bytes: int | None = None) -> None:
+        """Raises `OSError` when the program cannot be started (not found, not executable).
+
+        `memory_bytes` limits the address space (RLIMIT_AS) of the program and what it starts afterwards.
+        Trap: it is set right after `exec` (`prlimit`: a `preexec_fn` is unsafe in a threaded process), so
+        the program's first instants run unlimited; it bounds runaway growth, not the first allocation.
+        """
+        self.tag = new_tag()
         with open(stdout, "wb") as out, open(stderr, "wb") as err:
-            self._popen = subprocess.Popen(list(argv), cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL,
-                                           stdout=out, stderr=err, start_new_session=True, close_fds=True)
+            self._popen = subprocess.Popen(list(argv), cwd=cwd, env={**env, TAG_VAR: self.tag},
+                                           stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                           start_new_session=True, close_fds=True)
         self._started = time.monotonic()
+        if memory_bytes is not None:
+            with contextlib.suppress(ProcessLookupError):
+                resource.prlimit(self.pid, resource.RLIMIT_AS, (memory_bytes, memory_bytes))
 
     @property
     def pid(self) -> int:
@@ -58,8 +169,9 @@ class GroupProcess:
              kill_leftovers: bool = True) -> ProcessOutcome:
         """Wait for the leader to exit, at most `timeout_s` (or until `cancel` is set), then reap it.
 
-        On timeout or cancel: SIGTERM to the group, `grace_s` for it to exit, then SIGKILL to the group.
-        After a normal exit, leftover group members get SIGKILL when `kill_leftovers` (the default).
+        On timeout or cancel: SIGTERM to the group, `grace_s` for it to exit, then SIGKILL to the group and
+        to every process that left it (`kill_tagged`). After a normal exit, leftovers get the same SIGKILL
+        when `kill_leftovers` (the default).
         """
         deadline = None if timeout_s is None else self._started + timeout_s
         timed_out = cancelled = False
@@ -69,8 +181,10 @@ class GroupProcess:
             self._signal_group(signal.SIGTERM)
             self._poll_until(time.monotonic() + grace_s, None)
             self._signal_group(signal.SIGKILL)
+            kill_tagged(self.tag, self.pid)
         elif kill_leftovers:
             self._signal_group(signal.SIGKILL)
+            kill_tagged(self.tag, self.pid)
         returncode = self._popen.wait()
         return ProcessOutcome(returncode, timed_out, cancelled, time.monotonic() - self._started, self.pid)
 

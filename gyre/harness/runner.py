@@ -31,7 +31,7 @@ from gyre.events.models import ExecutionFinished, ExecutionQueued, ExecutionStar
 from gyre.harness.config import HarnessConfig
 from gyre.harness.errors import HarnessError, WorkspaceError
 from gyre.harness.evaluation import EvaluationContext, EvaluationOutcome, RewardOutcome
-from gyre.harness.process import GroupProcess, ProcessOutcome, tail
+from gyre.harness.process import GroupProcess, ProcessOutcome, become_subreaper, tail
 from gyre.harness.tasks import ID_PATTERN, Task
 from gyre.harness.template import expand_all
 from gyre.harness.workspace import ExecutionDirs, prepare
@@ -153,6 +153,7 @@ class HarnessRunner:
         self.gate = gate
         self.proxy_url = proxy_url.rstrip("/")
         self.root = Path(root).resolve()
+        self.subreaper = become_subreaper()  # harness children that leave their session come back here to die
         self._pool = ThreadPoolExecutor(max_workers=config.max_concurrency, thread_name_prefix="gyre-harness")
         self._cancel = threading.Event()
         self._lock = threading.Lock()

@@ -7,6 +7,8 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 
 from gyre.proxy.anthropic_api import anthropic_router
 from gyre.proxy.core import Proxy
@@ -39,6 +41,12 @@ def build_app(proxy: Proxy) -> FastAPI:
         kind = _HTTP_KINDS.get(error.status_code, "invalid_request")
         message = f"{request.method} {request.url.path}: {error.detail}"
         return error_response(api_of(request.url.path), ApiError(kind, message))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_request: Request, _error: ClientDisconnect) -> Response:
+        # The client left mid-body, or the server dropped a stalled body and answered it already (408):
+        # nobody reads this answer, and it is no bug to log.
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:

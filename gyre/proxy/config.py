@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from gyre.http_server import ServerLimits
 from gyre.proxy.branches import MarkersConfig
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
@@ -33,6 +34,14 @@ class ProxyConfig:
     model_name: str = "gyre-policy"
     """What `GET /v1/models` lists. Requests may name any model; the reply echoes the name they sent."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_header_bytes: int = 64 << 10
+    """Largest request head (request line and headers); more is 413 before the app reads it."""
+    header_timeout_s: float = 30.0
+    """Time a client has to send a request head; then 408 and the connection is closed."""
+    body_timeout_s: float = 300.0
+    """Time a client has to send a body once its head arrived (a stalled body is dropped: 408)."""
+    max_connections: int = 1024
+    """Open connections the server accepts; one more is answered overloaded (529 / 503), which SDKs retry."""
     default_max_tokens: int = 4096
     """OpenAI requests may omit `max_tokens`."""
     max_tokens_cap: int | None = None
@@ -64,3 +73,13 @@ class ProxyConfig:
             raise ValueError(f"ProxyConfig.kv_mover must be 'recompute' or 'mooncake', got {self.kv_mover!r}")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise ValueError("ProxyConfig.max_tokens_cap must be >= 1")
+        try:
+            self.server_limits()
+        except ValueError as e:
+            raise ValueError(f"ProxyConfig: {e}") from e
+
+    def server_limits(self) -> ServerLimits:
+        """The HTTP server's limits, from the fields above."""
+        return ServerLimits(max_body_bytes=self.max_body_bytes, max_header_bytes=self.max_header_bytes,
+                            header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
+                            max_connections=self.max_connections)

@@ -8,7 +8,8 @@ from gyre.errors import GyreError
 
 ErrorKind = Literal[
     "invalid_request",
-    "context_length", "authentication", "not_found", "method_not_allowed", "too_large", "overloaded", "api_error"
+    "context_length", "authentication", "not_found", "method_not_allowed", "too_large", "request_timeout",
+    "overloaded", "api_error"
 ]
 
 STATUS: dict[ErrorKind, int] = {
@@ -18,6 +19,7 @@ STATUS: dict[ErrorKind, int] = {
     "not_found": 404,
     "method_not_allowed": 405,
     "too_large": 413,
+    "request_timeout": 408,
     "overloaded": 529,
     "api_error": 500,
 }

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from gyre.engine import EngineError, EngineHTTPError, EngineProtocolError
+from gyre.http_server import Refusal
 from gyre.proxy.core import Proxy
 from gyre.proxy.errors import ApiError, ErrorKind
 from gyre.proxy.registry import ExecutionState
@@ -28,6 +29,7 @@ ANTHROPIC_TYPES: dict[ErrorKind, str] = {
     "not_found": "not_found_error",
     "method_not_allowed": "invalid_request_error",
     "too_large": "request_too_large",
+    "request_timeout": "timeout_error",
     "overloaded": "overloaded_error",
     "api_error": "api_error",
 }
@@ -38,6 +40,7 @@ OPENAI_TYPES: dict[ErrorKind, tuple[str, str | None, int]] = {  # type, code, st
     "not_found": ("invalid_request_error", "not_found", 404),
     "method_not_allowed": ("invalid_request_error", "method_not_allowed", 405),
     "too_large": ("invalid_request_error", "request_too_large", 413),
+    "request_timeout": ("invalid_request_error", "request_timeout", 408),
     "overloaded": ("server_error", "engine_unavailable", 503),
     "api_error": ("server_error", None, 500),
 }
@@ -66,13 +69,25 @@ def error_body(api: Api, error: ApiError, rid: str) -> tuple[int, dict[str, Any]
     return status, {"error": {"message": error.message, "type": kind, "param": error.param, "code": code}}
 
 
-def error_response(api: Api, error: ApiError) -> JSONResponse:
+def error_parts(api: Api, error: ApiError) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """Status, body and headers of `error` in `api`'s shape (the app's answers and the server's refusals)."""
     rid = request_id("req_")
     status, body = error_body(api, error, rid)
     headers = {"request-id": rid} if api == "anthropic" else {"x-request-id": rid}
     if error.kind == "authentication" and api == "openai":
         headers["www-authenticate"] = "Bearer"
+    return status, body, headers
+
+
+def error_response(api: Api, error: ApiError) -> JSONResponse:
+    status, body, headers = error_parts(api, error)
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def refusal_parts(path: str | None, refusal: Refusal) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """The HTTP server's refusals (bad framing, limits, timeouts) in the shape of the API `path` belongs to;
+    before a request line arrived (a header timeout) the path is unknown and the OpenAI shape is used."""
+    return error_parts(api_of(path or ""), ApiError(refusal.kind, refusal.message))
 
 
 def from_engine(error: EngineError) -> ApiError:

@@ -15,39 +15,18 @@ from typing import Any, TypeVar
 
 import uvicorn
 
+from gyre.http_server import listen, uvicorn_config
 from gyre.proxy.app import build_app
 from gyre.proxy.core import Proxy, harness_env
 from gyre.proxy.errors import ProxyError
+from gyre.proxy.http import refusal_parts
 from gyre.proxy.registry import Registration
 
 T = TypeVar("T")
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening socket whose connections send without Nagle's delay.
-
-    uvicorn writes a response as two segments (head, body); with Nagle on, the body waits for the client's
-    delayed ACK of the head: about 40 ms per response on Linux. Accepted sockets inherit TCP_NODELAY from
-    the listening socket, so it is set here once.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    return sock
-
-
 def _uvicorn_config(proxy: Proxy, **kwargs: Any) -> uvicorn.Config:
-    return uvicorn.Config(
-        build_app(proxy),
-        lifespan="off",
-        access_log=False,
-        backlog=4096,
-        timeout_keep_alive=75,
-        timeout_graceful_shutdown=2,
-        **kwargs,
-    )
+    return uvicorn_config(build_app(proxy), proxy.config.server_limits(), refusal_parts, **kwargs)
 
 
 class ProxyServer:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +33,62 @@ def read_answer(context: EvaluationContext) -> tuple[float, dict[str, Any]]:
         return 0.0, {"missing": True}
     text = path.read_text().strip()
     return (1.0 if text == "hello" else 0.5), {"text": text[:40]}
+
+
+# Python evaluators run in a child process, so they are module-level functions (they pickle by reference).
+
+def constant(result: object, _context: EvaluationContext) -> object:
+    """Returns `result` (bind it with functools.partial)."""
+    return result
+
+
+def divides_by_zero(_context: EvaluationContext) -> float:
+    return 1 / 0
+
+
+def raises_key_error(_context: EvaluationContext) -> float:
+    raise KeyError("expected")
+
+
+def exits(_context: EvaluationContext) -> float:
+    sys.exit(3)
+
+
+def exits_hard(_context: EvaluationContext) -> float:
+    os._exit(7)
+
+
+def allocates_forever(_context: EvaluationContext) -> float:
+    hoard = []
+    while True:
+        hoard.append(bytearray(64 << 20))
+
+
+def loops_forever(context: EvaluationContext) -> float:
+    (context.scratch_dir / "looping").touch()
+    while True:
+        pass
+
+
+def spawns_an_escaping_child(context: EvaluationContext) -> float:
+    """Starts a grandchild in a new session, returns once it wrote its pid to `escaped.pid`."""
+    pid_file = context.scratch_dir / "escaped.pid"
+    subprocess.Popen([sys.executable, "-c", ESCAPE.format(pid_file=str(pid_file))], start_new_session=True).wait()
+    wait_for(pid_file.exists, timeout_s=60, what="the escaping grandchild's pid file")
+    return 1.0
+
+
+ESCAPE = """
+import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    with open({pid_file!r} + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename({pid_file!r} + ".tmp", {pid_file!r})
+    while True:
+        time.sleep(1)
+"""
+"""A double fork: the child leaves the session and outlives its parent, which exits at once."""
 
 
 def make_task(task_id: str = "t", *, evaluator: Evaluator | None = None, tmp: Path | None = None,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +28,18 @@ from gyre.harness import (
     build_evaluator,
 )
 from gyre.harness.evaluators import load_function
-from tests.harness.harness_helpers import read_answer
+from tests.harness.harness_helpers import (
+    allocates_forever,
+    constant,
+    divides_by_zero,
+    exits,
+    exits_hard,
+    loops_forever,
+    process_gone,
+    read_answer,
+    spawns_an_escaping_child,
+    wait_for,
+)
 
 SCRIPT_HEADER = "import json, sys, pathlib\n"
 
@@ -138,7 +151,7 @@ def test_python_evaluator_results(tmp_path: Path) -> None:
     ctx = context(tmp_path)
     for result, reward, details in [(0.75, 0.75, {}), ((1, {"k": 1}), 1.0, {"k": 1}),
                                     (Score(0.5, {"why": "half"}), 0.5, {"why": "half"})]:
-        outcome = PythonEvaluator(lambda _c, r=result: r, name="py").evaluate(ctx)
+        outcome = PythonEvaluator(functools.partial(constant, result), name="py").evaluate(ctx)
         assert isinstance(outcome, RewardOutcome) and (outcome.reward, outcome.details) == (reward, details)
 
 
@@ -147,32 +160,51 @@ def test_python_evaluator_results(tmp_path: Path) -> None:
     ((0.5, {"bad": object()}), "not JSON-serialisable"), ((0.5, {"x": math.inf}), "not JSON-serialisable"),
 ])
 def test_python_evaluator_invalid_results_are_crashes(tmp_path: Path, result: object, needle: str) -> None:
-    outcome = PythonEvaluator(lambda _c: result).evaluate(context(tmp_path))
+    outcome = PythonEvaluator(functools.partial(constant, result)).evaluate(context(tmp_path))
     assert isinstance(outcome, FailureOutcome) and outcome.error == "crash" and needle in outcome.message
 
 
 def test_python_evaluator_crash_and_timeout(tmp_path: Path) -> None:
-    def crash(_context: EvaluationContext) -> float:
-        return 1 / 0
-
-    outcome = PythonEvaluator(crash, name="py").evaluate(context(tmp_path))
+    outcome = PythonEvaluator(divides_by_zero, name="py").evaluate(context(tmp_path))
     assert isinstance(outcome, FailureOutcome) and outcome.error == "crash"
     assert outcome.message.startswith("ZeroDivisionError: division by zero at ")
-
-    def exits(_context: EvaluationContext) -> float:
-        sys.exit(3)
-
     outcome = PythonEvaluator(exits).evaluate(context(tmp_path))
     assert isinstance(outcome, FailureOutcome) and outcome.error == "crash" and "SystemExit: 3" in outcome.message
-
-    def slow(_context: EvaluationContext) -> float:
-        time.sleep(2)
-        return 1.0
-
-    began = time.monotonic()
-    outcome = PythonEvaluator(slow, timeout_s=0.2).evaluate(context(tmp_path, "timed_out"))
-    assert time.monotonic() - began < 1.5
+    outcome = PythonEvaluator(loops_forever, timeout_s=0.5).evaluate(context(tmp_path, "timed_out"))
     assert isinstance(outcome, FailureOutcome) and outcome.error == "timeout" and outcome.partial is True
+    assert "did not return within 0.5s" in outcome.message
+
+
+def test_python_evaluator_runs_in_a_child_that_can_die(tmp_path: Path) -> None:
+    """Out of memory, a hard exit, a signal: each is a crash of the child, and this process carries on."""
+    outcome = PythonEvaluator(allocates_forever, memory_mb=512).evaluate(context(tmp_path))
+    assert isinstance(outcome, FailureOutcome) and outcome.error == "crash"
+    assert "out of memory (limit 512 MiB)" in outcome.message
+    outcome = PythonEvaluator(exits_hard, name="quitter").evaluate(context(tmp_path))
+    assert isinstance(outcome, FailureOutcome) and outcome.error == "crash"
+    assert "'quitter' exited with code 7 without a result" in outcome.message
+    outcome = PythonEvaluator(read_answer).evaluate(context(tmp_path))  # the warm parent still serves
+    assert isinstance(outcome, RewardOutcome) and outcome.reward == 1.0
+
+
+def test_python_evaluator_leaves_no_process_behind(tmp_path: Path) -> None:
+    """A grandchild that left the evaluator's session (double fork + setsid) is killed when it returns."""
+    ctx = context(tmp_path)
+    outcome = PythonEvaluator(spawns_an_escaping_child).evaluate(ctx)
+    assert isinstance(outcome, RewardOutcome) and outcome.reward == 1.0
+    pid = int((ctx.scratch_dir / "escaped.pid").read_text())
+    wait_for(lambda: process_gone(pid), what=f"the escaped grandchild {pid} to be killed")
+
+
+def test_python_evaluator_must_pickle(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="module-level function"):
+        PythonEvaluator(lambda _c: 1.0)
+
+
+def test_command_evaluator_memory_limit(tmp_path: Path) -> None:
+    hog = "hoard = []\nwhile True:\n    hoard.append(bytearray(64 << 20))\n"
+    outcome = command(tmp_path, hog, memory_mb=512).evaluate(context(tmp_path))
+    assert isinstance(outcome, FailureOutcome) and outcome.error == "crash" and "MemoryError" in outcome.message
 
 
 def test_python_evaluator_loading(tmp_path: Path) -> None:
@@ -187,3 +219,15 @@ def test_python_evaluator_loading(tmp_path: Path) -> None:
         load_function("missing.py:grade", tmp_path)
     with pytest.raises(ConfigError, match="cannot load 'no_such_module_xyz'"):
         load_function("no_such_module_xyz:grade", tmp_path)
+
+
+def test_a_child_that_cannot_be_prepared_is_an_infrastructure_failure(tmp_path: Path) -> None:
+    """Code piped to `python -` has a `__main__` that multiprocessing cannot import in the child."""
+    script = (f"from pathlib import Path\nfrom gyre.harness import EvaluationContext, PythonEvaluator, TaskSpec\n"
+              f"from tests.harness.harness_helpers import read_answer\n"
+              f"w = Path({str(tmp_path)!r}) / 'w'\nw.mkdir()\n"
+              f"ctx = EvaluationContext('e', TaskSpec(id='t', prompt='p'), w, w.parent / 's')\n"
+              f"print(PythonEvaluator(read_answer).evaluate(ctx).error)\n")
+    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.stdout.strip() == "infrastructure", done.stderr[-2000:]

@@ -27,7 +27,15 @@ from gyre.harness import (
 )
 from gyre.log import LogReader, LogWriter
 from gyre.sink import LogSink, MemorySink
-from tests.harness.harness_helpers import TOKEN, execution, make_task, process_gone, shell, wait_for
+from tests.harness.harness_helpers import (
+    TOKEN,
+    execution,
+    make_task,
+    process_gone,
+    raises_key_error,
+    shell,
+    wait_for,
+)
 
 URL = "http://127.0.0.1:9"
 
@@ -202,12 +210,9 @@ def test_close_with_kill_cancels_running_and_queued_executions(tmp_path: Path) -
 
 
 def test_an_evaluator_crash_is_recorded_as_evaluation_failed(tmp_path: Path) -> None:
-    def broken(context: object) -> float:
-        raise KeyError("expected")
-
     sink = MemorySink()
     with runner(shell("true"), tmp_path, sink) as r:
-        result = r.run(execution(make_task(evaluator=PythonEvaluator(broken, name="broken"))))
+        result = r.run(execution(make_task(evaluator=PythonEvaluator(raises_key_error, name="broken"))))
     assert result.status == "completed" and result.reward is None
     [failed] = sink.of(EvaluationFailed)
     assert failed.error == "crash" and failed.evaluator == "broken" and "KeyError: 'expected'" in failed.message

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 import uuid
@@ -20,6 +19,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from gyre.engine.errors import EngineError, EngineRequestError, KvRefusedError
 from gyre.engine.kv_protocol import KvCancelRequest, KvCommitRequest, KvExportRequest, KvReserveRequest
@@ -36,9 +37,14 @@ from gyre.engine.protocol import (
     UpdateWeightsFromTensorRequest,
 )
 from gyre.errors import TransferError
+from gyre.http_server import Refusal, ServerLimits, listen, uvicorn_config
 
 M = TypeVar("M", bound=BaseModel)
 _DISCONNECT_POLL_S = 0.5
+DEFAULT_LIMITS = ServerLimits(max_body_bytes=1 << 30)
+"""The engine's HTTP limits: a large body, since `update_weights_from_tensor` carries weights."""
+_REFUSAL_TYPES = {"invalid_request": "invalid_request_error", "too_large": "request_too_large",
+                  "request_timeout": "request_timeout", "overloaded": "engine_unavailable"}
 
 
 class _BadRequest(Exception):
@@ -51,6 +57,12 @@ class _BadRequest(Exception):
 def _error(status: int, field: str, message: str, extra: dict[str, Any] | None = None) -> JSONResponse:
     body = {"error": {"message": message, "field": field, "type": "invalid_request_error"}, **(extra or {})}
     return JSONResponse(body, status_code=status)
+
+
+def _refusal(_path: str | None, refusal: Refusal) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """The HTTP server's refusals (bad framing, limits, timeouts) in the engine's error shape."""
+    body = {"error": {"message": refusal.message, "field": "request", "type": _REFUSAL_TYPES[refusal.kind]}}
+    return refusal.status, body, {}
 
 
 def _field_path(loc: tuple[int | str, ...]) -> str:
@@ -67,7 +79,7 @@ async def _parse(request: Request, model: type[M], *, optional_body: bool = Fals
         return model()
     try:
         data = json.loads(raw)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8
         raise _BadRequest("body", f"request body is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise _BadRequest("body", "request body must be a JSON object")
@@ -156,6 +168,14 @@ def build_app(engine: LocalEngine) -> FastAPI:
     async def _kv_refused(_: Request, e: KvRefusedError) -> JSONResponse:
         body = {"error": {"message": e.message, "field": e.field, "type": "kv_refused"}}
         return JSONResponse(body, status_code=409)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _error(e.status_code, "path", f"{request.method} {request.url.path}: {e.detail}")
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, e: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # nobody reads it: the client left, or a stalled body was refused
 
     @app.exception_handler(TransferError)
     async def _transfer_failed(_: Request, e: TransferError) -> JSONResponse:
@@ -347,10 +367,12 @@ class LocalEngineServer:
     `with LocalEngineServer(LocalEngine()) as url: ...` starts both and stops both on exit.
     """
 
-    def __init__(self, engine: LocalEngine, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, engine: LocalEngine, host: str = "127.0.0.1", port: int = 0,
+                 limits: ServerLimits = DEFAULT_LIMITS) -> None:
         self.engine = engine
         self.host = host
         self.port = port
+        self.limits = limits
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -360,17 +382,11 @@ class LocalEngineServer:
 
     def start(self, timeout_s: float = 30.0) -> str:
         """Start engine and server; returns the base URL once the server accepts connections."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        # Accepted connections inherit this on Linux: without it each response waits for a delayed ACK (~40 ms).
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((self.host, self.port))
+        sock = listen(self.host, self.port)
         self.port = sock.getsockname()[1]
         self.engine.start()
-        config = uvicorn.Config(
-            build_app(self.engine), log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=2
-        )
-        self._server = uvicorn.Server(config)
+        self._server = uvicorn.Server(uvicorn_config(build_app(self.engine), self.limits, _refusal,
+                                                     log_level="warning"))
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [sock]}, name="gyre-engine-http", daemon=True
         )
@@ -400,10 +416,12 @@ def _wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> N
         time.sleep(0.01)
 
 
-def serve(engine: LocalEngine, host: str = "127.0.0.1", port: int = 30000) -> None:
+def serve(engine: LocalEngine, host: str = "127.0.0.1", port: int = 30000,
+          limits: ServerLimits = DEFAULT_LIMITS) -> None:
     """Run the engine server in the foreground until interrupted (the CLI entry)."""
     engine.start()
     try:
-        uvicorn.run(build_app(engine), host=host, port=port, log_level="info", access_log=False)
+        uvicorn.Server(uvicorn_config(build_app(engine), limits, _refusal, log_level="info")).run(
+            sockets=[listen(host, port)])
     finally:
         engine.stop()
