@@ -1,3 +1,4 @@
 from gyre.cli import app
 
-app()
+if __name__ == "__main__":  # multiprocessing's forkserver (evaluator sandboxes) imports the main module again
+    app()
