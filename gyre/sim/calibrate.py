@@ -10,7 +10,8 @@ every policy: nothing here can tune one policy against another. Fit only paramet
 source. ``--fit-on elastic,colocate`` scores a point on those policies' hours alone and reports the error
 on the others as a held-out check. Without published hours for them, it fits the speedup ranges whose
 policies are both fitted instead (``x colocate`` for elastic,colocate); a range involving a held-out
-policy is always reported as a held-out check (``held_out["speedup_vs_async"]``: how far outside its published range, 0 inside).
+policy is always reported as a held-out check (``held_out["speedup_vs_async"]``: how far outside its
+published range, 0 inside).
 That is how a scenario without published hours (``seed-122b``) is fitted without circularity. Ties
 (several points inside every range) go to the point nearest the middle of the fitted ranges (``centre``,
 a log distance), so a fit does not sit on the edge of a range.
