@@ -265,10 +265,11 @@ class Rollouts:
 
     def _call_finished(self, run: Running, aborted: bool = False) -> None:
         sim = self.sim
+        extra = {"finish_reason": "abort"} if aborted else {}  # a default left unset is not written
         sim.emit(ModelCallFinished(ts=sim.ts, execution_id=run.spec.execution_id, call_id=run.call_id(),
                                    cell_id=run.cell, policy_version=sim.trainer.published,
                                    latency_s=(sim.now - run.call_started_us) / US,
-                                   parent_call_id=run.parent, finish_reason="abort" if aborted else "stop"))
+                                   parent_call_id=run.parent, **extra))
         if not aborted:
             run.parent = run.call_id()
 
