@@ -1,8 +1,9 @@
 """The scenarios against the brief's table (full length, default seed; ~30 s of CPU in all).
 
 With load-dependent decode, shared links and the other honest costs on, the 2.4T hours still land within
-10% of the published ones under the brief's baselines, but the speedups over colocate on the two
-long-horizon scenarios fall below the published 1.21x floor (docs/simulator.md says by how much).
+10% of the published ones under the brief's baselines, but 2.4T's speedup over colocate falls just below
+the published 1.21x floor and seed-122b's held-out speedup over async above the 1.78x ceiling
+(docs/simulator.md says by how much).
 """
 
 import pytest
