@@ -3,6 +3,10 @@
 Every cell rolls out until the step's batch is complete (watermark 0), then every cell trains; once the
 step is finished and the next batch is queued, every cell returns to rollout. The cluster therefore waits
 for the slowest execution of each batch, which is exactly the cost the elastic policy attacks.
+
+With ``partial_rollouts`` (slime's design: colocated, with over-sampling) the cluster trains as soon as
+the next step's batch is full (``WorkState.assignable``), and the executions still running are cut, to
+continue when the cluster rolls out again. Without it decisions are exactly colocate/1's.
 """
 
 from gyre.events.models import RoleSwitchRequested
@@ -17,7 +21,15 @@ def decide(view: SchedulerView, params: ColocateParams) -> list[RoleSwitchReques
     training = view.cells_in("training")
     if view.entering("rollout") or view.entering("training"):
         return []  # a phase change is under way: let it finish
-    if view.watermark == 0 and view.training_pending and rollout:
+    if params.partial_rollouts:
+        work = view.work
+        groups = work.batch_groups()
+        full = groups > 0 and work.open_train is None and work.assignable(work.next_train_step(), groups)[1]
+        if full or (view.watermark == 0 and view.training_pending):  # train now (or stay training)
+            return [RoleSwitchRequested(cell_id=cell.cell_id, from_role="rollout", to_role="training",
+                                        reason="next batch full: the whole cluster trains, the rest is cut",
+                                        watermark=view.watermark) for cell in rollout]
+    elif view.watermark == 0 and view.training_pending and rollout:
         free = free_slots(view, rollout)
         return [leave_rollout(view, cell, [], free, "batch complete: the whole cluster trains") for cell in rollout]
     if view.watermark > 0 and view.open_step is None and training:

@@ -11,6 +11,15 @@ mechanism that is not the thing compared (``docs/simulator.md``, ablations):
   without it a cell leaves only once it holds no execution. Only elastic lends cells mid-batch, so only
   it has a use for it; colocate and async leave rollout with nothing in flight.
 
+- ``partial_rollouts`` (with ``oversample_groups``): slime's ``--partial-rollout`` with over-sampling
+  (and AReaL's interruptible rollouts). A step trains the first ``groups`` GSPO groups to complete among
+  the queued, untrained groups, not necessarily its own batch's; a group not trained by then is carried
+  to a later step, and rollouts a cell leaving rollout cannot redirect are *cut*: their progress is kept
+  and they continue later under the newer weights. A group's oldest tokens may therefore be
+  ``staleness + 1`` versions behind the step that trains it (never more: a group is *due* at the step
+  after that and the step waits for it). ``docs/simulator.md`` gives the full definition. Every policy
+  may use it; off by default, so recorded runs replay unchanged.
+
 The defaults are the brief's designs (streaming for elastic only); scenarios and ``gyre sim --set``
 change them per policy.
 """
@@ -26,6 +35,13 @@ class PolicyParams(BaseModel):
     staleness: NonNegativeInt = Field(0, description="steps a batch may lag the policy version it trains")
     stream_micro_steps: bool = Field(
         False, description="train each GSPO group as soon as it is complete instead of waiting for the batch")
+    partial_rollouts: bool = Field(
+        False, description="a step trains the first complete groups, whichever batch they came from; groups "
+                           "left over are carried one step at most, rollouts on a cell leaving rollout are cut "
+                           "and continued later under the newer weights")
+    oversample_groups: NonNegativeInt = Field(
+        0, description="with partial_rollouts: groups of the next batch queued with each batch (they only "
+                       "take slots the batch leaves free); at most half a batch")
 
 
 class ElasticParams(PolicyParams):

@@ -6,6 +6,7 @@ and which GSPO groups are complete (every member scored, excluded or failed), so
 training has work. Everything is a fold of log events: replay rebuilds exactly what the simulator saw.
 """
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -55,6 +56,58 @@ class WorkState:
     ``join`` (satellite weight pulls)."""
     planned_micro_steps: int = 0
     """Micro-steps planned by the most recent train step."""
+    partial_rollouts: bool = False
+    """The run's policy uses partial rollouts (from ``run_started``): steps take groups by ``assigned``."""
+    staleness: int = 0
+    group_origin: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Group -> (the batch it was queued with, the policy version when it was first queued)."""
+    pool: list[str] = field(default_factory=list)
+    """Complete groups not yet assigned to a train step, in completion order (partial rollouts)."""
+    assigned: dict[int, list[str]] = field(default_factory=dict)
+    """Train step -> the groups it trains, in the order its micro-steps take them (partial rollouts)."""
+    steps_started: int = 0
+    open_train: int | None = None
+    """The train step started and not finished."""
+    open_groups: int = 0
+    """Groups the open train step trains."""
+
+    def batch_groups(self) -> int:
+        """Groups per train step: those of the first batch the log queued (every batch has as many)."""
+        if not self.steps:
+            return 0
+        first = self.steps[min(self.steps)]
+        return len(first.group_sizes) + len(first.complete_groups)
+
+    def next_train_step(self) -> int:
+        return self.open_train if self.open_train is not None else self.steps_started
+
+    def _due(self, step: int) -> list[str]:
+        """Groups ``step`` must train: first queued ``staleness + 1`` or more versions before it."""
+        limit = step - self.staleness - 1
+        taken = {g for groups in self.assigned.values() for g in groups}
+        return [g for g, (_, version) in self.group_origin.items() if version <= limit and g not in taken]
+
+    def assignable(self, step: int, groups: int) -> tuple[list[str], bool]:
+        """Partial rollouts: the pool groups ``step`` takes now, and whether its batch is then full.
+
+        Every *due* group is taken (the step waits for one that is not complete); the other complete
+        groups of batches up to ``step + 1`` fill the rest in completion order, with room kept for the due
+        groups still running. Pure: the simulator's trainer and the policies read the same answer.
+        """
+        have = len(self.assigned.get(step, ()))
+        due = set(self._due(step))
+        need, reserve = groups - have, len(due)
+        take = []
+        for g in self.pool:
+            if need <= 0:
+                break
+            if g in due:
+                take.append(g)
+                need, reserve = need - 1, reserve - 1
+            elif self.group_origin[g][0] <= step + 1 and need > reserve:
+                take.append(g)
+                need -= 1
+        return take, need == 0
 
     def mean(self, what: str) -> float | None:
         """Measured mean duration of ``what`` in seconds, or None before the first one."""
@@ -69,17 +122,27 @@ class WorkState:
 
 class WorkView(Projection[WorkState]):
     name = "work"
-    version = 2
+    version = 3
     state_type = WorkState
 
-    @on("execution_queued", "execution_id", "group_id", "step")
-    def _queued(self, s: WorkState, execution_id, group_id, step) -> None:
+    @on("run_started", "policy_params")
+    def _run(self, s: WorkState, policy_params) -> None:
+        try:
+            params = json.loads(policy_params or "{}")
+        except json.JSONDecodeError:
+            params = {}
+        s.partial_rollouts = bool(params.get("partial_rollouts", False))
+        s.staleness = int(params.get("staleness", 0) or 0)
+
+    @on("execution_queued", "execution_id", "group_id", "step", "policy_version")
+    def _queued(self, s: WorkState, execution_id, group_id, step, policy_version) -> None:
         if execution_id in s.execution_group:  # a new attempt of an unfinished execution: same batch slot
             self._place(s, execution_id, None)
             for call in s.execution_inflight.pop(execution_id, ()):
                 del s.call_execution[call]
             return
         step = -1 if step is None else step
+        s.group_origin.setdefault(group_id, (step, policy_version or 0))
         work = s.steps.setdefault(step, StepWork())
         work.executions += 1
         work.group_sizes[group_id] = work.group_sizes.get(group_id, 0) + 1
@@ -128,9 +191,26 @@ class WorkView(Projection[WorkState]):
     def _evaluation_failed(self, s: WorkState, execution_id) -> None:
         self._done(s, execution_id)
 
-    @on("train_step_started", "planned_micro_steps")
-    def _step_started(self, s: WorkState, planned_micro_steps) -> None:
+    @on("train_step_started", "step", "planned_micro_steps", "groups")
+    def _step_started(self, s: WorkState, step, planned_micro_steps, groups) -> None:
         s.planned_micro_steps = planned_micro_steps
+        s.steps_started += 1
+        s.open_train = step
+        if s.partial_rollouts:
+            s.assigned[step] = []
+            s.open_groups = groups or s.batch_groups()
+            self._assign(s, s.open_groups)
+
+    @staticmethod
+    def _assign(s: WorkState, groups: int) -> None:
+        step = s.open_train
+        if step is None:
+            return
+        take, _ = s.assignable(step, groups)
+        if take:
+            s.assigned[step].extend(take)
+            chosen = set(take)
+            s.pool = [g for g in s.pool if g not in chosen]
 
     @on("micro_step_finished", "duration_s")
     def _micro_finished(self, s: WorkState, duration_s) -> None:
@@ -153,6 +233,8 @@ class WorkView(Projection[WorkState]):
     def _trained(self, s: WorkState, step) -> None:
         if step in s.steps:
             s.trained.add(step)
+        if s.open_train == step:
+            s.open_train = None
 
     @staticmethod
     def _place(s: WorkState, execution_id: str, cell_id: str | None) -> None:
@@ -174,6 +256,10 @@ class WorkView(Projection[WorkState]):
         if work.group_sizes[group] == 0:
             del work.group_sizes[group]
             work.complete_groups.append(group)
+            if s.partial_rollouts:
+                s.pool.append(group)
+                if s.open_train is not None:
+                    WorkView._assign(s, s.open_groups)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,9 @@ published ``publish_s`` later. Switching costs and slot limits are ignored, so n
 With load-dependent decode an execution can run faster than its sampled (full-cell) duration: the work
 term divides by the fastest rate a full cell reaches (empty contexts), the critical path by the fastest
 rate of a lone request, and the optimizer is counted without the all-reduce (one contributing cell).
+With partial rollouts a step need not wait for its own batch: every group of batch ``s`` is trained by
+step ``s + 1`` at the latest (the due rule) and was queued no earlier than version ``s - 1 - staleness``
+(over-sampled with the batch before), so the critical path makes step ``s + 1`` wait for batch ``s``.
 """
 
 from dataclasses import dataclass
@@ -27,7 +30,7 @@ class Bound:
         return max(self.work_s, self.critical_path_s)
 
 
-def lower_bound(scenario: Scenario, workload: Workload, staleness: int) -> Bound:
+def lower_bound(scenario: Scenario, workload: Workload, staleness: int, partial: bool = False) -> Bound:
     cluster, training = scenario.cluster, scenario.training
     curve = DecodeCurve(scenario)
     full_rate, lone_rate = curve.rate(cluster.slots_per_cell, 0), curve.rate(1, 0)
@@ -35,16 +38,21 @@ def lower_bound(scenario: Scenario, workload: Workload, staleness: int) -> Bound
     work = 0.0
     published = [0.0]  # time version v is on the rollout engines
     train_end = 0.0
+    previous_ready = 0.0  # partial rollouts: when the batch before this step's own was complete
     for step, batch in enumerate(workload.batches):
         work += sum(e.duration_s for e in batch) / cluster.slots_per_cell / full_rate
         group_s = _group_costs(batch, s_per_mtoken)
         work += sum(group_s) + training.optimizer_s
-        start = published[max(0, step - staleness)]
+        start = published[max(0, step - staleness - (1 if partial else 0))]
         ready = start + max(e.duration_s / lone_rate + (0.0 if e.status == "harness_error" else e.eval_s)
                             for e in batch)
         last_micro = min(group_s) / scenario.batch.micro_steps_per_group
-        train_end = max(ready, train_end) + last_micro + training.optimizer_s
+        waits_for = previous_ready if partial else ready
+        if partial and step == len(workload.batches) - 1:
+            waits_for = max(previous_ready, ready)  # the last step trains whatever is left
+        train_end = max(waits_for, train_end) + last_micro + training.optimizer_s
         published.append(train_end + training.publish_s)
+        previous_ready = ready
     return Bound(work_s=work / cluster.cells, critical_path_s=published[-1])
 
 

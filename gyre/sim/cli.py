@@ -108,3 +108,7 @@ def _print_ablation(out: dict[str, Any]) -> None:
     console.print(f"lead over the brief's colocate {d['total_vs_brief_colocate']:.3f}x = streaming "
                   f"{d['streaming']:.3f}x · elasticity {d['elasticity']:.3f}x · migration {d['migration']:.3f}x")
     console.print(out["verdict"])
+    pr = out["partial_rollouts"]
+    gains = ", ".join(f"{design} {gain:.3f}x" for design, gain in pr["gain"].items())
+    console.print(f"with partial rollouts for every design (gain {gains}; groups up to {pr['max_group_lag']} "
+                  f"versions old): elastic {pr['speedup_vs_best_baseline']:.3f}x the best baseline")

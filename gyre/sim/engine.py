@@ -2,8 +2,9 @@
 
 Each simulated instant runs in one round: the actions due now (calls, finishes, evaluations, switches,
 micro-steps), then the shared mechanics (admit batches, dispatch, start steps, claim micro-steps), then the
-policy decides once on the view folded from every event so far, and its decisions take effect (redirects
-are emitted in the same instant). Replay relies on this shape: in a log, a policy's decisions are the
+policy decides once on the view folded from every event so far, and its decisions take effect (redirects,
+and with partial rollouts the cuts of what a leaving cell does not redirect, are emitted in the same
+instant). Replay relies on this shape: in a log, a policy's decisions are the
 ``role_switch_requested`` events of an instant, decided on the events of that instant that precede them.
 """
 
@@ -123,7 +124,7 @@ class Simulation:
         elif d.to_role == "training":
             moved = {r.call_id for r in d.redirects}
             left = set(self.view.cluster.inflight(d.cell_id)) - moved
-            if left:
+            if left and not self.params.partial_rollouts:
                 problem = f"calls {sorted(left)[:3]} stay on the cell without a redirect"
             for r in d.redirects:
                 target = self.view.cluster.cells.get(r.to_cell_id)
@@ -139,6 +140,8 @@ class Simulation:
         sw = self.scenario.switch
         if d.to_role == "training":
             self.rollouts.redirect_all(d.redirects, cell)
+            if self.params.partial_rollouts:
+                self.rollouts.cut(cell)  # what was not redirected is cut, to continue later
             for execution in self.rollouts.on_cell(cell):
                 raise SimulationError(f"execution {execution} still holds a slot on {cell}, which left rollout")
             self.after(sw.to_training_s, lambda: self._switched(d, requested))

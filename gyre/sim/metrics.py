@@ -1,8 +1,9 @@
 """Busy and idle time read back from a log with DuckDB, so any run (simulated or live) can be judged.
 
 An execution holds 1/slots of its cell from its start (or the redirect that brought it there) until it
-finishes or moves; a micro-step holds its cell for its duration; the optimizer holds the core from the
-step's last micro-step to ``train_step_finished``. Everything else is idle: switches, joins, waiting.
+finishes, moves or is cut (queued again, partial rollouts); a micro-step holds its cell for its duration;
+the optimizer holds the core from the step's last micro-step to ``train_step_finished``. Everything else
+is idle: switches, joins, waiting.
 """
 
 from dataclasses import dataclass
@@ -13,7 +14,8 @@ BUSY_SQL = """
 WITH placed AS (
     SELECT execution_id, cell_id, epoch_us(ts) AS t, seq FROM executions_started
     UNION ALL SELECT execution_id, to_cell_id, epoch_us(ts), seq FROM call_redirects
-    UNION ALL SELECT execution_id, NULL, epoch_us(ts), seq FROM executions_finished),
+    UNION ALL SELECT execution_id, NULL, epoch_us(ts), seq FROM executions_finished
+    UNION ALL SELECT execution_id, NULL, epoch_us(ts), seq FROM executions_queued),
 held AS (
     SELECT cell_id, lead(t) OVER (PARTITION BY execution_id ORDER BY seq) - t AS us FROM placed),
 optimizer AS (

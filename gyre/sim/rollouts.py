@@ -10,6 +10,11 @@ cell's clock has advanced by the call's reference length. The clock is re-rated 
 context changes, so only the cell's next due call is on the agenda. A redirected call's execution holds
 its slot on the new cell but decodes nothing while its KV blocks migrate; migrations out of one leaving
 cell share that cell's egress (``kv_cell_gb_per_s``), each capped at one path (``kv_gb_per_s``).
+
+Partial rollouts: an execution still on a cell that leaves rollout without redirecting it is *cut*: its
+call in flight is aborted, it is queued again (at the front: slime's buffer is consumed first) and it
+later continues where it stopped (the rest of its call, then its remaining calls) under the weights of
+that moment. Its work is kept, not redone; re-prefilling the context on the new cell is not charged.
 """
 
 import heapq
@@ -57,9 +62,14 @@ class Running:
     """Bumped whenever the execution leaves a cell's heap or a pending arrival, so stale entries are ignored."""
     since_us: int = 0
     """When the execution arrived on its current cell (for busy-time accounting)."""
+    resumes: int = 0
+    """Times the execution was cut and continued (partial rollouts): its later calls get new ids."""
+    parent: str | None = None
+    """The last call that finished: the parent of the next one."""
 
-    def call_id(self, index: int | None = None) -> str:
-        return f"{self.spec.execution_id}-c{self.call if index is None else index}"
+    def call_id(self) -> str:
+        suffix = f"-r{self.resumes}" if self.resumes else ""
+        return f"{self.spec.execution_id}-c{self.call}{suffix}"
 
     @property
     def context(self) -> int:
@@ -131,6 +141,9 @@ class Rollouts:
         self.curve = DecodeCurve(sim.scenario)
         self.clocks: dict[str, CellClock] = {c.cell_id: CellClock() for c in sim.cells}
         self._order = itertools.count()
+        self.suspended: dict[str, Running] = {}
+        """Cut executions waiting in the queue to continue (partial rollouts)."""
+        self.cuts = 0
 
     def enqueue(self, batch: tuple[ExecutionSpec, ...], policy_version: int) -> None:
         sim = self.sim
@@ -159,6 +172,14 @@ class Rollouts:
     def _start(self, spec: ExecutionSpec, cell: str) -> None:
         sim = self.sim
         now = sim.now
+        run = self.suspended.pop(spec.execution_id, None)
+        if run is not None:  # a cut execution continues where it stopped
+            run.cell, run.since_us, run.resumes = cell, now, run.resumes + 1
+            self.running[spec.execution_id] = run
+            sim.emit(ExecutionStarted(ts=sim.ts, execution_id=spec.execution_id, cell_id=cell))
+            self._call_started(run)
+            self._activate(run, cell, run.remaining, retime=False)
+            return
         call_us = max(1, to_us(spec.duration_s) // spec.calls)
         run = Running(spec, cell, now, call_us, since_us=now)
         self.running[spec.execution_id] = run
@@ -240,14 +261,17 @@ class Rollouts:
         prompt = run.spec.tokens * run.call // run.spec.calls
         sim.emit(ModelCallStarted(ts=sim.ts, execution_id=run.spec.execution_id, call_id=run.call_id(),
                                   cell_id=run.cell, prompt_tokens=prompt, policy_version=sim.trainer.published,
-                                  parent_call_id=run.call_id(run.call - 1) if run.call else None))
+                                  parent_call_id=run.parent))
 
-    def _call_finished(self, run: Running) -> None:
+    def _call_finished(self, run: Running, aborted: bool = False) -> None:
         sim = self.sim
+        extra = {"finish_reason": "abort"} if aborted else {}  # a default left unset is not written
         sim.emit(ModelCallFinished(ts=sim.ts, execution_id=run.spec.execution_id, call_id=run.call_id(),
                                    cell_id=run.cell, policy_version=sim.trainer.published,
                                    latency_s=(sim.now - run.call_started_us) / US,
-                                   parent_call_id=run.call_id(run.call - 1) if run.call else None))
+                                   parent_call_id=run.parent, **extra))
+        if not aborted:
+            run.parent = run.call_id()
 
     def _end(self, run: Running) -> None:
         sim, spec = self.sim, run.spec
@@ -309,6 +333,25 @@ class Rollouts:
     def _arrive(self, run: Running, epoch: int) -> None:
         if epoch == run.epoch and run.spec.execution_id in self.running:
             self._activate(run, run.cell, run.remaining)
+
+    # -- partial rollouts --------------------------------------------------------------------------------
+
+    def cut(self, cell: str) -> None:
+        """Cut every execution still on ``cell`` (leaving rollout): abort its call, queue it again first."""
+        sim = self.sim
+        specs = []
+        for execution_id in self.on_cell(cell):
+            run = self.running.pop(execution_id)
+            run.remaining = self._deactivate(run)
+            sim.stats.rollout_busy(run.cell, sim.now - run.since_us)
+            self._call_finished(run, aborted=True)
+            spec = run.spec
+            sim.emit(ExecutionQueued(ts=sim.ts, execution_id=spec.execution_id, task_id=spec.task_id,
+                                     group_id=spec.group_id, policy_version=sim.trainer.published, step=spec.step))
+            self.suspended[execution_id] = run
+            specs.append(spec)
+            self.cuts += 1
+        self.queue.extendleft(reversed(specs))
 
     def on_cell(self, cell: str) -> list[str]:
         return sorted(e for e, run in self.running.items() if run.cell == cell)

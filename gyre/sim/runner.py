@@ -34,6 +34,13 @@ class SimResult:
     executions: int
     timed_out_share: float
     log: str | None
+    partial_rollouts: bool = False
+    cut_executions: int = 0
+    """Executions cut on a cell leaving rollout and continued later (partial rollouts)."""
+    carried_groups: int = 0
+    """Groups trained by a later step than their own batch's (partial rollouts)."""
+    max_group_lag: int = 0
+    """Most versions between a trained group's first queueing and the step that trained it."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -81,7 +88,7 @@ def simulate(scenario: Scenario, policy_name: str, *, seed: int | None = None, s
 def summarise(sim: Simulation, makespan_us: int, log_dir: str | Path | None) -> SimResult:
     sc, workload = sim.scenario, sim.workload
     seconds = makespan_us / 1e6
-    bound = lower_bound(sc, workload, sim.params.staleness)
+    bound = lower_bound(sc, workload, sim.params.staleness, sim.params.partial_rollouts)
     busy_s = sum(sim.stats.busy_us.values()) / 1e6
     cells = sc.cluster.cells
     executions = workload.executions()
@@ -94,7 +101,20 @@ def summarise(sim: Simulation, makespan_us: int, log_dir: str | Path | None) -> 
         idle_gpu_hours=(cells * seconds - busy_s) * sc.cluster.gpus_per_cell / 3600,
         role_switches=sim.stats.switches, redirects=sim.stats.redirects, executions=len(executions),
         timed_out_share=sum(e.status == "timed_out" for e in executions) / max(1, len(executions)),
-        log=str(log_dir) if log_dir is not None else None)
+        log=str(log_dir) if log_dir is not None else None, partial_rollouts=sim.params.partial_rollouts,
+        cut_executions=sim.rollouts.cuts, **_lags(sim))
+
+
+def _lags(sim: Simulation) -> dict[str, int]:
+    """Groups trained after their own batch's step, and the largest version lag of a trained group."""
+    work = sim.view.work
+    if work.partial_rollouts:
+        trained = [(step, g) for step, groups in work.assigned.items() for g in groups]
+    else:
+        trained = [(s, g) for s, w in work.steps.items() for g in w.complete_groups]
+    carried = sum(1 for step, g in trained if step > work.group_origin[g][0])
+    lag = max((step - work.group_origin[g][1] for step, g in trained), default=0)
+    return {"carried_groups": carried, "max_group_lag": lag}
 
 
 def compare(scenario: Scenario, *, seed: int | None = None, steps: int | None = None,
@@ -127,8 +147,18 @@ class Variant:
     """elastic | colocate | async: the design it stands for."""
 
 
+def oversample_sweep(scenario: Scenario) -> list[int]:
+    """Over-sampled groups tried with partial rollouts: a quarter and half a batch (the most allowed)."""
+    groups = scenario.batch.groups
+    return sorted({max(1, groups // 4), groups // 2} - {0})
+
+
 def ablation_variants(scenario: Scenario) -> list[Variant]:
-    """Elastic with and without its mechanisms; every baseline with and without each one it can use."""
+    """Elastic with and without its mechanisms; every baseline with and without each one it can use.
+
+    Partial rollouts are given to every design in its best form (with streaming, over-sampling a quarter
+    or half a batch; for async, every split), so the comparison with them is matched too.
+    """
     out = [Variant("elastic", "elastic", {}, "elastic"),
            Variant("elastic, no streaming", "elastic", {"stream_micro_steps": False}, "elastic"),
            Variant("elastic, no migration", "elastic", {"migrate": False}, "elastic"),
@@ -143,6 +173,15 @@ def ablation_variants(scenario: Scenario) -> list[Variant]:
                 continue
             label = f"async {cells} training" + (" + streaming" if stream else "")
             out.append(Variant(label, "async", {"stream_micro_steps": stream, "training_cells": cells}, "async"))
+    for k in oversample_sweep(scenario):
+        partial = {"partial_rollouts": True, "oversample_groups": k}
+        suffix = f" + partial rollouts ({k} over-sampled)"
+        out.append(Variant("elastic" + suffix, "elastic", partial, "elastic+partial"))
+        out.append(Variant("colocate + streaming" + suffix, "colocate", {"stream_micro_steps": True, **partial},
+                           "colocate+partial"))
+        for cells in range(1, scenario.cluster.cells):
+            out.append(Variant(f"async {cells} training + streaming" + suffix, "async",
+                               {"stream_micro_steps": True, "training_cells": cells, **partial}, "async+partial"))
     return out
 
 
@@ -150,9 +189,13 @@ def ablate(scenario: Scenario, *, seed: int | None = None, steps: int | None = N
     """Elastic against the best-tuned baselines given the same mechanisms, and its lead decomposed.
 
     Every run faces the same executions at the scenario's staleness (colocate: 0). Speedups are
-    baseline hours over elastic hours: below 1, elastic loses. The decomposition multiplies out to
-    elastic's lead over the brief's colocate: streaming (colocate -> colocate + streaming), elasticity
-    (-> elastic without migration: lending drained cells) and migration (-> elastic).
+    baseline hours over elastic hours: below 1, elastic loses. The headline comparison is without partial
+    rollouts (the scenario's designs); ``partial_rollouts`` repeats it with partial rollouts for every
+    design (``gain``: each design's best with them over its best without; their carried groups are up to
+    ``staleness + 1`` versions old, so this is a comparison at a looser staleness for all alike). The
+    decomposition multiplies out to elastic's lead over the brief's colocate: streaming (colocate ->
+    colocate + streaming), elasticity (-> elastic without migration: lending drained cells) and
+    migration (-> elastic).
     """
     seed = scenario.seed if seed is None else seed
     workload = sample_workload(scenario, seed, steps)
@@ -165,7 +208,9 @@ def ablate(scenario: Scenario, *, seed: int | None = None, steps: int | None = N
                      "params": params.model_dump(exclude={"switch_to_training_s", "switch_to_rollout_s",
                                                           "satellite_join_s"}),
                      "hours": round(r.hours, 4), "lower_bound_hours": round(r.lower_bound_hours, 4),
-                     "ratio_to_lower_bound": round(r.ratio_to_lower_bound, 4), "role_switches": r.role_switches})
+                     "ratio_to_lower_bound": round(r.ratio_to_lower_bound, 4), "role_switches": r.role_switches,
+                     "cut_executions": r.cut_executions, "carried_groups": r.carried_groups,
+                     "max_group_lag": r.max_group_lag})
     hours = {r["variant"]: r["hours"] for r in rows}
     elastic = hours["elastic"]
 
@@ -175,6 +220,17 @@ def ablate(scenario: Scenario, *, seed: int | None = None, steps: int | None = N
     best_colocate, best_async = best("colocate"), best("async")
     best_baseline = min(best_colocate, best_async, key=lambda r: r["hours"])
     lead = best_baseline["hours"] / elastic
+    with_partial = {design: best(design + "+partial") for design in ("elastic", "colocate", "async")}
+    partial_baseline = min(with_partial["colocate"], with_partial["async"], key=lambda r: r["hours"])
+    partial_lead = partial_baseline["hours"] / with_partial["elastic"]["hours"]
+    partial = {
+        "best_elastic": with_partial["elastic"]["variant"], "best_colocate": with_partial["colocate"]["variant"],
+        "best_async": with_partial["async"]["variant"],
+        "gain": {design: round(best(design)["hours"] / row["hours"], 4) if design != "elastic" else
+                 round(elastic / row["hours"], 4) for design, row in with_partial.items()},
+        "speedup_vs_best_baseline": round(partial_lead, 4),
+        "max_group_lag": max(r["max_group_lag"] for r in rows if r["design"].endswith("+partial")),
+    }
     x = {name: round(hours[name] / elastic, 4) for name in hours if name != "elastic"}
     decomposition = {
         "streaming": round(hours["colocate (brief)"] / hours["colocate + streaming"], 4),
@@ -193,4 +249,5 @@ def ablate(scenario: Scenario, *, seed: int | None = None, steps: int | None = N
         "speedup_vs_best_colocate": round(best_colocate["hours"] / elastic, 4),
         "speedup_vs_best_async": round(best_async["hours"] / elastic, 4),
         "speedup_vs_best_baseline": round(lead, 4), "decomposition": decomposition, "verdict": verdict,
+        "partial_rollouts": partial,
     }

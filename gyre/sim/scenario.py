@@ -177,6 +177,11 @@ class Scenario(_Section):
                 params = policy.params(self.policy.values(name))
             except ConfigError as error:
                 raise ValueError(f"[policy.{name}]: {error}") from None
+            if params.oversample_groups and not params.partial_rollouts:
+                raise ValueError(f"policy.{name}.oversample_groups needs partial_rollouts = true")
+            if 2 * params.oversample_groups > self.batch.groups:
+                raise ValueError(f"policy.{name}.oversample_groups ({params.oversample_groups}) may be at most "
+                                 f"half a batch ({self.batch.groups // 2} groups): a step must hold every group due")
             if name == "async" and params.training_cells >= self.cluster.cells:
                 raise ValueError(f"policy.async.training_cells ({params.training_cells}) must leave at "
                                  f"least one of the {self.cluster.cells} cells for rollout")

@@ -7,6 +7,12 @@ A step starts once the core is training and its first micro-step is ready (or, w
 the whole batch is), ends with the optimizer, then the new weights are published to the rollout engines.
 Batch ``s`` is queued once the published version is at least ``s - staleness``.
 
+Partial rollouts (``partial_rollouts``, ``docs/simulator.md``): a step trains the groups
+``WorkState.assignable`` gives it (due carried groups, then the first complete ones of batches up to the
+next), so it does not wait for its own batch's slowest group; with ``oversample_groups`` the first groups
+of the next batch are queued with each batch. The step no longer waits for its own batch to be queued:
+the due rule alone bounds how stale its data may be.
+
 Costs that depend on the layout: a micro-step's time scales with the cell's size
 (``TrainingSpec.cell_s_per_mtoken``); the optimizer step adds a ring all-reduce over the ``k`` cells that
 trained micro-steps of the step (``gradient_sync_s * 2(k-1)/k``); with ``share_core_link`` satellite
@@ -99,6 +105,9 @@ class SharedLink:
 class Trainer:
     def __init__(self, sim: "Simulation") -> None:
         self.sim = sim
+        self.partial = sim.params.partial_rollouts
+        self.oversampled: dict[int, set[str]] = {}
+        """Batch -> its groups already queued with the batch before it (over-sampling)."""
         self.next_batch = 0
         self.next_train = 0
         self.version = 0
@@ -121,9 +130,18 @@ class Trainer:
 
     def admit(self) -> None:
         sim = self.sim
-        while self.next_batch < sim.workload.steps and self.published >= self.next_batch - sim.params.staleness:
-            sim.rollouts.enqueue(sim.workload.batches[self.next_batch], self.published)
+        steps = sim.workload.steps
+        while self.next_batch < steps and self.published >= self.next_batch - sim.params.staleness:
+            early = self.oversampled.get(self.next_batch, set())
+            batch = tuple(e for e in sim.workload.batches[self.next_batch] if e.group_id not in early)
+            sim.rollouts.enqueue(batch, self.published)
             self.next_batch += 1
+            extra = sim.params.oversample_groups if self.partial else 0
+            if extra and self.next_batch < steps and self.next_batch not in self.oversampled:
+                following = sim.workload.batches[self.next_batch]
+                groups = list(dict.fromkeys(e.group_id for e in following))[:extra]
+                self.oversampled[self.next_batch] = set(groups)
+                sim.rollouts.enqueue(tuple(e for e in following if e.group_id in groups), self.published)
 
     def data_done(self, spec: ExecutionSpec) -> None:
         if spec.trained:
@@ -131,8 +149,18 @@ class Trainer:
             self.group_samples[spec.group_id] = self.group_samples.get(spec.group_id, 0) + 1
 
     def _complete_groups(self, step: int) -> list[str]:
+        if self.partial:
+            return self.sim.view.work.assigned.get(step, [])
         work = self.sim.view.work.steps.get(step)
         return work.complete_groups if work is not None else []
+
+    def _can_start(self, step: int) -> bool:
+        """Partial rollouts: the step has its whole batch, or (streaming) its first group while some cell
+        serves rollouts: with none, a step short of groups could never fill (its rest is cut and queued)."""
+        view = self.sim.view
+        take, full = view.work.assignable(step, self.sim.scenario.batch.groups)
+        serving = bool(view.cells_in("rollout") or view.entering("rollout"))
+        return full or (self.sim.params.stream_micro_steps and bool(take) and serving)
 
     def _ready(self, step: int) -> int:
         batch = self.sim.scenario.batch
@@ -146,9 +174,10 @@ class Trainer:
     def start_and_claim(self) -> None:
         sim = self.sim
         core = sim.core_id
-        if self.open is None and self.next_train < self.next_batch and core in self.joined and core not in self.busy:
+        queued = self.next_train < (sim.workload.steps if self.partial else self.next_batch)
+        if self.open is None and queued and core in self.joined and core not in self.busy:
             groups = sim.scenario.batch.groups
-            if self._ready(self.next_train):
+            if self._can_start(self.next_train) if self.partial else self._ready(self.next_train):
                 planned = groups * sim.scenario.batch.micro_steps_per_group
                 self.open = OpenStep(self.next_train, planned, groups, sim.now)
                 sim.emit(TrainStepStarted(ts=sim.ts, step=self.next_train, policy_version=self.version,

@@ -61,3 +61,20 @@ def test_unknown_policy_and_bad_parameters_are_named():
     with pytest.raises(ConfigError, match="speed"):
         ELASTIC.params({"speed": 2})
     assert ELASTIC.params('{"staleness": 1}').staleness == 1
+
+
+def test_partial_rollouts_fill_a_step_with_due_groups_first_and_keep_room_for_running_ones():
+    """Step 2 at staleness 0: groups first queued at version 1 or earlier are due (one more step would make
+    them 2 versions old); complete others of batches <= 3 fill the rest in completion order, but never
+    the room a due group that is still running needs; batch 4 is not eligible yet."""
+    from gyre.scheduler.view import WorkState
+
+    work = WorkState(partial_rollouts=True, staleness=0)
+    work.group_origin = {"old-running": (1, 1), "old-done": (1, 1), "a": (2, 2), "b": (3, 2), "c": (2, 2),
+                         "far": (4, 2)}
+    work.pool = ["far", "a", "old-done", "b", "c"]
+    take, full = work.assignable(2, groups=3)
+    assert take == ["a", "old-done"] and not full  # "b" would take the room "old-running" needs
+    work.pool.append("old-running")
+    take, full = work.assignable(2, groups=3)
+    assert take == ["a", "old-done", "old-running"] and full

@@ -11,11 +11,20 @@ from gyre.sim.workload import sample_workload
 def test_every_baseline_gets_every_mechanism_it_can_use():
     variants = ablation_variants(load_scenario("seed-2.4t"))
     async_rows = {(v.overrides["training_cells"], v.overrides["stream_micro_steps"]) for v in variants
-                  if v.policy == "async"}
+                  if v.role == "async"}
     assert async_rows == {(cells, stream) for cells in (1, 2, 3) for stream in (False, True)}
-    assert {v.overrides.get("stream_micro_steps") for v in variants if v.policy == "colocate"} == {False, True}
-    assert {v.name for v in variants if v.policy == "elastic"} == {
+    assert {v.overrides.get("stream_micro_steps") for v in variants if v.role == "colocate"} == {False, True}
+    assert {v.name for v in variants if v.role == "elastic"} == {
         "elastic", "elastic, no streaming", "elastic, no migration"}
+
+
+def test_every_design_gets_partial_rollouts_at_every_over_sampling_tried():
+    """seed-2.4t has 16 groups a step: 4 and 8 over-sampled groups, for elastic, colocate and every split."""
+    variants = [v for v in ablation_variants(load_scenario("seed-2.4t")) if v.overrides.get("partial_rollouts")]
+    assert {(v.role, v.overrides["oversample_groups"], v.overrides.get("training_cells")) for v in variants} == {
+        (role, k, cells) for k in (4, 8) for role, cells in (("elastic+partial", None), ("colocate+partial", None))
+    } | {("async+partial", k, cells) for k in (4, 8) for cells in (1, 2, 3)}
+    assert all(v.overrides["stream_micro_steps"] for v in variants if v.role != "elastic+partial")
 
 
 def test_the_ablation_reports_every_run_and_a_decomposition_that_multiplies_out():
@@ -23,10 +32,16 @@ def test_the_ablation_reports_every_run_and_a_decomposition_that_multiplies_out(
     hours = {r["variant"]: r["hours"] for r in out["runs"]}
     d = out["decomposition"]
     assert d["streaming"] * d["elasticity"] * d["migration"] == pytest.approx(d["total_vs_brief_colocate"], rel=1e-3)
-    best = min(h for name, h in hours.items() if name != "elastic" and not name.startswith("elastic"))
+    best = min(r["hours"] for r in out["runs"] if r["design"] in ("colocate", "async"))
     assert out["speedup_vs_best_baseline"] == pytest.approx(best / hours["elastic"], rel=1e-3)
     assert out["verdict"].startswith("elastic wins" if best >= hours["elastic"] else "elastic loses")
     assert all(r["ratio_to_lower_bound"] >= 1 for r in out["runs"])
+    pr = out["partial_rollouts"]
+    partial = {design: min(r["hours"] for r in out["runs"] if r["design"] == design + "+partial")
+               for design in ("elastic", "colocate", "async")}
+    assert pr["speedup_vs_best_baseline"] == pytest.approx(
+        min(partial["colocate"], partial["async"]) / partial["elastic"], rel=1e-3)
+    assert pr["max_group_lag"] <= out["staleness"] + 1
 
 
 def _hours(scenario, policy: str, overrides: dict, workload) -> float:
