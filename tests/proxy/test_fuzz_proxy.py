@@ -85,7 +85,10 @@ def test_fuzz_bodies(proxy: Running, path: str) -> None:
        method=st.sampled_from(["GET", "POST", "PUT", "DELETE"]),
        headers=st.dictionaries(st.sampled_from(["authorization", "x-api-key", "content-type", "anthropic-version",
                                                 "accept"]),
-                               st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=40), max_size=3))
+                               # h11 refuses to send a value with edge whitespace; the server's side of that is
+                               # the raw-socket tests' job
+                               st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=40).map(str.strip),
+                               max_size=3))
 def test_fuzz_methods_and_headers(proxy: Running, path: str, method: str, headers: dict[str, str]) -> None:
     with httpx.Client(base_url=proxy.url, timeout=60) as http:
         response = http.request(method, path, headers=headers, content=json.dumps(ENDPOINTS.get(path, {})))
