@@ -28,7 +28,7 @@ from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.cluster.trainer_service import result_to_json
 from gyre.errors import TransferError
 from gyre.trainer.errors import TrainerError
-from gyre.transfer.tensors import PullStats, SlotDescriptor, pull_weights, write_gradients
+from gyre.transfer.tensors import PullStats, SlotDescriptor, WeightsPuller, write_gradients
 
 if TYPE_CHECKING:
     from gyre.trainer.torch_backend import TorchBackend
@@ -52,6 +52,7 @@ class SatelliteReplica:
         self.cell_id, self.backend, self.endpoint = cell_id, backend, endpoint
         self._metadata = metadata(secret)
         self.on_claim = on_claim
+        self._puller = WeightsPuller(endpoint)  # one registered buffer for every version it pulls
         self._channel: grpc.Channel | None = None
         self._stub: gyre_pb2_grpc.TrainerStub | None = None
         self._slot: SlotDescriptor | None = None
@@ -106,8 +107,8 @@ class SatelliteReplica:
         if not ref.peer_session or not ref.manifest:
             raise SatelliteError(f"the core offered weights v{ref.version} without a Mooncake manifest")
         stats: list[PullStats] = []
-        tensors = pull_weights(self.endpoint, ref.peer_session, ref.manifest, stats=stats)
-        self.backend.load_weights(tensors, policy_version=ref.version)
+        tensors = self._puller.pull(ref.peer_session, ref.manifest, stats=stats)
+        self.backend.load_weights(tensors, policy_version=ref.version)  # copies out of the puller's buffer
         self.version = ref.version
         self.pulls += stats
         return stats[0]
@@ -128,6 +129,7 @@ class SatelliteReplica:
         if self._channel is not None:
             self._channel.close()
         self._channel = self._stub = None
+        self._puller.close()  # re-registered on the next join's pull
         if self.error is not None:
             raise SatelliteError(f"satellite {self.cell_id} failed: {self.error}") from self.error
 
