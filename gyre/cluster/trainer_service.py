@@ -506,9 +506,15 @@ class TrainerServer:
         sizes = [g.numel() for g in backend.gradient_buffers()]
         backend.zero_grad()
         self.hub = TrainerHub(coordinator, self.endpoint, core_cell=cell, gradient_sizes=sizes, lease_s=self.lease_s)
+        # the weights as they are now, so a satellite (or engine) can pull before the first step opens
+        self.hub.publish(backend.policy_version, list(backend.named_tensors()))
         if core is not None:
             core.satellites = self.hub
         return self.hub
+
+    def release_cell(self, cell_id: str, reason: str) -> list[int]:
+        """The controller lost ``cell_id`` (or took it back): release its micro-steps now, not after its lease."""
+        return self.hub.release_cell(cell_id, reason) if self.hub is not None else []
 
     def manifest(self, version: int) -> bytes:
         """The Mooncake manifest of a published ``version`` (b"" when it is not held: read the file)."""
