@@ -144,6 +144,7 @@ class SatelliteReplica:
             self._loop()
         except BaseException as e:  # kept for leave(); the core's lease releases what it held
             self.error = e
+            self._stop.set()  # no more heartbeats: a replica that cannot work must not keep its lease
             log.exception("satellite %s stopped", self.cell_id)
 
     def _drop(self) -> None:
@@ -208,8 +209,8 @@ class SatelliteReplica:
 
     def _heartbeats(self) -> None:
         while not self._stop.wait(max(0.05, self.lease_s / 5)):
-            stub = self._stub
-            if stub is None:
+            stub, loop = self._stub, self._thread
+            if stub is None or loop is None or not loop.is_alive():
                 return
             try:
                 stub.Heartbeat(gyre_pb2.TrainerHeartbeat(cell_id=self.cell_id), metadata=self._metadata,

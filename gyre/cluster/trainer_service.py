@@ -220,6 +220,7 @@ class TrainerHub:
             self._absorbed_steps = set()
             for member in self._members.values():
                 member.step, member.finished, member.landed = None, set(), set()
+            self.slots.reap()  # memory of slots freed a step ago goes; this step's frees wait one more
             for cell in self._free_after_close:
                 self.slots.free(cell)
             self._free_after_close = []

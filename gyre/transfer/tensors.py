@@ -423,6 +423,10 @@ class GradientSlots:
         self.sizes = tuple(int(s) for s in sizes)
         self.numel = sum(self.sizes)
         self._slots: dict[str, _Slot] = {}
+        self._retired: list[torch.Tensor] = []
+        self._dying: list[torch.Tensor] = []
+        """Memory of freed slots, kept until ``reap``: a write a satellite started before its slot was freed
+        may still be landing (Mooncake checks registration before it copies, not after)."""
         self._lock = threading.Lock()
 
     @classmethod
@@ -442,11 +446,19 @@ class GradientSlots:
             return descriptor
 
     def free(self, slot_id: str) -> None:
-        """Unregister and drop the slot (a satellite that left); unknown ids are ignored."""
+        """Unregister the slot (a satellite that left); its memory lives until ``reap``. Unknown ids are ignored."""
         with self._lock:
             slot = self._slots.pop(slot_id, None)
+            if slot is not None:
+                self._retired.append(slot.data)
         if slot is not None:
             self.endpoint.unregister(slot.region)
+
+    def reap(self) -> None:
+        """Called once per step: memory freed before the previous call is dropped (a whole step after its slot
+        was unregistered, long after any write could still land); what was freed since waits one more step."""
+        with self._lock:
+            self._dying, self._retired = self._retired, []
 
     def __contains__(self, slot_id: str) -> bool:
         with self._lock:
@@ -477,7 +489,7 @@ class GradientSlots:
 
     def close(self) -> None:
         with self._lock:
-            slots, self._slots = list(self._slots.values()), {}
+            slots, self._slots, self._retired, self._dying = list(self._slots.values()), {}, [], []
         for s in slots:
             self.endpoint.unregister(s.region)
 
