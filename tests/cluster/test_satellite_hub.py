@@ -146,3 +146,44 @@ def test_a_satellite_is_told_to_pull_the_open_steps_weights(data, peer, tmp_path
         assert core.hub.claim("sat", 1, wait_s=0).status == "claimed"
     finally:
         core.close()
+
+
+def test_two_satellites_over_grpc_one_leaving_mid_step(data, tmp_path) -> None:
+    """SatelliteReplica in threads of this process (the process tests spawn one): two of them, three steps,
+    one leaves in the middle of step 1 once it finished a micro-step (its gradients then land on the way out);
+    every step still equals one replica's."""
+    from gyre.cluster.satellite import SatelliteReplica
+
+    model_dir, batches, _ = data
+    core = Core.start(tmp_path, model_dir, lease_s=60)
+    sats = [SatelliteReplica(cell_id=f"sat-{i}", backend=TorchBackend.from_pretrained(model_dir, backend_config()),
+                             endpoint=TransferEndpoint(), secret=core.secret) for i in range(2)]
+    reference = TorchBackend.from_pretrained(model_dir, backend_config())
+    try:
+        for s in sats:
+            assert s.join(core.server.address)["weights_bytes"] > 0
+        for step in range(3):
+            core.open(batches)
+            if step == 1:  # the core is idle: the first micro-step finished is a satellite's
+                core.wait_for(lambda: any(e.step == 1 for e in core.events("micro_step_finished")),
+                              "a satellite's work in step 1")
+                leaving = next(e.cell_id for e in core.events("micro_step_finished") if e.step == 1)
+                next(s for s in sats if s.cell_id == leaving).leave("mid-step")
+            core.finish(batches)
+            reference.zero_grad()
+            for b in batches:
+                reference.forward_backward(b)
+            reference.optimizer_step(normalizer=float(len({e for b in batches for e in b.execution_ids})))
+            want = dict(reference.named_tensors())
+            assert max(float((t - want[n]).abs().max()) for n, t in core.backend.named_tensors()) < 1e-5
+        finished = core.events("micro_step_finished")
+        assert len(finished) == 3 * len(batches)
+        assert not core.events("micro_step_released")  # sat-1 left with everything landed: its work is kept
+        assert [(e.cell_id, e.reason) for e in core.events("satellite_left")] == [(leaving, "mid-step")]
+        assert {e.cell_id for e in finished if e.step == 1} >= {leaving}
+        state, _ = replay(TrainerView(), core.log_dir)
+        assert state == core.coordinator.state
+    finally:
+        for s in sats:
+            s.leave("test over")
+        core.close()
