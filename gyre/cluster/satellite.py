@@ -25,7 +25,7 @@ import grpc
 
 from gyre.cluster.auth import metadata
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
-from gyre.cluster.trainer_service import result_to_json
+from gyre.cluster.trainer_service import MESSAGE_OPTIONS, result_to_json
 from gyre.errors import TransferError
 from gyre.trainer.errors import TrainerError
 from gyre.transfer.tensors import PullStats, SlotDescriptor, WeightsPuller, write_gradients
@@ -76,7 +76,7 @@ class SatelliteReplica:
         """Join the core at ``trainer_endpoint`` and start working; returns the join's measured parts."""
         if self._thread is not None and self._thread.is_alive():
             return {"weights_bytes": 0.0, "weights_pull_s": 0.0}
-        self._channel = grpc.insecure_channel(trainer_endpoint)
+        self._channel = grpc.insecure_channel(trainer_endpoint, options=MESSAGE_OPTIONS)
         self._stub = gyre_pb2_grpc.TrainerStub(self._channel)
         self._stop.clear()
         self.error = None

@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 30.0
+MESSAGE_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+"""A claimed micro-batch travels in the ClaimReply (safetensors): ~64 bytes per token, so a long-horizon
+micro-batch is far above gRPC's 4 MiB default; both ends lift the limit."""
 CLAIM_POLL_S = 0.5
 """How long a Claim that has nothing to give waits on the core for a change before answering (a long poll)."""
 
@@ -467,7 +470,7 @@ class TrainerServer:
 
         async def serve() -> None:
             self._stopping = asyncio.Event()
-            server = grpc.aio.server(interceptors=[SecretInterceptor(self.secret)])
+            server = grpc.aio.server(interceptors=[SecretInterceptor(self.secret)], options=MESSAGE_OPTIONS)
             gyre_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(lambda: self.hub, self._pool), server)
             port = server.add_insecure_port(f"{self.host}:{self.port}")
             if port == 0:
