@@ -72,16 +72,21 @@ class SatelliteReplica:
 
     # -- membership -----------------------------------------------------------------------------------------
 
-    def join(self, trainer_endpoint: str) -> Mapping[str, float]:
-        """Join the core at ``trainer_endpoint`` and start working; returns the join's measured parts."""
+    def join(self, trainer_endpoint: str, weights: gyre_pb2.WeightsRef | None = None) -> Mapping[str, float]:
+        """Join the core at ``trainer_endpoint`` and start working; returns the join's measured parts.
+
+        ``weights`` (the controller's JoinStep.weights) is pulled *before* joining, so the satellite arrives
+        ready to claim and ``satellite_joined`` records the transfer; the core's answer names the version
+        the open step trains from, pulled too if it differs."""
         if self._thread is not None and self._thread.is_alive():
             return {"weights_bytes": 0.0, "weights_pull_s": 0.0}
         self._channel = grpc.insecure_channel(trainer_endpoint, options=MESSAGE_OPTIONS)
         self._stub = gyre_pb2_grpc.TrainerStub(self._channel)
         self._stop.clear()
         self.error = None
+        pre = self._pull(weights) if weights is not None and weights.manifest else PullStats(0, 0.0)
         started = time.perf_counter()
-        joined = self._join()
+        joined = self._join(transfer_s=pre.seconds)
         rpc_s = time.perf_counter() - started
         pulled = self._pull(joined.weights)
         self._thread = threading.Thread(target=self._guarded, name=f"gyre-satellite-{self.cell_id}", daemon=True)
@@ -89,11 +94,13 @@ class SatelliteReplica:
         self._heart = threading.Thread(target=self._heartbeats, name=f"gyre-satellite-hb-{self.cell_id}",
                                        daemon=True)
         self._heart.start()
-        return {"join_rpc_s": rpc_s, "weights_bytes": float(pulled.bytes), "weights_pull_s": pulled.seconds}
+        return {"join_rpc_s": rpc_s, "weights_bytes": float(pre.bytes + pulled.bytes),
+                "weights_pull_s": pre.seconds + pulled.seconds}
 
-    def _join(self) -> gyre_pb2.TrainerJoined:
+    def _join(self, transfer_s: float = 0.0) -> gyre_pb2.TrainerJoined:
         assert self._stub is not None
-        joined = self._stub.Join(gyre_pb2.TrainerJoin(cell_id=self.cell_id, transfer_session=self.endpoint.session_id),
+        joined = self._stub.Join(gyre_pb2.TrainerJoin(cell_id=self.cell_id, transfer_session=self.endpoint.session_id,
+                                                      transfer_s=transfer_s),
                                  metadata=self._metadata, timeout=RPC_TIMEOUT_S)
         self._slot = SlotDescriptor.from_json(joined.gradient_slot)
         self._peer = joined.weights.peer_session

@@ -269,7 +269,7 @@ class TrainerHub:
 
     # -- the service's calls ----------------------------------------------------------------------------------
 
-    def join(self, cell_id: str, session: str) -> Joined:
+    def join(self, cell_id: str, session: str, transfer_s: float = 0.0) -> Joined:
         if not cell_id or cell_id == self.core_cell:
             raise StepProtocolError(f"cell id {cell_id!r} cannot join as a satellite")
         with self._lock:
@@ -282,7 +282,7 @@ class TrainerHub:
             descriptor = self.slots.allocate(cell_id)
             self._members[cell_id] = Member(cell_id, session, descriptor, self.clock())
             self._released.discard(cell_id)
-            self.coordinator.join(cell_id)
+            self.coordinator.join(cell_id, transfer_s=max(0.0, transfer_s))
             return Joined(step.step if step is not None else -1, manifest, descriptor, self.lease_s)
 
     def _member(self, cell_id: str) -> Member | None:
@@ -399,7 +399,8 @@ class TrainerServicer(gyre_pb2_grpc.TrainerServicer):
 
     async def Join(self, request: gyre_pb2.TrainerJoin, context: grpc.aio.ServicerContext) -> gyre_pb2.TrainerJoined:
         try:
-            joined: Joined = await self._call(context, TrainerHub.join, request.cell_id, request.transfer_session)
+            joined: Joined = await self._call(context, TrainerHub.join, request.cell_id, request.transfer_session,
+                                              request.transfer_s)
         except (StepProtocolError, TransferError) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         hub = self._hub()

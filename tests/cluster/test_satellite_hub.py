@@ -160,8 +160,11 @@ def test_two_satellites_over_grpc_one_leaving_mid_step(data, tmp_path) -> None:
                              endpoint=TransferEndpoint(), secret=core.secret) for i in range(2)]
     reference = TorchBackend.from_pretrained(model_dir, backend_config())
     try:
-        for s in sats:
-            assert s.join(core.server.address)["weights_bytes"] > 0
+        prepulled = core.hub.weights_ref(core.hub.publisher.manifest())  # as the controller's JoinStep names it
+        for s, weights in zip(sats, (prepulled, None), strict=True):
+            assert s.join(core.server.address, weights)["weights_bytes"] > 0
+        joins = {e.cell_id: e.transfer_s for e in core.events("satellite_joined")}
+        assert joins["sat-0"] > 0 and joins["sat-1"] == 0  # only a satellite that pulled before joining says so
         for step in range(3):
             core.open(batches)
             if step == 1:  # the core is idle: the first micro-step finished is a satellite's
