@@ -132,7 +132,6 @@ class TrainerHub:
         self._files: dict[int, FileRef] = {}
         self._lock = threading.RLock()
         self._members: dict[str, Member] = {}
-        self._released: set[str] = set()
         self._step: int | None = None
         self._batches: list[bytes] = []
         self._closing = False
@@ -256,7 +255,6 @@ class TrainerHub:
             member = self._members.pop(cell_id, None)
             if member is None:
                 return []
-            self._released.add(cell_id)
             released: list[int] = []
             if self._closing and member.step == self._step:
                 self._free_after_close.append(cell_id)  # its landed gradients are being summed: keep them
@@ -281,7 +279,6 @@ class TrainerHub:
             manifest = self.publisher.manifest(version if step is not None else None)
             descriptor = self.slots.allocate(cell_id)
             self._members[cell_id] = Member(cell_id, session, descriptor, self.clock())
-            self._released.discard(cell_id)
             self.coordinator.join(cell_id, transfer_s=max(0.0, transfer_s))
             return Joined(step.step if step is not None else -1, manifest, descriptor, self.lease_s)
 
@@ -298,6 +295,7 @@ class TrainerHub:
     def claim(self, cell_id: str, policy_version: int, *, wait_s: float = CLAIM_POLL_S) -> Granted:
         """A micro-step for ``cell_id``, or why not; waits up to ``wait_s`` for a change when there is none."""
         deadline = time.monotonic() + wait_s
+        self.expire_leases()  # a live satellite may take over a dead one's micro-steps while the core is busy
         while True:
             granted = self._claim_once(cell_id, policy_version)
             if granted.status in ("claimed", "weights", "released") or time.monotonic() >= deadline:
