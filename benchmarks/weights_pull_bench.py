@@ -7,7 +7,8 @@ The publisher (a `WeightsPublisher` with the weights, and a plain socket server 
 spawned process; this process pulls. Reported: MB/s of each method per round, the medians, and their ratio.
 A third figure, the bare Mooncake batched read of the same spans without the header checks and checksums,
 shows what verification costs; `pull_fresh_buffer` is the one-shot `pull_weights` (allocates and registers
-a buffer per pull), `pull` a `WeightsPuller` (one registered buffer kept across pulls, as satellites do).
+a buffer per pull), `pull` a `WeightsPuller` (one registered buffer kept across pulls, as satellites do),
+`pull_no_checksum` the same with `verify=False` (header check only).
 """
 
 from __future__ import annotations
@@ -95,12 +96,16 @@ def main() -> None:
             started = time.perf_counter()
             pull_weights(endpoint, session, manifest)
             fresh_s = time.perf_counter() - started
+            started = time.perf_counter()
+            puller.pull(session, manifest, verify=False)
+            header_s = time.perf_counter() - started
             tcp_s = tcp_pull(port, nbytes)
             base = scratch.data_ptr()
             stats = endpoint.read(session, [Span(base + o, n) for o, n in manifest.chunks()],
                                   [Span(manifest.addr + o, n) for o, n in manifest.chunks()])
             rows.append({"pull_MBps": manifest.total_bytes / pull_s / 1e6,
                          "pull_fresh_buffer_MBps": manifest.total_bytes / fresh_s / 1e6,
+                         "pull_no_checksum_MBps": manifest.total_bytes / header_s / 1e6,
                          "tcp_MBps": nbytes / tcp_s / 1e6,
                          "raw_read_MBps": stats.bytes / stats.seconds / 1e6})
     finally:
