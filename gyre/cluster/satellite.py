@@ -25,10 +25,10 @@ import grpc
 
 from gyre.cluster.auth import metadata
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
-from gyre.cluster.trainer_service import result_to_json
+from gyre.cluster.trainer_service import MESSAGE_OPTIONS, result_to_json
 from gyre.errors import TransferError
 from gyre.trainer.errors import TrainerError
-from gyre.transfer.tensors import PullStats, SlotDescriptor, pull_weights, write_gradients
+from gyre.transfer.tensors import PullStats, SlotDescriptor, WeightsPuller, write_gradients
 
 if TYPE_CHECKING:
     from gyre.trainer.torch_backend import TorchBackend
@@ -52,6 +52,7 @@ class SatelliteReplica:
         self.cell_id, self.backend, self.endpoint = cell_id, backend, endpoint
         self._metadata = metadata(secret)
         self.on_claim = on_claim
+        self._puller = WeightsPuller(endpoint)  # one registered buffer for every version it pulls
         self._channel: grpc.Channel | None = None
         self._stub: gyre_pb2_grpc.TrainerStub | None = None
         self._slot: SlotDescriptor | None = None
@@ -71,16 +72,21 @@ class SatelliteReplica:
 
     # -- membership -----------------------------------------------------------------------------------------
 
-    def join(self, trainer_endpoint: str) -> Mapping[str, float]:
-        """Join the core at ``trainer_endpoint`` and start working; returns the join's measured parts."""
+    def join(self, trainer_endpoint: str, weights: gyre_pb2.WeightsRef | None = None) -> Mapping[str, float]:
+        """Join the core at ``trainer_endpoint`` and start working; returns the join's measured parts.
+
+        ``weights`` (the controller's JoinStep.weights) is pulled *before* joining, so the satellite arrives
+        ready to claim and ``satellite_joined`` records the transfer; the core's answer names the version
+        the open step trains from, pulled too if it differs."""
         if self._thread is not None and self._thread.is_alive():
             return {"weights_bytes": 0.0, "weights_pull_s": 0.0}
-        self._channel = grpc.insecure_channel(trainer_endpoint)
+        self._channel = grpc.insecure_channel(trainer_endpoint, options=MESSAGE_OPTIONS)
         self._stub = gyre_pb2_grpc.TrainerStub(self._channel)
         self._stop.clear()
         self.error = None
+        pre = self._pull(weights) if weights is not None and weights.manifest else PullStats(0, 0.0)
         started = time.perf_counter()
-        joined = self._join()
+        joined = self._join(transfer_s=pre.seconds)
         rpc_s = time.perf_counter() - started
         pulled = self._pull(joined.weights)
         self._thread = threading.Thread(target=self._guarded, name=f"gyre-satellite-{self.cell_id}", daemon=True)
@@ -88,11 +94,13 @@ class SatelliteReplica:
         self._heart = threading.Thread(target=self._heartbeats, name=f"gyre-satellite-hb-{self.cell_id}",
                                        daemon=True)
         self._heart.start()
-        return {"join_rpc_s": rpc_s, "weights_bytes": float(pulled.bytes), "weights_pull_s": pulled.seconds}
+        return {"join_rpc_s": rpc_s, "weights_bytes": float(pre.bytes + pulled.bytes),
+                "weights_pull_s": pre.seconds + pulled.seconds}
 
-    def _join(self) -> gyre_pb2.TrainerJoined:
+    def _join(self, transfer_s: float = 0.0) -> gyre_pb2.TrainerJoined:
         assert self._stub is not None
-        joined = self._stub.Join(gyre_pb2.TrainerJoin(cell_id=self.cell_id, transfer_session=self.endpoint.session_id),
+        joined = self._stub.Join(gyre_pb2.TrainerJoin(cell_id=self.cell_id, transfer_session=self.endpoint.session_id,
+                                                      transfer_s=transfer_s),
                                  metadata=self._metadata, timeout=RPC_TIMEOUT_S)
         self._slot = SlotDescriptor.from_json(joined.gradient_slot)
         self._peer = joined.weights.peer_session
@@ -106,8 +114,8 @@ class SatelliteReplica:
         if not ref.peer_session or not ref.manifest:
             raise SatelliteError(f"the core offered weights v{ref.version} without a Mooncake manifest")
         stats: list[PullStats] = []
-        tensors = pull_weights(self.endpoint, ref.peer_session, ref.manifest, stats=stats)
-        self.backend.load_weights(tensors, policy_version=ref.version)
+        tensors = self._puller.pull(ref.peer_session, ref.manifest, stats=stats)
+        self.backend.load_weights(tensors, policy_version=ref.version)  # copies out of the puller's buffer
         self.version = ref.version
         self.pulls += stats
         return stats[0]
@@ -128,6 +136,7 @@ class SatelliteReplica:
         if self._channel is not None:
             self._channel.close()
         self._channel = self._stub = None
+        self._puller.close()  # re-registered on the next join's pull
         if self.error is not None:
             raise SatelliteError(f"satellite {self.cell_id} failed: {self.error}") from self.error
 
@@ -142,6 +151,7 @@ class SatelliteReplica:
             self._loop()
         except BaseException as e:  # kept for leave(); the core's lease releases what it held
             self.error = e
+            self._stop.set()  # no more heartbeats: a replica that cannot work must not keep its lease
             log.exception("satellite %s stopped", self.cell_id)
 
     def _drop(self) -> None:
@@ -206,8 +216,8 @@ class SatelliteReplica:
 
     def _heartbeats(self) -> None:
         while not self._stop.wait(max(0.05, self.lease_s / 5)):
-            stub = self._stub
-            if stub is None:
+            stub, loop = self._stub, self._thread
+            if stub is None or loop is None or not loop.is_alive():
                 return
             try:
                 stub.Heartbeat(gyre_pb2.TrainerHeartbeat(cell_id=self.cell_id), metadata=self._metadata,

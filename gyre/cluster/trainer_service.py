@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 30.0
+MESSAGE_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+"""A claimed micro-batch travels in the ClaimReply (safetensors): ~64 bytes per token, so a long-horizon
+micro-batch is far above gRPC's 4 MiB default; both ends lift the limit."""
 CLAIM_POLL_S = 0.5
 """How long a Claim that has nothing to give waits on the core for a change before answering (a long poll)."""
 
@@ -129,7 +132,6 @@ class TrainerHub:
         self._files: dict[int, FileRef] = {}
         self._lock = threading.RLock()
         self._members: dict[str, Member] = {}
-        self._released: set[str] = set()
         self._step: int | None = None
         self._batches: list[bytes] = []
         self._closing = False
@@ -220,6 +222,7 @@ class TrainerHub:
             self._absorbed_steps = set()
             for member in self._members.values():
                 member.step, member.finished, member.landed = None, set(), set()
+            self.slots.reap()  # memory of slots freed a step ago goes; this step's frees wait one more
             for cell in self._free_after_close:
                 self.slots.free(cell)
             self._free_after_close = []
@@ -252,7 +255,6 @@ class TrainerHub:
             member = self._members.pop(cell_id, None)
             if member is None:
                 return []
-            self._released.add(cell_id)
             released: list[int] = []
             if self._closing and member.step == self._step:
                 self._free_after_close.append(cell_id)  # its landed gradients are being summed: keep them
@@ -265,7 +267,7 @@ class TrainerHub:
 
     # -- the service's calls ----------------------------------------------------------------------------------
 
-    def join(self, cell_id: str, session: str) -> Joined:
+    def join(self, cell_id: str, session: str, transfer_s: float = 0.0) -> Joined:
         if not cell_id or cell_id == self.core_cell:
             raise StepProtocolError(f"cell id {cell_id!r} cannot join as a satellite")
         with self._lock:
@@ -277,8 +279,7 @@ class TrainerHub:
             manifest = self.publisher.manifest(version if step is not None else None)
             descriptor = self.slots.allocate(cell_id)
             self._members[cell_id] = Member(cell_id, session, descriptor, self.clock())
-            self._released.discard(cell_id)
-            self.coordinator.join(cell_id)
+            self.coordinator.join(cell_id, transfer_s=max(0.0, transfer_s))
             return Joined(step.step if step is not None else -1, manifest, descriptor, self.lease_s)
 
     def _member(self, cell_id: str) -> Member | None:
@@ -294,6 +295,7 @@ class TrainerHub:
     def claim(self, cell_id: str, policy_version: int, *, wait_s: float = CLAIM_POLL_S) -> Granted:
         """A micro-step for ``cell_id``, or why not; waits up to ``wait_s`` for a change when there is none."""
         deadline = time.monotonic() + wait_s
+        self.expire_leases()  # a live satellite may take over a dead one's micro-steps while the core is busy
         while True:
             granted = self._claim_once(cell_id, policy_version)
             if granted.status in ("claimed", "weights", "released") or time.monotonic() >= deadline:
@@ -395,7 +397,8 @@ class TrainerServicer(gyre_pb2_grpc.TrainerServicer):
 
     async def Join(self, request: gyre_pb2.TrainerJoin, context: grpc.aio.ServicerContext) -> gyre_pb2.TrainerJoined:
         try:
-            joined: Joined = await self._call(context, TrainerHub.join, request.cell_id, request.transfer_session)
+            joined: Joined = await self._call(context, TrainerHub.join, request.cell_id, request.transfer_session,
+                                              request.transfer_s)
         except (StepProtocolError, TransferError) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         hub = self._hub()
@@ -466,7 +469,7 @@ class TrainerServer:
 
         async def serve() -> None:
             self._stopping = asyncio.Event()
-            server = grpc.aio.server(interceptors=[SecretInterceptor(self.secret)])
+            server = grpc.aio.server(interceptors=[SecretInterceptor(self.secret)], options=MESSAGE_OPTIONS)
             gyre_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(lambda: self.hub, self._pool), server)
             port = server.add_insecure_port(f"{self.host}:{self.port}")
             if port == 0:
@@ -506,9 +509,15 @@ class TrainerServer:
         sizes = [g.numel() for g in backend.gradient_buffers()]
         backend.zero_grad()
         self.hub = TrainerHub(coordinator, self.endpoint, core_cell=cell, gradient_sizes=sizes, lease_s=self.lease_s)
+        # the weights as they are now, so a satellite (or engine) can pull before the first step opens
+        self.hub.publish(backend.policy_version, list(backend.named_tensors()))
         if core is not None:
             core.satellites = self.hub
         return self.hub
+
+    def release_cell(self, cell_id: str, reason: str) -> list[int]:
+        """The controller lost ``cell_id`` (or took it back): release its micro-steps now, not after its lease."""
+        return self.hub.release_cell(cell_id, reason) if self.hub is not None else []
 
     def manifest(self, version: int) -> bytes:
         """The Mooncake manifest of a published ``version`` (b"" when it is not held: read the file)."""

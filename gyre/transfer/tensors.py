@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +44,8 @@ ALIGN = 64
 CHUNK_BYTES = 16 << 20
 """Bytes per read request and per checksum: large enough that Mooncake's per-request cost vanishes, small
 enough that one chunk failing its checksum names where."""
+READ_GROUP = 2
+"""Chunks per batched read while pulling weights: the checksum of one group overlaps the read of the next."""
 HEADER_BYTES = ALIGN
 """A publisher buffer's header: int64 version held (-1 while being written), int64 generation."""
 WRITING = -1
@@ -277,35 +281,84 @@ class PullStats:
 
 
 def pull_weights(endpoint: TransferEndpoint, peer_session: str, manifest: bytes | str | TensorManifest,
-                 *, stats: list[PullStats] | None = None) -> dict[str, torch.Tensor]:
+                 *, stats: list[PullStats] | None = None, verify: bool = True) -> dict[str, torch.Tensor]:
     """Read a published version from ``peer_session`` into a fresh local buffer; name -> tensor views.
 
     The publisher buffer's header must name the manifest's version before and after the data is read (else
-    the version was replaced: refused), and every chunk must match its checksum (else the read is torn)."""
-    import time
-
+    the version was replaced: refused), and every chunk must match its checksum (else the read is torn).
+    A replica that pulls every step should keep a ``WeightsPuller`` instead (no allocation, registration
+    or page faults per pull: a fresh 256 MiB buffer doubles the read time). ``verify=False`` skips the
+    checksums (the header check stays: it is what catches the publisher moving on)."""
     m = manifest if isinstance(manifest, TensorManifest) else TensorManifest.from_json(manifest)
-    if not m.addr or not m.header_addr or not m.checksums:
-        raise TransferError(f"the manifest of version {m.version} was never published (no address or checksums)")
     data = torch.empty(HEADER_BYTES + m.total_bytes, dtype=torch.uint8)
     region = endpoint.register_tensor(data)
-    started = time.perf_counter()
     try:
-        head = Span(data.data_ptr(), 16)
-        remote_head = Span(m.header_addr, 16)
-        endpoint.read(peer_session, [head], [remote_head])
-        _check_header(data, m, "before the read")
-        base = data.data_ptr() + HEADER_BYTES
-        local = [Span(base + o, n) for o, n in m.chunks()]
-        remote = [Span(m.addr + o, n) for o, n in m.chunks()]
-        endpoint.read(peer_session, local, remote)
-        endpoint.read(peer_session, [head], [remote_head])
-        _check_header(data, m, "after the read")
+        return _pull_into(endpoint, peer_session, m, data, stats, verify)
     finally:
         endpoint.unregister(region)
-    body = data[HEADER_BYTES:]
-    got = checksums(m, body)
-    bad = [i for i, (a, b) in enumerate(zip(got, m.checksums, strict=True)) if a != b]
+
+
+class WeightsPuller:
+    """A registered receive buffer kept across pulls, for a replica or engine that pulls every version.
+
+    The views ``pull`` returns stay valid until the next ``pull`` (the caller copies them into its model).
+    The buffer grows when a layout needs more and is touched once when made, so no pull page-faults."""
+
+    def __init__(self, endpoint: TransferEndpoint) -> None:
+        self.endpoint = endpoint
+        self._data: torch.Tensor | None = None
+        self._region: Region | None = None
+        self._lock = threading.Lock()
+
+    def pull(self, peer_session: str, manifest: bytes | str | TensorManifest, *,
+             stats: list[PullStats] | None = None, verify: bool = True) -> dict[str, torch.Tensor]:
+        m = manifest if isinstance(manifest, TensorManifest) else TensorManifest.from_json(manifest)
+        with self._lock:
+            need = HEADER_BYTES + m.total_bytes
+            if self._data is None or self._data.numel() < need:
+                self._release()
+                self._data = torch.empty(need, dtype=torch.uint8)
+                self._data.fill_(0)  # fault the pages in now, not during the transfer
+                self._region = self.endpoint.register_tensor(self._data)
+            return _pull_into(self.endpoint, peer_session, m, self._data, stats, verify)
+
+    def _release(self) -> None:
+        if self._region is not None:
+            self.endpoint.unregister(self._region)
+        self._data = self._region = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._release()
+
+
+def _pull_into(endpoint: TransferEndpoint, peer_session: str, m: TensorManifest, data: torch.Tensor,
+               stats: list[PullStats] | None, verify: bool = True) -> dict[str, torch.Tensor]:
+    """The pull itself, into ``data`` (registered, header + ``m.total_bytes`` at least)."""
+    if not m.addr or not m.header_addr or not m.checksums:
+        raise TransferError(f"the manifest of version {m.version} was never published (no address or checksums)")
+    body = data[HEADER_BYTES:HEADER_BYTES + m.total_bytes]
+    raw = memoryview(body.numpy())
+    started = time.perf_counter()
+    head = Span(data.data_ptr(), 16)
+    remote_head = Span(m.header_addr, 16)
+    endpoint.read(peer_session, [head], [remote_head])
+    _check_header(data, m, "before the read")
+    base = data.data_ptr() + HEADER_BYTES
+    chunks = m.chunks()
+    # Each chunk's checksum runs on a worker while the next chunks are read (zlib releases the GIL), so
+    # verifying costs little on top of the transfer.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-pull-crc") as pool:
+        sums = []
+        for i in range(0, len(chunks), READ_GROUP):
+            group = chunks[i:i + READ_GROUP]
+            endpoint.read(peer_session, [Span(base + o, n) for o, n in group], [Span(m.addr + o, n) for o, n in group])
+            if verify:
+                sums += [pool.submit(zlib.crc32, raw[o:o + n]) for o, n in group]
+        endpoint.read(peer_session, [head], [remote_head])
+        _check_header(data, m, "after the read")
+        got = [f.result() for f in sums]
+    bad = [i for i, (a, b) in enumerate(zip(got, m.checksums, strict=True)) if a != b] if verify else []
     if bad:
         raise TransferError(f"weights version {m.version} from {peer_session}: chunk(s) {bad[:5]} of "
                             f"{len(got)} fail their checksum (a torn or corrupted read)")
@@ -372,6 +425,10 @@ class GradientSlots:
         self.sizes = tuple(int(s) for s in sizes)
         self.numel = sum(self.sizes)
         self._slots: dict[str, _Slot] = {}
+        self._retired: list[torch.Tensor] = []
+        self._dying: list[torch.Tensor] = []
+        """Memory of freed slots, kept until ``reap``: a write a satellite started before its slot was freed
+        may still be landing (Mooncake checks registration before it copies, not after)."""
         self._lock = threading.Lock()
 
     @classmethod
@@ -391,11 +448,19 @@ class GradientSlots:
             return descriptor
 
     def free(self, slot_id: str) -> None:
-        """Unregister and drop the slot (a satellite that left); unknown ids are ignored."""
+        """Unregister the slot (a satellite that left); its memory lives until ``reap``. Unknown ids are ignored."""
         with self._lock:
             slot = self._slots.pop(slot_id, None)
+            if slot is not None:
+                self._retired.append(slot.data)
         if slot is not None:
             self.endpoint.unregister(slot.region)
+
+    def reap(self) -> None:
+        """Called once per step: memory freed before the previous call is dropped (a whole step after its slot
+        was unregistered, long after any write could still land); what was freed since waits one more step."""
+        with self._lock:
+            self._dying, self._retired = self._retired, []
 
     def __contains__(self, slot_id: str) -> bool:
         with self._lock:
@@ -426,7 +491,7 @@ class GradientSlots:
 
     def close(self) -> None:
         with self._lock:
-            slots, self._slots = list(self._slots.values()), {}
+            slots, self._slots, self._retired, self._dying = list(self._slots.values()), {}, [], []
         for s in slots:
             self.endpoint.unregister(s.region)
 

@@ -1,7 +1,8 @@
 """The core and a satellite of the satellite tests: a real StepCoordinator + log, TorchBackend, Trainer service
 and Mooncake endpoints; the satellite runs in a spawned process (`satellite_main`), so one process start per
-test. Steps are driven by hand (`Core.step`), as `LocalCoreTrainer.train_step` drives them, so a test can
-order the core's work against the satellite's claims through events."""
+test. Steps are driven by hand (`Core.open`, `Core.work_one`, `Core.finish`: the calls
+`LocalCoreTrainer.train_step` makes), so a test can order the core's work against the satellite's claims
+through events."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from gyre.transfer.tensors import (
     SlotDescriptor,
     TensorManifest,
     WeightsPublisher,
+    WeightsPuller,
     pull_weights,
     write_gradients,
 )
@@ -78,6 +79,20 @@ def test_two_versions_are_held_and_an_older_one_is_refused(endpoints) -> None:
             publisher.publish(2, named(2))
     finally:
         publisher.close()
+
+
+def test_a_puller_reuses_one_registered_buffer_across_versions(endpoints) -> None:
+    core, peer = endpoints
+    publisher, puller = WeightsPublisher(core), WeightsPuller(peer)
+    try:
+        for version in (1, 2, 3):
+            pulled = puller.pull(core.session_id, publisher.publish(version, named(version)).to_json())
+            assert all(torch.equal(pulled[n], t) for n, t in named(version).items())
+            assert peer.registered == 1
+    finally:
+        puller.close()
+        publisher.close()
+    assert peer.registered == 0
 
 
 def test_a_torn_read_fails_its_checksum(endpoints) -> None:

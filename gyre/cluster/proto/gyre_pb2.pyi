@@ -351,12 +351,14 @@ class StatusReply(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., folded_seq: _Optional[int] = ..., watermark: _Optional[int] = ..., policy_version: _Optional[int] = ..., steps_trained: _Optional[int] = ..., cells: _Optional[_Iterable[_Union[CellStatus, _Mapping]]] = ..., proxy_connected: _Optional[bool] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class TrainerJoin(_message.Message):
-    __slots__ = ("cell_id", "transfer_session")
+    __slots__ = ("cell_id", "transfer_session", "transfer_s")
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SESSION_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     cell_id: str
     transfer_session: str
-    def __init__(self, cell_id: _Optional[str] = ..., transfer_session: _Optional[str] = ...) -> None: ...
+    transfer_s: float
+    def __init__(self, cell_id: _Optional[str] = ..., transfer_session: _Optional[str] = ..., transfer_s: _Optional[float] = ...) -> None: ...
 
 class TrainerJoined(_message.Message):
     __slots__ = ("step", "weights", "gradient_slot", "lease_s")
