@@ -207,10 +207,11 @@ class TransferEndpoint:
 
     def _move_polled(self, op: str, peer: str, local: Sequence[Span], remote: Sequence[Span],
                      regions: list[Region], deadline: float) -> None:
-        """One async batch per span, polled until every span is done or failed (never leaves one in flight)."""
+        """One async batch per span (`transfer_check_status` sees only a batch's first request), polled until
+        every span is done or failed: nothing is left in flight on return."""
         submit = self._engine.batch_transfer_async_write if op == "write" else self._engine.batch_transfer_async_read
         check = self._engine.transfer_check_status
-        pending: dict[int, int] = {}  # batch id -> span index
+        pending: list[tuple[int, int]] = []  # (batch id, span index), in submission order
         failed: list[int] = []
         refused: int | None = None
         for i, (a, b) in enumerate(zip(local, remote, strict=True)):
@@ -218,25 +219,24 @@ class TransferEndpoint:
             if batch == 0:  # Mooncake's failure sentinel: unknown peer, or the submit was refused
                 refused = i
                 break
-            pending[batch] = i
+            pending.append((batch, i))
         begin = time.perf_counter()
-        while pending:
-            for batch in list(pending):
-                rc = check(batch)
-                if rc == 1:
-                    del pending[batch]
-                elif rc == -1:  # failed; Mooncake freed the batch
-                    failed.append(pending.pop(batch))
-            if not pending:
-                break
+        done = 0  # pending[:done] are finished: only the oldest unfinished batch is polled, so a wake-up
+        while done < len(pending):  # costs one call however many spans are in flight
+            rc = check(pending[done][0])
+            if rc in (1, -1):  # completed or failed (Mooncake frees the batch); 0 and -2 mean waiting
+                if rc == -1:
+                    failed.append(pending[done][1])
+                done += 1
+                continue
             now = time.perf_counter()
             if now > deadline:
                 with self._lock:
                     self._abandoned.extend(regions)
                 raise TransferError(
-                    f"Mooncake {op} with {peer}: {len(pending)} of {len(local)} spans not done before the timeout "
-                    f"({self.config.timeout_s:g} s + 1 s/GiB); they are abandoned and their local memory is kept "
-                    "alive (is the peer alive?)"
+                    f"Mooncake {op} with {peer}: {len(pending) - done} of {len(local)} spans not done before the "
+                    f"timeout ({self.config.timeout_s:g} s + 1 s/GiB); they are abandoned and their local memory "
+                    "is kept alive (is the peer alive?)"
                 )
             time.sleep(min(POLL_MAX_S, max(POLL_MIN_S, (now - begin) * POLL_FRACTION)))
         if refused is not None:
