@@ -10,7 +10,7 @@ from pydantic import BaseModel, ValidationError
 
 from gyre.engine.client import _transport_error
 from gyre.engine.errors import EngineHTTPError, EngineProtocolError, KvRefusedError
-from gyre.engine.kv_protocol import KvCommitResult, KvExportResult, KvLayout, KvReservation
+from gyre.engine.kv_protocol import KvCommitResult, KvExportResult, KvImportResult, KvLayout, KvOffer, KvReservation
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -25,6 +25,16 @@ class KvClient:
 
     async def layout(self) -> KvLayout:
         return await self._call("GET", "/gyre/kv/layout", None, KvLayout)
+
+    async def offer(self, input_ids: list[int], rid: str | None = None) -> KvOffer:
+        return await self._call("POST", "/gyre/kv/offer", {"input_ids": input_ids, "rid": rid}, KvOffer)
+
+    async def import_(self, input_ids: list[int], offer: KvOffer) -> KvImportResult:
+        body = {"input_ids": input_ids, "offer": offer.model_dump()}
+        return await self._call("POST", "/gyre/kv/import", body, KvImportResult)
+
+    async def release(self, offer_id: str) -> None:
+        await self._call("POST", "/gyre/kv/release", {"offer_id": offer_id}, None)
 
     async def reserve(self, input_ids: list[int]) -> KvReservation:
         return await self._call("POST", "/gyre/kv/reserve", {"input_ids": input_ids}, KvReservation)
