@@ -22,9 +22,44 @@ but for a call in flight rather than a finished prefill. This module imports onl
 
 from __future__ import annotations
 
-from typing import Literal
+import base64
+import binascii
+import sys
+from array import array
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+
+def pack_ids(ids: list[int]) -> str:
+    """Token ids as base64 of little-endian int32: at 32K ids, ~0.3 ms to pack and unpack where a JSON list
+    took ~10 ms to dump and load, paid on each call that carries the prefix."""
+    arr = array("i", ids)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return base64.b64encode(arr.tobytes()).decode("ascii")
+
+
+def unpack_ids(text: str) -> list[int]:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"packed ids are not valid base64: {e}") from e
+    if len(raw) % 4:
+        raise ValueError(f"packed ids are {len(raw)} bytes, not a multiple of 4 (int32)")
+    arr = array("i")
+    arr.frombytes(raw)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tolist()
+
+
+def _ids(value: Any) -> Any:
+    return unpack_ids(value) if isinstance(value, str) else value
+
+
+Ids = Annotated[list[int], BeforeValidator(_ids)]
+"""Token ids on the KV routes: a JSON list or `pack_ids`' string (what `KvClient` sends)."""
 
 KvDtype = Literal["float32", "float16", "bfloat16", "float64"]
 ELEMENT_SIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -84,7 +119,7 @@ class KvLayout(BaseModel):
 class KvReserveRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    input_ids: list[int] = Field(min_length=1, description="the prefix the continuing request will send")
+    input_ids: Ids = Field(min_length=1, description="the prefix the continuing request will send")
 
 
 class KvReservation(BaseModel):
@@ -109,7 +144,7 @@ class KvReservation(BaseModel):
 class KvExportRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    input_ids: list[int] = Field(min_length=1)
+    input_ids: Ids = Field(min_length=1)
     rid: str | None = Field(None, description="a paused request whose live KV should be exported too")
     reservation: KvReservation
 
@@ -147,7 +182,7 @@ class KvCancelRequest(BaseModel):
 class KvOfferRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    input_ids: list[int] = Field(min_length=1, description="the prefix the continuing request will send")
+    input_ids: Ids = Field(min_length=1, description="the prefix the continuing request will send")
     rid: str | None = Field(None, description="a paused request whose live KV should be offered too")
 
 
@@ -180,7 +215,7 @@ class KvOffer(BaseModel):
 class KvImportRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    input_ids: list[int] = Field(min_length=1)
+    input_ids: Ids = Field(min_length=1)
     offer: KvOffer
 
 

@@ -12,15 +12,18 @@ radix edge owns one tensor, and edges are never written after insertion, so they
 scheduler thread while the reference is held), and the receiver's reserved tensor becomes a radix edge as
 it is. Only the scheduler thread touches the cache; the transfers run on the caller's (HTTP worker) thread.
 
-Receive memory comes from `receive_buffer`: a fresh anonymous mapping, 2 MiB-aligned, advised for
-transparent huge pages and populated before the transfer. A plain `torch.empty` is fresh memory too (glibc
-maps large blocks anew), and its first touch happened inside the transfer, on Mooncake's single I/O thread,
-4 KiB page by page: on this VM that made an 8 MiB move take 18 ms instead of 3 ms, and halved the measured
-throughput (docs/benchmarks.md, KV migration).
+Receive memory (`receive_buffer`) is populated before the transfer, never first touched inside it: a plain
+`torch.empty` is fresh memory (glibc maps large blocks anew), and its first touch happened on Mooncake's
+single I/O thread, 4 KiB page by page - on this VM an 8 MiB move took 18 ms instead of 3 ms. A 2 MiB-aligned
+mapping advised for huge pages and populated in one call costs less, but not nothing: fresh guest memory
+costs ~1 ms per 2 MiB here (the hypervisor backs it on first use). A spare buffer refilled in the
+background (the local stand-in for a paged engine's preallocated pool) was tried and measured worse on 2
+cores: the refill competed with the transfer and the continuation (docs/benchmarks.md, KV migration).
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import mmap
 import threading
@@ -60,22 +63,38 @@ HUGE_PAGE = 2 << 20
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not in Python's mmap module
 
 
-def receive_buffer(shape: KVShape, tokens: int) -> torch.Tensor:
-    """An empty `[layers, 2, kv_heads, tokens, head_dim]` tensor in populated, huge-page-advised memory (see
-    the module's docstring). Falls back to first touch by `zero_` where the kernel lacks either advice."""
-    numel = shape.num_layers * 2 * shape.num_kv_heads * tokens * shape.head_dim
-    elt = torch.empty(0, dtype=shape.dtype).element_size()
-    nbytes = numel * elt
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def populated(nbytes: int) -> torch.Tensor:
+    """`nbytes` of fresh memory (flat uint8), 2 MiB-aligned, advised for huge pages and populated. libc's
+    madvise through ctypes, not `mmap.madvise`: that one holds the GIL for the whole populate, which stalled
+    the engine's other threads (the importing one included) for its ~10 ms. Falls back to first touch by
+    `zero_` where the kernel lacks the advice."""
     area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = torch.frombuffer(area, dtype=torch.uint8)  # the tensor keeps `area` mapped while it lives
     offset = -base.data_ptr() % HUGE_PAGE
-    view = base[offset : offset + nbytes]
-    try:
-        area.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
-        area.madvise(MADV_POPULATE_WRITE, offset, nbytes)
-    except (OSError, AttributeError, ValueError):
-        view.zero_()
-    return view.view(shape.dtype).view(shape.num_layers, 2, shape.num_kv_heads, tokens, shape.head_dim)
+    addr = base.data_ptr() + offset
+    _libc.madvise(addr, nbytes, mmap.MADV_HUGEPAGE)  # a hint: no error matters
+    if _libc.madvise(addr, nbytes, MADV_POPULATE_WRITE) != 0:
+        base[offset : offset + nbytes].zero_()
+    return base[offset : offset + nbytes]
+
+
+def receive_bytes(shape: KVShape, tokens: int) -> int:
+    return shape.bytes_per_token() * tokens
+
+
+def as_pages(flat: torch.Tensor, shape: KVShape, tokens: int) -> torch.Tensor:
+    """The front of a flat uint8 buffer as a `[layers, 2, kv_heads, tokens, head_dim]` tensor."""
+    view = flat[: receive_bytes(shape, tokens)].view(shape.dtype)
+    return view.view(shape.num_layers, 2, shape.num_kv_heads, tokens, shape.head_dim)
+
+
+def receive_buffer(shape: KVShape, tokens: int) -> torch.Tensor:
+    """An empty pages tensor for `tokens` in populated, huge-page-advised memory (see the module's docstring)."""
+    return as_pages(populated(receive_bytes(shape, tokens)), shape, tokens)
 
 
 def block_of(tensor: torch.Tensor, start: int) -> KvBlock:
@@ -171,8 +190,7 @@ class KvPort:
         rid = f"kv-{uuid.uuid4().hex}"  # unique across restarts: a stale commit never hits a new reservation
         pages = region = None
         if end > start:
-            s = self.shape
-            pages = receive_buffer(s, end - start)
+            pages = receive_buffer(self.shape, end - start)
             region = self.endpoint.register_tensor(pages)
         entry = _Reserved(ids[:end], start, end, version, pages, region)
         with self._lock:
