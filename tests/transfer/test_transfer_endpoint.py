@@ -151,11 +151,12 @@ def test_a_stopped_peer_times_out_and_the_local_memory_is_kept_alive() -> None:
     try:
         assert peer.stdout is not None
         session, addr = peer.stdout.readline().split()
-        a = TransferEndpoint(EndpointConfig(timeout_s=0.2))
+        a = TransferEndpoint()
         dst = torch.zeros(1 << 18)
         region = a.register_tensor(dst)
         a.read(session, [Span(dst.data_ptr(), 4096)], [Span(int(addr), 4096)])  # connected, lanes open
         assert dst[:1024].eq(1).all()
+        a.config = EndpointConfig(timeout_s=0.2)  # only now: the warm-up above must not race a deadline
         os.kill(peer.pid, signal.SIGSTOP)
         with pytest.raises(TransferError, match=rf"read with {session}: 1 of 1 spans not done before the timeout"):
             a.read(session, [Span(dst.data_ptr(), 1 << 20)], [Span(int(addr), 1 << 20)])
