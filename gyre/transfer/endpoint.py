@@ -8,11 +8,12 @@ Facts this wrapper leans on (Mooncake 0.3.13, `mooncake.engine.TransferEngine`):
   call and returns 0 or a negative code, but it waits by polling the batch's status in a loop that never
   pauses: the calling thread keeps a core busy for the whole transfer. The TCP transport does all its I/O
   on one asio thread per engine, so a transfer needs two cores (one per side) and the spinning caller is a
-  third; on this project's 2-core machines that cost 35% of the throughput (0.65 of a raw TCP stream, not
-  1.0: `benchmarks/transfer_bench.py`). So by default (`EndpointConfig.wait = "sleep"`) each span is
-  submitted as its own one-entry `batch_transfer_async_*` batch and polled with the non-blocking
-  `transfer_check_status` (which frees a finished batch), sleeping between polls for 1/16 of the time
-  spent so far (50 us .. 1 ms): the wait adds at most ~6% or 1 ms to a transfer and costs no core.
+  third; on this project's 2-core machines that cost ~40% of the throughput (0.59-0.63 of a raw TCP
+  stream, against 1.02-1.14 polled: `benchmarks/transfer_bench.py`). So by default
+  (`EndpointConfig.wait = "sleep"`) each span is submitted as its own one-entry `batch_transfer_async_*`
+  batch (`transfer_check_status`, non-blocking, sees only a batch's first request and frees it when done);
+  only the oldest unfinished batch is polled, sleeping between polls for 1/16 of the time spent so far
+  (50 us .. 1 ms): the wait adds at most ~6% or 1 ms to a transfer and costs no core.
 - The TCP transport sends one request (span) on one connection; a peer gets 4 connection lanes
   (`MC_TCP_LANES_PER_PEER`), so several spans overlap. Each socket operation moves `MC_TCP_SLICE_SIZE`
   bytes (64 KiB); both are read from the environment once, when first used.
