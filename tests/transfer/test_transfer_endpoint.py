@@ -158,6 +158,8 @@ def test_a_stopped_peer_times_out_and_the_local_memory_is_kept_alive() -> None:
         assert dst[:1024].eq(1).all()
         a.config = EndpointConfig(timeout_s=0.2)  # only now: the warm-up above must not race a deadline
         os.kill(peer.pid, signal.SIGSTOP)
+        _, status = os.waitpid(peer.pid, os.WUNTRACED)  # the stop is asynchronous: wait until every thread is
+        assert os.WIFSTOPPED(status)  # stopped, or its I/O thread may still serve the read below
         with pytest.raises(TransferError, match=rf"read with {session}: 1 of 1 spans not done before the timeout"):
             a.read(session, [Span(dst.data_ptr(), 1 << 20)], [Span(int(addr), 1 << 20)])
         assert region in a._abandoned  # Mooncake may still write into it: it must not be freed
