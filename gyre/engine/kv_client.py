@@ -10,13 +10,22 @@ from pydantic import BaseModel, ValidationError
 
 from gyre.engine.client import _transport_error
 from gyre.engine.errors import EngineHTTPError, EngineProtocolError, KvRefusedError
-from gyre.engine.kv_protocol import KvCommitResult, KvExportResult, KvLayout, KvReservation
+from gyre.engine.kv_protocol import (
+    KvCommitResult,
+    KvExportResult,
+    KvImportResult,
+    KvLayout,
+    KvOffer,
+    KvReservation,
+    pack_ids,
+)
 
 M = TypeVar("M", bound=BaseModel)
 
 
 class KvClient:
-    """`/gyre/kv/*` of one engine. A 409 answer becomes `KvRefusedError` (the caller recomputes)."""
+    """`/gyre/kv/*` of one engine. A 409 answer becomes `KvRefusedError` (the caller recomputes). Token ids
+    travel packed (`pack_ids`)."""
 
     def __init__(self, base_url: str, http: httpx.AsyncClient, timeout_s: float = 120.0) -> None:
         self.base_url = base_url.rstrip("/")
@@ -26,11 +35,21 @@ class KvClient:
     async def layout(self) -> KvLayout:
         return await self._call("GET", "/gyre/kv/layout", None, KvLayout)
 
+    async def offer(self, input_ids: list[int], rid: str | None = None) -> KvOffer:
+        return await self._call("POST", "/gyre/kv/offer", {"input_ids": pack_ids(input_ids), "rid": rid}, KvOffer)
+
+    async def import_(self, input_ids: list[int], offer: KvOffer) -> KvImportResult:
+        body = {"input_ids": pack_ids(input_ids), "offer": offer.model_dump()}
+        return await self._call("POST", "/gyre/kv/import", body, KvImportResult)
+
+    async def release(self, offer_id: str) -> None:
+        await self._call("POST", "/gyre/kv/release", {"offer_id": offer_id}, None)
+
     async def reserve(self, input_ids: list[int]) -> KvReservation:
-        return await self._call("POST", "/gyre/kv/reserve", {"input_ids": input_ids}, KvReservation)
+        return await self._call("POST", "/gyre/kv/reserve", {"input_ids": pack_ids(input_ids)}, KvReservation)
 
     async def export(self, input_ids: list[int], reservation: KvReservation, rid: str | None = None) -> KvExportResult:
-        body = {"input_ids": input_ids, "rid": rid, "reservation": reservation.model_dump()}
+        body = {"input_ids": pack_ids(input_ids), "rid": rid, "reservation": reservation.model_dump()}
         return await self._call("POST", "/gyre/kv/export", body, KvExportResult)
 
     async def commit(self, reservation_id: str, end: int) -> KvCommitResult:

@@ -1,6 +1,10 @@
 """`MooncakeKvMover`: a redirected call's KV moves from the old engine to the new one instead of being
-recomputed. The proxy only orchestrates - reserve on the new engine, export (a Mooncake write, engine to
-engine) on the old one, commit on the new one - and the bytes never pass through it.
+recomputed. The proxy only orchestrates and the bytes never pass through it. The default pull path makes
+two calls on the critical path - offer on the old engine (it holds its blocks and says where they are),
+import on the new one (it reads them with Mooncake and inserts them into its cache) - and releases the
+offer after the move, off the critical path. The push path (`path="push"`: reserve on the new engine,
+export - a Mooncake write - on the old one, commit on the new one) makes three, each parsing the prefix's
+ids again: kept for comparison (`benchmarks/kv_migration_bench.py`).
 
 Refusals are outcomes, not failures: a different policy version, page size or layout, an engine that
 cannot be reached (a dead cell) or a transfer that fails all leave the call to recompute its prefix, and the
@@ -9,9 +13,11 @@ reason goes into the `call_redirected` event.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import Literal
 
 import httpx
 
@@ -27,10 +33,15 @@ class MooncakeKvMover:
     """Moves KV pages between engines that serve Gyre's `/gyre/kv/*` endpoints. `engines` gives a cell's
     engine base URL (a mapping, or the proxy's router, so cells added later are found too)."""
 
-    def __init__(self, engines: Mapping[str, str] | Callable[[str], str], *, timeout_s: float = 120.0) -> None:
+    def __init__(self, engines: Mapping[str, str] | Callable[[str], str], *, timeout_s: float = 120.0,
+                 path: Literal["pull", "push"] = "pull") -> None:
+        if path not in ("pull", "push"):
+            raise ValueError(f"MooncakeKvMover path must be 'pull' or 'push', got {path!r}")
         self._url_of = engines.__getitem__ if isinstance(engines, Mapping) else engines
         self._http = httpx.AsyncClient(timeout=timeout_s)
         self._timeout_s = timeout_s
+        self.path = path
+        self._releases: set[asyncio.Task[None]] = set()
 
     def _client(self, cell: str) -> KvClient:
         return KvClient(self._url_of(cell), self._http, self._timeout_s)
@@ -43,26 +54,50 @@ class MooncakeKvMover:
         except (KeyError, GyreError) as e:
             return self._refused(move, ids, f"no engine URL for the cell: {e}")
         try:
-            reservation = await dst.reserve(ids)
-            try:
-                exported = await src.export(ids, reservation, move.rid)
-            except EngineError:
-                await self._cancel(dst, reservation.reservation_id)
-                raise
-            committed = await dst.commit(reservation.reservation_id, exported.end)
+            if self.path == "pull":
+                offer = await src.offer(ids, move.rid)
+                try:
+                    done = await dst.import_(ids, offer)
+                finally:
+                    self._release_later(src, offer.offer_id)
+                blocks, nbytes, tokens = done.pages, done.bytes, done.tokens
+                transfer, cached = done.seconds, done.cached_tokens
+            else:
+                reservation = await dst.reserve(ids)
+                try:
+                    exported = await src.export(ids, reservation, move.rid)
+                except EngineError:
+                    await self._cancel(dst, reservation.reservation_id)
+                    raise
+                committed = await dst.commit(reservation.reservation_id, exported.end)
+                blocks, nbytes, tokens = exported.pages, exported.bytes, exported.tokens
+                transfer, cached = exported.seconds, committed.cached_tokens
         except KvRefusedError as e:
             return self._refused(move, ids, f"{e.field}: {e.message}")
         except EngineError as e:  # unreachable cell, transfer failure (HTTP 502), bad answer
             return self._refused(move, ids, str(e))
-        cached = min(committed.cached_tokens, len(ids) - 1)  # the last token is always computed again
+        cached = min(cached, len(ids) - 1)  # the last token is always computed again
         return KvMoveResult(
-            blocks=exported.pages,
-            bytes=exported.bytes,
-            tokens=exported.tokens,
-            transfer_seconds=exported.seconds,
+            blocks=blocks,
+            bytes=nbytes,
+            tokens=tokens,
+            transfer_seconds=transfer,
             seconds=time.perf_counter() - started,
             tokens_recomputed=len(ids) - cached,
         )
+
+    def _release_later(self, client: KvClient, offer_id: str) -> None:
+        """Release an offer without delaying the call (the old engine expires offers nobody releases)."""
+
+        async def release() -> None:
+            try:
+                await client.release(offer_id)
+            except EngineError as e:
+                log.warning("releasing KV offer %s at %s failed: %s", offer_id, client.base_url, e)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     @staticmethod
     def _refused(move: KvMove, ids: list[int], reason: str) -> KvMoveResult:
@@ -77,5 +112,11 @@ class MooncakeKvMover:
         except EngineError as e:  # the reservation expires on its own (MAX_OPEN_RESERVATIONS)
             log.warning("cancelling KV reservation %s at %s failed: %s", reservation_id, client.base_url, e)
 
+    async def settled(self) -> None:
+        """Wait for the offers released in the background (tests and shutdown)."""
+        while self._releases:
+            await asyncio.gather(*list(self._releases))
+
     async def aclose(self) -> None:
+        await self.settled()
         await self._http.aclose()

@@ -5,15 +5,29 @@ Facts this wrapper leans on (Mooncake 0.3.13, `mooncake.engine.TransferEngine`):
   by session id `host:rpc_port`, with no metadata server.
 - Only registered memory may be read or written remotely; a local buffer must be registered too.
 - `batch_transfer_sync_write/read(session, local_addrs, remote_addrs, lengths)` moves many spans in one
-  call and returns 0 or a negative code; it blocks, so callers keep it off event loops.
+  call and returns 0 or a negative code, but it waits by polling the batch's status in a loop that never
+  pauses: the calling thread keeps a core busy for the whole transfer. The TCP transport does all its I/O
+  on one asio thread per engine, so a transfer needs two cores (one per side) and the spinning caller is a
+  third; on this project's 2-core machines that cost ~40% of the throughput (0.59-0.63 of a raw TCP
+  stream, against 1.02-1.14 polled: `benchmarks/transfer_bench.py`). So by default
+  (`EndpointConfig.wait = "sleep"`) each span is submitted as its own one-entry `batch_transfer_async_*`
+  batch (`transfer_check_status`, non-blocking, sees only a batch's first request and frees it when done);
+  only the oldest unfinished batch is polled, sleeping between polls for 1/16 of the time spent so far
+  (50 us .. 1 ms): the wait adds at most ~6% or 1 ms to a transfer and costs no core.
+- The TCP transport sends one request (span) on one connection; a peer gets 4 connection lanes
+  (`MC_TCP_LANES_PER_PEER`), so several spans overlap. Each socket operation moves `MC_TCP_SLICE_SIZE`
+  bytes (64 KiB); both are read from the environment once, when first used.
 Mooncake is imported when the first endpoint is made: importing `gyre.transfer` costs nothing.
 
 Invariants: a `Region` keeps the object that owns its memory alive until it is unregistered, so a
-registered address never dangles; every failure raises `TransferError` naming the peer and the call.
+registered address never dangles; a read or write returns (or raises) only once no span of it is in flight,
+except after a timeout, when the regions of the abandoned spans are kept alive for the process's life;
+every failure raises `TransferError` naming the peer and the call.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
@@ -24,6 +38,12 @@ from typing import Any, Literal
 from gyre.errors import TransferError
 
 Protocol = Literal["tcp", "rdma"]
+Wait = Literal["sleep", "spin"]
+
+POLL_MIN_S = 50e-6
+POLL_MAX_S = 1e-3
+POLL_FRACTION = 1 / 16
+"""Sleep between status polls: this share of the time the transfer has taken so far, within the bounds."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,12 +57,21 @@ class EndpointConfig:
     """Reuse TCP connections between transfers (Mooncake's `MC_TCP_ENABLE_CONNECTION_POOL`; without it every
     transfer connects afresh). Mooncake reads it from the environment when its first engine starts, so it is
     set there unless the environment already names it."""
+    wait: Wait = "sleep"
+    """How `read`/`write` wait: `sleep` (async batches polled with sleeps: the thread gives its core to the
+    transfer) or `spin` (Mooncake's `batch_transfer_sync_*`, which keeps the calling thread's core busy)."""
+    timeout_s: float = 30.0
+    """A transfer that has not finished after this plus 1 s per GiB (Mooncake's own sync rule) raises."""
 
     def __post_init__(self) -> None:
         if not self.hostname:
             raise ValueError("EndpointConfig.hostname must not be empty")
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"EndpointConfig.protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
+        if self.wait not in ("sleep", "spin"):
+            raise ValueError(f"EndpointConfig.wait must be 'sleep' or 'spin', got {self.wait!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"EndpointConfig.timeout_s must be positive, got {self.timeout_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +127,8 @@ class TransferEndpoint:
         self.session_id = f"{c.hostname}:{self._engine.get_rpc_port()}"
         self._lock = threading.Lock()
         self._regions: dict[int, tuple[Region, int]] = {}  # addr -> (region, references)
+        self._starts: list[int] = []  # sorted keys of _regions: a span's region is found by bisection
+        self._abandoned: list[Region] = []  # regions of timed-out spans Mooncake may still write into
 
     def register(self, owner: Any, addr: int, length: int) -> Region:
         """Expose `length` bytes at `addr` (owned by `owner`) to peers and to this endpoint's transfers.
@@ -120,6 +151,7 @@ class TransferEndpoint:
                 raise TransferError(f"Mooncake register_memory({addr:#x}, {length}) returned {rc}")
             region = Region(addr, length, owner)
             self._regions[addr] = (region, 1)
+            bisect.insort(self._starts, addr)
         return region
 
     def register_tensor(self, tensor: Any) -> Region:
@@ -137,6 +169,7 @@ class TransferEndpoint:
                 self._regions[region.addr] = (known[0], known[1] - 1)
                 return
             del self._regions[region.addr]
+            del self._starts[bisect.bisect_left(self._starts, region.addr)]
             rc = self._engine.unregister_memory(region.addr)
         if rc != 0:
             raise TransferError(f"Mooncake unregister_memory({region.addr:#x}) returned {rc}")
@@ -156,36 +189,100 @@ class TransferEndpoint:
     def _move(self, op: str, peer: str, local: Sequence[Span], remote: Sequence[Span]) -> TransferStats:
         if len(local) != len(remote):
             raise TransferError(f"{op} to {peer}: {len(local)} local spans for {len(remote)} remote spans")
-        for i, (a, b) in enumerate(zip(local, remote, strict=True)):
-            if a.length != b.length or a.length <= 0:
-                raise TransferError(f"{op} to {peer}: span {i} has lengths {a.length} (local), {b.length} (remote)")
-            self._check_local(op, peer, i, a)
+        regions = self._check(op, peer, local, remote)
         if not local:
             return TransferStats(0, 0.0, 0)
-        call = self._engine.batch_transfer_sync_write if op == "write" else self._engine.batch_transfer_sync_read
+        total = sum(s.length for s in local)
         start = time.perf_counter()
-        rc = call(peer, [s.addr for s in local], [s.addr for s in remote], [s.length for s in local])
-        seconds = time.perf_counter() - start
-        if rc != 0:
-            raise TransferError(
-                f"Mooncake batch_transfer_sync_{op} to {peer} ({len(local)} spans) returned {rc}: "
-                "is the peer alive and its memory registered?"
-            )
-        return TransferStats(sum(s.length for s in local), seconds, len(local))
+        if self.config.wait == "spin":
+            call = self._engine.batch_transfer_sync_write if op == "write" else self._engine.batch_transfer_sync_read
+            rc = call(peer, [s.addr for s in local], [s.addr for s in remote], [s.length for s in local])
+            if rc != 0:
+                raise TransferError(
+                    f"Mooncake batch_transfer_sync_{op} to {peer} ({len(local)} spans) returned {rc}: "
+                    "is the peer alive and its memory registered?"
+                )
+        else:
+            self._move_polled(op, peer, local, remote, regions, start + self.config.timeout_s + total / (1 << 30))
+        return TransferStats(total, time.perf_counter() - start, len(local))
 
-    def _check_local(self, op: str, peer: str, i: int, span: Span) -> None:
-        with self._lock:
-            regions = [r for r, _ in self._regions.values()]
-        if not any(r.contains(span) for r in regions):
+    def _move_polled(self, op: str, peer: str, local: Sequence[Span], remote: Sequence[Span],
+                     regions: list[Region], deadline: float) -> None:
+        """One async batch per span (`transfer_check_status` sees only a batch's first request), polled until
+        every span is done or failed: nothing is left in flight on return."""
+        submit = self._engine.batch_transfer_async_write if op == "write" else self._engine.batch_transfer_async_read
+        check = self._engine.transfer_check_status
+        pending: list[tuple[int, int]] = []  # (batch id, span index), in submission order
+        failed: list[int] = []
+        refused: int | None = None
+        for i, (a, b) in enumerate(zip(local, remote, strict=True)):
+            batch = submit(peer, [a.addr], [b.addr], [a.length])
+            if batch == 0:  # Mooncake's failure sentinel: unknown peer, or the submit was refused
+                refused = i
+                break
+            pending.append((batch, i))
+        begin = time.perf_counter()
+        done = 0  # pending[:done] are finished: only the oldest unfinished batch is polled, so a wake-up
+        while done < len(pending):  # costs one call however many spans are in flight
+            rc = check(pending[done][0])
+            if rc in (1, -1):  # completed or failed (Mooncake frees the batch); 0 and -2 mean waiting
+                if rc == -1:
+                    failed.append(pending[done][1])
+                done += 1
+                continue
+            now = time.perf_counter()
+            if now > deadline:
+                with self._lock:
+                    self._abandoned.extend(regions)
+                raise TransferError(
+                    f"Mooncake {op} with {peer}: {len(pending) - done} of {len(local)} spans not done before the "
+                    f"timeout ({self.config.timeout_s:g} s + 1 s/GiB); they are abandoned and their local memory "
+                    "is kept alive (is the peer alive?)"
+                )
+            time.sleep(min(POLL_MAX_S, max(POLL_MIN_S, (now - begin) * POLL_FRACTION)))
+        if refused is not None:
             raise TransferError(
-                f"{op} to {peer}: local span {i} ({span.length} bytes at {span.addr:#x}) is not registered"
+                f"Mooncake batch_transfer_async_{op} to {peer} refused span {refused} of {len(local)} "
+                "(is the peer's session id right and the peer alive?)"
             )
+        if failed:
+            first = min(failed)
+            raise TransferError(
+                f"Mooncake {op} with {peer} failed for {len(failed)} of {len(local)} spans (first: span {first}, "
+                f"{local[first].length} bytes at remote {remote[first].addr:#x}): is the peer alive and its "
+                "memory registered?"
+            )
+
+    def _check(self, op: str, peer: str, local: Sequence[Span], remote: Sequence[Span]) -> list[Region]:
+        """Validate the spans; the distinct local regions they lie in."""
+        found: dict[int, Region] = {}
+        with self._lock:
+            for i, (a, b) in enumerate(zip(local, remote, strict=True)):
+                if a.length != b.length or a.length <= 0:
+                    raise TransferError(
+                        f"{op} to {peer}: span {i} has lengths {a.length} (local), {b.length} (remote)"
+                    )
+                region = self._region_of(a)
+                if region is None:
+                    raise TransferError(
+                        f"{op} to {peer}: local span {i} ({a.length} bytes at {a.addr:#x}) is not registered"
+                    )
+                found[region.addr] = region
+        return list(found.values())
+
+    def _region_of(self, span: Span) -> Region | None:
+        """The registered region holding `span` (caller holds the lock). Mooncake refuses overlapping
+        registrations, so the region starting last at or before the span is the only candidate."""
+        i = bisect.bisect_right(self._starts, span.addr) - 1
+        region = self._regions[self._starts[i]][0] if i >= 0 else None
+        return region if region is not None and region.contains(span) else None
 
     def close(self) -> None:
         """Unregister everything (the Mooncake engine itself lives until the process ends)."""
         with self._lock:
             regions = [r for r, _ in self._regions.values()]
             self._regions.clear()
+            self._starts.clear()
         for region in regions:
             self._engine.unregister_memory(region.addr)
 

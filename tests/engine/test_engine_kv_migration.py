@@ -14,6 +14,7 @@ from gyre.engine.errors import KvRefusedError
 from gyre.engine.kv_client import KvClient
 from gyre.engine.kv_protocol import KvCommitResult, KvExportResult
 from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
+from gyre.engine.local.kv_port import MAX_OPEN_OFFERS
 from gyre.model import build_tiny_model
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
@@ -34,12 +35,23 @@ def pair() -> Iterator[tuple[LocalEngineServer, LocalEngineServer]]:
     b.stop()
 
 
-def migrate(src: str, dst: str, ids: list[int], rid: str | None = None) -> tuple[KvExportResult, KvCommitResult]:
-    """Reserve on `dst`, export from `src` into it, commit on `dst` (what the proxy's mover does)."""
+def migrate(src: str, dst: str, ids: list[int], rid: str | None = None,
+            path: str = "push") -> tuple[KvExportResult, KvCommitResult]:
+    """Push: reserve on `dst`, export from `src` into it, commit on `dst`. Pull (what the proxy's mover does
+    by default): offer on `src`, import on `dst`, release on `src`. Both answer in the push path's terms."""
 
     async def run() -> tuple[KvExportResult, KvCommitResult]:
         async with httpx.AsyncClient() as http:
             source, target = KvClient(src, http), KvClient(dst, http)
+            if path == "pull":
+                offer = await source.offer(ids, rid)
+                try:
+                    done = await target.import_(ids, offer)
+                finally:
+                    await source.release(offer.offer_id)
+                exported = KvExportResult(end=done.end, tokens=done.tokens, pages=done.pages, bytes=done.bytes,
+                                          seconds=done.seconds)
+                return exported, KvCommitResult(cached_tokens=done.cached_tokens)
             reservation = await target.reserve(ids)
             try:
                 exported = await source.export(ids, reservation, rid)
@@ -51,12 +63,13 @@ def migrate(src: str, dst: str, ids: list[int], rid: str | None = None) -> tuple
     return asyncio.run(run())
 
 
-def test_continuation_after_migration_equals_continuing_on_the_old_engine(pair) -> None:
+@pytest.mark.parametrize("path", ["pull", "push"])
+def test_continuation_after_migration_equals_continuing_on_the_old_engine(pair, path: str) -> None:
     a, b = pair
     with SyncHttpEngineClient(a.url) as old, SyncHttpEngineClient(b.url) as new:
         first = old.generate(PROMPT, GREEDY)  # A now caches prompt + output[:-1], as after an abort
         ids = PROMPT + first.output_ids
-        exported, committed = migrate(a.url, b.url, ids)
+        exported, committed = migrate(a.url, b.url, ids, path=path)
         page = LocalEngineConfig().kv_page_size
         end = len(ids) - 1  # every token but the last, which B computes for its logits
         assert (exported.end, exported.tokens, exported.pages) == (end, end, -(-end // page))
@@ -75,7 +88,8 @@ async def _layout(url: str):
         return await KvClient(url, http).layout()
 
 
-def test_only_missing_pages_move_and_a_paused_request_exports_its_live_kv(pair) -> None:
+@pytest.mark.parametrize("path", ["pull", "push"])
+def test_only_missing_pages_move_and_a_paused_request_exports_its_live_kv(pair, path: str) -> None:
     a, b = pair
     with SyncHttpEngineClient(a.url) as old, SyncHttpEngineClient(b.url) as new:
         new.generate(PROMPT[:64], {"max_new_tokens": 1})  # B now caches these 64 tokens of the prefix
@@ -83,7 +97,7 @@ def test_only_missing_pages_move_and_a_paused_request_exports_its_live_kv(pair) 
         chunk = next(stream)  # A has produced output; freeze it with its KV in the running sequence
         old.pause("in_place")
         ids = PROMPT + chunk.output_ids[:2]
-        exported, committed = migrate(a.url, b.url, ids, rid="live")
+        exported, committed = migrate(a.url, b.url, ids, rid="live", path=path)
         old.abort("live")
         old.resume()
         stream.close()
@@ -116,3 +130,50 @@ def test_a_different_page_size_is_refused_with_a_clear_error() -> None:
             migrate(a.url, b.url, ids)
     assert refused.value.field == "reservation.layout"
     assert refused.value.message == "KV layout mismatch: page_size is 32 on the receiver but 16 here"
+
+
+def test_the_pull_path_refuses_a_different_version_or_page_size_naming_the_sender() -> None:
+    a, b, c = _server(), _server(), _server(kv_page_size=32)
+    with a, b, c, SyncHttpEngineClient(a.url) as old, SyncHttpEngineClient(b.url) as new:
+        new.update_weights_from_tensor(dict(build_tiny_model(0).named_parameters()), version="v2")
+        ids = PROMPT + old.generate(PROMPT, GREEDY).output_ids
+        with pytest.raises(KvRefusedError) as refused:
+            migrate(a.url, b.url, ids, path="pull")
+        assert refused.value.field == "offer.layout.policy_version"
+        assert refused.value.message == (
+            "policy version mismatch: the receiver serves 'v2', the sender's KV was computed under 'default'"
+        )
+        with pytest.raises(KvRefusedError) as refused:
+            migrate(a.url, c.url, ids, path="pull")
+        assert refused.value.field == "offer.layout"
+        assert refused.value.message == "KV layout mismatch: page_size is 32 on the receiver but 16 on the sender"
+        assert new.generate(ids, GREEDY).cached_tokens == 0
+    # the refusals released their offers, and the receivers registered nothing
+    assert a.engine.kv.endpoint.registered == 0
+    assert b.engine.kv.endpoint.registered == c.engine.kv.endpoint.registered == 0
+
+
+def test_an_offer_holds_its_blocks_until_released_and_the_oldest_expire(pair) -> None:
+    a, _ = pair
+    with SyncHttpEngineClient(a.url) as old:
+        ids = PROMPT + old.generate(PROMPT, GREEDY).output_ids
+
+    async def run() -> None:
+        async with httpx.AsyncClient() as http:
+            source = KvClient(a.url, http)
+            offer = await source.offer(ids)
+            assert offer.end == len(ids) - 1 and sum(blk.tokens for blk in offer.blocks) == offer.end
+            assert a.engine.kv.endpoint.registered == len({blk.addr for blk in offer.blocks}) > 0
+            await source.release(offer.offer_id)
+            assert a.engine.kv.endpoint.registered == 0
+            with pytest.raises(KvRefusedError, match="no open offer"):
+                await source.release(offer.offer_id)
+            offers = [await source.offer(ids) for _ in range(MAX_OPEN_OFFERS + 3)]
+            assert len(a.engine.kv._offers) == MAX_OPEN_OFFERS  # a vanished proxy cannot pin memory forever
+            with pytest.raises(KvRefusedError, match="no open offer"):
+                await source.release(offers[0].offer_id)
+            for o in offers[3:]:
+                await source.release(o.offer_id)
+            assert a.engine.kv.endpoint.registered == 0
+
+    asyncio.run(run())

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import ctypes
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.engine.kv_protocol import KvLayout, KvReservation
+from gyre.engine.kv_protocol import KvLayout, KvOfferRequest, KvReservation, pack_ids, unpack_ids
 from gyre.engine.local.kv import KVShape, SequenceKV
-from gyre.engine.local.kv_port import KvPort
+from gyre.engine.local.kv_port import HUGE_PAGE, KvPort, receive_buffer
 from gyre.engine.local.radix import RadixCache
 from gyre.transfer import EndpointConfig
 
@@ -78,3 +79,27 @@ def test_layout_mismatches_name_the_field() -> None:
         "policy version mismatch: the receiver serves 'w', this engine's KV was computed under 'v'"
     )
     assert LAYOUT.bytes_per_token == 2 * 2 * 2 * 4 * 4
+
+
+@given(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=300))
+def test_packed_ids_round_trip_and_either_form_is_accepted(ids: list[int]) -> None:
+    assert unpack_ids(pack_ids(ids)) == ids
+    assert KvOfferRequest.model_validate({"input_ids": pack_ids(ids)}).input_ids == ids
+    assert KvOfferRequest.model_validate({"input_ids": ids}).input_ids == ids
+
+
+def test_bad_packed_ids_are_named() -> None:
+    with pytest.raises(ValueError, match="not valid base64"):
+        KvOfferRequest.model_validate({"input_ids": "***"})
+    with pytest.raises(ValueError, match="not a multiple of 4"):
+        KvOfferRequest.model_validate({"input_ids": "AAA="})
+    with pytest.raises(ValueError, match="at least 1"):
+        KvOfferRequest.model_validate({"input_ids": ""})
+
+
+def test_receive_buffers_are_zeroed_aligned_pages_of_the_right_shape() -> None:
+    pages = receive_buffer(SHAPE, 1000)
+    assert pages.shape == (2, 2, 2, 1000, 4) and pages.dtype == torch.float32 and pages.is_contiguous()
+    assert pages.data_ptr() % HUGE_PAGE == 0 and not pages.any()
+    pages.fill_(1.0)  # writable, and the mapping outlives the function that made it
+    assert pages.sum().item() == pages.numel()

@@ -82,7 +82,7 @@ def test_a_policy_version_mismatch_recomputes_and_says_why(two_engines: Engines,
         p, "select kv_tokens, kv_bytes, tokens_recomputed, kv_refused from call_redirects"
     )
     assert (tokens, nbytes) == (0, 0) and recomputed == len(seen[f"{call_id}#1"].input_ids)
-    assert refused.startswith("reservation.layout.policy_version: policy version mismatch")
+    assert refused.startswith("offer.layout.policy_version: policy version mismatch")  # the mover's pull path
     assert "'v7'" in refused and b.engine.scheduler.stats.cached_tokens == 0
 
 

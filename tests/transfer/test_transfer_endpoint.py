@@ -3,6 +3,11 @@ that name the problem."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -64,7 +69,7 @@ def test_a_transfer_to_unregistered_remote_memory_fails(endpoints) -> None:
     src = torch.ones(64)
     region = a.register_tensor(src)
     try:
-        with pytest.raises(TransferError, match=r"batch_transfer_sync_write to .* returned"):
+        with pytest.raises(TransferError, match=r"Mooncake write with .* failed for 1 of 1 spans"):
             a.write(b.session_id, [Span(src.data_ptr(), 256)], [Span(0x10, 256)])
     finally:
         a.unregister(region)
@@ -74,3 +79,92 @@ def test_merge_spans_joins_only_neighbours_on_both_sides() -> None:
     local = [Span(0, 10), Span(10, 10), Span(30, 5)]
     remote = [Span(100, 10), Span(110, 10), Span(120, 5)]
     assert merge_spans(local, remote) == ([Span(0, 20), Span(30, 5)], [Span(100, 20), Span(120, 5)])
+
+
+@pytest.mark.parametrize("wait", ["sleep", "spin"])
+def test_both_waits_move_many_spans_over_all_lanes(wait: str) -> None:
+    a, b = TransferEndpoint(EndpointConfig(wait=wait)), TransferEndpoint()  # type: ignore[arg-type]
+    src = torch.arange(1 << 18, dtype=torch.int32)  # 1 MiB as 64 spans of 16 KiB, written in reverse order
+    dst = torch.zeros_like(src)
+    ra, rb = a.register_tensor(src), b.register_tensor(dst)
+    try:
+        n, size = 64, 16384
+        local = [Span(src.data_ptr() + i * size, size) for i in range(n)]
+        remote = [Span(dst.data_ptr() + (n - 1 - i) * size, size) for i in range(n)]
+        stats = a.write(b.session_id, local, remote)
+        assert (stats.bytes, stats.spans) == (n * size, n)
+        assert torch.equal(dst.view(n, -1), src.view(n, -1).flip(0))
+        back = torch.zeros_like(src)
+        rback = a.register_tensor(back)
+        a.read(b.session_id, [Span(back.data_ptr(), n * size)], [Span(dst.data_ptr(), n * size)])
+        assert torch.equal(back, dst)
+        a.unregister(rback)
+    finally:
+        a.unregister(ra)
+        b.unregister(rb)
+
+
+def test_spans_are_checked_against_the_right_region(endpoints) -> None:
+    a, b = endpoints
+    pieces = [torch.full((256,), float(i)) for i in range(3)]
+    dst = torch.zeros(256)
+    regions, rb = [a.register_tensor(t) for t in pieces], b.register_tensor(dst)
+    try:
+        middle = pieces[1]
+        a.write(b.session_id, [Span(middle.data_ptr() + 512, 512)], [Span(dst.data_ptr(), 512)])
+        assert dst[:128].eq(1).all() and not dst[128:].any()
+        with pytest.raises(TransferError, match=r"local span 0 .* is not registered"):  # past its region
+            a.write(b.session_id, [Span(middle.data_ptr() + 512, 1024)], [Span(dst.data_ptr(), 1024)])
+        with pytest.raises(TransferError, match=r"register_memory\(.*\) returned"):  # Mooncake refuses nested regions
+            a.register(middle, middle.data_ptr() + 256, 256)
+    finally:
+        for r in regions:
+            a.unregister(r)
+        b.unregister(rb)
+
+
+def test_an_unknown_peer_is_named() -> None:
+    a = TransferEndpoint()
+    src = torch.ones(64)
+    region = a.register_tensor(src)
+    try:
+        with pytest.raises(TransferError, match=r"to 127\.0\.0\.1:1 refused span 0 of 1"):
+            a.write("127.0.0.1:1", [Span(src.data_ptr(), 256)], [Span(0x1000, 256)])
+    finally:
+        a.unregister(region)
+
+
+PEER = """
+import sys, torch
+from gyre.transfer import TransferEndpoint
+ep = TransferEndpoint()
+t = torch.ones(1 << 18)
+ep.register_tensor(t)
+print(ep.session_id, t.data_ptr(), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_stopped_peer_times_out_and_the_local_memory_is_kept_alive() -> None:
+    """A peer that never answers (SIGSTOP: not a matter of timing) fails the read after the timeout."""
+    peer = subprocess.Popen([sys.executable, "-c", PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout is not None
+        session, addr = peer.stdout.readline().split()
+        a = TransferEndpoint()
+        dst = torch.zeros(1 << 18)
+        region = a.register_tensor(dst)
+        a.read(session, [Span(dst.data_ptr(), 4096)], [Span(int(addr), 4096)])  # connected, lanes open
+        assert dst[:1024].eq(1).all()
+        a.config = EndpointConfig(timeout_s=0.2)  # only now: the warm-up above must not race a deadline
+        os.kill(peer.pid, signal.SIGSTOP)
+        _, status = os.waitpid(peer.pid, os.WUNTRACED)  # the stop is asynchronous: wait until every thread is
+        assert os.WIFSTOPPED(status)  # stopped, or its I/O thread may still serve the read below
+        with pytest.raises(TransferError, match=rf"read with {session}: 1 of 1 spans not done before the timeout"):
+            a.read(session, [Span(dst.data_ptr(), 1 << 20)], [Span(int(addr), 1 << 20)])
+        assert region in a._abandoned  # Mooncake may still write into it: it must not be freed
+        a.unregister(region)
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+        peer.kill()
+        peer.wait(30)

@@ -1,4 +1,6 @@
-"""The local engine's side of KV migration: layout, reserve, export, commit (see `gyre.engine.kv_protocol`).
+"""The local engine's side of KV migration (see `gyre.engine.kv_protocol`): the pull path (offer on the
+sender; import - allocate, read, insert - on the receiver; release) and the push path (reserve, export,
+commit).
 
 Pages: `page_size` tokens are the unit of export and import. A reservation covers the pages of the prefix
 up to its last token but one (which the continuing request computes anyway, for its logits); the last page
@@ -9,11 +11,21 @@ Zero copies besides the transfer itself: the sender writes straight out of its p
 radix edge owns one tensor, and edges are never written after insertion, so they are safe to read off the
 scheduler thread while the reference is held), and the receiver's reserved tensor becomes a radix edge as
 it is. Only the scheduler thread touches the cache; the transfers run on the caller's (HTTP worker) thread.
+
+Receive memory (`receive_buffer`) is populated before the transfer, never first touched inside it: a plain
+`torch.empty` is fresh memory (glibc maps large blocks anew), and its first touch happened on Mooncake's
+single I/O thread, 4 KiB page by page - on this VM an 8 MiB move took 18 ms instead of 3 ms. A 2 MiB-aligned
+mapping advised for huge pages and populated in one call costs less, but not nothing: fresh guest memory
+costs ~1 ms per 2 MiB here (the hypervisor backs it on first use). A spare buffer refilled in the
+background (the local stand-in for a paged engine's preallocated pool) was tried and measured worse on 2
+cores: the refill competed with the transfer and the continuation (docs/benchmarks.md, KV migration).
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import mmap
 import threading
 import uuid
 from collections import OrderedDict
@@ -25,11 +37,16 @@ import torch
 
 from gyre.engine.errors import EngineRequestError, KvRefusedError
 from gyre.engine.kv_protocol import (
+    KvBlock,
     KvCommitRequest,
     KvCommitResult,
     KvExportRequest,
     KvExportResult,
+    KvImportRequest,
+    KvImportResult,
     KvLayout,
+    KvOffer,
+    KvOfferRequest,
     KvReservation,
     KvReserveRequest,
 )
@@ -40,6 +57,77 @@ from gyre.transfer import EndpointConfig, Region, Span, TransferEndpoint, merge_
 T = TypeVar("T")
 MAX_OPEN_RESERVATIONS = 16
 """Reservations a vanished proxy never committed are dropped, oldest first, past this many."""
+MAX_OPEN_OFFERS = 16
+"""Offers a vanished proxy never released are released, oldest first, past this many."""
+HUGE_PAGE = 2 << 20
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not in Python's mmap module
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def populated(nbytes: int) -> torch.Tensor:
+    """`nbytes` of fresh memory (flat uint8), 2 MiB-aligned, advised for huge pages and populated. libc's
+    madvise through ctypes, not `mmap.madvise`: that one holds the GIL for the whole populate, which stalled
+    the engine's other threads (the importing one included) for its ~10 ms. Falls back to first touch by
+    `zero_` where the kernel lacks the advice."""
+    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = torch.frombuffer(area, dtype=torch.uint8)  # the tensor keeps `area` mapped while it lives
+    offset = -base.data_ptr() % HUGE_PAGE
+    addr = base.data_ptr() + offset
+    _libc.madvise(addr, nbytes, mmap.MADV_HUGEPAGE)  # a hint: no error matters
+    if _libc.madvise(addr, nbytes, MADV_POPULATE_WRITE) != 0:
+        base[offset : offset + nbytes].zero_()
+    return base[offset : offset + nbytes]
+
+
+def receive_bytes(shape: KVShape, tokens: int) -> int:
+    return shape.bytes_per_token() * tokens
+
+
+def as_pages(flat: torch.Tensor, shape: KVShape, tokens: int) -> torch.Tensor:
+    """The front of a flat uint8 buffer as a `[layers, 2, kv_heads, tokens, head_dim]` tensor."""
+    view = flat[: receive_bytes(shape, tokens)].view(shape.dtype)
+    return view.view(shape.num_layers, 2, shape.num_kv_heads, tokens, shape.head_dim)
+
+
+def receive_buffer(shape: KVShape, tokens: int) -> torch.Tensor:
+    """An empty pages tensor for `tokens` in populated, huge-page-advised memory (see the module's docstring)."""
+    return as_pages(populated(receive_bytes(shape, tokens)), shape, tokens)
+
+
+def block_of(tensor: torch.Tensor, start: int) -> KvBlock:
+    """Describe a cached `[layers, 2, kv_heads, n, head_dim]` block holding tokens `start..start + n`."""
+    st = tensor.stride()
+    assert st[4] == 1 and st[3] == tensor.shape[4], "tokens of a plane must be contiguous"
+    return KvBlock(addr=tensor.data_ptr(), start=start, tokens=tensor.shape[3], stride=(st[0], st[1], st[2], st[3]))
+
+
+def plane_spans(blocks: list[KvBlock], layout: KvLayout, start: int, end: int, dst: int,
+                plane_stride: int) -> tuple[list[Span], list[Span]]:
+    """Per plane (the order of `KV_ORDER`), the pieces of each block that fall in `start..end` (source spans)
+    and where they go in a destination whose plane p, token t lies at `dst + p*plane_stride + (t-start)*tb`."""
+    tb, elt = layout.token_bytes, layout.element_size
+    src: list[Span] = []
+    out: list[Span] = []
+    planes = itertools.product(range(layout.num_layers), range(2), range(layout.num_kv_heads))
+    for plane, (layer, kv, head) in enumerate(planes):
+        for blk in blocks:
+            a, b = max(blk.start, start), min(blk.start + blk.tokens, end)
+            if a >= b:
+                continue
+            st = blk.stride
+            base = blk.addr + (layer * st[0] + kv * st[1] + head * st[2] + (a - blk.start) * st[3]) * elt
+            src.append(Span(base, (b - a) * tb))
+            out.append(Span(dst + plane * plane_stride + (a - start) * tb, (b - a) * tb))
+    return merge_spans(src, out)  # whole blocks on both sides collapse into one span per plane
+
+
+@dataclass(slots=True)
+class _Offered:
+    tensors: list[torch.Tensor]
+    regions: list[Region]
 
 
 @dataclass(slots=True)
@@ -63,6 +151,7 @@ class KvPort:
         self._endpoint: TransferEndpoint | None = None
         self._lock = threading.Lock()
         self._reserved: OrderedDict[str, _Reserved] = OrderedDict()
+        self._offers: OrderedDict[str, _Offered] = OrderedDict()
 
     @property
     def endpoint(self) -> TransferEndpoint:
@@ -101,8 +190,7 @@ class KvPort:
         rid = f"kv-{uuid.uuid4().hex}"  # unique across restarts: a stale commit never hits a new reservation
         pages = region = None
         if end > start:
-            s = self.shape
-            pages = torch.empty(s.num_layers, 2, s.num_kv_heads, end - start, s.head_dim, dtype=s.dtype)
+            pages = receive_buffer(self.shape, end - start)
             region = self.endpoint.register_tensor(pages)
         entry = _Reserved(ids[:end], start, end, version, pages, region)
         with self._lock:
@@ -201,24 +289,102 @@ class KvPort:
 
     def export_spans(self, segments: list[torch.Tensor], res: KvReservation, end: int) -> tuple[list[Span], list[Span]]:
         """Per plane, the pieces of each cached segment that fall in `res.start..end`, and where they go."""
-        tb = res.layout.token_bytes
-        elt = segments[0].element_size()
-        local: list[Span] = []
-        remote: list[Span] = []
-        bounds, off = [], 0
+        blocks, off = [], 0
         for seg in segments:
-            bounds.append((seg, off))
+            blocks.append(block_of(seg, off))
             off += seg.shape[3]
-        s = self.shape
-        planes = itertools.product(range(s.num_layers), range(2), range(s.num_kv_heads))
-        for plane, (layer, kv, head) in enumerate(planes):  # the order of KV_ORDER
-            for seg, seg_off in bounds:
-                a, b = max(seg_off, res.start), min(seg_off + seg.shape[3], end)
-                if a >= b:
-                    continue
-                st = seg.stride()
-                assert st[4] == 1 and st[3] == s.head_dim, "tokens of a plane must be contiguous"
-                base = seg.data_ptr() + (layer * st[0] + kv * st[1] + head * st[2] + (a - seg_off) * st[3]) * elt
-                local.append(Span(base, (b - a) * tb))
-                remote.append(Span(res.addr + plane * res.plane_stride + (a - res.start) * tb, (b - a) * tb))
-        return merge_spans(local, remote)  # whole edges on both sides collapse into one span
+        return plane_spans(blocks, res.layout, res.start, end, res.addr, res.plane_stride)
+
+    # -- pull path: sender ---------------------------------------------------------------------------------
+
+    def offer(self, req: KvOfferRequest) -> KvOffer:
+        """Hold the cached blocks of `input_ids[:-1]` for a receiver to read, and say where they are."""
+        ids = req.input_ids
+
+        def lookup() -> tuple[list[torch.Tensor], int, str]:
+            if req.rid is not None:
+                self.scheduler.cache_sequence(req.rid)
+            match = self.scheduler.cache.match(ids, limit=len(ids) - 1, count=False)
+            return match.segments, match.length, self.scheduler.weight_version
+
+        segments, end, version = self._on_scheduler(lookup)
+        layout = self.layout().model_copy(update={"policy_version": version})
+        endpoint = self.endpoint
+        owners = {t.untyped_storage().data_ptr(): t for t in segments}.values()
+        regions = [endpoint.register_tensor(t) for t in owners]
+        blocks, off = [], 0
+        for seg in segments:
+            blocks.append(block_of(seg, off))
+            off += seg.shape[3]
+        offer_id = f"kvo-{uuid.uuid4().hex}"
+        with self._lock:
+            self._offers[offer_id] = _Offered(segments, regions)
+            stale = []
+            while len(self._offers) > MAX_OPEN_OFFERS:
+                stale.append(self._offers.popitem(last=False)[1])
+        for old in stale:
+            self._let_go(old)
+        return KvOffer(offer_id=offer_id, session_id=endpoint.session_id, layout=layout, end=end, blocks=blocks)
+
+    def release(self, offer_id: str) -> None:
+        with self._lock:
+            offered = self._offers.pop(offer_id, None)
+        if offered is None:
+            raise KvRefusedError("offer_id", f"no open offer {offer_id!r} (released or expired)")
+        self._let_go(offered)
+
+    def _let_go(self, offered: _Offered) -> None:
+        for region in offered.regions:
+            self.endpoint.unregister(region)
+        offered.regions.clear()
+        offered.tensors.clear()
+
+    # -- pull path: receiver -------------------------------------------------------------------------------
+
+    def import_(self, req: KvImportRequest) -> KvImportResult:
+        """Read what this engine lacks of an offered prefix and insert it into the prefix cache: reserve,
+        read and commit in one call."""
+        offer, ids = req.offer, req.input_ids
+        mine = self.layout()
+        for field, reason in (
+            ("offer.layout", offer.layout.layout_mismatch(mine, here="on the sender")),
+            ("offer.layout.policy_version", offer.layout.version_mismatch(mine, this="the sender's KV")),
+        ):
+            if reason is not None:
+                raise KvRefusedError(field, reason)
+        end = min(offer.end, len(ids) - 1)
+
+        def cached() -> tuple[int, str]:
+            held = self.scheduler.cache.match(ids, limit=end, count=False).length if end else 0
+            return held, self.scheduler.weight_version
+
+        start, version = self._on_scheduler(cached)
+        if version != offer.layout.policy_version:  # the weights changed since the layout was read
+            raise KvRefusedError("offer.layout.policy_version", offer.layout.version_mismatch(
+                mine.model_copy(update={"policy_version": version}), this="the sender's KV") or version)
+        if end <= start:
+            return KvImportResult(start=start, end=start, tokens=0, pages=0, bytes=0, seconds=0.0, cached_tokens=start)
+        pages = receive_buffer(self.shape, end - start)
+        endpoint = self.endpoint
+        region = endpoint.register_tensor(pages)
+        try:
+            plane_stride = (end - start) * offer.layout.token_bytes
+            theirs, ours = plane_spans(offer.blocks, offer.layout, start, end, pages.data_ptr(), plane_stride)
+            want = (end - start) * offer.layout.bytes_per_token
+            if sum(s.length for s in ours) != want:
+                raise KvRefusedError("offer.blocks", f"the offered blocks do not cover tokens {start}..{end}")
+            stats = endpoint.read(offer.session_id, ours, theirs)
+        finally:
+            endpoint.unregister(region)
+
+        def insert() -> int:
+            if self.scheduler.weight_version != version:
+                now = self.scheduler.weight_version
+                raise KvRefusedError("policy_version", f"weights changed from {version!r} to {now!r} during the move")
+            return self.scheduler.cache.insert_pages(ids[:end], start, pages)
+
+        cached_tokens = self._on_scheduler(insert)
+        return KvImportResult(
+            start=start, end=end, tokens=end - start, pages=-(-end // self.page_size) - start // self.page_size,
+            bytes=stats.bytes, seconds=stats.seconds, cached_tokens=cached_tokens,
+        )

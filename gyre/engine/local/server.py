@@ -23,7 +23,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from gyre.engine.errors import EngineError, EngineRequestError, KvRefusedError
-from gyre.engine.kv_protocol import KvCancelRequest, KvCommitRequest, KvExportRequest, KvReserveRequest
+from gyre.engine.kv_protocol import (
+    KvCancelRequest,
+    KvCommitRequest,
+    KvExportRequest,
+    KvImportRequest,
+    KvOfferRequest,
+    KvReleaseRequest,
+    KvReserveRequest,
+)
 from gyre.engine.local.engine import LocalEngine
 from gyre.engine.local.scheduler import EngineRequest, RequestOutput
 from gyre.engine.local.stopping import visible_text
@@ -296,6 +304,22 @@ def build_app(engine: LocalEngine) -> FastAPI:
     @app.get("/gyre/kv/layout")
     async def kv_layout() -> JSONResponse:
         return JSONResponse(engine.kv.layout().model_dump())
+
+    @app.post("/gyre/kv/offer")
+    async def kv_offer(request: Request) -> JSONResponse:
+        req = await _parse(request, KvOfferRequest)
+        return JSONResponse((await asyncio.to_thread(engine.kv.offer, req)).model_dump())
+
+    @app.post("/gyre/kv/import")
+    async def kv_import(request: Request) -> JSONResponse:
+        req = await _parse(request, KvImportRequest)
+        return JSONResponse((await asyncio.to_thread(engine.kv.import_, req)).model_dump())
+
+    @app.post("/gyre/kv/release")
+    async def kv_release(request: Request) -> JSONResponse:
+        req = await _parse(request, KvReleaseRequest)
+        await asyncio.to_thread(engine.kv.release, req.offer_id)
+        return JSONResponse({"success": True})
 
     @app.post("/gyre/kv/reserve")
     async def kv_reserve(request: Request) -> JSONResponse:
