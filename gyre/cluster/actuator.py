@@ -19,7 +19,6 @@ registers them and hands them to its harness runner; `execution_queued` is durab
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from gyre import auth
 from gyre.cluster.proto import gyre_pb2
+from gyre.controller.actuator import OrderedActions
 from gyre.events.models import RoleSwitchCompleted, RoleSwitchRequested
 from gyre.sink import EventSink
 
@@ -108,9 +108,7 @@ class RemoteCell:
         self.commands, self.directory, self.sink, self.fail = commands, directory, sink, fail
         self.upto = upto
         """The controller's folded seq: a train step's batch is built from that (durable) log prefix."""
-        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=f"gyre-actuator-{cell_id}", daemon=True)
-        self._thread.start()
+        self._actions = OrderedActions(cell_id, fail)
 
     @property
     def info(self) -> CellInfo:
@@ -119,28 +117,13 @@ class RemoteCell:
     # -- the actuator interface -----------------------------------------------------------------------------
 
     def switch(self, decision: RoleSwitchRequested) -> None:
-        self._queue.put(lambda: self._switch(decision))
+        self._actions.put(lambda: self._switch(decision))
 
     def train(self, step: int, groups: tuple[str, ...]) -> None:
-        self._queue.put(lambda: self._train(step, groups))
+        self._actions.put(lambda: self._train(step, groups))
 
     def close(self) -> None:
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (action := self._queue.get()) is not None:
-            try:
-                action()
-            except BaseException as error:  # reported, never swallowed: the controller ends the run
-                log.exception("cell %s: action failed", self.cell_id)
-                self.fail(error)
-                return
+        self._actions.close()
 
     # -- actions --------------------------------------------------------------------------------------------
 

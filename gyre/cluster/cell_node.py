@@ -105,6 +105,7 @@ class CellNode:
         self._upto = -1
         self._trained: StepTraining | None = None
         self.engine_version = 0
+        self._puller: Any = None
 
     def start(self) -> None:
         welcome = self.link.start()
@@ -167,9 +168,11 @@ class CellNode:
         if ref.version == self.engine_version:
             return {"weights_bytes": 0.0, "weights_s": 0.0}
         if ref.peer_session and ref.manifest:
-            from gyre.transfer.tensors import pull_weights
+            from gyre.transfer.tensors import WeightsPuller
 
-            tensors = pull_weights(self.endpoint, ref.peer_session, ref.manifest)
+            if self._puller is None:
+                self._puller = WeightsPuller(self.endpoint)  # one registered buffer for every version served
+            tensors = self._puller.pull(ref.peer_session, ref.manifest)  # the engine copies them in
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             self.engine.load_weights(tensors, version=str(ref.version))
         else:
@@ -192,7 +195,8 @@ class CellNode:
         if self.satellite is None:
             self.satellite = SatelliteReplica(cell_id=self.cell_id, backend=torch_backend(self.config),
                                               endpoint=self.endpoint, secret=self.secret)
-        figures = dict(self.satellite.join(join.trainer_endpoint) or {})
+        weights = join.weights if join.HasField("weights") and join.weights.manifest else None
+        figures = dict(self.satellite.join(join.trainer_endpoint, weights) or {})
         figures["trainer_join_s"] = time.perf_counter() - started
         return figures
 

@@ -9,9 +9,15 @@ separate process and this interface is the client side of a gRPC stream (command
 A failure is reported to the controller's ``fail`` and ends the run.
 """
 
+import logging
+import queue
+import threading
+from collections.abc import Callable
 from typing import Protocol
 
 from gyre.events.models import RoleSwitchRequested
+
+log = logging.getLogger(__name__)
 
 
 class CellActuator(Protocol):
@@ -34,3 +40,37 @@ class Rollouts(Protocol):
     def queue(self, step: int, policy_version: int) -> None:
         """Queue step ``step``'s executions; `execution_queued` events are recorded before this returns."""
         ...
+
+
+class OrderedActions:
+    """A cell's actions, one at a time in the order given, on the cell's own thread (a train step and the
+    switch back to rollout never overlap: the switch loads the weights the step published). The first action
+    that fails goes to ``fail`` (the controller ends the run) and stops the thread."""
+
+    def __init__(self, cell_id: str, fail: Callable[[BaseException], None]) -> None:
+        self.cell_id, self.fail = cell_id, fail
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"gyre-cell-{cell_id}", daemon=True)
+        self._thread.start()
+
+    def put(self, action: Callable[[], None]) -> None:
+        self._queue.put(action)
+
+    def close(self) -> None:
+        """Finish the action under way, drop the rest, stop the thread."""
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (action := self._queue.get()) is not None:
+            try:
+                action()
+            except BaseException as error:  # reported, never swallowed: the controller ends the run
+                log.exception("cell %s: action failed", self.cell_id)
+                self.fail(error)
+                return

@@ -13,13 +13,12 @@ resume the engine, open the gate. Each part is timed and recorded in `role_switc
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from gyre.controller.actuator import OrderedActions
 from gyre.controller.weights import WeightStore
 from gyre.events.models import RoleSwitchCompleted, RoleSwitchRequested
 from gyre.sink import EventSink
@@ -76,36 +75,19 @@ class LocalCell:
         self.engine, self.admission, self.trainer = engine, admission, trainer
         self.weights, self.sink, self.fail, self.redirect = weights, sink, fail, redirect
         self.engine_version = engine_version
-        self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=f"gyre-cell-{cell_id}", daemon=True)
-        self._thread.start()
+        self._actions = OrderedActions(cell_id, fail)
 
     # -- the actuator interface -----------------------------------------------------------------------------
 
     def switch(self, decision: RoleSwitchRequested) -> None:
-        self._commands.put(lambda: self._switch(decision))
+        self._actions.put(lambda: self._switch(decision))
 
     def train(self, step: int, groups: tuple[str, ...]) -> None:
-        self._commands.put(lambda: self.trainer.train_step(step, groups))
+        self._actions.put(lambda: self.trainer.train_step(step, groups))
 
     def close(self) -> None:
         """Finish the command under way, drop the rest, stop the thread."""
-        while True:
-            try:
-                self._commands.get_nowait()
-            except queue.Empty:
-                break
-        self._commands.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (command := self._commands.get()) is not None:
-            try:
-                command()
-            except BaseException as error:  # reported, never swallowed: the controller ends the run
-                log.exception("cell %s: action failed", self.cell_id)
-                self.fail(error)
-                return
+        self._actions.close()
 
     # -- role switches --------------------------------------------------------------------------------------
 

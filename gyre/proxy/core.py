@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,16 +140,22 @@ class Proxy:
         """Move `from_cell`'s executions to `to_cells`; its in-flight calls are aborted there and continue on
         the new cell (a `call_redirected` event each). Returns the new pin of every moved execution."""
         moved = self.router.repin(from_cell, to_cells)
+        await self._abort_flights(from_cell, lambda f: moved.get(f.execution_id))
+        return moved
+
+    async def _abort_flights(self, from_cell: str, target: Callable[[Flight], str | None]) -> int:
+        """Mark every call in flight on ``from_cell`` to continue on ``target(flight)`` (else where its execution
+        is pinned), then abort it there; the call itself resubmits. Returns how many there were."""
         engine = self.router.engine(from_cell)
         flights = self.router.flights_on(from_cell)
         for flight in flights:
-            flight.redirect_to = moved.get(flight.execution_id) or self.router.cell_of(flight.execution_id)
+            flight.redirect_to = target(flight) or self.router.cell_of(flight.execution_id)
         for flight in flights:
             try:
                 await engine.abort(flight.rid)
             except EngineError as e:  # a dead cell: the request fails by itself and the call moves on
                 log.warning("redirect: aborting %s on %s failed: %s", flight.rid, from_cell, e)
-        return moved
+        return len(flights)
 
     async def redirect_plan(self, from_cell: str, planned: Mapping[str, str],
                             executions: Mapping[str, str] | None = None) -> tuple[int, dict[str, str]]:
@@ -161,16 +167,8 @@ class Proxy:
         if from_cell in self.router.admitting():
             self.router.set_route(from_cell, 0, admitting=False)
         moved = self.router.repin_plan(from_cell, executions or {})
-        engine = self.router.engine(from_cell)
-        flights = self.router.flights_on(from_cell)
-        for flight in flights:
-            flight.redirect_to = planned.get(flight.call_id) or self.router.cell_of(flight.execution_id)
-        for flight in flights:
-            try:
-                await engine.abort(flight.rid)
-            except EngineError as e:  # a dead cell: the request fails by itself and the call moves on
-                log.warning("redirect: aborting %s on %s failed: %s", flight.rid, from_cell, e)
-        return len(flights), moved
+        calls = await self._abort_flights(from_cell, lambda f: planned.get(f.call_id))
+        return calls, moved
 
     def stats(self) -> dict[str, int]:
         return {"executions": len(self.registry), "calls_in_flight": len(self._active)}
