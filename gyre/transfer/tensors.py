@@ -7,7 +7,7 @@ tensors back as views, with no per-tensor copy.
 
 - ``TensorManifest``: the layout (names, dtypes, shapes, offsets, total bytes), the version it holds, where
   the bytes are registered on the publisher (``addr``, and the ``header_addr`` of the slot's header) and a
-  CRC-32 per chunk, to and from JSON bytes (``WeightsRef.manifest`` carries it).
+  CRC32C per chunk, to and from JSON bytes (``WeightsRef.manifest`` carries it).
 - ``WeightsPublisher`` (the core): ``publish(version, named_tensors)`` copies into one of **two alternating
   registered buffers**, so the version a peer is reading (V) is never overwritten by the next publish
   (V+1): only the publish after that (V+2) reuses V's buffer. A pull of a version the publisher no longer
@@ -29,11 +29,11 @@ from __future__ import annotations
 import json
 import threading
 import time
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import crc32c
 import torch
 
 from gyre.errors import TransferError
@@ -93,7 +93,7 @@ class TensorManifest:
     """Address of the publisher buffer's header (its version word)."""
     chunk_bytes: int = CHUNK_BYTES
     checksums: tuple[int, ...] = ()
-    """CRC-32 of each ``chunk_bytes`` piece of the data."""
+    """CRC32C of each ``chunk_bytes`` piece of the data."""
 
     @classmethod
     def plan(cls, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -170,9 +170,10 @@ def pack(manifest: TensorManifest, data: torch.Tensor,
 
 
 def checksums(manifest: TensorManifest, data: torch.Tensor) -> tuple[int, ...]:
-    """CRC-32 of each chunk of ``data`` (zlib's; it runs at memory speed and releases the GIL)."""
+    """CRC32C of each chunk of ``data`` (the `crc32c` package the log uses: hardware instructions, ~3.6x zlib's
+    CRC-32 here, and it releases the GIL for large buffers)."""
     raw = memoryview(data[:manifest.total_bytes].numpy())
-    return tuple(zlib.crc32(raw[o:o + n]) for o, n in manifest.chunks())
+    return tuple(crc32c.crc32c(raw[o:o + n]) for o, n in manifest.chunks())
 
 
 def _header(data: torch.Tensor) -> torch.Tensor:
@@ -346,7 +347,7 @@ def _pull_into(endpoint: TransferEndpoint, peer_session: str, m: TensorManifest,
     _check_header(data, m, "before the read")
     base = data.data_ptr() + HEADER_BYTES
     chunks = m.chunks()
-    # Each chunk's checksum runs on a worker while the next chunks are read (zlib releases the GIL), so
+    # Each chunk's checksum runs on a worker while the next chunks are read (crc32c releases the GIL), so
     # verifying costs little on top of the transfer.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-pull-crc") as pool:
         sums = []
@@ -354,7 +355,7 @@ def _pull_into(endpoint: TransferEndpoint, peer_session: str, m: TensorManifest,
             group = chunks[i:i + READ_GROUP]
             endpoint.read(peer_session, [Span(base + o, n) for o, n in group], [Span(m.addr + o, n) for o, n in group])
             if verify:
-                sums += [pool.submit(zlib.crc32, raw[o:o + n]) for o, n in group]
+                sums += [pool.submit(crc32c.crc32c, raw[o:o + n]) for o, n in group]
         endpoint.read(peer_session, [head], [remote_head])
         _check_header(data, m, "after the read")
         got = [f.result() for f in sums]
