@@ -16,6 +16,7 @@ its file, into the engine), ``serve`` (resume generation), ``stop``.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -28,6 +29,7 @@ from gyre.cluster.proto import gyre_pb2
 from gyre.cluster.proxy_node import LINK_CLOSE_S
 
 if TYPE_CHECKING:
+    from gyre.cluster.engine_host import EngineHost
     from gyre.engine.local import LocalEngineConfig
     from gyre.train.core import LocalCoreTrainer, StepTraining
     from gyre.trainer import TorchBackend
@@ -67,7 +69,6 @@ class CellNode:
 
         from gyre.cluster.link import ControllerLink
         from gyre.engine.client import SyncHttpEngineClient
-        from gyre.engine.local import LocalEngine, LocalEngineServer
         from gyre.transfer import EndpointConfig, TransferEndpoint
 
         if cell_id not in config.cluster.cell_ids:
@@ -78,14 +79,13 @@ class CellNode:
         self.run_dir = Path(config.run_dir)
         self.stopped = threading.Event()
         self._closers: list = []
-        self.engine = LocalEngine(engine_config(config, config.cluster.cell_threads))
-        self.engine_server = LocalEngineServer(self.engine, host=config.cluster.host)
-        self.engine_url = self.engine_server.start()
-        self._closers.append(self.engine_server.stop)
-        self.engine_client = SyncHttpEngineClient(self.engine_url)
-        self._closers.append(self.engine_client.close)
         self.endpoint = TransferEndpoint(EndpointConfig(hostname=config.cluster.host))
         self._closers.append(self.endpoint.close)
+        self.engine = self._host_engine()
+        self.engine_url = self.engine.url
+        self._closers.append(self.engine.stop)
+        self.engine_client = SyncHttpEngineClient(self.engine_url)
+        self._closers.append(self.engine_client.close)
         self.trainer_service: Any = None
         trainer_endpoint = ""
         if self.is_core:
@@ -105,7 +105,17 @@ class CellNode:
         self._upto = -1
         self._trained: StepTraining | None = None
         self.engine_version = 0
-        self._puller: Any = None
+
+    def _host_engine(self) -> EngineHost:
+        from gyre.cluster.engine_host import LocalEngineHost, SglangEngineHost
+
+        if self.config.cluster.engine == "local":
+            return LocalEngineHost(self.config, self.endpoint)
+        with socket.socket() as probe:  # a free port for the server this cell launches
+            probe.bind((self.config.cluster.host, 0))
+            port = probe.getsockname()[1]
+        log_path = self.run_dir / "processes" / f"{self.cell_id}.sglang.log"
+        return SglangEngineHost(self.config, port=port, log_path=log_path)
 
     def start(self) -> None:
         welcome = self.link.start()
@@ -144,7 +154,7 @@ class CellNode:
             self.engine_client.release_memory_occupation()
             return {"release_s": time.perf_counter() - started}
         if body == "serve":
-            if self.engine.released:
+            if self.engine.local_engine is None or self.engine.local_engine.released:
                 self.engine_client.resume_memory_occupation()
             self.engine_client.resume()
             return {"engine_resume_s": time.perf_counter() - started}
@@ -162,29 +172,13 @@ class CellNode:
         raise ValueError(f"cell {self.cell_id} does not know command {body!r}")
 
     def _load_weights(self, ref: gyre_pb2.WeightsRef) -> Mapping[str, float]:
-        """Bring the engine to version ``ref.version``: a Mooncake pull from the core where it offers the
-        bytes, else its durable file (what SGLang's `update_weights_from_disk` reads)."""
-        started = time.perf_counter()
+        """Bring the engine to version ``ref.version`` (a Mooncake pull from the core where it offers the
+        bytes, else the durable file; `gyre.cluster.engine_host`)."""
         if ref.version == self.engine_version:
             return {"weights_bytes": 0.0, "weights_s": 0.0}
-        if ref.peer_session and ref.manifest:
-            from gyre.transfer.tensors import WeightsPuller
-
-            if self._puller is None:
-                self._puller = WeightsPuller(self.endpoint)  # one registered buffer for every version served
-            tensors = self._puller.pull(ref.peer_session, ref.manifest)  # the engine copies them in
-            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            self.engine.load_weights(tensors, version=str(ref.version))
-        else:
-            from gyre.controller import WeightStore
-
-            path = WeightStore(self.run_dir).verify(ref.location, ref.sha256)
-            response = self.engine_client.update_weights_from_disk(str(path), version=str(ref.version))
-            if not response.success:
-                raise RuntimeError(f"engine of cell {self.cell_id} refused weights v{ref.version}: {response.message}")
-            nbytes = path.stat().st_size
+        figures = self.engine.load_weights(ref)
         self.engine_version = ref.version
-        return {"weights_bytes": float(nbytes), "weights_s": time.perf_counter() - started}
+        return figures
 
     def _join(self, join: gyre_pb2.JoinStep) -> Mapping[str, float]:
         if self.is_core:

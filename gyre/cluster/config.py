@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
@@ -28,6 +28,9 @@ class ClusterSection(_Section):
     dead_after_s: PositiveFloat = Field(30.0, description="silence after which a cell counts as lost")
     start_timeout_s: PositiveFloat = Field(180.0, description="how long the processes may take to connect")
     cell_threads: PositiveInt = Field(1, description="torch threads of each cell process")
+    engine: Literal["local", "sglang"] = Field(
+        "local", description="the engine each cell hosts: the CPU engine, or an SGLang server it launches (GPU)")
+    sglang_args: tuple[str, ...] = Field((), description="extra `sglang.launch_server` arguments (e.g. --tp 8)")
 
     @property
     def cell_ids(self) -> list[str]:

@@ -1,0 +1,135 @@
+"""The engine a cell hosts: the CPU engine in the cell's process, or an SGLang server it launches (GPU cells).
+
+Both are reached the same way — SGLang's native HTTP API at ``url`` (the proxy generates there; the cell
+pauses, releases and resumes through `SyncHttpEngineClient`) — and differ only in how a published version
+gets in:
+- `LocalEngineHost`: the cell pulls the version's bytes from the core over Mooncake (`WeightsPuller`) and
+  installs the tensors in-process; with no Mooncake copy on offer it reads the durable file.
+- `SglangEngineHost`: SGLang loads weights from disk or over its own NCCL group, not from host tensors, so
+  the cell writes the version as a Hugging Face checkpoint next to the published file (`gyre export`'s code,
+  checksum checked) and calls `/update_weights_from_disk` with it; the server is started with
+  `--enable-memory-saver`, which `/release_memory_occupation` needs. Written against SGLang's documented
+  server arguments and endpoints (references.md §1, §9); not runnable here (no GPU, no SGLang install).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from gyre.cluster.config import ClusterConfig
+from gyre.cluster.proto import gyre_pb2
+from gyre.errors import ConfigError
+
+
+class EngineHost(Protocol):
+    url: str
+    local_engine: Any
+    """The in-process `LocalEngine`, or None (an engine in another process)."""
+
+    def load_weights(self, ref: gyre_pb2.WeightsRef) -> dict[str, float]:
+        """Bring the engine to ``ref.version``; returns ``weights_bytes`` and ``weights_s``."""
+        ...
+
+    def stop(self) -> None: ...
+
+
+class LocalEngineHost:
+    def __init__(self, config: ClusterConfig, endpoint: Any) -> None:
+        from gyre.cluster.cell_node import engine_config
+        from gyre.engine.local import LocalEngine, LocalEngineServer
+
+        self.config, self.endpoint = config, endpoint
+        self.local_engine = LocalEngine(engine_config(config, config.cluster.cell_threads))
+        self._server = LocalEngineServer(self.local_engine, host=config.cluster.host)
+        self.url = self._server.start()
+        self._puller: Any = None
+
+    def load_weights(self, ref: gyre_pb2.WeightsRef) -> dict[str, float]:
+        started = time.perf_counter()
+        if ref.peer_session and ref.manifest:
+            from gyre.transfer.tensors import WeightsPuller
+
+            if self._puller is None:
+                self._puller = WeightsPuller(self.endpoint)  # one registered buffer for every version served
+            tensors = self._puller.pull(ref.peer_session, ref.manifest)  # the engine copies them in
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            self.local_engine.load_weights(tensors, version=str(ref.version))
+        else:
+            from gyre.controller import WeightStore
+
+            tensors = WeightStore(Path(self.config.run_dir)).load(ref.location, ref.sha256)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            self.local_engine.load_weights(tensors, version=str(ref.version))
+        return {"weights_bytes": float(nbytes), "weights_s": time.perf_counter() - started}
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+class SglangEngineHost:
+    """An SGLang server launched by the cell (``python -m sglang.launch_server``), token ids in and out."""
+
+    def __init__(self, config: ClusterConfig, *, port: int, log_path: Path, timeout_s: float = 600.0) -> None:
+        import httpx
+
+        self.config = config
+        self.local_engine = None
+        self.run_dir = Path(config.run_dir)
+        model = self._model_dir()
+        host = config.cluster.host
+        self.url = f"http://{host}:{port}"
+        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", host,
+                "--port", str(port), "--skip-tokenizer-init", "--enable-memory-saver",
+                *config.cluster.sglang_args]
+        with open(log_path, "ab") as out:
+            self._process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             env=dict(os.environ))
+        deadline = time.monotonic() + timeout_s
+        while True:  # SGLang loads the model and captures CUDA graphs before /health answers
+            if self._process.poll() is not None:
+                raise ConfigError(f"the SGLang server exited with {self._process.returncode}; see {log_path}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ConfigError(f"the SGLang server did not become healthy within {timeout_s:g} s; see {log_path}")
+            time.sleep(1.0)
+
+    def _model_dir(self) -> Path:
+        model = self.config.engine.model
+        if model != "tiny":
+            return Path(model)
+        from gyre.train.export import export_policy
+
+        return export_policy(self.run_dir, self.run_dir / "weights" / "v000000.hf", version=0).path
+
+    def load_weights(self, ref: gyre_pb2.WeightsRef) -> dict[str, float]:
+        from gyre.engine import SyncHttpEngineClient
+        from gyre.train.export import export_policy
+
+        started = time.perf_counter()
+        path = export_policy(self.run_dir, self.run_dir / "weights" / f"v{ref.version:06d}.hf",
+                             version=ref.version).path
+        with SyncHttpEngineClient(self.url) as client:
+            response = client.update_weights_from_disk(str(path), version=str(ref.version))
+        if not response.success:
+            raise RuntimeError(f"SGLang refused weights v{ref.version} from {path}: {response.message}")
+        nbytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+        return {"weights_bytes": float(nbytes), "weights_s": time.perf_counter() - started}
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(30)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()

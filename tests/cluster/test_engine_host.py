@@ -1,0 +1,26 @@
+"""The engine a cell hosts: an SGLang cell that cannot start its server says so, naming its log."""
+
+from pathlib import Path
+
+import pytest
+
+from gyre.cluster.config import ClusterConfig, ClusterSection
+from gyre.cluster.engine_host import SglangEngineHost
+from gyre.errors import ConfigError
+from gyre.train.config import EngineSection
+
+
+def test_an_sglang_cell_without_sglang_fails_clearly(tmp_path: Path) -> None:
+    try:  # the point is the missing `sglang`: skipped where it is installed
+        import sglang  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("sglang is installed here; this checks the failure path")
+    config = ClusterConfig(run_dir=tmp_path / "run", engine=EngineSection(model=str(tmp_path)),
+                           cluster=ClusterSection(engine="sglang", sglang_args=("--tp", "1")))
+    log = tmp_path / "cell0.sglang.log"
+    with pytest.raises(ConfigError, match="SGLang server exited") as failed:
+        SglangEngineHost(config, port=1, log_path=log, timeout_s=60)
+    assert str(log) in str(failed.value)
+    assert "sglang" in log.read_text()  # the interpreter's own words: no module named sglang
