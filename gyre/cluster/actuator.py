@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -28,8 +27,8 @@ from typing import TYPE_CHECKING
 
 from gyre import auth
 from gyre.cluster.proto import gyre_pb2
-from gyre.controller.actuator import OrderedActions
-from gyre.events.models import RoleSwitchCompleted, RoleSwitchRequested
+from gyre.controller.actuator import OrderedActions, perform_switch
+from gyre.events.models import RoleSwitchRequested
 from gyre.sink import EventSink
 
 if TYPE_CHECKING:
@@ -128,11 +127,7 @@ class RemoteCell:
     # -- actions --------------------------------------------------------------------------------------------
 
     def _switch(self, decision: RoleSwitchRequested) -> None:
-        started = time.perf_counter()
-        parts = self._leave_rollout(decision) if decision.to_role == "training" else self._return_to_rollout()
-        done = RoleSwitchCompleted(cell_id=self.cell_id, from_role=decision.from_role, to_role=decision.to_role,
-                                   duration_s=time.perf_counter() - started, **parts)
-        self.sink.commit(self.sink.record(done))
+        perform_switch(self.cell_id, decision, self.sink, self._leave_rollout, self._return_to_rollout)
 
     def _leave_rollout(self, decision: RoleSwitchRequested) -> dict:
         c = self.commands

@@ -12,10 +12,12 @@ A failure is reported to the controller's ``fail`` and ends the run.
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
-from gyre.events.models import RoleSwitchRequested
+from gyre.events.models import RoleSwitchCompleted, RoleSwitchRequested
+from gyre.sink import EventSink
 
 log = logging.getLogger(__name__)
 
@@ -74,3 +76,14 @@ class OrderedActions:
                 log.exception("cell %s: action failed", self.cell_id)
                 self.fail(error)
                 return
+
+
+def perform_switch(cell_id: str, decision: RoleSwitchRequested, sink: EventSink,
+                   leave_rollout: Callable[[RoleSwitchRequested], dict], return_to_rollout: Callable[[], dict]) -> None:
+    """Carry out a recorded switch and, only once every part has completed, record `role_switch_completed`
+    with the parts' measured seconds and bytes (durable before this returns)."""
+    started = time.perf_counter()
+    parts = leave_rollout(decision) if decision.to_role == "training" else return_to_rollout()
+    done = RoleSwitchCompleted(cell_id=cell_id, from_role=decision.from_role, to_role=decision.to_role,
+                               duration_s=time.perf_counter() - started, **parts)
+    sink.commit(sink.record(done))

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from gyre.controller.actuator import OrderedActions
+from gyre.controller.actuator import OrderedActions, perform_switch
 from gyre.controller.weights import WeightStore
-from gyre.events.models import RoleSwitchCompleted, RoleSwitchRequested
+from gyre.events.models import RoleSwitchRequested
 from gyre.sink import EventSink
 
 log = logging.getLogger(__name__)
@@ -92,11 +92,7 @@ class LocalCell:
     # -- role switches --------------------------------------------------------------------------------------
 
     def _switch(self, decision: RoleSwitchRequested) -> None:
-        started = time.perf_counter()
-        parts = self._leave_rollout(decision) if decision.to_role == "training" else self._return_to_rollout()
-        done = RoleSwitchCompleted(cell_id=self.cell_id, from_role=decision.from_role, to_role=decision.to_role,
-                                   duration_s=time.perf_counter() - started, **parts)
-        self.sink.commit(self.sink.record(done))
+        perform_switch(self.cell_id, decision, self.sink, self._leave_rollout, self._return_to_rollout)
 
     def _leave_rollout(self, decision: RoleSwitchRequested) -> dict:
         parts: dict = {}
