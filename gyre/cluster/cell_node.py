@@ -57,10 +57,16 @@ def torch_backend(config: ClusterConfig) -> TorchBackend:
     model, _ = load_model(LocalEngineConfig(model=config.engine.model, seed=config.seed))
     model.train()
     trainer = config.trainer
-    return TorchBackend(model, TorchBackendConfig(
-        loss=GSPOConfig(eps_low=trainer.eps_low, eps_high=trainer.eps_high, tis_cap=trainer.tis_cap),
-        optimizer=OptimizerConfig(lr=trainer.lr, weight_decay=trainer.weight_decay,
-                                  max_grad_norm=trainer.max_grad_norm)))
+    loss = GSPOConfig(eps_low=trainer.eps_low, eps_high=trainer.eps_high, tis_cap=trainer.tis_cap)
+    optimizer = OptimizerConfig(lr=trainer.lr, weight_decay=trainer.weight_decay, max_grad_norm=trainer.max_grad_norm)
+    if config.cluster.trainer == "megatron":  # the same weights in Megatron-core's layout; its optimizer needs CUDA
+        from gyre.trainer.megatron import MegatronBackend, MegatronBackendConfig, MegatronRuntime, require_cuda
+
+        require_cuda("[cluster] trainer = 'megatron'")
+        return MegatronBackend.from_hf_model(  # type: ignore[return-value]  # the same TrainerBackend protocol
+            model, MegatronBackendConfig(loss=loss, optimizer=optimizer, device="cuda"),
+            runtime=MegatronRuntime("cuda"))
+    return TorchBackend(model, TorchBackendConfig(loss=loss, optimizer=optimizer))
 
 
 class CellNode:

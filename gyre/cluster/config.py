@@ -31,6 +31,8 @@ class ClusterSection(_Section):
     engine: Literal["local", "sglang"] = Field(
         "local", description="the engine each cell hosts: the CPU engine, or an SGLang server it launches (GPU)")
     sglang_args: tuple[str, ...] = Field((), description="extra `sglang.launch_server` arguments (e.g. --tp 8)")
+    trainer: Literal["torch", "megatron"] = Field(
+        "torch", description="each cell's trainer replica: the torch backend, or Megatron-core on CUDA (GPU)")
 
     @property
     def cell_ids(self) -> list[str]:

@@ -1,4 +1,4 @@
-"""The engine a cell hosts: an SGLang cell that cannot start its server says so, naming its log."""
+"""The engine and trainer a cell hosts: an SGLang or Megatron cell that cannot start says so clearly."""
 
 from pathlib import Path
 
@@ -24,3 +24,16 @@ def test_an_sglang_cell_without_sglang_fails_clearly(tmp_path: Path) -> None:
         SglangEngineHost(config, port=1, log_path=log, timeout_s=60)
     assert str(log) in str(failed.value)
     assert "sglang" in log.read_text()  # the interpreter's own words: no module named sglang
+
+
+def test_a_megatron_cell_on_a_machine_without_cuda_fails_clearly(tmp_path: Path) -> None:
+    import torch
+
+    from gyre.cluster.cell_node import torch_backend
+    from gyre.trainer.errors import BackendUnavailableError
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here; this checks the failure path")
+    config = ClusterConfig(run_dir=tmp_path / "run", cluster=ClusterSection(trainer="megatron"))
+    with pytest.raises(BackendUnavailableError, match="needs CUDA"):
+        torch_backend(config)
