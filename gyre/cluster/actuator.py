@@ -30,6 +30,7 @@ from gyre.cluster.proto import gyre_pb2
 from gyre.controller.actuator import OrderedActions, perform_switch
 from gyre.events.models import RoleSwitchRequested
 from gyre.sink import EventSink
+from gyre.train.build import PlannedExecution
 
 if TYPE_CHECKING:
     from gyre.cluster.hub import Hub
@@ -60,7 +61,6 @@ class CellInfo:
     is_core: bool
     engine_url: str
     trainer_endpoint: str = ""
-    transfer_session: str = ""
     role: str = "rollout"
     engine_version: int = 0
 
@@ -173,13 +173,6 @@ class RemoteCell:
             with self.directory.lock:
                 if ref.version >= self.directory.weights.version:
                     self.directory.weights = ref
-
-
-@dataclass(frozen=True)
-class PlannedExecution:
-    execution_id: str
-    group_id: str
-    task_id: str
 
 
 class ClusterRollouts:

@@ -27,46 +27,30 @@ from typing import TYPE_CHECKING, Any
 from gyre.cluster.config import ClusterConfig
 from gyre.cluster.proto import gyre_pb2
 from gyre.cluster.proxy_node import LINK_CLOSE_S
+from gyre.train.build import torch_backend, trainer_settings
 
 if TYPE_CHECKING:
     from gyre.cluster.engine_host import EngineHost
-    from gyre.engine.local import LocalEngineConfig
     from gyre.train.core import LocalCoreTrainer, StepTraining
-    from gyre.trainer import TorchBackend
+    from gyre.trainer.protocol import TrainerBackend
 
 log = logging.getLogger(__name__)
 
 
-def engine_config(config: ClusterConfig, threads: int) -> LocalEngineConfig:
-    from gyre.engine.local import LocalEngineConfig
-    from gyre.engine.local.scheduler import SchedulerConfig
-
-    return LocalEngineConfig(
-        model=config.engine.model, seed=config.seed, num_threads=threads,
-        scheduler=SchedulerConfig(max_running_requests=config.engine.max_running_requests,
-                                  max_step_tokens=max(2048, config.engine.max_running_requests), seed=config.seed))
-
-
-def torch_backend(config: ClusterConfig) -> TorchBackend:
-    """A trainer replica of the run's model, initialised as every replica is (same seed, same weights)."""
+def trainer_backend(config: ClusterConfig) -> TrainerBackend:
+    """The cell's trainer replica: the torch backend, or (``[cluster] trainer = "megatron"``) the same weights in
+    Megatron-core's layout, whose optimizer needs CUDA."""
+    if config.cluster.trainer == "torch":
+        return torch_backend(config)
     from gyre.engine.local import LocalEngineConfig
     from gyre.engine.local.engine import load_model
-    from gyre.trainer import TorchBackend
-    from gyre.trainer.config import GSPOConfig, OptimizerConfig, TorchBackendConfig
+    from gyre.trainer.megatron import MegatronBackend, MegatronBackendConfig, MegatronRuntime, require_cuda
 
+    require_cuda("[cluster] trainer = 'megatron'")
     model, _ = load_model(LocalEngineConfig(model=config.engine.model, seed=config.seed))
-    model.train()
-    trainer = config.trainer
-    loss = GSPOConfig(eps_low=trainer.eps_low, eps_high=trainer.eps_high, tis_cap=trainer.tis_cap)
-    optimizer = OptimizerConfig(lr=trainer.lr, weight_decay=trainer.weight_decay, max_grad_norm=trainer.max_grad_norm)
-    if config.cluster.trainer == "megatron":  # the same weights in Megatron-core's layout; its optimizer needs CUDA
-        from gyre.trainer.megatron import MegatronBackend, MegatronBackendConfig, MegatronRuntime, require_cuda
-
-        require_cuda("[cluster] trainer = 'megatron'")
-        return MegatronBackend.from_hf_model(  # type: ignore[return-value]  # the same TrainerBackend protocol
-            model, MegatronBackendConfig(loss=loss, optimizer=optimizer, device="cuda"),
-            runtime=MegatronRuntime("cuda"))
-    return TorchBackend(model, TorchBackendConfig(loss=loss, optimizer=optimizer))
+    loss, optimizer = trainer_settings(config)
+    return MegatronBackend.from_hf_model(model, MegatronBackendConfig(loss=loss, optimizer=optimizer, device="cuda"),
+                                         runtime=MegatronRuntime("cuda"))
 
 
 class CellNode:
@@ -135,7 +119,7 @@ class CellNode:
         from gyre.trainer import StepCoordinator
 
         coordinator = StepCoordinator(self.link.producer("trainer"))
-        self.backend = torch_backend(self.config)
+        self.backend = trainer_backend(self.config)
         self.weights = WeightStore(self.run_dir, keep=self.config.checkpoint.keep_weights)
         self.core = LocalCoreTrainer(self.config, cell_id=self.cell_id, run_id=self.run_id,
                                      log_path=self.run_dir / "log", backend=self.backend, coordinator=coordinator,
@@ -193,7 +177,7 @@ class CellNode:
 
         started = time.perf_counter()
         if self.satellite is None:
-            self.satellite = SatelliteReplica(cell_id=self.cell_id, backend=torch_backend(self.config),
+            self.satellite = SatelliteReplica(cell_id=self.cell_id, backend=trainer_backend(self.config),
                                               endpoint=self.endpoint, secret=self.secret)
         weights = join.weights if join.HasField("weights") and join.weights.manifest else None
         figures = dict(self.satellite.join(join.trainer_endpoint, weights) or {})
@@ -228,10 +212,10 @@ class CellNode:
         published = self.core.published()
         if published is None:
             return gyre_pb2.WeightsRef(version=0)
-        manifest = self.trainer_service.manifest(published.version) if self.trainer_service else b""
+        manifest = self.trainer_service.manifest(published.version)  # b"" once the version is no longer held
         return gyre_pb2.WeightsRef(version=published.version, location=published.location,
                                    sha256=published.sha256, peer_session=self.endpoint.session_id if manifest else "",
-                                   manifest=manifest or b"")
+                                   manifest=manifest)
 
     def close(self) -> None:
         self.stopped.set()

@@ -25,16 +25,14 @@ def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g
 
     try:
         settings = ClusterConfig.load(config)
-        updates: dict = {}
+        data = settings.model_dump()
         if steps is not None:
-            updates["steps"] = steps
+            data["steps"] = steps
         if run_dir is not None:
-            updates["run_dir"] = run_dir
+            data["run_dir"] = run_dir
         if policy is not None:
-            updates["scheduler"] = settings.scheduler.model_copy(update={"policy": policy})
-        if updates:
-            settings = ClusterConfig.model_validate({**settings.model_dump(), **{
-                k: (v.model_dump() if hasattr(v, "model_dump") else v) for k, v in updates.items()}})
+            data["scheduler"]["policy"] = policy
+        settings = ClusterConfig.model_validate(data)  # the overrides are validated as the file was
     except (GyreError, ValueError) as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from None

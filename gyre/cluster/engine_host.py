@@ -40,8 +40,8 @@ class EngineHost(Protocol):
 
 class LocalEngineHost:
     def __init__(self, config: ClusterConfig, endpoint: Any) -> None:
-        from gyre.cluster.cell_node import engine_config
         from gyre.engine.local import LocalEngine, LocalEngineServer
+        from gyre.train.build import engine_config
 
         self.config, self.endpoint = config, endpoint
         self.local_engine = LocalEngine(engine_config(config, config.cluster.cell_threads))
@@ -57,14 +57,12 @@ class LocalEngineHost:
             if self._puller is None:
                 self._puller = WeightsPuller(self.endpoint)  # one registered buffer for every version served
             tensors = self._puller.pull(ref.peer_session, ref.manifest)  # the engine copies them in
-            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            self.local_engine.load_weights(tensors, version=str(ref.version))
         else:
             from gyre.controller import WeightStore
 
             tensors = WeightStore(Path(self.config.run_dir)).load(ref.location, ref.sha256)
-            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            self.local_engine.load_weights(tensors, version=str(ref.version))
+        self.local_engine.load_weights(tensors, version=str(ref.version))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return {"weights_bytes": float(nbytes), "weights_s": time.perf_counter() - started}
 
     def stop(self) -> None:

@@ -26,6 +26,7 @@ from gyre.cluster.config import ClusterConfig
 from gyre.cluster.proto import gyre_pb2
 from gyre.harness.runner import Gate
 from gyre.proxy.routing import Router
+from gyre.train.build import rollout_tasks
 
 if TYPE_CHECKING:
     from gyre.harness.runner import HarnessRunner
@@ -114,7 +115,6 @@ class ProxyNode:
     def _build(self, routing: gyre_pb2.Routing) -> _Components:
         from gyre.harness.config import HarnessConfig
         from gyre.harness.runner import HarnessRunner
-        from gyre.harness.tasks import TaskSet
         from gyre.proxy import Proxy, ProxyConfig, ProxyServer, SamplingOverrides
 
         config = self.config
@@ -134,7 +134,7 @@ class ProxyNode:
         gate = PlacementGate(proxy.router)
         runner = HarnessRunner(harness, sink=self.link.producer("harness"), proxy_url=url,
                                root=Path(config.run_dir) / "executions", gate=gate)
-        return _Components(proxy, server, runner, gate, TaskSet.load(config.rollout.tasks))
+        return _Components(proxy, server, runner, gate, rollout_tasks(config.rollout)[0])
 
     def _route(self, routing: gyre_pb2.Routing) -> Mapping[str, float]:
         if self.parts is None:
@@ -144,7 +144,8 @@ class ProxyNode:
             if route.cell_id not in router.cells:
                 from gyre.proxy.transport import EngineLink
 
-                router.add_cell(route.cell_id, EngineLink(route.engine_url))
+                router.add_cell(route.cell_id, EngineLink(route.engine_url,
+                                                          timeout_s=self.parts.proxy.config.engine_timeout_s))
             router.set_route(route.cell_id, route.slots, route.admitting)
         self.parts.gate.interrupt()
         return {"admitting": float(sum(r.admitting for r in routing.cells))}

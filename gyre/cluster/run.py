@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre import auth
-from gyre.cluster.actuator import CellInfo, ClusterRollouts, Commands, Directory, PlannedExecution, RemoteCell
+from gyre.cluster.actuator import CellInfo, ClusterRollouts, Commands, Directory, RemoteCell
 from gyre.cluster.auth import SECRET_ENV
 from gyre.cluster.config import ClusterConfig
 from gyre.cluster.proto import gyre_pb2
@@ -45,6 +45,7 @@ from gyre.events.models import (
 from gyre.log import LogWriter
 from gyre.scheduler import CellSpec, SchedulerView, get_policy
 from gyre.sink import LogSink
+from gyre.train.build import PlannedExecution, rollout_tasks, step_plan
 
 Progress = Callable[[str, dict], None]
 
@@ -82,6 +83,7 @@ class ClusterRun:
         if self.log_path.exists() and any(self.log_path.glob("*.seg")):
             raise ConfigError(f"{self.run_dir} already holds a run's log; give another run_dir (a cluster run "
                               f"cannot be resumed yet)")
+        _, self.task_ids = rollout_tasks(config.rollout)  # unknown task ids refused before anything starts
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
         self.secret = auth.mint(auth.RUN_PREFIX)
@@ -99,7 +101,6 @@ class ClusterRun:
         self._rewards: dict[int, list[float]] = {}
         self._step_of: dict[str, int] = {}
         self._steps: list[dict] = []
-        self._lost: list[str] = []
         try:
             self.hub = Hub(self.sink, run_id=self.run_id, secret=self.secret, host=config.cluster.host,
                            port=config.cluster.port, heartbeat_s=config.cluster.heartbeat_s,
@@ -144,15 +145,14 @@ class ClusterRun:
         self._closers.append(self._reap)
 
     def _hello(self, hello: gyre_pb2.CellHello) -> None:
+        """A process (a new incarnation: its engine holds the initial weights) says where it serves."""
         with self.directory.lock:
             known = self.directory.cells.get(hello.cell_id)
             self.directory.cells[hello.cell_id] = CellInfo(
                 hello.cell_id, hello.slots, hello.is_core, hello.engine_url, hello.trainer_endpoint,
-                hello.transfer_session, role=known.role if known else "rollout",
-                engine_version=known.engine_version if known else 0)
+                role=known.role if known else "rollout")
 
     def _cell_lost(self, cell_id: str, reason: str) -> None:
-        self._lost.append(cell_id)
         self.controller.fail(RuntimeError(f"cell {cell_id} was lost: {reason}"))
 
     def _register(self) -> None:
@@ -184,21 +184,7 @@ class ClusterRun:
         self.commands.proxy("routing", routing=self.directory.routing())
 
     def _plan(self, step: int) -> list[PlannedExecution]:
-        """The executions of a step: ``groups_per_step`` tasks x ``group_size``, ids unique per run."""
-        rollout = self.config.rollout
-        task_ids = list(rollout.task_ids) or self._task_ids()
-        out = []
-        for g in range(rollout.groups_per_step):
-            task_id = task_ids[(step * rollout.groups_per_step + g) % len(task_ids)]
-            for i in range(rollout.group_size):
-                out.append(PlannedExecution(f"{self.run_id}.s{step}-g{g}-e{i}",
-                                            f"{self.run_id}.s{step}-g{g}-{task_id}", task_id))
-        return out
-
-    def _task_ids(self) -> list[str]:
-        from gyre.harness.tasks import TaskSet
-
-        return [t.id for t in TaskSet.load(self.config.rollout.tasks)]
+        return step_plan(self.run_id, self.config.rollout, self.task_ids, step)
 
     # -- progress -------------------------------------------------------------------------------------------
 

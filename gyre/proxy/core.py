@@ -164,8 +164,7 @@ class Proxy:
         started after the decision) where its execution is repinned; executions move to their planned call's
         cell (``executions``: execution id -> cell), the rest to the admitting cell with the most free slots.
         Returns the number of calls redirected and the new pins."""
-        if from_cell in self.router.admitting():
-            self.router.set_route(from_cell, 0, admitting=False)
+        self.router.set_route(from_cell, 0, admitting=False)
         moved = self.router.repin_plan(from_cell, executions or {})
         calls = await self._abort_flights(from_cell, lambda f: planned.get(f.call_id))
         return calls, moved

@@ -45,6 +45,7 @@ from gyre.events.models import (
 from gyre.log import LogWriter
 from gyre.scheduler import CellSpec, SchedulerView, get_policy
 from gyre.sink import LogSink
+from gyre.train.build import PlannedExecution, engine_config, rollout_tasks, step_plan, torch_backend
 from gyre.train.config import TrainConfig
 from gyre.train.core import StepTraining
 
@@ -127,15 +128,12 @@ class TrainingRun:
         """``kill_at = (kind, n)``: SIGKILL this process once the controller folds the log's ``n``-th event of
         that kind (counted from the log's start, resumed events included; `gyre.train.crash`)."""
         from gyre.engine.client import SyncHttpEngineClient
-        from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
-        from gyre.engine.local.scheduler import SchedulerConfig
+        from gyre.engine.local import LocalEngine, LocalEngineServer
         from gyre.harness.config import HarnessConfig
         from gyre.harness.runner import Gate, HarnessRunner
-        from gyre.harness.tasks import TaskSet
         from gyre.proxy import Proxy, ProxyConfig, ProxyServer, SamplingOverrides
         from gyre.train.core import LocalCoreTrainer
-        from gyre.trainer import StepCoordinator, TorchBackend
-        from gyre.trainer.config import GSPOConfig, OptimizerConfig, TorchBackendConfig
+        from gyre.trainer import StepCoordinator
 
         self.config = config
         self.progress = progress or (lambda phase, figures: None)
@@ -169,12 +167,7 @@ class TrainingRun:
                                          if config.scheduler.staleness else {})
         self.sink = LogSink(LogWriter(self.log_path, run_id=self.run_id))
         try:
-            self.tasks = TaskSet.load(config.rollout.tasks)
-            known = [t.id for t in self.tasks]
-            self.task_ids = list(config.rollout.task_ids) or known
-            unknown = [t for t in self.task_ids if t not in known]
-            if unknown:
-                raise ConfigError(f"rollout.task_ids names unknown task(s) {unknown}; the task set has {known}")
+            self.tasks, self.task_ids = rollout_tasks(config.rollout)
             harness = HarnessConfig.load(config.rollout.harness)
             overrides = {k: v for k, v in (("max_concurrency", config.rollout.max_concurrency),
                                            ("timeout_s", config.rollout.timeout_s)) if v is not None}
@@ -201,11 +194,7 @@ class TrainingRun:
                     CellRegistered(cell_id=CELL, role=role, is_core=True, slots=spec.slots),
                 ])
 
-            engine = LocalEngine(LocalEngineConfig(
-                model=config.engine.model, seed=config.seed, num_threads=config.engine.threads,
-                scheduler=SchedulerConfig(max_running_requests=config.engine.max_running_requests,
-                                          max_step_tokens=max(2048, config.engine.max_running_requests),
-                                          seed=config.seed)))
+            engine = LocalEngine(engine_config(config))
             self.engine_server = LocalEngineServer(engine)
             engine_url = self.engine_server.start()
             self._closers.append(self.engine_server.stop)
@@ -225,15 +214,7 @@ class TrainingRun:
             self.runner = HarnessRunner(harness, sink=self.sink.producer("harness"), proxy_url=proxy_url,
                                         root=self.run_dir / "executions", gate=self.gate)
 
-            from gyre.engine.local.engine import load_model
-
-            model, _ = load_model(LocalEngineConfig(model=config.engine.model, seed=config.seed))
-            model.train()
-            trainer = config.trainer
-            self.backend = TorchBackend(model, TorchBackendConfig(
-                loss=GSPOConfig(eps_low=trainer.eps_low, eps_high=trainer.eps_high, tis_cap=trainer.tis_cap),
-                optimizer=OptimizerConfig(lr=trainer.lr, weight_decay=trainer.weight_decay,
-                                          max_grad_norm=trainer.max_grad_norm)))
+            self.backend = torch_backend(config)
             trainer_sink = self.sink.producer("trainer")
             self.coordinator = (StepCoordinator.resume(trainer_sink, self.log_path) if resume
                                 else StepCoordinator(trainer_sink))
@@ -272,15 +253,8 @@ class TrainingRun:
             self._submit(execution_id, group_id, task_id, step, policy_version, attempt=0)
         self.progress("rollout", {"step": step, "queued": len(self._step_plan(step)), "version": policy_version})
 
-    def _step_plan(self, step: int) -> list[tuple[str, str, str]]:
-        """(execution id, group id, task id) of every execution of a step; ids are unique per run."""
-        config = self.config.rollout
-        out = []
-        for g in range(config.groups_per_step):
-            task_id = self.task_ids[(step * config.groups_per_step + g) % len(self.task_ids)]
-            for i in range(config.group_size):
-                out.append((f"{self.run_id}.s{step}-g{g}-e{i}", f"{self.run_id}.s{step}-g{g}-{task_id}", task_id))
-        return out
+    def _step_plan(self, step: int) -> list[PlannedExecution]:
+        return step_plan(self.run_id, self.config.rollout, self.task_ids, step)
 
     def _submit(self, execution_id: str, group_id: str, task_id: str, step: int, policy_version: int,
                 attempt: int) -> None:

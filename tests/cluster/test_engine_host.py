@@ -29,11 +29,11 @@ def test_an_sglang_cell_without_sglang_fails_clearly(tmp_path: Path) -> None:
 def test_a_megatron_cell_on_a_machine_without_cuda_fails_clearly(tmp_path: Path) -> None:
     import torch
 
-    from gyre.cluster.cell_node import torch_backend
+    from gyre.cluster.cell_node import trainer_backend
     from gyre.trainer.errors import BackendUnavailableError
 
     if torch.cuda.is_available():
         pytest.skip("CUDA is here; this checks the failure path")
     config = ClusterConfig(run_dir=tmp_path / "run", cluster=ClusterSection(trainer="megatron"))
     with pytest.raises(BackendUnavailableError, match="needs CUDA"):
-        torch_backend(config)
+        trainer_backend(config)
