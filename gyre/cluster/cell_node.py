@@ -94,7 +94,6 @@ class CellNode:
         self.satellite: Any = None
         self._upto = -1
         self._trained: StepTraining | None = None
-        self.engine_version = 0
 
     def _host_engine(self) -> EngineHost:
         from gyre.cluster.engine_host import LocalEngineHost, SglangEngineHost
@@ -163,12 +162,9 @@ class CellNode:
 
     def _load_weights(self, ref: gyre_pb2.WeightsRef) -> Mapping[str, float]:
         """Bring the engine to version ``ref.version`` (a Mooncake pull from the core where it offers the
-        bytes, else the durable file; `gyre.cluster.engine_host`)."""
-        if ref.version == self.engine_version:
-            return {"weights_bytes": 0.0, "weights_s": 0.0}
-        figures = self.engine.load_weights(ref)
-        self.engine_version = ref.version
-        return figures
+        bytes, else the durable file; `gyre.cluster.engine_host`). The controller tracks which version each
+        engine holds and sends this only when it differs."""
+        return self.engine.load_weights(ref)
 
     def _join(self, join: gyre_pb2.JoinStep) -> Mapping[str, float]:
         if self.is_core:
