@@ -117,6 +117,8 @@ class CellRegistered(Event):
     gpus: NonNegativeInt = 0
     slots: NonNegativeInt = Field(description="concurrent executions the cell serves in rollout")
     address: str | None = None
+    incarnation: str | None = Field(default=None, description="the cell process's start id (cluster runs): a "
+                                    "restarted controller tells a reconnecting process from a restarted one")
 
 
 class CellLost(Event):

@@ -166,8 +166,12 @@ class Stop(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class Sync(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class CellCommand(_message.Message):
-    __slots__ = ("command_id", "serve", "pause", "release", "load_weights", "join_step", "train", "leave", "stop")
+    __slots__ = ("command_id", "serve", "pause", "release", "load_weights", "join_step", "train", "leave", "stop", "sync")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     SERVE_FIELD_NUMBER: _ClassVar[int]
     PAUSE_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +181,7 @@ class CellCommand(_message.Message):
     TRAIN_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     serve: Serve
     pause: Pause
@@ -186,7 +191,8 @@ class CellCommand(_message.Message):
     train: Train
     leave: Leave
     stop: Stop
-    def __init__(self, command_id: _Optional[int] = ..., serve: _Optional[_Union[Serve, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., load_weights: _Optional[_Union[LoadWeights, _Mapping]] = ..., join_step: _Optional[_Union[JoinStep, _Mapping]] = ..., train: _Optional[_Union[Train, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ...) -> None: ...
+    sync: Sync
+    def __init__(self, command_id: _Optional[int] = ..., serve: _Optional[_Union[Serve, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., load_weights: _Optional[_Union[LoadWeights, _Mapping]] = ..., join_step: _Optional[_Union[JoinStep, _Mapping]] = ..., train: _Optional[_Union[Train, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., sync: _Optional[_Union[Sync, _Mapping]] = ...) -> None: ...
 
 class CellDown(_message.Message):
     __slots__ = ("welcome", "ack", "command")
@@ -283,18 +289,20 @@ class QueueExecutions(_message.Message):
     def __init__(self, executions: _Optional[_Iterable[_Union[ExecutionSpec, _Mapping]]] = ...) -> None: ...
 
 class ProxyCommand(_message.Message):
-    __slots__ = ("command_id", "routing", "redirect", "queue", "stop")
+    __slots__ = ("command_id", "routing", "redirect", "queue", "stop", "sync")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
     REDIRECT_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     routing: Routing
     redirect: RedirectCell
     queue: QueueExecutions
     stop: Stop
-    def __init__(self, command_id: _Optional[int] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., redirect: _Optional[_Union[RedirectCell, _Mapping]] = ..., queue: _Optional[_Union[QueueExecutions, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ...) -> None: ...
+    sync: Sync
+    def __init__(self, command_id: _Optional[int] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., redirect: _Optional[_Union[RedirectCell, _Mapping]] = ..., queue: _Optional[_Union[QueueExecutions, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., sync: _Optional[_Union[Sync, _Mapping]] = ...) -> None: ...
 
 class ProxyDown(_message.Message):
     __slots__ = ("welcome", "ack", "command")
