@@ -14,6 +14,11 @@ has completed, with each part's measured seconds and bytes as the processes repo
 
 `ClusterRollouts` queues a step's executions: the controller mints their tokens and the proxy process
 registers them and hands them to its harness runner; `execution_queued` is durable when it returns.
+
+A process lost mid-action (`PeerLost`) does not fail the run: the action is cut short, and the controller's
+membership handling restarts the process, registers it again and brings it up (`RemoteCell.bring_up`). A
+command to a lost proxy is answered with nothing: a restarted proxy has no calls to redirect, gets the
+routing when it connects, and the executions it lost are submitted again.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gyre import auth
+from gyre.cluster.errors import PeerLost
 from gyre.cluster.proto import gyre_pb2
 from gyre.controller.actuator import OrderedActions, perform_switch
 from gyre.events.models import RoleSwitchRequested
@@ -63,6 +69,9 @@ class CellInfo:
     trainer_endpoint: str = ""
     role: str = "rollout"
     engine_version: int = 0
+    """The weights version its engine holds; -1: unknown (a process a restarted controller adopted)."""
+    incarnation: str = ""
+    lost: bool = False
 
 
 @dataclass
@@ -78,11 +87,12 @@ class Directory:
         return next(c for c in self.cells.values() if c.is_core)
 
     def routing(self) -> gyre_pb2.Routing:
+        """Every cell's engine; a lost cell admits nothing (its calls move when its engine fails them)."""
         with self.lock:
             return gyre_pb2.Routing(cells=[
                 gyre_pb2.CellRoute(cell_id=c.cell_id, engine_url=c.engine_url, slots=c.slots,
-                                   admitting=c.role == "rollout") for c in sorted(self.cells.values(),
-                                                                                  key=lambda c: c.cell_id)])
+                                   admitting=c.role == "rollout" and not c.lost)
+                for c in sorted(self.cells.values(), key=lambda c: c.cell_id)])
 
 
 class Commands:
@@ -94,8 +104,13 @@ class Commands:
     def cell(self, cell_id: str, what: str, **body: object) -> gyre_pb2.CommandDone:
         return wait_done(self.hub.command_cell(cell_id, gyre_pb2.CellCommand(**body)), f"{what} on cell {cell_id}")
 
-    def proxy(self, what: str, **body: object) -> gyre_pb2.CommandDone:
-        return wait_done(self.hub.command_proxy(gyre_pb2.ProxyCommand(**body)), f"{what} on the proxy")
+    def proxy(self, what: str, **body: object) -> gyre_pb2.CommandDone | None:
+        """None when the proxy was lost before it was done (see the module docstring)."""
+        try:
+            return wait_done(self.hub.command_proxy(gyre_pb2.ProxyCommand(**body)), f"{what} on the proxy")
+        except PeerLost as lost:
+            log.warning("%s: %s", what, lost)
+            return None
 
 
 class RemoteCell:
@@ -107,7 +122,7 @@ class RemoteCell:
         self.commands, self.directory, self.sink, self.fail = commands, directory, sink, fail
         self.upto = upto
         """The controller's folded seq: a train step's batch is built from that (durable) log prefix."""
-        self._actions = OrderedActions(cell_id, fail)
+        self._actions = OrderedActions(cell_id, fail, tolerate=lambda error: isinstance(error, PeerLost))
 
     @property
     def info(self) -> CellInfo:
@@ -121,8 +136,17 @@ class RemoteCell:
     def train(self, step: int, groups: tuple[str, ...]) -> None:
         self._actions.put(lambda: self._train(step, groups))
 
-    def close(self) -> None:
-        self._actions.close()
+    def bring_up(self, role: str) -> None:
+        """A (re)started process, registered in ``role``: give it that role's state (engine weights and
+        admission for rollout; a paused engine, and a satellite replica, for training)."""
+        self._actions.put(lambda: self._bring_up(role))
+
+    def rejoin(self) -> None:
+        """The core restarted: a satellite joins its new Trainer service (its old one died with the core)."""
+        self._actions.put(self._rejoin)
+
+    def close(self, wait: bool = True) -> None:
+        self._actions.close(wait)
 
     # -- actions --------------------------------------------------------------------------------------------
 
@@ -136,16 +160,48 @@ class RemoteCell:
         calls = [gyre_pb2.CallRedirect(call_id=r.call_id, execution_id=r.execution_id, to_cell_id=r.to_cell_id)
                  for r in decision.redirects]
         redirect = c.proxy("redirect", redirect=gyre_pb2.RedirectCell(from_cell_id=self.cell_id, calls=calls))
-        parts: dict = {"redirect_s": redirect.figures["redirect_s"],
-                       "redirected_calls": int(redirect.figures["redirected_calls"]), "drain_s": 0.0}
+        figures = redirect.figures if redirect is not None else {"redirect_s": 0.0, "redirected_calls": 0}
+        parts: dict = {"redirect_s": figures["redirect_s"], "redirected_calls": int(figures["redirected_calls"]),
+                       "drain_s": 0.0}
         parts["engine_pause_s"] = c.cell(self.cell_id, "pause", pause=gyre_pb2.Pause(mode="abort")).figures[
             "engine_pause_s"]
         c.cell(self.cell_id, "release", release=gyre_pb2.Release())
-        core = self.directory.core
-        joined = c.cell(self.cell_id, "join step", join_step=gyre_pb2.JoinStep(
-            trainer_endpoint=core.trainer_endpoint, weights=self.directory.weights))
-        parts["trainer_join_s"] = joined.figures["trainer_join_s"]
+        parts["trainer_join_s"] = self._join()
         return parts
+
+    def _join(self) -> float:
+        """Join the core's step; 0 s when the core is down (its restart makes every training cell rejoin)."""
+        core = self.directory.core
+        try:
+            joined = self.commands.cell(self.cell_id, "join step", join_step=gyre_pb2.JoinStep(
+                trainer_endpoint=core.trainer_endpoint, weights=self.directory.weights))
+        except CommandFailed as error:
+            if not self.directory.core.lost and self.directory.core.incarnation == core.incarnation:
+                raise
+            log.warning("cell %s: the core went down while it joined (%s); it joins the restarted core", self.cell_id,
+                        error)
+            return 0.0
+        return joined.figures["trainer_join_s"]
+
+    def _rejoin(self) -> None:
+        if self.info.is_core or self.info.lost or self.info.role != "training":
+            return
+        self._join()
+
+    def _bring_up(self, role: str) -> None:
+        c = self.commands
+        if role == "training":
+            c.cell(self.cell_id, "pause", pause=gyre_pb2.Pause(mode="abort"))
+            c.cell(self.cell_id, "release", release=gyre_pb2.Release())
+            if not self.info.is_core:
+                self._join()
+        else:
+            weights = self.directory.weights
+            if weights.version != self.info.engine_version:
+                c.cell(self.cell_id, "load weights", load_weights=gyre_pb2.LoadWeights(weights=weights))
+                self.info.engine_version = weights.version
+            c.cell(self.cell_id, "serve", serve=gyre_pb2.Serve())
+        c.proxy("routing", routing=self.directory.routing())
 
     def _return_to_rollout(self) -> dict:
         c = self.commands

@@ -10,7 +10,12 @@ Commands: ``pause`` / ``release`` the engine (leaving rollout), ``join_step`` (a
 current weights from the core over Mooncake, claim micro-steps of the running step), ``train`` (the core:
 build the step's batch from the log prefix the controller names, train it with any satellites, publish),
 ``leave`` (drop the satellite replica), ``load_weights`` (pull a published version over Mooncake, or read
-its file, into the engine), ``serve`` (resume generation), ``stop``.
+its file, into the engine), ``serve`` (resume generation), ``sync`` (done once every earlier command is done
+and every event this process recorded is durable: a restarted controller's barrier), ``stop``.
+
+A core started again after a crash (the log already holds train steps) restores its trainer as `gyre train
+--resume` does: the step it died in is aborted, the last checkpoint loaded and the steps after it retrained
+from their logged batches (checksums must match). Commands wait until the process is ready.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ class CellNode:
                                         incarnation=uuid.uuid4().hex, producers=producers)
         self.link = ControllerLink(controller, secret=secret, hello=self.hello, handler=self.handle)
         self.core: LocalCoreTrainer | None = None
+        self.ready = threading.Event()
         self.satellite: Any = None
         self._upto = -1
         self._trained: StepTraining | None = None
@@ -111,22 +117,44 @@ class CellNode:
         self.run_id = welcome.run_id
         if self.is_core:
             self._build_core()
+        self.ready.set()
 
     def _build_core(self) -> None:
         from gyre.controller import WeightStore
         from gyre.train.core import LocalCoreTrainer
         from gyre.trainer import StepCoordinator
 
-        coordinator = StepCoordinator(self.link.producer("trainer"))
+        log_path = self.run_dir / "log"
+        producer = self.link.producer("trainer")
+        restarted = producer.next_seq > 0  # the log holds a predecessor's trainer events
+        coordinator = StepCoordinator.resume(producer, log_path) if restarted else StepCoordinator(producer)
         self.backend = trainer_backend(self.config)
         self.weights = WeightStore(self.run_dir, keep=self.config.checkpoint.keep_weights)
         self.core = LocalCoreTrainer(self.config, cell_id=self.cell_id, run_id=self.run_id,
-                                     log_path=self.run_dir / "log", backend=self.backend, coordinator=coordinator,
+                                     log_path=log_path, backend=self.backend, coordinator=coordinator,
                                      weights=self.weights, published=None, on_trained=self._on_trained,
                                      durable_seq=lambda: self._upto)
+        if restarted:
+            self._restore(coordinator, log_path)
         hub = self.trainer_service.attach(coordinator, self.core)
-        hub.publish(0, dict(self.backend.named_tensors()))  # the initial weights: a satellite may join before step 1
+        # the weights the next step trains from (initially v0): a satellite may join before the step opens
+        hub.publish(self.backend.policy_version, dict(self.backend.named_tensors()))
         self._closers.append(self.core.close)
+
+    def _restore(self, coordinator: Any, log_path: Path) -> None:
+        from gyre.controller.plan import step_groups
+        from gyre.log import LogReader
+        from gyre.scheduler import SchedulerFold
+
+        assert self.core is not None
+        aborted = coordinator.abort_open_step(f"core {self.cell_id} restarted")
+        fold = SchedulerFold()
+        for event in LogReader(log_path).events():
+            fold.apply(event)
+            self._upto = event.seq if event.seq is not None else self._upto  # the retrained batches' log prefix
+        retrained = self.core.restore(lambda s: step_groups(fold.view, s))
+        log.info("core %s restored: aborted step %s, retrained %d steps, policy v%d", self.cell_id, aborted,
+                 retrained, self.backend.policy_version)
 
     def _on_trained(self, figures: StepTraining) -> None:
         self._trained = figures
@@ -135,7 +163,11 @@ class CellNode:
 
     def handle(self, command: gyre_pb2.CellCommand) -> Mapping[str, float] | gyre_pb2.CommandDone:
         body = command.WhichOneof("body")
+        self.ready.wait()  # a restarted core restores its trainer before it takes a command
         started = time.perf_counter()
+        if body == "sync":
+            self.link.sink.commit()
+            return {"sync_s": time.perf_counter() - started}
         if body == "pause":
             self.engine_client.pause(command.pause.mode or "abort")
             return {"engine_pause_s": time.perf_counter() - started}

@@ -18,6 +18,9 @@ def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g
         steps: Annotated[int | None, typer.Option(help="override the number of steps")] = None,
         policy: Annotated[str | None, typer.Option(help="override scheduler.policy (elastic|colocate|async)")] = None,
         run_dir: Annotated[Path | None, typer.Option(help="override run_dir")] = None,
+        resume: Annotated[bool, typer.Option(
+            "--resume", help="restart the controller of the run in run_dir (same config): its cells and proxy "
+                             "keep running and reconnect; those that are gone are started again")] = False,
         ) -> None:
     """Run RL on a cluster of cell processes: controller here, each cell and the proxy its own process."""
     from gyre.cluster.config import ClusterConfig
@@ -52,6 +55,16 @@ def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g
         elif phase == "rollout":
             console.print(f"[dim]step {figures['step']}: {figures['queued']} executions queued on policy "
                           f"v{figures['version']}[/dim]")
+        elif phase == "resumed":
+            console.print(f"[yellow]resumed[/yellow]: adopted {', '.join(figures['adopted']) or 'none'}, restarted "
+                          f"{', '.join(figures['restarted']) or 'none'}; the proxy holds {figures['held']} executions")
+        elif phase == "lost":
+            console.print(f"[red]{figures['cell']} lost[/red] ({figures['reason']}); starting it again")
+        elif phase == "registered":
+            console.print(f"[green]{figures['cell']} registered again[/green] as {figures['role']}")
+        elif phase == "resubmitted":
+            console.print(f"[yellow]{figures['executions']} executions submitted again[/yellow] (their harnesses "
+                          f"were lost)")
         elif phase == "switch":
             console.print(f"[cyan]{figures['cell']} -> {figures['to']}[/cyan] in {figures['seconds']:.2f}s")
         elif phase == "step":
@@ -62,7 +75,7 @@ def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g
 
     try:
         with status:
-            cluster_run = ClusterRun(settings, progress)
+            cluster_run = ClusterRun(settings, progress, resume=resume)
             summary = cluster_run.run()
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; the log is committed[/yellow]")

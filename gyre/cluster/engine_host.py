@@ -14,6 +14,7 @@ gets in:
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from gyre.cluster.config import ClusterConfig
 from gyre.cluster.proto import gyre_pb2
 from gyre.errors import ConfigError
 
+log = logging.getLogger(__name__)
 
 class EngineHost(Protocol):
     url: str
@@ -51,13 +53,18 @@ class LocalEngineHost:
 
     def load_weights(self, ref: gyre_pb2.WeightsRef) -> dict[str, float]:
         started = time.perf_counter()
+        tensors = None
         if ref.peer_session and ref.manifest:
             from gyre.transfer.tensors import WeightsPuller
 
             if self._puller is None:
                 self._puller = WeightsPuller(self.endpoint)  # one registered buffer for every version served
-            tensors = self._puller.pull(ref.peer_session, ref.manifest)  # the engine copies them in
-        else:
+            try:
+                tensors = self._puller.pull(ref.peer_session, ref.manifest)  # the engine copies them in
+            except Exception as error:  # the core that offered them is gone: the durable file has the same bytes
+                log.warning("pulling weights v%d from %s failed (%s); reading %s", ref.version, ref.peer_session,
+                            error, ref.location)
+        if tensors is None:
             from gyre.controller import WeightStore
 
             tensors = WeightStore(Path(self.config.run_dir)).load(ref.location, ref.sha256)

@@ -38,7 +38,7 @@ import grpc
 
 from gyre.cluster.aio import GRPC_OPTIONS, LoopThread
 from gyre.cluster.auth import SecretInterceptor
-from gyre.cluster.errors import ClusterError
+from gyre.cluster.errors import ClusterError, PeerLost
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.cluster.wire import unpack_events
 from gyre.errors import GyreError
@@ -199,6 +199,12 @@ class Hub:
         with self._cond:
             return self._live(("cell", cell_id))
 
+    def is_lost(self, kind: str, peer_id: str, incarnation: str) -> bool:
+        """Whether that incarnation of a peer was declared lost (a command to it failed for that reason)."""
+        key: Key = ("cell", peer_id) if kind == "cell" else ("proxy", "")
+        with self._cond:
+            return (key, incarnation) in self._lost
+
     def heartbeat_age(self, cell_id: str) -> float | None:
         """Seconds since anything last arrived from the cell (None: it never connected)."""
         with self._cond:
@@ -254,12 +260,24 @@ class Hub:
             _fail(future, ClusterError(f"{what} has not connected to the hub; command {command.command_id} "
                                        f"({command.WhichOneof('body')}) was not sent"))
         elif peer.lost is not None:
-            _fail(future, ClusterError(f"{peer.name} was lost ({peer.lost}); command {command.command_id} "
+            _fail(future, PeerLost(f"{peer.name} was lost ({peer.lost}); command {command.command_id} "
                                        f"({command.WhichOneof('body')}) was not sent"))
         else:
             peer.pending[command.command_id] = (command, future)
             if peer.stream is not None:
                 peer.stream.send(_down(peer.kind, command=command))
+
+    def lose(self, kind: str, peer_id: str, reason: str) -> None:
+        """Declare a peer's current incarnation lost now (its process was seen to exit), without waiting
+        ``dead_after_s``; a no-op if it is already lost or never connected."""
+        key: Key = ("cell", peer_id) if kind == "cell" else ("proxy", "")
+
+        async def lose() -> None:
+            peer = self._peers.get(key)
+            if peer is not None:
+                self._declare_lost(peer, reason)
+        if self._running:
+            self._thread.submit(lose()).result(timeout=10)
 
     # -- test hooks ----------------------------------------------------------------------------------------
 
@@ -450,7 +468,7 @@ class Hub:
                 peer.hello.incarnation, "left" if peer.stopped else "lost", reason)
         pending, peer.pending = peer.pending, {}
         for command_id, (command, future) in sorted(pending.items()):
-            _fail(future, ClusterError(f"{peer.name} was lost ({reason}) before command {command_id} "
+            _fail(future, PeerLost(f"{peer.name} was lost ({reason}) before command {command_id} "
                                        f"({command.WhichOneof('body')}) was done"))
         if peer.stopped:  # the controller asked it to go: nothing to tell
             return

@@ -8,12 +8,18 @@ this process through its Proxy stream:
   most free slots (`execution_started.cell_id`); done once every `execution_queued` is durable;
 - **RedirectCell**: a cell leaves rollout: it admits nothing new, its in-flight calls continue exactly where
   the decision's redirect plan says, its other executions move to the cells that stay.
+- **Sync**: done once every earlier command is done and every event recorded is durable; its detail lists
+  the executions this process still runs (a restarted controller submits again only what no harness runs).
+
+A proxy process that starts kills the harnesses a dead predecessor left behind (they work inside the run's
+execution directories); the controller submits their executions again as new attempts.
 Events (model calls, executions, rewards) go up as batches; a call's reply still waits until its events are
 durable in the controller's log (the link's sink acks durability).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -93,13 +99,16 @@ class ProxyNode:
         self.link = ControllerLink(controller, secret=secret, hello=self.hello, handler=self.handle)
         self.parts: _Components | None = None
         self.stopped = False
+        self._held: set[str] = set()
+        """Executions submitted to the runner and not ended (their harness, or its evaluation, still runs)."""
+        self._urls: dict[str, str] = {}
 
     def start(self) -> None:
         self.link.start()
 
     # -- commands -------------------------------------------------------------------------------------------
 
-    def handle(self, command: gyre_pb2.ProxyCommand) -> Mapping[str, float]:
+    def handle(self, command: gyre_pb2.ProxyCommand) -> Mapping[str, float] | gyre_pb2.CommandDone:
         body = command.WhichOneof("body")
         if body == "routing":
             return self._route(command.routing)
@@ -107,6 +116,9 @@ class ProxyNode:
             return self._queue(command.queue)
         if body == "redirect":
             return self._redirect(command.redirect)
+        if body == "sync":
+            self.link.sink.commit()
+            return gyre_pb2.CommandDone(detail=json.dumps(sorted(self._held)).encode())
         if body == "stop":
             self._stop_components()
             return {}
@@ -116,8 +128,12 @@ class ProxyNode:
         from gyre.harness.config import HarnessConfig
         from gyre.harness.runner import HarnessRunner
         from gyre.proxy import Proxy, ProxyConfig, ProxyServer, SamplingOverrides
+        from gyre.train.loop import reap_orphans
 
         config = self.config
+        killed = reap_orphans(Path(config.run_dir) / "executions")
+        if killed:
+            log.warning("killed %d harness process groups a previous proxy left running", killed)
         proxy = Proxy(ProxyConfig(engines={r.cell_id: r.engine_url for r in routing.cells},
                                   tokenizer=config.engine.model, max_tokens_cap=config.sampling.max_tokens,
                                   sampling=SamplingOverrides(temperature=config.sampling.temperature,
@@ -139,13 +155,15 @@ class ProxyNode:
     def _route(self, routing: gyre_pb2.Routing) -> Mapping[str, float]:
         if self.parts is None:
             self.parts = self._build(routing)
+            self._urls = {r.cell_id: r.engine_url for r in routing.cells}
         router: Router = self.parts.proxy.router
         for route in routing.cells:
-            if route.cell_id not in router.cells:
+            if self._urls.get(route.cell_id) != route.engine_url:  # a new cell, or one restarted at a new address
                 from gyre.proxy.transport import EngineLink
 
                 router.add_cell(route.cell_id, EngineLink(route.engine_url,
                                                           timeout_s=self.parts.proxy.config.engine_timeout_s))
+            self._urls[route.cell_id] = route.engine_url
             router.set_route(route.cell_id, route.slots, route.admitting)
         self.parts.gate.interrupt()
         return {"admitting": float(sum(r.admitting for r in routing.cells))}
@@ -157,6 +175,7 @@ class ProxyNode:
         parts = self._require()
         proxy, runner = parts.proxy, parts.runner
         for spec in queue.executions:
+            self._held.add(spec.execution_id)
             proxy.register_execution(spec.execution_id, spec.token, cell_id=UNPLACED,
                                      policy_version=spec.policy_version, attempt=spec.attempt)
             future = runner.submit(Execution(spec.execution_id, parts.tasks[spec.task_id],
@@ -168,6 +187,7 @@ class ProxyNode:
         return {"queued": float(len(queue.executions))}
 
     def _ended(self, execution_id: str) -> None:
+        self._held.discard(execution_id)
         parts = self.parts
         if parts is None:
             return

@@ -7,6 +7,22 @@ Proxy and Admin services (`gyre.cluster.hub`). It starts the processes — ``cel
 environment, waits until each has connected, records `cell_registered` for each in cell order with the
 policy's initial roles, and then drives the run; when the plan is finished it tells every process to stop.
 
+The controller also supervises (`gyre.cluster.supervisor`). A cell or the proxy that dies or stops answering
+is declared lost at once: ``cell_lost`` is recorded, the proxy stops placing executions on the cell (its
+in-flight calls move when its engine fails them), the process is started again, and its new incarnation is
+registered (``cell_registered``) in the role the policy gives a new cell and brought up in it (weights
+loaded, or a paused engine joining training; a restarted core restores its trainer from the last
+checkpoint plus the log, and the step it died in is trained again). A restarted proxy lost its harnesses:
+their executions run again as new attempts (`gyre.controller.plan.rollouts_to_resubmit`).
+
+`gyre run CONFIG --resume` restarts a controller that was killed: it reads the run secret
+(``secrets.toml``, 0600) and the address (``controller.addr``) from the run directory, folds the log, listens
+where its processes reconnect, adopts the processes still running (pid files) and starts the others; then,
+before it decides anything, it sends every process a Sync (done once every earlier command is done and
+everything recorded is durable), folds again, and reconciles: a process that kept its incarnation keeps its
+role, a switch that was under way is performed again, executions the proxy no longer holds are submitted
+again, and ``run_resumed`` records what it found.
+
 What a user sees: live progress (watermark, each cell's role, step, reward) and, at the end, a summary and a
 per-cell role timeline — both folded from the log, so `gyre log sql` reproduces them.
 """
@@ -15,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -25,11 +40,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre import auth
-from gyre.cluster.actuator import CellInfo, ClusterRollouts, Commands, Directory, RemoteCell
+from gyre.cluster.actuator import CellInfo, ClusterRollouts, Commands, Directory, RemoteCell, wait_done
 from gyre.cluster.auth import SECRET_ENV
 from gyre.cluster.config import ClusterConfig
 from gyre.cluster.proto import gyre_pb2
+from gyre.cluster.supervisor import Supervisor
 from gyre.controller import Controller, RunPlan
+from gyre.controller.actuator import OrderedActions
+from gyre.controller.plan import rollouts_to_resubmit
 from gyre.errors import ConfigError
 from gyre.events.models import (
     CellLost,
@@ -38,16 +56,25 @@ from gyre.events.models import (
     ExecutionQueued,
     RewardRecorded,
     RoleSwitchCompleted,
+    RoleSwitchRequested,
     RunFinished,
+    RunResumed,
     RunStarted,
     TrainStepFinished,
+    WeightsPublished,
 )
-from gyre.log import LogWriter
+from gyre.log import LogReader, LogWriter
 from gyre.scheduler import CellSpec, SchedulerView, get_policy
 from gyre.sink import LogSink
 from gyre.train.build import PlannedExecution, rollout_tasks, step_plan
+from gyre.train.loop import config_differences, queued_attempts, run_start
 
 Progress = Callable[[str, dict], None]
+
+SECRETS = "secrets.toml"
+"""The run secret, in the run directory (0600): a resumed controller must hold the secret its processes use."""
+ADDRESS = "controller.addr"
+"""The hub's host:port, in the run directory: a resumed controller listens where the processes reconnect."""
 
 
 @dataclass
@@ -71,22 +98,30 @@ class ClusterSummary:
 
 
 class ClusterRun:
-    """Owns the controller, the hub and the child processes of one cluster run."""
+    """Owns the controller, the hub and the processes of one cluster run (see the module docstring)."""
 
-    def __init__(self, config: ClusterConfig, progress: Progress | None = None) -> None:
+    def __init__(self, config: ClusterConfig, progress: Progress | None = None, *, resume: bool = False) -> None:
         from gyre.cluster.hub import Hub
 
         self.config = config
         self.progress = progress or (lambda phase, figures: None)
         self.run_dir = Path(config.run_dir)
         self.log_path = self.run_dir / "log"
-        if self.log_path.exists() and any(self.log_path.glob("*.seg")):
-            raise ConfigError(f"{self.run_dir} already holds a run's log; give another run_dir (a cluster run "
-                              f"cannot be resumed yet)")
         _, self.task_ids = rollout_tasks(config.rollout)  # unknown task ids refused before anything starts
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
-        self.secret = auth.mint(auth.RUN_PREFIX)
+        self.resumed = resume
+        host, port = config.cluster.host, config.cluster.port
+        secrets = auth.TokenFile(self.run_dir / SECRETS)
+        held = run_start(self.log_path)
+        if resume:
+            self.run_id, self.secret, host, port = self._resumable(held, secrets)
+        elif held is not None:
+            raise ConfigError(f"{self.run_dir} already holds the log of run {held.run_id}; give another run_dir, "
+                              f"or --resume to continue that run")
+        else:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
+            self.secret = auth.mint(auth.RUN_PREFIX)
+            secrets.write({"run": self.secret})
         self.policy = get_policy(config.scheduler.policy)
         try:
             self.params = self.policy.params(config.policy_params())
@@ -94,76 +129,235 @@ class ClusterRun:
             raise ConfigError(f"scheduler.params do not fit policy {self.policy.version}: {error}") from error
         self.sink = LogSink(LogWriter(self.log_path, run_id=self.run_id))
         self.directory = Directory()
-        self.processes: dict[str, subprocess.Popen] = {}
         self._closers: list[Callable[[], None]] = []
         self._started = time.monotonic()
         self._lock = threading.Lock()
         self._rewards: dict[int, list[float]] = {}
         self._step_of: dict[str, int] = {}
         self._steps: list[dict] = []
+        self._hellos: dict[str, gyre_pb2.CellHello] = {}
+        self._hello_starts: dict[str, int] = {}
+        self._live = False  # registered: from now on a hello or a loss is a membership change
+        self.lost_cells = 0
         try:
-            self.hub = Hub(self.sink, run_id=self.run_id, secret=self.secret, host=config.cluster.host,
-                           port=config.cluster.port, heartbeat_s=config.cluster.heartbeat_s,
-                           dead_after_s=config.cluster.dead_after_s, status=self.status)
-            self.hub.on_cell_hello = self._hello
-            self.hub.on_cell_lost = self._cell_lost
+            self.hub = Hub(self.sink, run_id=self.run_id, secret=self.secret, host=host, port=port,
+                           heartbeat_s=config.cluster.heartbeat_s, dead_after_s=config.cluster.dead_after_s,
+                           status=self.status)
+            self.hub.on_cell_hello = self._on_cell_hello
+            self.hub.on_cell_lost = self._on_cell_lost
+            self.hub.on_proxy_hello = self._on_proxy_hello
+            self.hub.on_proxy_lost = self._on_proxy_lost
             self.commands = Commands(self.hub)
             self.controller = Controller(self.sink, self.policy, self.params,
                                          RunPlan(steps=config.steps, staleness=config.scheduler.staleness),
                                          cells={}, rollouts=ClusterRollouts(self.commands, self._plan, self._queued))
             self.controller.observe(self._observe)
+            self.membership_sink = self.sink.producer("membership")
+            self._membership = OrderedActions("membership", self.controller.fail)
+            self._closers.append(self._membership.close)
+            if resume:
+                self.controller.catch_up(self.log_path)
             self.address = self.hub.start()
             self._closers.append(self.hub.stop)
-            self.controller.record(RunStarted(
-                run_id=self.run_id, name=config.name, policy=self.policy.name, policy_version=self.policy.version,
-                policy_params=self.params.model_dump_json(), config=config.model_dump_json(), seed=config.seed,
-                decision_points="explicit"))
-            self._spawn()
-            self._register()
+            address_file = self.run_dir / ADDRESS
+            address_file.with_suffix(".tmp").write_text(self.address + "\n")
+            os.replace(address_file.with_suffix(".tmp"), address_file)
+            (self.run_dir / "processes").mkdir(exist_ok=True)
+            (self.run_dir / "processes" / "controller.pid").write_text(f"{os.getpid()}\n")
+            if not resume:
+                self.controller.record(RunStarted(
+                    run_id=self.run_id, name=config.name, policy=self.policy.name,
+                    policy_version=self.policy.version, policy_params=self.params.model_dump_json(),
+                    config=config.model_dump_json(), seed=config.seed, decision_points="explicit"))
+            how = self._spawn(adopt=resume)
+            if resume:
+                self._reattach(how)
+            else:
+                self._register()
+            self._live = True
         except BaseException:
             self.close()
             raise
 
+    def _resumable(self, held: RunStarted | None, secrets: auth.TokenFile) -> tuple[str, str, str, int]:
+        """The run to resume: its id, secret and address, after checking the config is the one it began with."""
+        if held is None:
+            raise ConfigError(f"--resume: {self.run_dir} holds no run to resume")
+        differences = config_differences(json.loads(held.config), json.loads(self.config.model_dump_json()))
+        if differences:
+            raise ConfigError(f"--resume: the config differs from the one run {held.run_id} started with: "
+                              + "; ".join(differences))
+        finished = [e for e in LogReader(self.log_path).events(kinds=["run_finished"])]
+        if any(e.status == "completed" for e in finished):
+            raise ConfigError(f"--resume: run {held.run_id} in {self.run_dir} has completed; nothing to resume")
+        secret = secrets.read().get("run")
+        if secret is None:
+            raise ConfigError(f"--resume: {secrets.path} holds no run secret (a cluster run writes it when it starts)")
+        try:
+            host, port = (self.run_dir / ADDRESS).read_text().strip().rsplit(":", 1)
+            return held.run_id, secret, host, int(port)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"--resume: cannot read the controller's address from {self.run_dir / ADDRESS}: "
+                              f"{error}") from error
+
     # -- processes -------------------------------------------------------------------------------------------
 
-    def _spawn(self) -> None:
-        """Start every cell and the proxy; the secret travels in the environment, never on argv."""
+    def _spawn(self, adopt: bool) -> dict[str, str]:
+        """Start every cell and the proxy (or adopt those still running); the secret travels in the
+        environment, never on argv."""
         config_file = self.run_dir / "cluster-config.json"
-        config_file.write_text(self.config.model_dump_json(indent=2))
-        env = {**os.environ, SECRET_ENV: self.secret}
-        logs = self.run_dir / "processes"
-        logs.mkdir(exist_ok=True)
+        if not adopt:
+            config_file.write_text(self.config.model_dump_json(indent=2))
         gyre = [sys.executable, "-m", "gyre"]
         commands = {cell: [*gyre, "cell", "--controller", self.address, "--cell-id", cell, "--config", str(config_file)]
                     for cell in self.config.cluster.cell_ids}
         commands["proxy"] = [*gyre, "proxy", "serve", "--controller", self.address, "--config", str(config_file)]
-        for name, argv in commands.items():
-            with open(logs / f"{name}.log", "ab") as out:
-                self.processes[name] = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                                        stdin=subprocess.DEVNULL)
-        self.progress("spawned", {"processes": sorted(self.processes), "logs": str(logs)})
-        self._closers.append(self._reap)
 
-    def _hello(self, hello: gyre_pb2.CellHello) -> None:
-        """A process (a new incarnation: its engine holds the initial weights) says where it serves."""
+        def identity(name: str) -> list[str]:
+            return [str(config_file), name] if name != "proxy" else [str(config_file), "proxy", "serve"]
+
+        logs = self.run_dir / "processes"
+        self.supervisor = Supervisor(logs, commands, {**os.environ, SECRET_ENV: self.secret}, identity=identity,
+                                     on_exit=self._on_exit, on_give_up=self._on_give_up)
+        how = self.supervisor.start(adopt=adopt)
+        self._closers.append(self.supervisor.reap)
+        self.progress("spawned", {"processes": sorted(commands), "logs": str(logs), "how": how})
+        return how
+
+    def _on_exit(self, name: str, reason: str) -> None:
+        """The supervisor saw a process exit: lost now, not after missed heartbeats (it is started again)."""
+        self.hub.lose("proxy" if name == "proxy" else "cell", name, reason)
+
+    def _on_give_up(self, name: str, reason: str) -> None:
+        self.controller.fail(RuntimeError(f"{name} keeps failing: {reason}"))
+
+    # -- membership (hub callbacks: on the hub's loop thread, they must not block) -----------------------------
+
+    def _on_cell_hello(self, hello: gyre_pb2.CellHello) -> None:
+        """A new incarnation of a cell (a process start) says where it serves."""
+        self._hellos[hello.cell_id] = hello
+        self._hello_starts[hello.cell_id] = self.supervisor.starts(hello.cell_id)
+        self.supervisor.said_hello(hello.cell_id)
+        if self._live:
+            self._membership.put(lambda: self._registered_again(hello))
+            return
         with self.directory.lock:
-            known = self.directory.cells.get(hello.cell_id)
-            self.directory.cells[hello.cell_id] = CellInfo(
-                hello.cell_id, hello.slots, hello.is_core, hello.engine_url, hello.trainer_endpoint,
-                role=known.role if known else "rollout")
+            self.directory.cells[hello.cell_id] = _info(hello, "rollout")
 
-    def _cell_lost(self, cell_id: str, reason: str) -> None:
-        self.controller.fail(RuntimeError(f"cell {cell_id} was lost: {reason}"))
+    def _on_cell_lost(self, cell_id: str, reason: str) -> None:
+        hello = self._hellos.get(cell_id)
+        if hello is None:
+            return
+        if self.supervisor.starts(cell_id) == self._hello_starts.get(cell_id):
+            self.supervisor.kill(cell_id)  # the lost incarnation still runs (it hung): it is started again
+        if self._live:
+            self._membership.put(lambda: self._cell_gone(cell_id, hello.incarnation, reason))
 
-    def _register(self) -> None:
-        """Wait for every process, then record the cells with the policy's initial roles and set them so."""
+    def _on_proxy_hello(self, hello: gyre_pb2.ProxyHello) -> None:
+        self._proxy_starts = self.supervisor.starts("proxy")
+        self.supervisor.said_hello("proxy")
+        if self._live:
+            self._membership.put(self._proxy_back)
+
+    def _on_proxy_lost(self, proxy_id: str) -> None:
+        if self.supervisor.starts("proxy") == getattr(self, "_proxy_starts", None):
+            self.supervisor.kill("proxy")
+
+    # -- membership (the membership thread: one change at a time, in the order the hub reported them) --------
+
+    def _cell_gone(self, cell_id: str, incarnation: str, reason: str) -> None:
+        info = self.directory.cells.get(cell_id)
+        if info is None or info.incarnation != incarnation or info.lost:
+            return
+        with self.directory.lock:
+            info.lost = True
+            if info.is_core:  # the core's Mooncake copies of the weights died with it: the files remain
+                w = self.directory.weights
+                self.directory.weights = gyre_pb2.WeightsRef(version=w.version, location=w.location, sha256=w.sha256)
+        self.lost_cells += 1
+        self.membership_sink.commit(self.membership_sink.record(CellLost(cell_id=cell_id, reason=reason)))
+        if info.is_core:
+            self.controller.forget_training()
+        actuator = self.controller.cells.get(cell_id)
+        if actuator is not None:
+            actuator.close(wait=False)
+        self.commands.proxy("routing", routing=self.directory.routing())
+        self.progress("lost", {"cell": cell_id, "reason": reason})
+
+    def _registered_again(self, hello: gyre_pb2.CellHello) -> None:
+        """A restarted cell: registered in the role the policy gives a new cell, then brought up in it."""
+        cell_id = hello.cell_id
+        known = self.directory.cells.get(cell_id)
+        if known is not None and not known.lost and known.incarnation != hello.incarnation:
+            self._cell_gone(cell_id, known.incarnation, f"replaced by incarnation {hello.incarnation}")
+        role = self._initial_role(cell_id)
+        info = _info(hello, role)
+        with self.directory.lock:
+            self.directory.cells[cell_id] = info
+        self.membership_sink.commit(self.membership_sink.record(CellRegistered(
+            cell_id=cell_id, role=role, is_core=info.is_core, slots=info.slots, address=info.engine_url,
+            incarnation=hello.incarnation)))
+        actuator = self._actuator(cell_id)
+        actuator.bring_up(role)
+        if info.is_core:
+            for other in self.directory.cells.values():
+                if other.cell_id != cell_id and not other.lost and other.role == "training":
+                    self.controller.cells[other.cell_id].rejoin()
+        self.progress("registered", {"cell": cell_id, "role": role})
+
+    def _initial_role(self, cell_id: str) -> str:
+        cells = [CellSpec(c.cell_id, is_core=c.is_core, slots=c.slots) for c in self.directory.cells.values()]
+        return self.policy.initial_roles(cells, self.params)[cell_id]
+
+    def _actuator(self, cell_id: str) -> RemoteCell:
+        actuator = RemoteCell(cell_id, commands=self.commands, directory=self.directory,
+                              sink=self.sink.producer(f"actuator:{cell_id}"), fail=self.controller.fail,
+                              upto=lambda: self.controller.folded_seq)
+        self.controller.cells[cell_id] = actuator
+        self._closers.append(actuator.close)
+        return actuator
+
+    def _proxy_back(self) -> None:
+        """A restarted proxy: it gets the routing, and (on the controller's thread) the executions it lost."""
+        self.commands.proxy("routing", routing=self.directory.routing())
+        self.controller.submit(self._resubmit_rollouts)
+
+    def _resubmit_rollouts(self, held: list[str] | None = None) -> None:
+        """Submit again what no harness runs any more (on the controller's thread, or before its loop)."""
+        if held is None:
+            done = self.commands.proxy("sync", sync=gyre_pb2.Sync())
+            if done is None:
+                return  # lost again: its next incarnation's hello comes back here
+            held = json.loads(done.detail or b"[]")
+            self.controller.fold_now()
+        view = self.controller.view
+        resubmit = rollouts_to_resubmit(view, queued_attempts(self.log_path, self.run_id), self._plan_triples, held)
+        if not resubmit:
+            return
+        version = view.trainer.policy_version
+        specs = [gyre_pb2.ExecutionSpec(execution_id=r.execution_id, group_id=r.group_id, task_id=r.task_id,
+                                        step=r.step, policy_version=version, attempt=r.attempt, token=auth.mint())
+                 for r in resubmit]
+        self.commands.proxy("resubmit", queue=gyre_pb2.QueueExecutions(executions=specs))
+        self.progress("resubmitted", {"executions": len(specs)})
+
+    def _plan_triples(self, step: int) -> list[tuple[str, str, str]]:
+        return [(e.execution_id, e.group_id, e.task_id) for e in self._plan(step)]
+
+    # -- starting and resuming ---------------------------------------------------------------------------------
+
+    def _wait_connected(self) -> None:
         cluster = self.config.cluster
         try:
             self.hub.wait_for(cluster.cell_ids, proxy=True, timeout_s=cluster.start_timeout_s)
         except TimeoutError as error:
-            dead = {n: p.returncode for n, p in self.processes.items() if p.poll() is not None}
-            raise ConfigError(f"the cluster did not come up: {error}; exited: {dead or 'none'} (their output is "
-                              f"in {self.run_dir / 'processes'})") from error
+            raise ConfigError(f"the cluster did not come up: {error} (the processes' output is in "
+                              f"{self.run_dir / 'processes'})") from error
+
+    def _register(self) -> None:
+        """Wait for every process, then record the cells with the policy's initial roles and set them so."""
+        cluster = self.config.cluster
+        self._wait_connected()
         cells = [self.directory.cells[c] for c in cluster.cell_ids]
         cores = [c.cell_id for c in cells if c.is_core]
         if cores != [cluster.core]:
@@ -171,17 +365,68 @@ class ClusterRun:
         roles = self.policy.initial_roles([CellSpec(c.cell_id, is_core=c.is_core, slots=c.slots) for c in cells],
                                           self.params)
         self.controller.record([CellRegistered(cell_id=c.cell_id, role=roles[c.cell_id], is_core=c.is_core,
-                                               slots=c.slots, address=c.engine_url) for c in cells])
+                                               slots=c.slots, address=c.engine_url, incarnation=c.incarnation)
+                                for c in cells])
         for c in cells:
             c.role = roles[c.cell_id]
             if c.role == "training":
                 self.commands.cell(c.cell_id, "pause", pause=gyre_pb2.Pause(mode="abort"))
-            self.controller.cells[c.cell_id] = RemoteCell(
-                c.cell_id, commands=self.commands, directory=self.directory,
-                sink=self.sink.producer(f"actuator:{c.cell_id}"), fail=self.controller.fail,
-                upto=lambda: self.controller.folded_seq)
-            self._closers.append(self.controller.cells[c.cell_id].close)
+            self._actuator(c.cell_id)
         self.commands.proxy("routing", routing=self.directory.routing())
+
+    def _reattach(self, how: dict[str, str]) -> None:
+        """A resumed controller: wait for every process, let each finish what it was doing (Sync), fold, and
+        reconcile the processes with the log (see the module docstring)."""
+        self._wait_connected()
+        futures = {c: self.hub.command_cell(c, gyre_pb2.CellCommand(sync=gyre_pb2.Sync()))
+                   for c in self.config.cluster.cell_ids}
+        proxy = self.hub.command_proxy(gyre_pb2.ProxyCommand(sync=gyre_pb2.Sync()))
+        for cell_id, future in futures.items():
+            wait_done(future, f"sync on cell {cell_id}")
+        held = json.loads(wait_done(proxy, "sync on the proxy").detail or b"[]")
+        self.controller.fold_now()
+        view = self.controller.view
+        registered: dict[str, CellRegistered] = {}
+        decisions: dict[str, RoleSwitchRequested] = {}
+        for event in LogReader(self.log_path).events(kinds=["cell_registered", "role_switch_requested",
+                                                            "weights_published"]):
+            if isinstance(event, CellRegistered):
+                registered[event.cell_id] = event
+            elif isinstance(event, RoleSwitchRequested):
+                decisions[event.cell_id] = event
+            elif isinstance(event, WeightsPublished):
+                self.directory.weights = gyre_pb2.WeightsRef(version=event.policy_version, location=event.location,
+                                                             sha256=event.sha256)
+        adopted, restarted = [], []
+        for cell_id in self.config.cluster.cell_ids:
+            hello, cell = self._hellos[cell_id], view.cluster.cells.get(cell_id)
+            logged = registered.get(cell_id)
+            if cell is not None and not cell.lost and logged is not None and logged.incarnation == hello.incarnation:
+                info = self.directory.cells[cell_id]
+                info.role, info.engine_version = cell.role, -1
+                self._actuator(cell_id)
+                adopted.append(cell_id)
+            else:
+                restarted.append(cell_id)
+        self.controller.record(RunResumed(
+            run_id=self.run_id, folded_seq=self.controller.folded_seq,
+            adopted=",".join(n for n, h in how.items() if h == "adopted"),
+            started=",".join(n for n, h in how.items() if h != "adopted")))
+        for cell_id in restarted:
+            logged, cell = registered.get(cell_id), view.cluster.cells.get(cell_id)
+            if logged is not None and logged.incarnation and cell is not None and not cell.lost:
+                info = self.directory.cells[cell_id]
+                info.incarnation = logged.incarnation  # the one the log knows: recorded lost, then replaced
+                self._cell_gone(cell_id, logged.incarnation, "restarted while the controller was down")
+            self._registered_again(self._hellos[cell_id])
+        self.commands.proxy("routing", routing=self.directory.routing())
+        for cell_id in adopted:
+            cell = view.cluster.cells[cell_id]
+            if cell.switching_to is not None and cell.switching_to != cell.role and cell_id in decisions:
+                self.controller.cells[cell_id].switch(decisions[cell_id])  # under way at the crash: again
+        self.controller.fold_now()
+        self._resubmit_rollouts(held)
+        self.progress("resumed", {"adopted": adopted, "restarted": restarted, "held": len(held)})
 
     def _plan(self, step: int) -> list[PlannedExecution]:
         return step_plan(self.run_id, self.config.rollout, self.task_ids, step)
@@ -249,9 +494,9 @@ class ClusterRun:
 
     def _stop_processes(self) -> None:
         """Ask every connected process to stop (the proxy first: its harnesses end), then wait for them."""
+        self.supervisor.stop_watching()
         for name in ["proxy", *self.config.cluster.cell_ids]:
-            process = self.processes.get(name)
-            if process is None or process.poll() is not None:
+            if not self.supervisor.alive(name):
                 continue
             try:
                 if name == "proxy":
@@ -260,20 +505,7 @@ class ClusterRun:
                     self.hub.command_cell(name, gyre_pb2.CellCommand(stop=gyre_pb2.Stop())).result(60)
             except Exception:  # a process that cannot be told is terminated below
                 continue
-        self._reap()
-
-    def _reap(self, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        for process in self.processes.values():
-            try:
-                process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.terminate()
-                try:
-                    process.wait(10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+        self.supervisor.reap()
 
     def summary(self, status: str) -> ClusterSummary:
         return ClusterSummary(self.run_id, self.log_path, status, self.policy.version,
@@ -286,6 +518,11 @@ class ClusterRun:
                 self._closers.pop()()
         finally:
             self.sink.close()
+
+
+def _info(hello: gyre_pb2.CellHello, role: str) -> CellInfo:
+    return CellInfo(hello.cell_id, hello.slots, hello.is_core, hello.engine_url, hello.trainer_endpoint, role=role,
+                    incarnation=hello.incarnation)
 
 
 def role_timeline(log_path: Path) -> tuple[int, list[RoleSpan]]:

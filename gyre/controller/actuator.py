@@ -49,8 +49,11 @@ class OrderedActions:
     switch back to rollout never overlap: the switch loads the weights the step published). The first action
     that fails goes to ``fail`` (the controller ends the run) and stops the thread."""
 
-    def __init__(self, cell_id: str, fail: Callable[[BaseException], None]) -> None:
-        self.cell_id, self.fail = cell_id, fail
+    def __init__(self, cell_id: str, fail: Callable[[BaseException], None],
+                 tolerate: Callable[[BaseException], bool] = lambda error: False) -> None:
+        """``tolerate(error)``: an error the run recovers from by other means (a cluster cell that was lost
+        is restarted and registered again): logged, and the next action runs."""
+        self.cell_id, self.fail, self.tolerate = cell_id, fail, tolerate
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"gyre-cell-{cell_id}", daemon=True)
         self._thread.start()
@@ -58,20 +61,28 @@ class OrderedActions:
     def put(self, action: Callable[[], None]) -> None:
         self._queue.put(action)
 
-    def close(self) -> None:
-        """Finish the action under way, drop the rest, stop the thread."""
+    def close(self, wait: bool = True) -> None:
+        """Finish the action under way, drop the rest, stop the thread (``wait=False``: without waiting for
+        the action under way, as for a cell that was lost and replaced)."""
         while True:
             try:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
         self._queue.put(None)
-        self._thread.join()
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def _run(self) -> None:
         while (action := self._queue.get()) is not None:
             try:
                 action()
+            except Exception as error:
+                if not self.tolerate(error):
+                    log.exception("cell %s: action failed", self.cell_id)
+                    self.fail(error)
+                    return
+                log.warning("cell %s: an action was cut short: %s", self.cell_id, error)
             except BaseException as error:  # reported, never swallowed: the controller ends the run
                 log.exception("cell %s: action failed", self.cell_id)
                 self.fail(error)

@@ -67,6 +67,7 @@ class Controller:
         self._decided_at = -2
         """The prefix of the last decision point: a policy decides once per prefix."""
         self._observers: list[Callable[[int, Event], None]] = []
+        self._calls: list[Callable[[], None]] = []
         sink.on_record = self._recorded
 
     @property
@@ -107,6 +108,22 @@ class Controller:
                 self._failure = error
             self._cond.notify_all()
 
+    def submit(self, call: Callable[[], None]) -> None:
+        """Run ``call`` on the controller's thread at its next round, after the fold (membership changes of a
+        cluster run: what they read of the view must not change under them). An exception ends the run."""
+        with self._cond:
+            self._calls.append(call)
+            self._cond.notify_all()
+
+    def forget_training(self) -> None:
+        """The core was lost mid-step: the step is trained again once a core is back (on the loop's thread)."""
+        self.submit(lambda: setattr(self, "_training", None))
+
+    def fold_now(self) -> None:
+        """Fold what was appended (a resumed cluster run, before its loop starts: it reconciles the processes
+        it found with the view)."""
+        self._fold_new()
+
     def record(self, events: Event | list[Event]) -> int:
         """The controller's own facts (run start, cells), durable when this returns."""
         position = self.producer.record(events)
@@ -120,12 +137,20 @@ class Controller:
         while True:
             self._wait(tick_s)
             self._fold_new()
+            self._run_calls()
             if tick is not None:
                 tick(self.view)
             if finished(self.view, self.plan):
                 return
             if self.folded_seq != self._decided_at:
                 self.step()
+
+    def _run_calls(self) -> None:
+        with self._cond:
+            calls, self._calls = self._calls, []
+        for call in calls:
+            call()
+            self._fold_new()
 
     def step(self) -> None:
         """One round at the current prefix: decide and act, then the plan's commands."""
@@ -135,7 +160,8 @@ class Controller:
     def _wait(self, timeout_s: float) -> None:
         """Sleep until something is appended, unless the current prefix is not decided on yet."""
         with self._cond:
-            if not self._inbox and self._failure is None and self.folded_seq == self._decided_at:
+            if (not self._inbox and not self._calls and self._failure is None
+                    and self.folded_seq == self._decided_at):
                 self._cond.wait(timeout_s)
             if self._failure is not None:
                 raise ControllerError(f"an action failed: {self._failure}") from self._failure

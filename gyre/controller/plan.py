@@ -12,6 +12,7 @@ folds the same log reaches the same plan. Rules:
 - The run is finished when every step is trained and the last version is published.
 """
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from gyre.scheduler import SchedulerView
@@ -63,3 +64,38 @@ def finished(view: SchedulerView, plan: RunPlan) -> bool:
     trainer = view.trainer
     return (all(s in view.work.trained for s in range(plan.steps))
             and (trainer.policy_version == 0 or trainer.published_version == trainer.policy_version))
+
+
+@dataclass(frozen=True)
+class Resubmit:
+    execution_id: str
+    group_id: str
+    task_id: str
+    step: int
+    attempt: int
+
+
+def rollouts_to_resubmit(view: SchedulerView, queued: Mapping[str, tuple[int, str, str, int]],
+                         plan: Callable[[int], Iterable[tuple[str, str, str]]],
+                         held: Iterable[str] = ()) -> list[Resubmit]:
+    """What a crash left without a harness, to submit again.
+
+    ``queued``: each execution the log queued -> (its last attempt, task, group, step); ``plan(step)``: the
+    step's (execution, group, task); ``held``: executions a runner that survived the crash still runs.
+    Every queued execution that is not scored, of a step not trained, and not held runs again as its next
+    attempt (only the last attempt is trained); an execution of a queued step that was never queued (the
+    crash came in the middle of queueing it) is queued as attempt 0. A scored execution never runs again.
+    """
+    held = set(held)
+    out: list[Resubmit] = []
+    for execution_id in sorted(view.work.execution_group):
+        attempt, task_id, group_id, step = queued[execution_id]
+        if execution_id not in held and step not in view.work.trained:
+            out.append(Resubmit(execution_id, group_id, task_id, step, attempt + 1))
+    for step in queued_steps(view):
+        if step in view.work.trained:
+            continue
+        for execution_id, group_id, task_id in plan(step):
+            if execution_id not in queued and execution_id not in held:
+                out.append(Resubmit(execution_id, group_id, task_id, step, 0))
+    return out

@@ -105,6 +105,16 @@ class RunFinished(Event):
     message: str = ""
 
 
+class RunResumed(Event):
+    """A cluster run's controller started again (`gyre run --resume`) over the log its predecessor wrote."""
+    kind: ClassVar[str] = "run_resumed"
+    view: ClassVar[str] = "runs_resumed"
+    run_id: str
+    folded_seq: int = Field(description="the last seq the new controller folded before it acted")
+    adopted: str = Field("", description="processes found running and taken over (comma-separated)")
+    started: str = Field("", description="processes found gone and started again (comma-separated)")
+
+
 # --- cells and roles ------------------------------------------------------------------------------------
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gyre.controller import Controller, LocalCell, RunPlan, WeightStore
-from gyre.controller.plan import step_groups
+from gyre.controller.plan import rollouts_to_resubmit, step_groups
 from gyre.errors import ConfigError
 from gyre.events.models import (
     CellRegistered,
@@ -348,19 +348,10 @@ class TrainingRun:
             self.cell.switch(pending[-1])
         elif cell.role == "training":
             self.engine.pause("abort")
-        con = LogReader(self.log_path).duckdb()
-        attempts = {e: (a, t, g, s) for e, a, t, g, s in con.execute(
-            "SELECT execution_id, max(attempt), any_value(task_id), any_value(group_id), any_value(step) "
-            "FROM executions_queued WHERE run_id = ? GROUP BY execution_id", [self.run_id]).fetchall()}
         reap_orphans(self.runner.root)
         version = view.trainer.policy_version
-        for execution_id in sorted(view.work.execution_group):  # queued, not scored: run again
-            attempt, task_id, group_id, step = attempts[execution_id]
-            self._submit(execution_id, group_id, task_id, step, version, attempt=attempt + 1)
-        for step in sorted(s for s in view.work.steps if s >= 0):  # a crash in the middle of queueing a step
-            for execution_id, group_id, task_id in self._step_plan(step):
-                if execution_id not in attempts:
-                    self._submit(execution_id, group_id, task_id, step, version, attempt=0)
+        for r in rollouts_to_resubmit(view, queued_attempts(self.log_path, self.run_id), self._step_plan):
+            self._submit(r.execution_id, r.group_id, r.task_id, r.step, version, attempt=r.attempt)
 
     def after_step(self, record: StepRecord) -> None:
         """Once a step is trained and its weights published: progress, and the place for per-step metrics
@@ -457,6 +448,16 @@ def _killer(kind: str, nth: int) -> Callable[[int, Event], None]:
     return observe
 
 
+def queued_attempts(log_path: Path, run_id: str) -> dict[str, tuple[int, str, str, int]]:
+    """Each execution the log queued -> (its last attempt, task, group, step)."""
+    from gyre.log import LogReader
+
+    con = LogReader(log_path).duckdb()
+    return {e: (a, t, g, s) for e, a, t, g, s in con.execute(
+        "SELECT execution_id, max(attempt), any_value(task_id), any_value(group_id), any_value(step) "
+        "FROM executions_queued WHERE run_id = ? GROUP BY execution_id", [run_id]).fetchall()}
+
+
 def reap_orphans(executions_dir: Path) -> int:
     """Kill the process groups of harnesses a crash orphaned: every process working inside the run's
     execution directories (their start may never have reached the log, so their pids are not known).
@@ -488,4 +489,5 @@ def set_aside(dirs_root: Path) -> None:
         dirs_root.rename(stale / f"{dirs_root.name}.{uuid.uuid4().hex[:8]}")
 
 
-__all__ = ["CELL", "RunSummary", "StepRecord", "TrainingRun", "reap_orphans", "run_start", "set_aside"]
+__all__ = ["CELL", "RunSummary", "StepRecord", "TrainingRun", "queued_attempts", "reap_orphans", "run_start",
+           "set_aside"]

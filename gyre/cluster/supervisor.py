@@ -1,0 +1,198 @@
+"""The controller keeps its run's processes alive: it starts each, adopts them after its own restart, and
+starts again one that exits while the run still wants it.
+
+Each process's pid is in ``<run_dir>/processes/<name>.pid`` (rewritten on every start), so a controller that
+was killed and resumed (`gyre run CONFIG --resume`) finds the cells and the proxy its predecessor started —
+they kept running, and reconnect by themselves — and checks that each pid is still that process (its
+command line names the run's config file and the process), not a stranger that reused the number.
+
+An exit is reported to ``on_exit(name, reason)`` (the controller declares the peer lost at once rather
+than after missed heartbeats) and the process is started again. A process that exits again before it ever
+said hello ``crash_limit`` times in a row is not restarted: ``on_give_up`` is told and the run fails, with
+the process's output file named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Process:
+    name: str
+    argv: list[str]
+    pid: int = 0
+    popen: subprocess.Popen | None = None  # None for an adopted process (another controller started it)
+    starts: int = 0
+    crashes: int = 0  # exits since the last hello
+    gone: bool = False  # exited and not started again (stopping, or given up)
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an adopted process is reaped by init, a child by us)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+class Supervisor:
+    def __init__(self, logs: Path, commands: Mapping[str, Sequence[str]], env: Mapping[str, str], *,
+                 identity: Callable[[str], Sequence[str]], on_exit: Callable[[str, str], None],
+                 on_give_up: Callable[[str, str], None], crash_limit: int = 3, poll_s: float = 0.2) -> None:
+        """``identity(name)``: argv elements an adopted pid's command line must contain to be that process."""
+        self.logs = logs
+        self.env = dict(env)
+        self.identity = identity
+        self.on_exit, self.on_give_up = on_exit, on_give_up
+        self.crash_limit, self.poll_s = crash_limit, poll_s
+        self._procs = {name: _Process(name, list(argv)) for name, argv in commands.items()}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="gyre-supervisor", daemon=True)
+        self.restarts = 0
+
+    def pid_file(self, name: str) -> Path:
+        return self.logs / f"{name}.pid"
+
+    # -- starting -------------------------------------------------------------------------------------------
+
+    def start(self, adopt: bool) -> dict[str, str]:
+        """Start every process (or, with ``adopt``, take over those still running); returns name -> how."""
+        self.logs.mkdir(parents=True, exist_ok=True)
+        how: dict[str, str] = {}
+        for name, proc in self._procs.items():
+            if adopt and (pid := self._adoptable(name)):
+                proc.pid = pid
+                how[name] = "adopted"
+            else:
+                self._spawn(proc)
+                how[name] = "started"
+        self._thread.start()
+        return how
+
+    def _adoptable(self, name: str) -> int:
+        try:
+            pid = int(self.pid_file(name).read_text().strip())
+        except (OSError, ValueError):
+            return 0
+        argv = _cmdline(pid)
+        if not _running(pid) or not all(part in argv for part in self.identity(name)):
+            return 0
+        return pid
+
+    def _spawn(self, proc: _Process) -> None:
+        with open(self.logs / f"{proc.name}.log", "ab") as out:
+            popen = subprocess.Popen(proc.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        proc.popen, proc.pid, proc.gone = popen, popen.pid, False
+        proc.starts += 1
+        tmp = self.pid_file(proc.name).with_suffix(".pid.tmp")
+        tmp.write_text(f"{popen.pid}\n")
+        os.replace(tmp, self.pid_file(proc.name))
+
+    def starts(self, name: str) -> int:
+        """How many times this supervisor started the process (0: adopted, or never)."""
+        return self._procs[name].starts
+
+    def said_hello(self, name: str) -> None:
+        """The process connected: its crash count starts over."""
+        with self._lock:
+            if name in self._procs:
+                self._procs[name].crashes = 0
+
+    # -- watching -------------------------------------------------------------------------------------------
+
+    def _exited(self, proc: _Process) -> str | None:
+        if proc.gone:
+            return None
+        if proc.popen is not None:
+            code = proc.popen.poll()
+            return None if code is None else f"its process {proc.pid} exited with status {code}"
+        return None if _running(proc.pid) else f"its process {proc.pid} is gone"
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.poll_s):
+            for proc in list(self._procs.values()):
+                with self._lock:
+                    if self._stopping.is_set():
+                        return
+                    reason = self._exited(proc)
+                    if reason is None:
+                        continue
+                    proc.gone = True
+                    proc.crashes += 1
+                    give_up = proc.crashes > self.crash_limit
+                log.warning("%s: %s%s", proc.name, reason, "" if give_up else "; starting it again")
+                try:
+                    self.on_exit(proc.name, reason)
+                except Exception:  # the run's bug: logged, and supervision goes on
+                    log.exception("supervisor: on_exit(%s) raised", proc.name)
+                if give_up:
+                    self.on_give_up(proc.name, f"{reason}, {proc.crashes} times without connecting (its output "
+                                               f"is in {self.logs / (proc.name + '.log')})")
+                    continue
+                with self._lock:
+                    if not self._stopping.is_set():
+                        self._spawn(proc)
+                        self.restarts += 1
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a process the controller declared lost while it still runs (hung); it is started again."""
+        with self._lock:
+            proc = self._procs.get(name)
+            if proc is None or proc.gone or not proc.pid:
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+
+    # -- stopping -------------------------------------------------------------------------------------------
+
+    def stop_watching(self) -> None:
+        """No more restarts (the run is ending: its processes are told to stop)."""
+        with self._lock:
+            self._stopping.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(10)
+
+    def alive(self, name: str) -> bool:
+        return self._alive(self._procs[name])
+
+    def _alive(self, proc: _Process) -> bool:
+        return bool(proc.pid) and not proc.gone and self._exited(proc) is None
+
+    def reap(self, timeout_s: float = 30.0) -> None:
+        """Wait for every process to exit; terminate, then kill, what is left after ``timeout_s``."""
+        self.stop_watching()
+        deadline = time.monotonic() + timeout_s
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            left = [p for p in self._procs.values() if self._alive(p)]
+            if not left:
+                return
+            for proc in left:
+                if sig is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, sig)
+            while left and time.monotonic() < deadline:
+                left = [p for p in left if self._alive(p)]
+                time.sleep(0.05)
+            deadline = time.monotonic() + 10
