@@ -86,7 +86,8 @@ class CellNode:
         if self.is_core:
             from gyre.cluster.trainer_service import TrainerServer
 
-            self.trainer_service = TrainerServer(secret=secret, host=config.cluster.host, endpoint=self.endpoint)
+            self.trainer_service = TrainerServer(secret=secret, host=config.cluster.host, endpoint=self.endpoint,
+                                                 lease_s=config.cluster.lease_s)
             trainer_endpoint = self.trainer_service.start()
             self._closers.append(self.trainer_service.stop)
         producers = [f"cell:{cell_id}"] + (["trainer"] if self.is_core else [])

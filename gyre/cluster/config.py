@@ -27,6 +27,8 @@ class ClusterSection(_Section):
     heartbeat_s: PositiveFloat = Field(1.0, description="how often a process tells the controller it lives")
     dead_after_s: PositiveFloat = Field(30.0, description="silence after which a cell counts as lost")
     start_timeout_s: PositiveFloat = Field(180.0, description="how long the processes may take to connect")
+    lease_s: PositiveFloat = Field(30.0, description="a satellite silent this long loses its claimed micro-steps "
+                                   "to the other replicas (it renews the lease while it works)")
     cell_threads: PositiveInt = Field(1, description="torch threads of each cell process")
     engine: Literal["local", "sglang"] = Field(
         "local", description="the engine each cell hosts: the CPU engine, or an SGLang server it launches (GPU)")
