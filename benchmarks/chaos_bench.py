@@ -173,10 +173,37 @@ def pid_files(run_dir: Path) -> dict[str, int]:
     return out
 
 
+def child_name(argv: list[str]) -> str | None:
+    """The run's name of a controller child from its argv: ``gyre cell --cell-id cellN`` -> cellN,
+    ``gyre proxy serve`` -> proxy."""
+    if "cell" in argv and "--cell-id" in argv[:-1]:
+        return argv[argv.index("--cell-id") + 1]
+    if "proxy" in argv and "serve" in argv:
+        return "proxy"
+    return None
+
+
+def children_by_argv(controller_pid: int, stats: list[ProcStat], proc: Path = Path("/proc")) -> dict[str, int]:
+    """name -> pid of the controller's cells and proxy found by their argv (for a controller without pid files)."""
+    out = {}
+    for stat in descendants(controller_pid, stats):
+        try:
+            argv = (proc / str(stat.pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        name = child_name(argv)
+        if name is not None and name not in out:
+            out[name] = stat.pid
+    return out
+
+
 def candidates(run_dir: Path, controller_pid: int | None, proc: Path = Path("/proc")) -> dict[str, list[str]]:
-    """Victim class -> names of its live processes: ``controller``, ``proxy``, ``cellN``, ``harness:<pid>``."""
+    """Victim class -> names of its live processes: ``controller``, ``proxy``, ``cellN``, ``harness:<pid>``.
+    The pid files name the cells and the proxy; without any, the controller's descendants do (by argv)."""
     pids = pid_files(run_dir)
     stats = all_stats(proc)
+    if set(pids) <= {"controller"} and controller_pid is not None:
+        pids = children_by_argv(controller_pid, stats, proc)
     live = {s.pid for s in stats if s.state not in ("Z", "X")}
     out: dict[str, list[str]] = {c: [] for c in VICTIM_CLASSES}
     if controller_pid is not None and controller_pid in live:
@@ -197,7 +224,10 @@ def resolve(name: str, run_dir: Path, controller_pid: int | None) -> int | None:
         return controller_pid
     if name.startswith("harness:"):
         return int(name.split(":", 1)[1])
-    return pid_files(run_dir).get(name)
+    pids = pid_files(run_dir)
+    if set(pids) <= {"controller"} and controller_pid is not None:
+        pids = children_by_argv(controller_pid, all_stats())
+    return pids.get(name)
 
 
 def kill(name: str, pid: int) -> bool:

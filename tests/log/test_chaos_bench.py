@@ -87,6 +87,17 @@ def test_process_discovery_from_pid_files_and_a_proc_tree(tmp_path):
     assert not cb.alive(430, proc) and not cb.alive(999, proc) and cb.alive(401, proc)
 
 
+def test_without_pid_files_the_controllers_children_are_found_by_argv(tmp_path):
+    proc = fake_proc(tmp_path / "proc", [(100, "gyre", "S", 1, 100, 100), (200, "python", "S", 100, 100, 100),
+                                         (300, "python", "S", 100, 100, 100), (400, "sh", "S", 300, 400, 400)])
+    (proc / "200" / "cmdline").write_bytes(b"python\0-m\0gyre\0cell\0--controller\0x:1\0--cell-id\0cell2\0")
+    (proc / "300" / "cmdline").write_bytes(b"python\0-m\0gyre\0proxy\0serve\0--controller\0x:1\0")
+    (proc / "400" / "cmdline").write_bytes(b"sh\0-c\0agent\0")
+    assert cb.children_by_argv(100, cb.all_stats(proc), proc) == {"cell2": 200, "proxy": 300}
+    assert cb.candidates(tmp_path / "run", 100, proc) == {
+        "controller": ["controller"], "proxy": ["proxy"], "cell": ["cell2"], "harness": ["harness:400"]}
+
+
 def test_a_real_harness_group_is_found_under_its_parent_and_killed_whole(tmp_path):
     script = ("import subprocess, sys, time\n"
               "p = subprocess.Popen(['sh', '-c', 'sleep 60 & sleep 60'], start_new_session=True)\n"
