@@ -479,7 +479,9 @@ def summary(result: ChaosResult, audit, replay: dict | None, baseline_gap_s: flo
                                     "max": max(restarts) if restarts else None}}
     if audit is not None:
         out.update(completions=audit.completions, executions=audit.executions, requeued=audit.requeued,
-                   rewards=audit.rewards, events_lost=audit.events_lost, events_doubled=audit.events_doubled,
+                   rewards=audit.rewards, evaluation_failures=audit.evaluation_failures,
+                   harness_errors=audit.harness_errors, events_lost=audit.events_lost,
+                   events_doubled=audit.events_doubled,
                    rewards_lost=audit.rewards_lost, rewards_doubled=audit.rewards_doubled,
                    micro_steps_redone=audit.micro_steps_redone, micro_steps_released=audit.micro_steps_released,
                    steps_trained=audit.steps_trained, steps_aborted=audit.steps_aborted,
