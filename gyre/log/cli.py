@@ -1,4 +1,4 @@
-"""`gyre log ...`: verify, inspect, tail, query and benchmark a log."""
+"""`gyre log ...`: verify, inspect, tail, query, audit and benchmark a log."""
 
 import functools
 import json
@@ -196,6 +196,38 @@ def sql(path: PathArg, query: Annotated[str, typer.Argument(help="SQL over the e
     console.print(view)
     if table.num_rows > limit:
         console.print(f"... {table.num_rows - limit} more rows (use --limit or --json)")
+
+
+@log_app.command()
+@_clear_errors
+def audit(path: PathArg, as_json: JsonOpt = False,
+          steps: Annotated[int | None, typer.Option("--steps", help="the steps the run was to train")] = None,
+          unfinished: Annotated[bool, typer.Option(
+              "--unfinished", help="do not require a run_finished 'completed'")] = False,
+          replay: Annotated[bool, typer.Option("--replay", help="also replay the decisions exactly")] = False) -> None:
+    """Hold a finished run's log to its promises: no event lost or doubled (producer numbering, spill files),
+    every trained execution scored exactly once, steps and versions gapless. Exit 1 on any problem."""
+    from gyre.log.audit import audit as audit_log
+
+    report = audit_log(path, expected_steps=steps, require_finished=not unfinished, replay=replay)
+    if as_json:
+        print(json.dumps({"ok": report.ok, **report.model_dump(mode="json")}))
+    else:
+        status = "[green]ok[/green]" if report.ok else "[red]problems[/red]"
+        console.print(f"{status}: {report.events} events from {len(report.producers)} producers; "
+                      f"{report.executions} executions ({report.requeued} re-queued), {report.completions} "
+                      f"completed, {report.rewards} rewards; {report.steps_trained} steps trained")
+        table = Table("audit", "value")
+        for name in ("events_lost", "events_doubled", "spill_files", "rewards_lost", "rewards_doubled",
+                     "rewards_unqueued", "micro_steps_redone", "micro_steps_released", "steps_aborted",
+                     "role_switches", "cells_lost", "cells_reregistered", "controller_restarts", "quiet_gaps",
+                     "run_status"):
+            table.add_row(name, str(getattr(report, name)))
+        console.print(table)
+        for problem in report.problems:
+            console.print(f"[yellow]- {problem}[/yellow]")
+    if not report.ok:
+        raise typer.Exit(1)
 
 
 def _cell(value: object) -> str:

@@ -143,7 +143,10 @@ def logged_kinds(log: Path) -> dict[str, int]:
 
 
 def check(config: TrainConfig, report: CrashReport) -> None:
-    from gyre.replay.exact import replay_decisions
+    """The run's promises: the config's executions queued, then `gyre.log.audit`'s rules (no event lost or
+    doubled, every execution scored at most once and every trained one scored or excluded, no stray attempt,
+    steps and versions gapless, the run completed) and exact replay."""
+    from gyre.log.audit import audit
 
     log = config.run_dir / "log"
     con = LogReader(log).duckdb()
@@ -152,34 +155,6 @@ def check(config: TrainConfig, report: CrashReport) -> None:
     report.executions = queued
     if queued != expected:
         report.problems.append(f"{queued} executions queued, the config asks for {expected}")
-    doubled = con.execute("SELECT execution_id, count(*) FROM rewards GROUP BY 1 HAVING count(*) > 1").fetchall()
-    if doubled:
-        report.problems.append(f"rewarded more than once: {doubled[:3]}")
-    (report.rewards,) = con.execute("SELECT count(*) FROM rewards").fetchone()
-    lost = con.execute("""
-        SELECT q.execution_id FROM (SELECT DISTINCT execution_id FROM executions_queued) q
-        WHERE q.execution_id NOT IN (SELECT execution_id FROM rewards)
-          AND q.execution_id NOT IN (SELECT execution_id FROM evaluation_failures)
-          AND q.execution_id NOT IN (SELECT execution_id FROM executions_finished WHERE status = 'harness_error')
-    """).fetchall()
-    if lost:
-        report.problems.append(f"executions never scored nor excluded: {lost[:3]}")
-    (strays,) = con.execute("""
-        SELECT count(*) FROM model_calls c
-        JOIN (SELECT execution_id, max(attempt) AS last FROM executions_queued GROUP BY 1) q USING (execution_id)
-        WHERE c.attempt > q.last""").fetchone()
-    if strays:
-        report.problems.append(f"{strays} model calls name an attempt that was never queued")
-    versions = [v for (v,) in con.execute("SELECT policy_version FROM weights_published ORDER BY seq").fetchall()]
-    report.versions = versions
-    if versions != list(range(1, len(versions) + 1)):
-        report.problems.append(f"published versions are not gapless and single: {versions}")
-    steps = [s for (s,) in con.execute("SELECT step FROM train_steps ORDER BY seq").fetchall()]
-    if steps != list(range(config.steps)):
-        report.problems.append(f"train steps finished: {steps}, expected 0..{config.steps - 1} once each")
-    (status,) = con.execute("SELECT status FROM runs_finished ORDER BY seq DESC LIMIT 1").fetchone() or (None,)
-    if status != "completed":
-        report.problems.append(f"the run finished as {status}")
-    replay = replay_decisions(log)
-    if replay.mismatches:
-        report.problems.append(f"replay found {len(replay.mismatches)} mismatches")
+    audited = audit(log, expected_steps=config.steps, replay=True)
+    report.rewards, report.versions = audited.rewards, audited.versions
+    report.problems += audited.problems

@@ -1,0 +1,556 @@
+"""Chaos: a 4-cell `gyre run` whose processes (controller, proxy, cells, harnesses) are SIGKILLed at seeded moments.
+
+    python -m benchmarks.chaos_bench --kills 30 --seed 1 --json
+
+The run is examples/cluster-cpu.toml in a temp run directory (more steps, quicker loss detection). At each
+moment drawn from a seeded RNG — once the log has grown by a drawn number of events and a drawn 1-6 s have
+passed, so the run makes progress between kills — a victim class is drawn (weights ``--weights``) among the
+classes with a live process, then a process of it, and SIGKILLed. A killed controller is started again with
+``gyre run CONFIG --resume``; it is not killed again before one of its peers' events reached the new
+one. The controller respawns cells and the proxy itself. Once ``gyre run`` exits 0 the log is audited
+(`gyre.log.audit`: events lost or doubled, rewards lost or doubled, micro-steps redone) and replayed.
+
+What it assumes of the controller (the contract `gyre run` keeps for it):
+- ``<run_dir>/processes/controller.pid`` and ``<run_dir>/processes/<name>.pid`` (``cell0``.. and ``proxy``)
+  hold the pids, a child's file rewritten when the controller respawns it;
+- ``gyre run CONFIG --resume`` continues the run in the config's run_dir and adopts the running children;
+- harnesses are descendants of the proxy process, each the leader of its own process group (the harness
+  runner starts them with ``start_new_session``): the whole group is killed.
+
+"Time lost per kill" is the time from the kill to the next ``reward_recorded`` or ``train_step_finished``
+(whatever comes first in the log), next to the median gap between those events over the whole run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_CONFIG = ROOT / "examples" / "cluster-cpu.toml"
+VICTIM_CLASSES = ("controller", "proxy", "cell", "harness")
+DEFAULT_WEIGHTS = {"controller": 1.0, "proxy": 1.0, "cell": 2.0, "harness": 2.0}
+PROGRESS_KINDS = ("reward_recorded", "train_step_finished")
+PROCESSES_DIR = "processes"
+
+
+# -- the kill schedule (pure: a seeded RNG and what is alive) --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pace:
+    """How long to let the run go between kills: both a drawn wall time and a drawn number of new events."""
+
+    min_wait_s: float = 1.0
+    max_wait_s: float = 6.0
+    min_events: int = 1
+    max_events: int = 20
+
+
+class KillSchedule:
+    """Seeded draws of when and whom to kill. The same seed and the same sequence of live processes give the
+    same schedule; classes with no live process are left out of a draw (their weight goes to the others)."""
+
+    def __init__(self, seed: int, weights: dict[str, float] | None = None, pace: Pace = Pace()) -> None:
+        self.rng = random.Random(seed)
+        self.weights = dict(DEFAULT_WEIGHTS if weights is None else weights)
+        unknown = set(self.weights) - set(VICTIM_CLASSES)
+        if unknown:
+            raise ValueError(f"unknown victim classes {sorted(unknown)}; known: {', '.join(VICTIM_CLASSES)}")
+        if not any(w > 0 for w in self.weights.values()):
+            raise ValueError("every victim class has weight 0")
+        self.pace = pace
+
+    def wait(self) -> tuple[float, int]:
+        """(seconds, new log events) to let pass before the next kill."""
+        return (self.rng.uniform(self.pace.min_wait_s, self.pace.max_wait_s),
+                self.rng.randint(self.pace.min_events, self.pace.max_events))
+
+    def victim(self, candidates: dict[str, list[str]]) -> tuple[str, str] | None:
+        """(class, name) drawn among ``candidates`` (class -> names of its live processes); None: nobody."""
+        classes = [c for c in VICTIM_CLASSES if candidates.get(c) and self.weights.get(c, 0) > 0]
+        if not classes:
+            return None
+        victim_class = self.rng.choices(classes, weights=[self.weights[c] for c in classes])[0]
+        return victim_class, self.rng.choice(sorted(candidates[victim_class]))
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """``controller=1,proxy=1,cell=2,harness=2`` (classes left out weigh 0)."""
+    weights = dict.fromkeys(VICTIM_CLASSES, 0.0)
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in weights:
+            raise ValueError(f"unknown victim class {name!r}; known: {', '.join(VICTIM_CLASSES)}")
+        weights[name] = float(value)
+    return weights
+
+
+# -- processes (pure reads of /proc and the run's pid files) ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    pid: int
+    state: str
+    ppid: int
+    pgid: int
+    sid: int
+
+
+def proc_stat(pid: int, proc: Path = Path("/proc")) -> ProcStat | None:
+    """The fields of ``/proc/<pid>/stat`` the driver needs; None when there is no such process."""
+    try:
+        text = (proc / str(pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
+        return None
+    rest = text[text.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
+    return ProcStat(pid, rest[0], int(rest[1]), int(rest[2]), int(rest[3]))
+
+
+def alive(pid: int, proc: Path = Path("/proc")) -> bool:
+    stat = proc_stat(pid, proc)
+    return stat is not None and stat.state not in ("Z", "X")
+
+
+def all_stats(proc: Path = Path("/proc")) -> list[ProcStat]:
+    out = []
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            stat = proc_stat(int(entry.name), proc)
+            if stat is not None:
+                out.append(stat)
+    return out
+
+
+def descendants(pid: int, stats: list[ProcStat]) -> list[ProcStat]:
+    """Every live process below ``pid`` (children, grandchildren, ...), parents before children."""
+    children: dict[int, list[ProcStat]] = {}
+    for stat in stats:
+        children.setdefault(stat.ppid, []).append(stat)
+    out, frontier = [], [pid]
+    while frontier:
+        below = [s for p in frontier for s in sorted(children.get(p, []), key=lambda s: s.pid)]
+        below = [s for s in below if s.state not in ("Z", "X")]
+        out += below
+        frontier = [s.pid for s in below]
+    return out
+
+
+def harnesses(proxy_pid: int, stats: list[ProcStat]) -> list[int]:
+    """The harness processes under the proxy: session leaders among its descendants (the harness runner starts
+    each harness in a new session); the proxy's direct children when none is."""
+    below = descendants(proxy_pid, stats)
+    leaders = [s.pid for s in below if s.sid == s.pid]
+    return leaders or [s.pid for s in below if s.ppid == proxy_pid]
+
+
+def pid_files(run_dir: Path) -> dict[str, int]:
+    """name -> pid from ``<run_dir>/processes/<name>.pid`` (files being rewritten or unreadable are skipped)."""
+    out = {}
+    directory = run_dir / PROCESSES_DIR
+    if not directory.is_dir():
+        return out
+    for path in sorted(directory.glob("*.pid")):
+        try:
+            out[path.stem] = int(path.read_text().strip())
+        except ValueError:
+            continue
+    return out
+
+
+def child_name(argv: list[str]) -> str | None:
+    """The run's name of a controller child from its argv: ``gyre cell --cell-id cellN`` -> cellN,
+    ``gyre proxy serve`` -> proxy."""
+    if "cell" in argv and "--cell-id" in argv[:-1]:
+        return argv[argv.index("--cell-id") + 1]
+    if "proxy" in argv and "serve" in argv:
+        return "proxy"
+    return None
+
+
+def children_by_argv(controller_pid: int, stats: list[ProcStat], proc: Path = Path("/proc")) -> dict[str, int]:
+    """name -> pid of the controller's cells and proxy found by their argv (for a controller without pid files)."""
+    out = {}
+    for stat in descendants(controller_pid, stats):
+        try:
+            argv = (proc / str(stat.pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        name = child_name(argv)
+        if name is not None and name not in out:
+            out[name] = stat.pid
+    return out
+
+
+def candidates(run_dir: Path, controller_pid: int | None, proc: Path = Path("/proc")) -> dict[str, list[str]]:
+    """Victim class -> names of its live processes: ``controller``, ``proxy``, ``cellN``, ``harness:<pid>``.
+    The pid files name the cells and the proxy; without any, the controller's descendants do (by argv)."""
+    pids = pid_files(run_dir)
+    stats = all_stats(proc)
+    if set(pids) <= {"controller"} and controller_pid is not None:
+        pids = children_by_argv(controller_pid, stats, proc)
+    live = {s.pid for s in stats if s.state not in ("Z", "X")}
+    out: dict[str, list[str]] = {c: [] for c in VICTIM_CLASSES}
+    if controller_pid is not None and controller_pid in live:
+        out["controller"] = ["controller"]
+    for name, pid in pids.items():
+        if name == "controller" or pid not in live:
+            continue
+        if name == "proxy":
+            out["proxy"] = ["proxy"]
+            out["harness"] = [f"harness:{p}" for p in harnesses(pid, stats)]
+        else:
+            out["cell"].append(name)
+    return out
+
+
+def resolve(name: str, run_dir: Path, controller_pid: int | None) -> int | None:
+    if name == "controller":
+        return controller_pid
+    if name.startswith("harness:"):
+        return int(name.split(":", 1)[1])
+    pids = pid_files(run_dir)
+    if set(pids) <= {"controller"} and controller_pid is not None:
+        pids = children_by_argv(controller_pid, all_stats())
+    return pids.get(name)
+
+
+def kill(name: str, pid: int) -> bool:
+    """SIGKILL a process (a harness: its whole process group); False when it was gone already."""
+    try:
+        if name.startswith("harness:") and os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# -- the run's config -------------------------------------------------------------------------------------------
+
+
+def run_config(run_dir: Path, *, steps: int, seed: int, base: Path = BASE_CONFIG) -> dict:
+    """examples/cluster-cpu.toml with the run's directory, steps and seed, paths absolute, and a lost cell
+    noticed within seconds (the chaos kills one every few)."""
+    data = tomllib.loads(base.read_text())
+    data.update(name="chaos", run_dir=str(run_dir), steps=steps, seed=seed)
+    for key in ("tasks", "harness"):
+        path = Path(data["rollout"][key])
+        data["rollout"][key] = str(path if path.is_absolute() else ROOT / path)
+    cluster = data.setdefault("cluster", {})
+    cluster.setdefault("heartbeat_s", 0.5)
+    cluster.setdefault("dead_after_s", 5.0)
+    return data
+
+
+def write_config(run_dir: Path, data: dict) -> Path:
+    """The config as JSON (`ClusterConfig.load` reads the JSON it writes), validated first."""
+    from gyre.cluster.config import ClusterConfig
+
+    config = ClusterConfig.model_validate(data)
+    path = run_dir.parent / f"{run_dir.name}-config.json"
+    path.write_text(config.model_dump_json(indent=2))
+    return path
+
+
+# -- the driver (needs `gyre run --resume` and the pid files: see the module doc) ------------------------------
+
+
+@dataclass
+class KillRecord:
+    n: int
+    at_s: float
+    ts: str
+    victim_class: str
+    victim: str
+    pid: int
+    log_seq: int
+    recovery_s: float | None = None
+    """Kill to the next reward_recorded / train_step_finished in the log."""
+    restart_s: float | None = None
+    """A controller kill: until a peer's event reached the resumed controller."""
+
+
+@dataclass
+class ChaosResult:
+    kills: list[KillRecord] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    controller_starts: int = 0
+    wall_s: float = 0.0
+    finished: bool = False
+
+
+def _last_seq(log: Path) -> int:
+    from gyre.errors import GyreError
+    from gyre.log import LogReader
+
+    try:
+        return LogReader(log).last_seq()
+    except (GyreError, OSError):
+        return -1
+
+
+def _peer_event_after(log: Path, seq: int) -> bool:
+    """Whether an event from a producer other than the controller was logged after ``seq``."""
+    from gyre.log import LogReader
+
+    if _last_seq(log) <= seq:
+        return False
+    (n,) = LogReader(log).duckdb().execute(
+        "SELECT count(*) FROM events WHERE seq > ? AND producer IS NOT NULL AND producer <> 'controller'",
+        [seq]).fetchone()
+    return n > 0
+
+
+class Chaos:
+    def __init__(self, run_dir: Path, config: Path, schedule: KillSchedule, kills: int, *,
+                 timeout_s: float = 1800, stall_s: float = 120, output: Path | None = None) -> None:
+        self.run_dir, self.config, self.schedule, self.target = run_dir, config, schedule, kills
+        self.log = run_dir / "log"
+        self.timeout_s, self.stall_s = timeout_s, stall_s
+        self.output = output or run_dir.parent / f"{run_dir.name}-controller.log"
+        self.controller: subprocess.Popen | None = None
+        self.result = ChaosResult()
+        self._started = time.monotonic()
+
+    def start_controller(self, resume: bool) -> None:
+        argv = [sys.executable, "-m", "gyre", "run", str(self.config), *(["--resume"] if resume else [])]
+        with open(self.output, "ab") as out:
+            self.controller = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                               cwd=ROOT)
+        self.result.controller_starts += 1
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._started
+
+    def _controller_exit(self) -> int | None:
+        return self.controller.poll() if self.controller is not None else None
+
+    def _wait_for(self, seconds: float, events: int) -> bool:
+        """Let the run go until ``seconds`` passed and the log grew by ``events``; False when the run ended
+        (or stalled, a problem recorded) first."""
+        start_seq, start, last_change, last_seq = _last_seq(self.log), time.monotonic(), time.monotonic(), None
+        while True:
+            if self._controller_exit() is not None:
+                return False
+            seq = _last_seq(self.log)
+            if seq != last_seq:
+                last_seq, last_change = seq, time.monotonic()
+            if time.monotonic() - start >= seconds and seq - start_seq >= events:
+                return True
+            if time.monotonic() - last_change > self.stall_s:
+                self.result.problems.append(f"the log did not grow for {self.stall_s:.0f}s (at seq {seq}, "
+                                            f"{len(self.result.kills)} kills done)")
+                return False
+            if self.elapsed() > self.timeout_s:
+                self.result.problems.append(f"the run went past --timeout-s {self.timeout_s:.0f}")
+                return False
+            time.sleep(0.2)
+
+    def _settle_controller(self, since_seq: int) -> float | None:
+        """After a controller restart: seconds until a peer's event reached it (None: the run ended or stalled)."""
+        start = time.monotonic()
+        while time.monotonic() - start < self.stall_s:
+            if self._controller_exit() is not None:
+                return None
+            if _peer_event_after(self.log, since_seq):
+                return time.monotonic() - start
+            time.sleep(0.25)
+        self.result.problems.append(f"no peer reached the resumed controller within {self.stall_s:.0f}s")
+        return None
+
+    def run(self) -> ChaosResult:
+        self.start_controller(resume=False)
+        try:
+            self._kill_loop()
+            self._finish()
+        finally:
+            self._cleanup()
+        self.result.wall_s = self.elapsed()
+        return self.result
+
+    def _kill_loop(self) -> None:
+        while len(self.result.kills) < self.target and not self.result.problems:
+            seconds, events = self.schedule.wait()
+            if not self._wait_for(seconds, events):
+                return
+            controller_pid = self.controller.pid if self.controller else None
+            drawn = self.schedule.victim(candidates(self.run_dir, controller_pid))
+            if drawn is None:
+                continue
+            victim_class, name = drawn
+            pid = resolve(name, self.run_dir, controller_pid)
+            seq = _last_seq(self.log)
+            if pid is None or not kill(name, pid):
+                continue
+            record = KillRecord(n=len(self.result.kills) + 1, at_s=round(self.elapsed(), 3),
+                                ts=datetime.now(UTC).isoformat(), victim_class=victim_class, victim=name, pid=pid,
+                                log_seq=seq)
+            self.result.kills.append(record)
+            if victim_class == "controller":
+                self.controller.wait()
+                self.start_controller(resume=True)
+                settled = self._settle_controller(_last_seq(self.log))
+                record.restart_s = None if settled is None else round(settled, 3)
+
+    def _finish(self) -> None:
+        if self.result.problems or self.controller is None:
+            return
+        try:
+            code = self.controller.wait(timeout=max(1.0, self.timeout_s - self.elapsed()))
+        except subprocess.TimeoutExpired:
+            self.result.problems.append(f"the run went past --timeout-s {self.timeout_s:.0f}")
+            return
+        if code != 0:
+            self.result.problems.append(f"gyre run exited {code} (output in {self.output})")
+            return
+        self.result.finished = True
+        if len(self.result.kills) < self.target:
+            self.result.problems.append(f"the run finished after {len(self.result.kills)} of {self.target} kills: "
+                                        f"give it more --steps")
+
+    def _cleanup(self) -> None:
+        """Whatever of this run still lives (a failed run): the controller, then the pids its files name."""
+        if self.controller is not None and self.controller.poll() is None:
+            self.controller.kill()
+            self.controller.wait()
+        for name, pid in pid_files(self.run_dir).items():
+            if name != "controller" and alive(pid) and _is_ours(pid, self.run_dir):
+                kill(name, pid)
+
+
+def _is_ours(pid: int, run_dir: Path) -> bool:
+    """A pid from our pid files still runs `gyre` for this run (not a recycled pid)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return False
+    return b"gyre" in cmdline and (str(run_dir).encode() in cmdline or b"--controller" in cmdline)
+
+
+# -- figures ------------------------------------------------------------------------------------------------------
+
+
+def recovery_times(log: Path, kills: list[KillRecord]) -> float | None:
+    """Fill each kill's ``recovery_s`` from the log; returns the median gap between progress events."""
+    from gyre.log import LogReader
+
+    kinds = ", ".join(f"'{k}'" for k in PROGRESS_KINDS)
+    times = [ts for (ts,) in LogReader(log).duckdb().execute(
+        f"SELECT ts FROM events WHERE kind IN ({kinds}) ORDER BY ts").fetchall()]
+    for record in kills:
+        at = datetime.fromisoformat(record.ts)
+        after = next((t for t in times if t > at), None)
+        record.recovery_s = None if after is None else round((after - at).total_seconds(), 3)
+    gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(times)]
+    return round(statistics.median(gaps), 3) if gaps else None
+
+
+def summary(result: ChaosResult, audit, replay: dict | None, baseline_gap_s: float | None) -> dict:
+    by_class = dict.fromkeys(VICTIM_CLASSES, 0)
+    for record in result.kills:
+        by_class[record.victim_class] += 1
+    recovery = [r.recovery_s for r in result.kills if r.recovery_s is not None]
+    restarts = [r.restart_s for r in result.kills if r.restart_s is not None]
+    problems = list(result.problems)
+    out = {"kills": len(result.kills), "kills_by_victim": by_class, "finished": result.finished,
+           "wall_s": round(result.wall_s, 1), "controller_starts": result.controller_starts,
+           "time_lost_per_kill_s": {"median": round(statistics.median(recovery), 3) if recovery else None,
+                                    "max": max(recovery) if recovery else None,
+                                    "unrecovered": len(result.kills) - len(recovery)},
+           "progress_gap_median_s": baseline_gap_s,
+           "controller_restart_s": {"median": round(statistics.median(restarts), 3) if restarts else None,
+                                    "max": max(restarts) if restarts else None}}
+    if audit is not None:
+        out.update(completions=audit.completions, executions=audit.executions, requeued=audit.requeued,
+                   rewards=audit.rewards, evaluation_failures=audit.evaluation_failures,
+                   harness_errors=audit.harness_errors, events_lost=audit.events_lost,
+                   events_doubled=audit.events_doubled,
+                   rewards_lost=audit.rewards_lost, rewards_doubled=audit.rewards_doubled,
+                   micro_steps_redone=audit.micro_steps_redone, micro_steps_released=audit.micro_steps_released,
+                   steps_trained=audit.steps_trained, steps_aborted=audit.steps_aborted,
+                   role_switches=audit.role_switches, cells_lost=audit.cells_lost,
+                   cells_reregistered=audit.cells_reregistered, spill_files=audit.spill_files)
+        problems += audit.problems
+    if replay is not None:
+        out["replay_mismatches"] = replay.get("mismatches")
+        if replay.get("mismatches") or replay.get("error"):
+            problems.append(f"replay: {replay.get('error') or str(replay['mismatches']) + ' mismatches'}")
+    out["problems"] = problems
+    out["passed"] = not problems and result.finished
+    out["kill_log"] = [asdict(r) for r in result.kills]
+    return out
+
+
+def replay(log: Path) -> dict:
+    done = subprocess.run([sys.executable, "-m", "gyre", "replay", str(log), "--json"], capture_output=True,
+                          text=True, cwd=ROOT)
+    try:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"error": f"gyre replay exited {done.returncode}: {done.stderr.strip()[-500:]}"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kills", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=None, help="train steps (default: enough for the kills)")
+    parser.add_argument("--weights", type=parse_weights, default=None,
+                        help="victim class weights, e.g. controller=1,proxy=1,cell=2,harness=2")
+    parser.add_argument("--min-wait-s", type=float, default=1.0)
+    parser.add_argument("--max-wait-s", type=float, default=6.0)
+    parser.add_argument("--max-events", type=int, default=20, help="new log events to wait for, drawn 1..this")
+    parser.add_argument("--timeout-s", type=float, default=1800)
+    parser.add_argument("--stall-s", type=float, default=120, help="a log that does not grow this long fails")
+    parser.add_argument("--config", type=Path, default=BASE_CONFIG, help="base cluster config (TOML)")
+    parser.add_argument("--keep", type=Path, default=None, help="run here and keep it (default: a temp dir)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    steps = args.steps or max(4, (args.kills + 1) // 2)
+    schedule = KillSchedule(args.seed, args.weights, Pace(args.min_wait_s, args.max_wait_s, 1, args.max_events))
+    root = Path(tempfile.mkdtemp(prefix="gyre-chaos-")) if args.keep is None else args.keep
+    root.mkdir(parents=True, exist_ok=True)
+    run_dir = root / "run"
+    try:
+        config = write_config(run_dir, run_config(run_dir, steps=steps, seed=args.seed, base=args.config))
+        chaos = Chaos(run_dir, config, schedule, args.kills, timeout_s=args.timeout_s, stall_s=args.stall_s)
+        result = chaos.run()
+        report = replayed = gap = None
+        if (run_dir / "log").is_dir() and any((run_dir / "log").glob("*.seg")):
+            from gyre.log.audit import audit
+
+            report = audit(run_dir / "log", expected_steps=steps, require_finished=True)
+            gap = recovery_times(run_dir / "log", result.kills)
+            replayed = replay(run_dir / "log")
+        out = {"seed": args.seed, "steps": steps, **summary(result, report, replayed, gap)}
+        if args.keep is not None:
+            out["run_dir"] = str(run_dir)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(json.dumps({k: v for k, v in out.items() if k != "kill_log"}, indent=2))
+    return 0 if out["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
