@@ -214,9 +214,14 @@ class CellNode:
         return figures
 
     def _leave(self, reason: str) -> Mapping[str, float]:
+        from gyre.cluster.satellite import SatelliteError
+
         started = time.perf_counter()
         if self.satellite is not None:
-            self.satellite.leave(reason or "returning to rollout")
+            try:
+                self.satellite.leave(reason or "returning to rollout")
+            except SatelliteError as error:  # its work loop had stopped (the core died): the lease gave its work away
+                log.warning("cell %s left training after its satellite had failed: %s", self.cell_id, error)
         return {"trainer_leave_s": time.perf_counter() - started}
 
     def _train(self, train: gyre_pb2.Train) -> gyre_pb2.CommandDone:

@@ -153,7 +153,9 @@ class ClusterRun:
                                          cells={}, rollouts=ClusterRollouts(self.commands, self._plan, self._queued))
             self.controller.observe(self._observe)
             self.membership_sink = self.sink.producer("membership")
-            self._membership = OrderedActions("membership", self.controller.fail)
+            self._stopping = False
+            self._membership = OrderedActions("membership", self.controller.fail,
+                                              tolerate=lambda error: self._stopping)  # the run ends meanwhile
             self._closers.append(self._membership.close)
             if resume:
                 self.controller.catch_up(self.log_path)
@@ -494,6 +496,7 @@ class ClusterRun:
 
     def _stop_processes(self) -> None:
         """Ask every connected process to stop (the proxy first: its harnesses end), then wait for them."""
+        self._stopping = True
         self.supervisor.stop_watching()
         for name in ["proxy", *self.config.cluster.cell_ids]:
             if not self.supervisor.alive(name):
