@@ -7,6 +7,11 @@ stream breaks the link reconnects with jittered exponential backoff, says hello 
 and re-sends every record not yet acknowledged: the controller's sink drops what it already holds (producer
 stamps), so each event lands exactly once.
 
+With a ``spill_dir`` the records the controller has not acknowledged are also kept in a local, fsync'd
+`Spill` (`gyre.cluster.spill`) whenever no stream is live, so they count as durable while the controller is
+down (callers keep going) and survive a kill of the process: the next incarnation over the same directory
+re-sends them first and numbers its producers after them. The controller stays the run's one log writer.
+
 Commands run on one dedicated thread, in the order they arrive (a cell's commands never overlap). Each
 command id runs once per process; a repeat (the hub re-sends what was pending when the stream broke) is
 answered with the recorded `CommandDone`. The handler returns the command's figures (a mapping, or None),

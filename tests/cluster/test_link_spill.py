@@ -66,9 +66,10 @@ def test_events_stay_durable_while_the_controller_is_down_and_land_once_after(cl
     assert _segments(spill_dir) == []  # acknowledged by the controller: nothing was spilled
 
     _down(cluster)
-    positions = [producer.record(_lost(2, f"b{i}.")) for i in range(3)]
-    link.sink.commit(positions[-1], timeout_s=WAIT_S)  # durable in the spill, with no controller
-    asyncio.run(asyncio.wait_for(link.sink.durable(positions[-1]), WAIT_S))  # an awaiting caller too
+    first = producer.record(_lost(2, "b0."))
+    asyncio.run(asyncio.wait_for(link.sink.durable(first), WAIT_S))  # durable in the spill, with no controller
+    positions = [first] + [producer.record(_lost(2, f"b{i}.")) for i in (1, 2)]
+    link.sink.commit(positions[-1], timeout_s=WAIT_S)
     assert _segments(spill_dir) and link.sink.unacked == 3
     with pytest.raises(TimeoutError, match="in the controller"):
         link.sink.commit(remote=True, timeout_s=0.01)
