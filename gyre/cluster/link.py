@@ -7,6 +7,11 @@ stream breaks the link reconnects with jittered exponential backoff, says hello 
 and re-sends every record not yet acknowledged: the controller's sink drops what it already holds (producer
 stamps), so each event lands exactly once.
 
+With a ``spill_dir`` the records the controller has not acknowledged are also kept in a local, fsync'd
+`Spill` (`gyre.cluster.spill`) whenever no stream is live, so they count as durable while the controller is
+down (callers keep going) and survive a kill of the process: the next incarnation over the same directory
+re-sends them first and numbers its producers after them. The controller stays the run's one log writer.
+
 Commands run on one dedicated thread, in the order they arrive (a cell's commands never overlap). Each
 command id runs once per process; a repeat (the hub re-sends what was pending when the stream broke) is
 answered with the recorded `CommandDone`. The handler returns the command's figures (a mapping, or None),
@@ -30,6 +35,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -39,6 +45,7 @@ from gyre.cluster.aio import GRPC_OPTIONS, LoopThread
 from gyre.cluster.auth import metadata
 from gyre.cluster.errors import ClusterError
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
+from gyre.cluster.spill import Spill
 from gyre.cluster.wire import pack_events
 from gyre.errors import GyreError
 from gyre.events.codec import check_events
@@ -91,6 +98,12 @@ class RemoteSink:
     coalesces the records waiting to be sent into one wire batch whose ``batch_id`` is its last record's id;
     an acknowledgement covers every record up to it (the hub records a stream's batches in order, and a
     durable position covers everything before it in the log).
+
+    With a `Spill`, a position is durable once the controller acknowledged it *or* it is fsync'd in the
+    spill, so callers keep going while the controller is down. While no stream is live every record is
+    spilled as it comes; when a stream breaks every unacknowledged record is spilled at once; while one is
+    live nothing is (no fsync on the hot path). The spill writer is its own thread (one fsync covers every
+    record waiting) and drops what the controller acknowledges. ``remote=True`` waits for the controller.
     """
 
     BATCH_EVENTS = 4096
@@ -98,7 +111,7 @@ class RemoteSink:
     """A wire batch holds at most this many events, or records this heavy (~16-32 MB of token lists and
     log-probs) — one heavier record travels alone; gRPC's message limit is 512 MiB here."""
 
-    def __init__(self, producers: Sequence[str], notify: Callable[[], None]) -> None:
+    def __init__(self, producers: Sequence[str], notify: Callable[[], None], spill: Spill | None = None) -> None:
         self._producers = frozenset(producers)
         self._notify = notify
         self._lock = threading.Lock()
@@ -107,10 +120,46 @@ class RemoteSink:
         self._next_record = 1
         self._unacked: dict[int, _Record] = {}  # in record id order (ids are assigned under the lock)
         self._durable_record = 0
-        self._durable = -1
-        self._waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._acked = -1  # the last position the controller acknowledged durable
+        self._durable = -1  # max(acked, spilled): what local waiters wait for
+        self._waiters: list[tuple[int, bool, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._error: SinkError | None = None
         self._closed = False
+        self._spill = spill
+        self._online = False  # whether the link has a live stream (else: records are spilled as they come)
+        self._spill_cond = threading.Condition(self._lock)
+        self._spill_target = 0  # every record up to this id is to be acked or spilled
+        self._spill_written = 0  # every record up to this id is acked or spilled
+        self._drop_target = 0  # the controller holds the records up to this id
+        self._spill_dropped = 0
+        self._spill_broken = False  # a spill write failed: waiters wait for the controller again
+        self._spill_stop: str | None = None  # "close": finish what is due, then stop; "kill": stop now
+        self._spilled_seqs: dict[str, int] = {}
+        self._spill_thread: threading.Thread | None = None
+        if spill is not None:
+            self._load(spill)
+            self._spill_thread = threading.Thread(target=self._spill_loop, name="gyre-spill", daemon=True)
+            self._spill_thread.start()
+
+    def _load(self, spill: Spill) -> None:
+        """Take over what a previous incarnation spilled: re-sent first, durable already."""
+        for spilled in spill.load():
+            self._check(spilled.events)
+            self._count += len(spilled.events)
+            self._unacked[spilled.record_id] = _Record(spilled.record_id, spilled.events, self._count - 1,
+                                                       _weight(spilled.events))
+            for event in spilled.events:
+                assert event.producer is not None and event.producer_seq is not None
+                self._spilled_seqs[event.producer] = max(event.producer_seq,
+                                                         self._spilled_seqs.get(event.producer, -1))
+        last = max(spill.last_id, *self._unacked) if self._unacked else spill.last_id
+        self._next_record = last + 1
+        self._spill_target = self._spill_written = last
+        self._durable = self._count - 1
+
+    def spilled_seq(self, producer_id: str) -> int:
+        """The last producer_seq of ``producer_id`` that the spill held when this sink took it over (-1: none)."""
+        return self._spilled_seqs.get(producer_id, -1)
 
     def record(self, events: Event | Sequence[Event]) -> int:
         batch = check_events([events] if isinstance(events, Event) else list(events))
@@ -128,6 +177,9 @@ class RemoteSink:
             entry = _Record(self._next_record, batch, self._count - 1, _weight(batch))
             self._next_record += 1
             self._unacked[entry.record_id] = entry
+            if self._spill is not None and not self._online:
+                self._spill_target = entry.record_id
+                self._spill_cond.notify()
         self._notify()
         return entry.last
 
@@ -140,25 +192,35 @@ class RemoteSink:
                 raise SinkError(f"event {index} ({event.kind}) comes from producer {event.producer!r}, which this "
                                 f"link's hello does not name (it names {sorted(self._producers)})")
 
-    def commit(self, position: int | None = None) -> None:
+    def commit(self, position: int | None = None, *, remote: bool = False, timeout_s: float | None = None) -> None:
+        """Block until ``position`` (default: all recorded) is durable — in the controller's log if ``remote``.
+
+        `TimeoutError` after ``timeout_s``; the sink's `SinkError` if the link failed before.
+        """
         with self._cond:
             target = self._count - 1 if position is None else self._known(position)
-            self._cond.wait_for(lambda: self._durable >= target or self._error is not None)
-            if self._durable < target:
-                assert self._error is not None
+            self._cond.wait_for(lambda: self._level(remote) >= target or self._error is not None, timeout_s)
+            if self._level(remote) >= target:
+                return
+            if self._error is not None:
                 raise self._error
+        raise TimeoutError(f"position {target} was not durable{' in the controller' if remote else ''} "
+                           f"within {timeout_s} s")
 
-    async def durable(self, position: int) -> None:
+    async def durable(self, position: int, *, remote: bool = False) -> None:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         with self._lock:
             self._known(position)
-            if self._durable >= position:
+            if self._level(remote) >= position:
                 return
             if self._error is not None:
                 raise self._error
-            self._waiters.append((position, loop, future))
+            self._waiters.append((position, remote, loop, future))
         await future
+
+    def _level(self, remote: bool) -> int:
+        return self._acked if remote else self._durable
 
     def _known(self, position: int) -> int:
         if position >= self._count:
@@ -167,11 +229,18 @@ class RemoteSink:
         return position
 
     def close(self) -> None:
-        """Wait until everything recorded is durable, then refuse more. Idempotent."""
+        """Wait until everything recorded is durable in the controller's log, then refuse more. Idempotent."""
         if self._error is None:
-            self.commit()
+            self.commit(remote=True)
         with self._lock:
             self._closed = True
+
+    def _ready(self) -> list[tuple[int, bool, asyncio.AbstractEventLoop, asyncio.Future[None]]]:
+        """Take the waiters whose position is now durable (under the lock)."""
+        ready = [w for w in self._waiters if w[0] <= self._level(w[1])]
+        if ready:
+            self._waiters = [w for w in self._waiters if w[0] > self._level(w[1])]
+        return ready
 
     # -- the link's side (its loop thread) -----------------------------------------------------------------
 
@@ -207,12 +276,16 @@ class RemoteSink:
                             self._next_record - 1)
                 return
             while self._unacked and next(iter(self._unacked)) <= ack.batch_id:
-                self._durable = self._unacked.pop(next(iter(self._unacked))).last
+                self._acked = self._unacked.pop(next(iter(self._unacked))).last
             self._durable_record = ack.batch_id
-            ready = [w for w in self._waiters if w[0] <= self._durable]
-            self._waiters = [w for w in self._waiters if w[0] > self._durable]
+            self._durable = max(self._durable, self._acked)
+            if self._spill is not None:
+                self._drop_target = ack.batch_id
+                if self._spill_written > self._spill_dropped:
+                    self._spill_cond.notify()
+            ready = self._ready()
             self._cond.notify_all()
-        for _, loop, future in ready:
+        for _, _, loop, future in ready:
             _settle(loop, future, None)
 
     def _fail(self, error: SinkError) -> None:
@@ -222,14 +295,90 @@ class RemoteSink:
             self._error = error
             waiters, self._waiters = self._waiters, []
             self._cond.notify_all()
-        for _, loop, future in waiters:
+        for _, _, loop, future in waiters:
             _settle(loop, future, error)
+
+    def _connected(self, live: bool) -> None:
+        """The link got a stream (records go up only) or lost it (spill every unacknowledged record now)."""
+        with self._lock:
+            self._online = live
+            if not live and self._spill is not None and self._error is None:
+                self._spill_target = self._next_record - 1
+                self._spill_cond.notify()
+
+    # -- the spill writer (its own thread) -----------------------------------------------------------------
+
+    def _spill_due(self) -> tuple[bool, bool]:
+        write = self._spill_target > self._spill_written and not self._spill_broken
+        drop = self._drop_target > self._spill_dropped and self._spill_written > self._spill_dropped
+        return write, drop
+
+    def _spill_loop(self) -> None:
+        spill = self._spill
+        assert spill is not None
+        while True:
+            with self._spill_cond:
+                self._spill_cond.wait_for(lambda: self._spill_stop is not None or any(self._spill_due()))
+                due_write, due_drop = self._spill_due()
+                if self._spill_stop == "kill" or not (due_write or due_drop):
+                    return
+                target, drop = self._spill_target, self._drop_target
+                write: list[_Record] = []
+                if due_write:  # the unacked records after the written ones: the tail of _unacked
+                    for record in reversed(self._unacked.values()):
+                        if record.record_id <= self._spill_written:
+                            break
+                        if record.record_id <= target:
+                            write.append(record)
+                    write.reverse()
+            if write:
+                try:
+                    spill.append([(r.record_id, r.events) for r in write])
+                except (OSError, GyreError, ValueError, pa.ArrowException) as e:
+                    log.error("writing the spill %s failed (%r): waiting for the controller again", spill.path, e)
+                    with self._lock:
+                        self._spill_broken = True
+                    continue
+            if due_drop:
+                try:
+                    spill.drop_upto(drop)
+                except OSError as e:  # a segment left behind only re-sends events the controller holds
+                    log.warning("dropping acknowledged records from the spill %s failed: %r", spill.path, e)
+            with self._cond:
+                if due_write:
+                    self._spill_written = max(self._spill_written, target)
+                    if write:
+                        self._durable = max(self._durable, write[-1].last)
+                if due_drop:
+                    self._spill_dropped = max(self._spill_dropped, drop)
+                ready = self._ready()
+                self._cond.notify_all()
+            for _, _, loop, future in ready:
+                _settle(loop, future, None)
+
+    def _stop_spill(self, kill: bool = False) -> None:
+        """Stop the spill writer — after what is due, or at once (``kill``: as a killed process) — and close it."""
+        if self._spill is None:
+            return
+        with self._lock:
+            if self._spill_stop != "kill":
+                self._spill_stop = "kill" if kill else "close"
+            self._spill_cond.notify()
+        if self._spill_thread is not None and self._spill_thread is not threading.current_thread():
+            self._spill_thread.join(30)
+        self._spill.close()
 
     @property
     def unacked(self) -> int:
         """Records sent or waiting to be sent that the controller has not acknowledged durable yet."""
         with self._lock:
             return len(self._unacked)
+
+    @property
+    def online(self) -> bool:
+        """Whether the link has a live stream to the controller."""
+        with self._lock:
+            return self._online
 
 
 class _Conn:
@@ -257,7 +406,7 @@ class ControllerLink:
 
     def __init__(self, address: str, *, secret: str, hello: gyre_pb2.CellHello | gyre_pb2.ProxyHello,
                  handler: Handler, backoff_s: tuple[float, float] = (0.05, 2.0),
-                 connect_timeout_s: float = 30.0) -> None:
+                 connect_timeout_s: float = 30.0, spill_dir: str | Path | None = None) -> None:
         if isinstance(hello, gyre_pb2.CellHello):
             self.kind, copy = "cell", gyre_pb2.CellHello()
         elif isinstance(hello, gyre_pb2.ProxyHello):
@@ -274,7 +423,14 @@ class ControllerLink:
         self.connect_timeout_s = connect_timeout_s
         self.peer_id = copy.cell_id if self.kind == "cell" else copy.proxy_id
         self._metadata = metadata(secret)
-        self.sink = RemoteSink(list(copy.producers), self._notify)
+        self.spill = None if spill_dir is None else Spill(spill_dir)
+        """The local buffer of unacknowledged events (`gyre.cluster.spill`), or None: they live in memory only."""
+        try:
+            self.sink = RemoteSink(list(copy.producers), self._notify, spill=self.spill)
+        except SinkError as e:  # the previous incarnation recorded as producers this hello does not name
+            if self.spill is not None:
+                self.spill.close()
+            raise ClusterError(f"{self.kind} {self.peer_id!r} cannot take over its spill {spill_dir}: {e}") from e
         self.welcome: gyre_pb2.Welcome | None = None
         self.error: ClusterError | None = None
         self.on_failed: Callable[[ClusterError], None] | None = None
@@ -317,7 +473,8 @@ class ControllerLink:
         return self.welcome
 
     def producer(self, producer_id: str) -> Producer:
-        """The `Producer` for ``producer_id`` (one per id and link), continuing after what the log holds from it."""
+        """The `Producer` for ``producer_id`` (one per id and link), continuing after what the log holds from it
+        and what this process's spill held (a killed incarnation's events, re-sent first)."""
         if self.welcome is None:
             raise ClusterError("ControllerLink.producer needs the Welcome's positions: call start() first")
         if producer_id not in self.hello.producers:
@@ -325,15 +482,16 @@ class ControllerLink:
                              f"{list(self.hello.producers)}: the controller tells positions only for those")
         with self._producers_lock:
             if producer_id not in self._producers:
-                next_seq = self.welcome.held.get(producer_id, -1) + 1
+                next_seq = max(self.welcome.held.get(producer_id, -1), self.sink.spilled_seq(producer_id)) + 1
                 self._producers[producer_id] = Producer(self.sink, producer_id, next_seq)
             return self._producers[producer_id]
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Flush (wait until every recorded event is durable), then end the stream and stop. Idempotent.
+        """Flush (wait until the controller holds every recorded event durable), then end the stream and stop.
 
         ``timeout_s`` bounds the flush: `ClusterError` if the controller has not acknowledged everything by
-        then (the link is stopped anyway). A failed link is not flushed: its events cannot become durable.
+        then (the link is stopped anyway; with a spill, what is unacknowledged stays in it for the next
+        incarnation). A failed link is not flushed: its events cannot become durable. Idempotent.
         """
         if self._closed:
             return
@@ -349,8 +507,9 @@ class ControllerLink:
             flusher.start()
             flusher.join(timeout_s)
             if flusher.is_alive():
+                kept = "" if self.spill is None else f" (they stay in the spill {self.spill.path})"
                 flushed = ClusterError(f"{self.sink.unacked} event batches of {self.kind} {self.peer_id!r} were "
-                                       f"not acknowledged durable within {timeout_s} s of close")
+                                       f"not acknowledged durable within {timeout_s} s of close{kept}")
         self._shutdown()
         if flushed is not None:
             raise flushed
@@ -374,6 +533,7 @@ class ControllerLink:
             except concurrent.futures.CancelledError:  # the loop was stopped under it (sever)
                 pass
         self._thread.stop()
+        self.sink._stop_spill()  # after the stream's end, which spilled what the controller has not acknowledged
 
     def _begin_close(self) -> None:
         self._closing = True
@@ -389,8 +549,12 @@ class ControllerLink:
         self._silent = True
 
     def sever(self) -> None:
-        """Test hook: stop dead, as a killed process would: the call is cut, nothing flushed, no goodbye."""
+        """Test hook: stop dead, as a killed process would: the call is cut, nothing flushed, no goodbye.
+
+        The spill keeps what it holds and takes nothing more (a killed process spills nothing on its way out).
+        """
         self._closed = True
+        self.sink._stop_spill(kill=True)
         self._thread.stop()
         self._commands.put(None)
 
@@ -449,6 +613,7 @@ class ControllerLink:
                 self._welcomed(first.welcome)
                 conn = _Conn(call)
                 self._conn = conn
+                self.sink._connected(True)
                 self.connections += 1
                 tasks = [asyncio.get_running_loop().create_task(self._write(conn)),
                          asyncio.get_running_loop().create_task(self._beat(conn, first.welcome.heartbeat_s))]
@@ -464,6 +629,7 @@ class ControllerLink:
                         self._on_message(message)
                 finally:
                     self._conn = None
+                    self.sink._connected(False)
                     for task in tasks:
                         task.cancel()
             finally:
