@@ -63,6 +63,7 @@ class CellNode:
         import torch
 
         from gyre.cluster.link import ControllerLink
+        from gyre.cluster.spill import spill_path
         from gyre.engine.client import SyncHttpEngineClient
         from gyre.transfer import EndpointConfig, TransferEndpoint
 
@@ -95,7 +96,8 @@ class CellNode:
                                         engine_url=self.engine_url, trainer_endpoint=trainer_endpoint,
                                         transfer_session=self.endpoint.session_id,
                                         incarnation=uuid.uuid4().hex, producers=producers)
-        self.link = ControllerLink(controller, secret=secret, hello=self.hello, handler=self.handle)
+        self.link = ControllerLink(controller, secret=secret, hello=self.hello, handler=self.handle,
+                                   spill_dir=spill_path(self.run_dir, cell_id))
         self.core: LocalCoreTrainer | None = None
         self.ready = threading.Event()
         self.satellite: Any = None
@@ -128,6 +130,8 @@ class CellNode:
         log_path = self.run_dir / "log"
         producer = self.link.producer("trainer")
         restarted = producer.next_seq > 0  # the log holds a predecessor's trainer events
+        if restarted:
+            self.link.sink.commit(remote=True)  # what it spilled is in the log before the log is folded
         coordinator = StepCoordinator.resume(producer, log_path) if restarted else StepCoordinator(producer)
         self.backend = trainer_backend(self.config)
         self.weights = WeightStore(self.run_dir, keep=self.config.checkpoint.keep_weights)
@@ -167,7 +171,7 @@ class CellNode:
         self.ready.wait()  # a restarted core restores its trainer before it takes a command
         started = time.perf_counter()
         if body == "sync":
-            self.link.sink.commit()
+            self.link.sink.commit(remote=True)
             return {"sync_s": time.perf_counter() - started}
         if body == "pause":
             self.engine_client.pause(command.pause.mode or "abort")

@@ -13,8 +13,9 @@ this process through its Proxy stream:
 
 A proxy process that starts kills the harnesses a dead predecessor left behind (they work inside the run's
 execution directories); the controller submits their executions again as new attempts.
-Events (model calls, executions, rewards) go up as batches; a call's reply still waits until its events are
-durable in the controller's log (the link's sink acks durability).
+Events (model calls, executions, rewards) go up as batches; a call's reply waits until its events are
+durable: in the controller's log, or — while the controller is down — in this process's spill
+(``<run_dir>/spill/proxy``), handed over exactly once when it is back (`gyre.cluster.spill`).
 """
 
 from __future__ import annotations
@@ -91,12 +92,14 @@ class ProxyNode:
 
     def __init__(self, config: ClusterConfig, controller: str, secret: str, *, host: str | None = None) -> None:
         from gyre.cluster.link import ControllerLink
+        from gyre.cluster.spill import spill_path
 
         self.config = config
         self.host = host or config.cluster.host
         self.hello = gyre_pb2.ProxyHello(proxy_id="proxy", incarnation=uuid.uuid4().hex,
                                          producers=list(PROXY_PRODUCERS))
-        self.link = ControllerLink(controller, secret=secret, hello=self.hello, handler=self.handle)
+        self.link = ControllerLink(controller, secret=secret, hello=self.hello, handler=self.handle,
+                                   spill_dir=spill_path(Path(config.run_dir), "proxy"))
         self.parts: _Components | None = None
         self.stopped = False
         self._held: set[str] = set()
@@ -117,7 +120,7 @@ class ProxyNode:
         if body == "redirect":
             return self._redirect(command.redirect)
         if body == "sync":
-            self.link.sink.commit()
+            self.link.sink.commit(remote=True)
             return gyre_pb2.CommandDone(detail=json.dumps(sorted(self._held)).encode())
         if body == "stop":
             self._stop_components()

@@ -55,6 +55,18 @@ class _Segment:
     size: int
 
 
+def spilled_stamps(path: str | Path) -> list[tuple[str, int]]:
+    """The (producer, producer_seq) of every event in one segment file's valid frames, read without taking
+    the spill's lock (an audit of a finished run: a stamp the log holds was handed over, one it lacks is lost)."""
+    path = Path(path)
+    data = path.read_bytes()
+    stamps: list[tuple[str, int]] = []
+    for _, start, end in _frames(data, path):
+        stamps += [(e.producer or "", e.producer_seq if e.producer_seq is not None else -1)
+                   for e in unpack_events(data[start:end])]
+    return stamps
+
+
 def spill_path(run_dir: str | Path, peer_id: str) -> Path:
     """Where a process's spill lives: ``<run_dir>/spill/<peer_id>``."""
     return Path(run_dir) / "spill" / peer_id
@@ -105,51 +117,17 @@ class Spill:
         for first, path in sorted(found):
             last = first - 1
             size = 0
-            for record_id, _, end in self._frames(path.read_bytes(), path):
+            for record_id, _, end in _frames(path.read_bytes(), path):
                 last, size = record_id, end
             segments.append(_Segment(path, first, last, size))
         return segments
-
-    def _frames(self, data: bytes, path: Path) -> list[tuple[int, int, int]]:
-        """The valid frames of a segment: (record id, payload start, end); stops at the first bad one."""
-        frames = []
-        offset = 0
-        previous = -1
-        while offset < len(data):
-            bad = self._bad_frame(data, offset, previous)
-            if bad:
-                log.warning("spill segment %s ends at byte %d of %d: %s (a write cut short by a kill); "
-                            "the rest is ignored", path, offset, len(data), bad)
-                break
-            _, record_id, length, _ = _HEADER.unpack_from(data, offset)
-            start = offset + _HEADER.size
-            frames.append((record_id, start, start + length))
-            offset = start + length
-            previous = record_id
-        return frames
-
-    @staticmethod
-    def _bad_frame(data: bytes, offset: int, previous: int) -> str:
-        if len(data) - offset < _HEADER.size:
-            return "a torn frame header"
-        magic, record_id, length, crc = _HEADER.unpack_from(data, offset)
-        if magic != MAGIC:
-            return "no frame magic"
-        start = offset + _HEADER.size
-        if len(data) - start < length:
-            return f"a torn frame ({len(data) - start} of {length} payload bytes)"
-        if zlib.crc32(data[start:start + length], zlib.crc32(_CHECKED.pack(record_id, length))) != crc:
-            return "a frame whose checksum does not match"
-        if record_id <= previous:
-            return f"record id {record_id} after {previous}"
-        return ""
 
     def load(self) -> list[SpilledRecord]:
         """The records still held, in record id order."""
         records: list[SpilledRecord] = []
         for segment in self._segments:
             data = segment.path.read_bytes()
-            for record_id, start, end in self._frames(data, segment.path):
+            for record_id, start, end in _frames(data, segment.path):
                 if end > segment.size:  # past what the scan found valid (never: only this object appends)
                     break
                 if records and record_id <= records[-1].record_id:
@@ -239,3 +217,37 @@ class Spill:
         self._closed = True
         self._roll()
         os.close(self._lock_fd)
+
+
+def _frames(data: bytes, path: Path) -> list[tuple[int, int, int]]:
+    """The valid frames of a segment: (record id, payload start, end); stops at the first bad one."""
+    frames = []
+    offset = 0
+    previous = -1
+    while offset < len(data):
+        bad = _bad_frame(data, offset, previous)
+        if bad:
+            log.warning("spill segment %s ends at byte %d of %d: %s (a write cut short by a kill); "
+                        "the rest is ignored", path, offset, len(data), bad)
+            break
+        _, record_id, length, _ = _HEADER.unpack_from(data, offset)
+        start = offset + _HEADER.size
+        frames.append((record_id, start, start + length))
+        offset = start + length
+        previous = record_id
+    return frames
+
+def _bad_frame(data: bytes, offset: int, previous: int) -> str:
+    if len(data) - offset < _HEADER.size:
+        return "a torn frame header"
+    magic, record_id, length, crc = _HEADER.unpack_from(data, offset)
+    if magic != MAGIC:
+        return "no frame magic"
+    start = offset + _HEADER.size
+    if len(data) - start < length:
+        return f"a torn frame ({len(data) - start} of {length} payload bytes)"
+    if zlib.crc32(data[start:start + length], zlib.crc32(_CHECKED.pack(record_id, length))) != crc:
+        return "a frame whose checksum does not match"
+    if record_id <= previous:
+        return f"record id {record_id} after {previous}"
+    return ""

@@ -116,7 +116,7 @@ def audit(log: str | Path, *, expected_steps: int | None = None, require_finishe
                                f"{verified.tail_offset} of {verified.tail_segment}: {verified.tail_reason}")
     con = reader.duckdb()
     _producers(con, report)
-    _spill(Path(spill_dir) if spill_dir is not None else log.parent / SPILL_DIR, report)
+    _spill(Path(spill_dir) if spill_dir is not None else log.parent / SPILL_DIR, report, con)
     _rewards(con, report)
     _training(con, report, expected_steps, require_finished)
     _cluster(con, report, quiet_gap_s)
@@ -186,36 +186,32 @@ def _producers(con, report: AuditReport) -> None:
     _add(report, "events", problems)
 
 
-def _spill(directory: Path, report: AuditReport) -> None:
+def _spill(directory: Path, report: AuditReport, con) -> None:
+    """Spill segments left at the end: the events in them the log lacks were never handed over (lost); a
+    damaged segment counts as one lost event, since its content cannot be told."""
     if not directory.is_dir():
         return
-    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    from gyre.cluster.spill import SUFFIX, spilled_stamps
+
+    files = sorted(directory.rglob(f"*{SUFFIX}"))
     report.spill_files = len(files)
     if not files:
         return
-    counted = spill_events(files)
+    held = set(con.execute("SELECT DISTINCT producer, producer_seq FROM events WHERE producer IS NOT NULL").fetchall())
+    lost = counted = 0
+    for path in files:
+        try:
+            stamps = spilled_stamps(path)
+        except Exception:  # undecodable: its events cannot be matched
+            lost += 1
+            continue
+        counted += len(stamps)
+        lost += sum(1 for stamp in stamps if stamp not in held)
     report.spill_events = counted
-    lost = counted if counted is not None else len(files)
     report.events_lost += lost
-    what = f"{counted} events" if counted is not None else "events (format unreadable here: counted per file)"
-    report.problems.append(f"events lost: {len(files)} spill file(s) left under {directory} holding {what}, never "
-                           f"handed over: {', '.join(p.name for p in files[:5])}")
-
-
-def spill_events(files: list[Path]) -> int | None:
-    """Events held in spill files, via ``gyre.cluster.spill.count_events(path)`` where that module exists;
-    None when it does not (the caller then counts files)."""
-    try:
-        from gyre.cluster import spill  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    count = getattr(spill, "count_events", None)
-    if count is None:
-        return None
-    try:
-        return sum(int(count(path)) for path in files)
-    except Exception:  # a damaged spill file is still a lost file: count files instead
-        return None
+    if lost:
+        report.problems.append(f"events lost: {lost} events in {len(files)} spill segment(s) under {directory} are "
+                               f"not in the log (never handed over): {', '.join(p.name for p in files[:5])}")
 
 
 # -- rewards ------------------------------------------------------------------------------------------------

@@ -218,13 +218,30 @@ def test_redone_micro_steps_switches_and_lost_cells_are_counted_not_judged(tmp_p
             report.role_switches) == (1, 1, 1, 1, 1)
 
 
-def test_spill_files_left_at_the_end_are_events_lost(tmp_path):
+def test_spilled_events_the_log_lacks_are_events_lost(tmp_path):
+    from gyre.cluster.spill import Spill
+
     log = write(tmp_path, clean_run())
-    (tmp_path / "spill").mkdir()
-    (tmp_path / "spill" / "proxy-000001.spill").write_bytes(b"not handed over")
+    spill = Spill(tmp_path / "spill" / "proxy")
+    handed = reward("s0-e0").model_copy(update={"producer": "harness", "producer_seq": 0})  # the log has it
+    stranded = [reward("s9-e0").model_copy(update={"producer": "harness", "producer_seq": 900 + i}) for i in range(3)]
+    spill.append([(1, [handed]), (2, stranded)])
+    spill.close()
     report = audit(log)
-    assert report.spill_files == 1 and report.events_lost >= 1
-    assert any("spill file" in p and "proxy-000001.spill" in p for p in report.problems)
+    assert report.spill_files == 1 and report.spill_events == 4
+    assert report.events_lost == 3
+    assert any("3 events in 1 spill segment" in p for p in report.problems)
+
+
+def test_a_spill_whose_events_all_reached_the_log_loses_nothing(tmp_path):
+    from gyre.cluster.spill import Spill
+
+    log = write(tmp_path, clean_run())
+    spill = Spill(tmp_path / "spill" / "cell0")
+    spill.append([(1, [reward("s0-e0").model_copy(update={"producer": "harness", "producer_seq": 0})])])
+    spill.close()
+    report = audit(log)
+    assert report.spill_files == 1 and report.events_lost == 0, report.problems
 
 
 def test_the_cli_prints_json_and_fails_on_problems(tmp_path):
