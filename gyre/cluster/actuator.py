@@ -136,10 +136,15 @@ class RemoteCell:
     def train(self, step: int, groups: tuple[str, ...]) -> None:
         self._actions.put(lambda: self._train(step, groups))
 
-    def bring_up(self, role: str) -> None:
+    def bring_up(self, role: str, then: Callable[[], None] | None = None) -> None:
         """A (re)started process, registered in ``role``: give it that role's state (engine weights and
-        admission for rollout; a paused engine, and a satellite replica, for training)."""
-        self._actions.put(lambda: self._bring_up(role))
+        admission for rollout; a paused engine, and a satellite replica, for training); then ``then()``
+        (once its first command is done the process is ready: a restarted core has restored its trainer)."""
+        def action() -> None:
+            self._bring_up(role)
+            if then is not None:
+                then()
+        self._actions.put(action)
 
     def rejoin(self) -> None:
         """The core restarted: a satellite joins its new Trainer service (its old one died with the core)."""

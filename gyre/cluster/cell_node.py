@@ -157,7 +157,7 @@ class CellNode:
         for event in LogReader(log_path).events():
             fold.apply(event)
             self._upto = event.seq if event.seq is not None else self._upto  # the retrained batches' log prefix
-        retrained = self.core.restore(lambda s: step_groups(fold.view, s))
+        retrained = self.core.restore(lambda s: step_groups(fold.view, s), exact=False)  # satellites shared steps
         log.info("core %s restored: aborted step %s, retrained %d steps, policy v%d", self.cell_id, aborted,
                  retrained, self.backend.policy_version)
 

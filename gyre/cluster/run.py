@@ -299,12 +299,12 @@ class ClusterRun:
         self.membership_sink.commit(self.membership_sink.record(CellRegistered(
             cell_id=cell_id, role=role, is_core=info.is_core, slots=info.slots, address=info.engine_url,
             incarnation=hello.incarnation)))
-        actuator = self._actuator(cell_id)
-        actuator.bring_up(role)
-        if info.is_core:
-            for other in self.directory.cells.values():
+        def rejoin() -> None:  # the satellites' old Trainer service died with the core
+            for other in list(self.directory.cells.values()):
                 if other.cell_id != cell_id and not other.lost and other.role == "training":
                     self.controller.cells[other.cell_id].rejoin()
+
+        self._actuator(cell_id).bring_up(role, then=rejoin if info.is_core else None)
         self.progress("registered", {"cell": cell_id, "role": role})
 
     def _initial_role(self, cell_id: str) -> str:

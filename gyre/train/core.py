@@ -164,8 +164,15 @@ class LocalCoreTrainer:
 
     # -- resume ---------------------------------------------------------------------------------------------
 
-    def restore(self, step_groups: Callable[[int], tuple[str, ...]]) -> int:
-        """Bring the trainer to the state the log describes; returns the number of steps retrained."""
+    def restore(self, step_groups: Callable[[int], tuple[str, ...]], *, exact: bool = True,
+                tolerance: float = 1e-3) -> int:
+        """Bring the trainer to the state the log describes; returns the number of steps retrained.
+
+        ``exact``: a retrained step must reproduce the published weights bit for bit (one replica trains in
+        a fixed order). With ``exact=False`` (a cluster core whose steps satellites shared: their gradients
+        were summed in another order) the retrained weights must match the published ones within
+        ``tolerance`` (largest difference over the largest weight, per tensor); the published weights are
+        then loaded, and the optimizer keeps its retrained state."""
         from gyre.trainer.torch_backend import OPTIMIZER_FILE
 
         checkpoints: list[CheckpointSaved] = []
@@ -208,14 +215,28 @@ class LocalCoreTrainer:
             scratch_path = self.weights.path(scratch.location)
             if scratch.sha256 != record.sha256:
                 scratch_path.unlink()
-                raise WeightsError(f"retraining step {step} did not reproduce the logged weights of version "
-                                   f"{version} (checksum {scratch.sha256}, the log recorded {record.sha256})")
+                if exact:
+                    raise WeightsError(f"retraining step {step} did not reproduce the logged weights of version "
+                                       f"{version} (checksum {scratch.sha256}, the log recorded {record.sha256})")
+                self._adopt_published(step, version, record, tolerance)
+                continue
             scratch_path.replace(self.weights.path(record.location))  # identical bytes: restores a lost file
         if published:
             latest = published[max(published)]
             if latest.policy_version == self.backend.policy_version:
                 self._published = Published(latest.policy_version, latest.location, latest.sha256)
         return retrained
+
+    def _adopt_published(self, step: int, version: int, record: WeightsPublished, tolerance: float) -> None:
+        published = self.weights.load(record.location, record.sha256)
+        for name, tensor in self.backend.named_tensors():
+            reference = published[name].to(tensor.dtype)
+            worst = float((tensor.detach() - reference).abs().max() / reference.abs().max().clamp_min(1e-12))
+            if worst > tolerance:
+                raise WeightsError(f"retraining step {step} gave weights of version {version} that differ from the "
+                                   f"published ones: {name} by {worst:.2e} of its largest weight (tolerance "
+                                   f"{tolerance:g})")
+        self.backend.load_weights(published, policy_version=version)
 
     def _retrain(self, step: int, groups: tuple[str, ...]) -> None:
         """Train a logged step again, in the order it was trained, logging nothing."""
