@@ -15,8 +15,8 @@ loses to the static baselines). Every estimate comes from the view — means mea
 params' priors before the first measurement — so it stays pure and replayable:
 - A loan must pay for its round trip: a cell leaves rollout only if the training it can expect to do,
   ``remaining micro-steps x mean micro-step time / training cells``, is at least its switch to training,
-  its weight pull (satellites) and its later switch back. The core is exempt when no other cell trains:
-  someone must train. Before any micro-step is measured the gain is unknown and the cell leaves.
+  its weight pull (satellites) and its later switch back. The core is exempt: someone must lead training
+  (satellites only follow it, so before a core restart no other cell trains while it serves). Before any micro-step is measured the gain is unknown and the cell leaves.
 - A recall must pay for itself: a training cell returns only if the queue the rollout cells would take
   to absorb without it, ``shortfall x mean execution time / rollout capacity``, is longer than a round
   trip. With no rollout capacity at all a cell always returns (else nothing could run). Cells already
@@ -118,8 +118,9 @@ def _lend_to_training(view: SchedulerView, rollout: list[Cell], capacity: int, w
             return True
         if not migrate and (view.load(cell.cell_id) or view.cluster.inflight(cell.cell_id)):
             return False
-        if cell.is_core and training + len(leaving) == 0:
-            return True  # someone must train
+        if cell.is_core:
+            return True  # someone must lead training; satellites cannot train without it (after a restart of the
+            # core they may be waiting in training for it: before restarts, no cell trained while the core served)
         gain = _training_gain(view, cell, training + len(leaving))
         return gain is None or gain >= costs.round_trip(cell)
 
