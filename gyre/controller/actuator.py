@@ -54,16 +54,20 @@ class OrderedActions:
         """``tolerate(error)``: an error the run recovers from by other means (a cluster cell that was lost
         is restarted and registered again): logged, and the next action runs."""
         self.cell_id, self.fail, self.tolerate = cell_id, fail, tolerate
+        self._closed = False
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"gyre-cell-{cell_id}", daemon=True)
         self._thread.start()
 
     def put(self, action: Callable[[], None]) -> None:
+        if self._closed:
+            raise RuntimeError(f"cell {self.cell_id}: an action was handed to a closed actuator (a replaced one?)")
         self._queue.put(action)
 
     def close(self, wait: bool = True) -> None:
         """Finish the action under way, drop the rest, stop the thread (``wait=False``: without waiting for
         the action under way, as for a cell that was lost and replaced)."""
+        self._closed = True
         while True:
             try:
                 self._queue.get_nowait()

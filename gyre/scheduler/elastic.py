@@ -16,7 +16,8 @@ params' priors before the first measurement — so it stays pure and replayable:
 - A loan must pay for its round trip: a cell leaves rollout only if the training it can expect to do,
   ``remaining micro-steps x mean micro-step time / training cells``, is at least its switch to training,
   its weight pull (satellites) and its later switch back. The core is exempt: someone must lead training
-  (satellites only follow it, so before a core restart no other cell trains while it serves). Before any micro-step is measured the gain is unknown and the cell leaves.
+  (satellites only follow it, so before a core restart no other cell trains while it serves). Before any
+  micro-step is measured the gain is unknown and the cell leaves.
 - A recall must pay for itself: a training cell returns only if the queue the rollout cells would take
   to absorb without it, ``shortfall x mean execution time / rollout capacity``, is longer than a round
   trip. With no rollout capacity at all a cell always returns (else nothing could run). Cells already

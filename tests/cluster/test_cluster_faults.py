@@ -108,7 +108,7 @@ class Driver:
     def cleanup(self) -> None:
         if self.controller is not None and self.controller.poll() is None:
             self.controller.kill()
-        for name in candidates(self.run_dir, None).get("cell", []) + ["proxy"]:
+        for name in [*candidates(self.run_dir, None).get("cell", []), "proxy"]:
             pid = resolve(name, self.run_dir, None)
             if pid is not None:
                 kill(name, pid)
@@ -186,7 +186,7 @@ def test_a_killed_satellite_loses_its_lease_and_the_step_completes(faults: Fault
 
 def test_a_killed_core_restarts_from_its_checkpoint_and_the_step_is_trained_again(faults: FaultRun) -> None:
     kill = faults.kills["core"]
-    opened = [e for e in _events(faults.log, "train_step_started") if e.seq == kill.at_seq][0]
+    opened = next(e for e in _events(faults.log, "train_step_started") if e.seq == kill.at_seq)
     aborted = [e for e in _events(faults.log, "train_step_aborted") if e.step == opened.step]
     finished = [e for e in _events(faults.log, "train_step_finished") if e.step == opened.step]
     assert finished, f"step {opened.step} was never trained after the core died in it"
