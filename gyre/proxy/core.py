@@ -195,9 +195,10 @@ class Proxy:
         try:
             await engine.abort(flight.rid)
         except (EngineUnreachableError, EngineTimeoutError) as e:
-            moved = router.mark_down(cell, engine)
-            log.warning("cell %s: engine lost (%s; abort: %s): marked down, %d execution(s) moved: %s",
-                        cell, flight.lost, e, len(moved), moved)
+            if not router.is_down(cell):  # not already marked by another of its calls that failed too
+                moved = router.mark_down(cell, engine)
+                log.warning("cell %s: engine lost (%s; abort: %s): marked down, %d execution(s) moved: %s",
+                            cell, flight.lost, e, len(moved), moved)
             return router.is_down(cell)
         except EngineError as e:
             log.info("cell %s: the engine answers (%s) after %s; continuing there", cell, e, flight.lost)

@@ -242,6 +242,7 @@ class Router:
                 moved[execution] = target
                 free[target] -= 1
             self._pins.update(moved)
+        self._changed()
         return moved
 
     def pin(self, execution_id: str, cell_id: str | None = None) -> str:
@@ -281,6 +282,7 @@ class Router:
         with self._lock:
             moved = {execution: next(targets) for execution, cell in self._pins.items() if cell == from_cell}
             self._pins.update(moved)
+        self._changed()
         return moved
 
     def track(self, flight: Flight) -> None:

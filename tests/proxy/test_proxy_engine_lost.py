@@ -228,10 +228,16 @@ def test_with_no_admitting_cell_the_harness_gets_a_retryable_error(
         reply = http.post("/v1/chat/completions", headers={"authorization": f"Bearer {TOKEN2}"},
                           json={"model": "m", "max_tokens": 8, "messages": MESSAGES})
     assert reply.status_code == 503 and reply.json()["error"]["type"] == "server_error"
+    with httpx.Client(base_url=p.url, timeout=60) as http, http.stream(  # a stream has said 200 already
+        "POST", "/v1/messages", headers={"x-api-key": TOKEN},
+        json={"model": "c", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": OTHER}]},
+    ) as streamed:
+        events = streamed.read().decode()
+    assert streamed.status_code == 200 and "event: error" in events and "overloaded_error" in events
     assert not p.events("call_redirected")
-    assert len(p.events("model_call_started")) == 2
+    assert len(p.events("model_call_started")) == 3
     finished = p.events("model_call_finished")
-    assert [c.finish_reason for c in finished] == ["abort", "abort"] and len({c.call_id for c in finished}) == 2
+    assert [c.finish_reason for c in finished] == ["abort"] * 3 and len({c.call_id for c in finished}) == 3
     assert router.is_down("a") and router.admitting() == {}
     assert [s.output_ids for s in seen.values()] == [None]  # b was never asked
 
