@@ -52,6 +52,10 @@ class ProxyConfig:
     engine_abort_retries: int = 3
     """An engine may abort a call on its own (e.g. `pause_generation` in abort mode for a weight update);
     the call then continues from its partial output, at most this many times."""
+    engine_lost_wait_s: float = 30.0
+    """A call whose engine is lost (connection refused or reset, stream cut) continues on another admitting
+    cell; with none, it waits this long for one (a routing update) before the harness is answered a
+    retryable error (Anthropic 529 `overloaded_error`, OpenAI 503)."""
     disconnect_poll_s: float = 0.25
     context_length: int | None = None
     """Longest prompt + 1 the engines can hold; a longer prompt is refused before any byte of the answer.
@@ -71,6 +75,8 @@ class ProxyConfig:
             raise ValueError("ProxyConfig.context_length must be >= 2")
         if self.kv_mover not in ("recompute", "mooncake"):
             raise ValueError(f"ProxyConfig.kv_mover must be 'recompute' or 'mooncake', got {self.kv_mover!r}")
+        if self.engine_lost_wait_s < 0:
+            raise ValueError("ProxyConfig.engine_lost_wait_s must be >= 0")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise ValueError("ProxyConfig.max_tokens_cap must be >= 1")
         try:

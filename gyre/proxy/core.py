@@ -3,13 +3,22 @@
 A front end (Anthropic or OpenAI) authenticates a request to an execution, translates it into a
 `Conversation`, and calls `Proxy.begin`, which renders it into units, finds where it attaches in the
 execution's call tree, and records `model_call_started`. `ActiveCall.generations` drives the engine — across
-redirects and engine-side aborts, continuing from the partial output, so the harness only sees latency —
-and `ActiveCall.complete` records `model_call_finished` durably before the front end answers.
+redirects, engine-side aborts and lost engines, continuing from the partial output, so the harness only sees
+latency — and `ActiveCall.complete` records `model_call_finished` durably before the front end answers.
+
+A lost engine (connection refused or reset, stream cut: `EngineUnreachableError`, confirmed by an abort the
+engine cannot take either) marks its cell down in the router, which moves the cell's executions to the live
+admitting cells; each call in flight there fails on its own and continues where its execution now is, from
+prompt + partial output (a `call_redirected` event whose `kv_refused` says the source engine was lost). With
+no live admitting cell the call waits up to `ProxyConfig.engine_lost_wait_s` for a routing update, then
+fails with `EngineLostError`, which the front ends answer as a retryable overloaded error. An engine's own
+error answer (4xx, 5xx) or a timeout is not a loss: it is raised as before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
@@ -21,6 +30,8 @@ from pydantic import ValidationError
 from gyre.engine import (
     EngineError,
     EngineProtocolError,
+    EngineTimeoutError,
+    EngineUnreachableError,
     FinishReason,
     GenerateResult,
     SamplingParams,
@@ -29,7 +40,7 @@ from gyre.events.models import CallRedirected, ModelCallFinished, ModelCallStart
 from gyre.proxy.branches import Agent
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.conversation import Conversation, Message
-from gyre.proxy.errors import ApiError
+from gyre.proxy.errors import ApiError, EngineLostError
 from gyre.proxy.kv_mover import MooncakeKvMover
 from gyre.proxy.registry import ExecutionRegistry, ExecutionState, Registration
 from gyre.proxy.render import ChatRenderer
@@ -43,6 +54,8 @@ from gyre.sink import EventSink, MemorySink
 log = logging.getLogger(__name__)
 
 _RETRY_BACKOFF_S = 0.05
+LOST_REASON = "source engine lost"
+"""How a `call_redirected` event's `kv_refused` starts when the call left a lost engine."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,6 +182,64 @@ class Proxy:
         calls = await self._abort_flights(from_cell, lambda f: planned.get(f.call_id))
         return calls, moved
 
+    async def _confirm_lost(self, flight: Flight, engine: GenerateEngine) -> bool:
+        """``flight`` failed unreachable on ``engine``: True when the cell is (now) down. The engine is asked
+        to abort the request on a fresh request: if it answers, it is alive (a dropped connection; the old
+        request is gone) and the call may continue there; if it cannot be reached either, the cell is marked
+        down and its executions move (`Router.mark_down`)."""
+        router, cell = self.router, flight.cell_id
+        if router.is_down(cell):
+            return True
+        if router.engine(cell) is not engine:
+            return False  # the cell has a new engine since (a restarted cell): try that
+        try:
+            await engine.abort(flight.rid)
+        except (EngineUnreachableError, EngineTimeoutError) as e:
+            if not router.is_down(cell):  # not already marked by another of its calls that failed too
+                moved = router.mark_down(cell, engine)
+                log.warning("cell %s: engine lost (%s; abort: %s): marked down, %d execution(s) moved: %s",
+                            cell, flight.lost, e, len(moved), moved)
+            return router.is_down(cell)
+        except EngineError as e:
+            log.info("cell %s: the engine answers (%s) after %s; continuing there", cell, e, flight.lost)
+        return False
+
+    async def live_cell(self, execution_id: str, cause: EngineError | None = None) -> str:
+        """Where ``execution_id`` runs, its pinned cell being down: the live admitting cell it is re-pinned
+        to (`Router.relocate`), waiting up to `engine_lost_wait_s` for one (woken by routing changes);
+        then `EngineLostError`. Without a controller (`Router.routed` false) nothing can route a cell back:
+        it fails at once and the down marks are cleared, so that the harness's retry tries again."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.engine_lost_wait_s
+        from_cell = self.router.pin_of(execution_id) or UNPLACED
+        while True:
+            changed = asyncio.Event()
+
+            def wake(event: asyncio.Event = changed) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                    loop.call_soon_threadsafe(event.set)
+
+            unwatch = self.router.watch(wake)  # before looking: a change in between still wakes us
+            try:
+                cell = self.router.relocate(execution_id)
+                if cell is not None:
+                    return cell
+                left = deadline - loop.time()
+                if not self.router.routed:  # no controller will route a cell back: fail now, retry anew
+                    log.warning("no live cell for %s: the retry tries %s again", execution_id,
+                                self.router.revive())
+                    left = 0.0
+                if left <= 0:
+                    url = self.router.engine(from_cell).base_url if from_cell in self.router.cells else from_cell
+                    waited = f"within {self.config.engine_lost_wait_s:g} s" if self.router.routed else "(none is live)"
+                    reason = (f"cell {from_cell!r} is down and no other cell admitted execution {execution_id!r} "
+                              f"{waited}; the engine: {cause or 'lost earlier'}")
+                    raise EngineLostError(url, reason) from cause
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), left)
+            finally:
+                unwatch()
+
     def stats(self) -> dict[str, int]:
         return {"executions": len(self.registry), "calls_in_flight": len(self._active)}
 
@@ -206,8 +277,10 @@ class Proxy:
     async def open(
         self, state: ExecutionState, conversation: Conversation, settings: CallSettings, *, stream: bool
     ) -> ActiveCall:
-        """`begin`, after learning the engine's context length so that an overlong prompt is refused first."""
-        limit = await self.context_length(self.router.cell_of(state.execution_id))
+        """`begin`, after learning the engine's context length so that an overlong prompt is refused first.
+        An execution pinned to a down cell moves first when a live cell admits it (else its call waits)."""
+        cell = self.router.relocate(state.execution_id) or self.router.cell_of(state.execution_id)
+        limit = await self.context_length(cell)
         return self.begin(state, conversation, settings, stream=stream, context_length=limit)
 
     def begin(
@@ -331,21 +404,29 @@ class ActiveCall:
 
     async def generations(self) -> AsyncIterator[Generation]:
         """Cumulative outputs as they come (only the final one unless streaming); raises `EngineError`."""
-        proxy, execution = self.proxy, self.state.execution_id
+        proxy, execution, router = self.proxy, self.state.execution_id, self.proxy.router
         engine_aborts = attempt = 0
+        lost: EngineError | None = None  # why the last attempt's cell was left
         while True:
             remaining = self.params.max_new_tokens - len(self.output_ids)
             if remaining <= 0:
                 self.finish = FinishReason(type="length", length=len(self.output_ids))
                 yield Generation(list(self.output_ids), self.finish)
                 return
-            cell = self.cell_id = proxy.router.cell_of(execution)
+            cell = router.cell_of(execution)
+            if router.is_down(cell):
+                cell = await proxy.live_cell(execution, lost)
+            if cell != self.cell_id and (lost is not None or router.is_down(self.cell_id)):
+                self._moved_off_lost(self.cell_id, cell, lost)
+            lost = None
+            self.cell_id = cell
             flight = Flight(execution, self.call_id, cell, f"{self.call_id}#{attempt}")
             attempt += 1
             params = self.params.model_copy(update={"max_new_tokens": remaining})
             prompt = prompt_of(self.record, self.output_ids)
             self._last = None
-            async for partial in self._attempt(proxy.router.engine(cell), flight, prompt, params):
+            engine = router.engine(cell)
+            async for partial in self._attempt(engine, flight, prompt, params):
                 yield partial
             finish = self._absorb(self._last)
             if finish is not None and finish.type != "abort":
@@ -354,6 +435,15 @@ class ActiveCall:
                 return
             if flight.redirect_to is not None:
                 await self._redirected(flight)
+                continue
+            if flight.lost is not None:
+                if await proxy._confirm_lost(flight, engine):
+                    lost = flight.lost  # the loop's top continues the call where its execution now is
+                    continue
+                if engine_aborts >= proxy.config.engine_abort_retries:
+                    raise flight.lost
+                engine_aborts += 1  # a dropped connection to a live engine: continue there
+                await asyncio.sleep(_RETRY_BACKOFF_S * engine_aborts)
                 continue
             if finish is not None and engine_aborts < proxy.config.engine_abort_retries:
                 engine_aborts += 1  # the engine aborted on its own (a pause for a weight update): continue
@@ -380,9 +470,13 @@ class ActiveCall:
                         yield Generation(self.output_ids + result.output_ids)
             else:
                 self._last = await engine.generate(prompt, params, flight.rid, routing_key=self.state.execution_id)
-        except EngineError:
+        except EngineError as e:
             if flight.redirect_to is None:
-                raise
+                if not isinstance(e, EngineUnreachableError):
+                    raise  # the engine answered (an error status, a bad body) or timed out: not a loss
+                log.warning("call %s: engine of %s unreachable: %s", self.call_id, flight.cell_id, e)
+                flight.lost = e
+                return
             log.info(
                 "call %s: engine of %s failed while being redirected; continuing on %s",
                 self.call_id,
@@ -417,6 +511,7 @@ class ActiveCall:
         )
         moved = await self.proxy.kv_mover.move(move)
         self.redirects += 1
+        self.cell_id = flight.redirect_to
         self.proxy.sink.record(
             CallRedirected(
                 execution_id=self.state.execution_id,
@@ -432,6 +527,26 @@ class ActiveCall:
                 kv_seconds=moved.seconds,
                 tokens_recomputed=moved.tokens_recomputed,
                 kv_refused=moved.refused,
+            )
+        )
+
+    def _moved_off_lost(self, from_cell: str, to_cell: str, cause: EngineError | None) -> None:
+        """The call continues on ``to_cell`` because ``from_cell``'s engine was lost: nothing can be fetched
+        from a dead engine, so the new one recomputes prompt + partial output (no KV mover is asked)."""
+        self.redirects += 1
+        recomputed = self.record.prompt_len + len(self.output_ids)
+        log.warning("call %s: engine of %s lost; continuing on %s after %d tokens",
+                    self.call_id, from_cell, to_cell, len(self.output_ids))
+        self.proxy.sink.record(
+            CallRedirected(
+                execution_id=self.state.execution_id,
+                call_id=self.call_id,
+                cell_id=to_cell,
+                from_cell_id=from_cell,
+                to_cell_id=to_cell,
+                tokens_done=len(self.output_ids),
+                tokens_recomputed=recomputed,
+                kv_refused=f"{LOST_REASON}: {cause}" if cause is not None else LOST_REASON,
             )
         )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from gyre.engine.errors import EngineUnreachableError
 from gyre.errors import GyreError
 
 ErrorKind = Literal[
@@ -49,3 +50,12 @@ class UnknownExecutionError(ProxyError, KeyError):
 
 class UnknownCellError(ProxyError, KeyError):
     """No engine is configured for that cell."""
+
+
+class EngineLostError(ProxyError, EngineUnreachableError):
+    """A call's engine was lost and no other cell admitted its execution within `engine_lost_wait_s`. The
+    front ends answer it as any unreachable engine: overloaded (Anthropic 529 `overloaded_error`, OpenAI 503
+    `server_error`), which SDKs retry."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        EngineUnreachableError.__init__(self, url, reason)

@@ -7,18 +7,31 @@ cell with the fewest pinned executions.
 In a cluster the controller also says which cells admit new executions and how many slots each has
 (`set_route`); `place` then pins an execution, when its harness starts, to the admitting cell with the most
 free slots, and `repin_plan` moves a leaving cell's executions where the policy's redirect plan says.
+
+A cell whose engine the proxy finds lost (it refuses connections, its streams are cut) is marked *down*
+(`mark_down`): it admits nothing and its executions move to the live admitting cells with the most free
+slots, until the controller routes the cell again - a new engine for it (`add_cell`: a restarted cell, with
+its new URL), or a route taking it out of rollout (`set_route(admitting=False)`), after which its next
+admitting route re-adds it. A routing table that still lists it as admitting (sent before the controller
+noticed the loss) does not. Whoever waits for a cell to come back `watch`es the router's changes. Without a
+controller (no `set_route` ever: a fixed set of engines) nothing would route a cell again: when no live cell
+is left, the marks are cleared (`revive`) so that the harness's retry tries the engines again.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from gyre.engine.errors import EngineError
 from gyre.proxy.errors import UnknownCellError
 from gyre.proxy.transport import GenerateEngine
+
+log = logging.getLogger(__name__)
 
 UNPLACED = ""
 """The cell of an execution registered before it is placed (a cluster places it when its harness starts)."""
@@ -34,6 +47,8 @@ class Flight:
     rid: str
     redirect_to: str | None = None
     """Set by `redirect`: the request is being aborted and the call continues on this cell."""
+    lost: EngineError | None = None
+    """Set when the request failed because its engine could not be reached (refused, reset, stream cut)."""
 
 
 class Router:
@@ -48,6 +63,14 @@ class Router:
         self._flights: dict[str, set[Flight]] = {cell: set() for cell in engines}
         self._slots: dict[str, int] = {}
         """Cells that admit new executions, with their slots (set by the controller's routing updates)."""
+        self._routed = False
+        """Whether a controller ever routed (`set_route`); without one every live cell may take an execution."""
+        self._down: set[str] = set()
+        """Cells whose engine was lost (`mark_down`), until the controller routes them again."""
+        self._retired: list[GenerateEngine] = []
+        """Engines replaced by `add_cell` (closed with the router; a call may still be using one)."""
+        self._watchers: dict[int, Callable[[], None]] = {}
+        self._next_watcher = 0
 
     @property
     def cells(self) -> list[str]:
@@ -60,29 +83,131 @@ class Router:
             raise UnknownCellError(f"no engine for cell {cell_id!r}; cells: {', '.join(self._engines)}") from None
 
     def add_cell(self, cell_id: str, engine: GenerateEngine) -> None:
-        self._engines[cell_id] = engine
-        self._flights.setdefault(cell_id, set())
+        """Add a cell, or give a known cell a new engine (a restarted cell): that clears its down mark."""
+        with self._lock:
+            old = self._engines.get(cell_id)
+            if old is not None and old is not engine:
+                self._retired.append(old)
+                self._down.discard(cell_id)
+            self._engines[cell_id] = engine
+            self._flights.setdefault(cell_id, set())
+        self._changed()
 
     def set_route(self, cell_id: str, slots: int, admitting: bool) -> None:
-        """Whether ``cell_id`` (whose engine must be known) admits new executions, and its slots."""
+        """Whether ``cell_id`` (whose engine must be known) admits new executions, and its slots.
+
+        A down cell stays down on an admitting route (it may predate the loss); a route taking it out of
+        rollout clears the mark, so that the controller's next admitting route re-adds it."""
         self.engine(cell_id)
         with self._lock:
+            self._routed = True
             if admitting:
                 self._slots[cell_id] = slots
             else:
                 self._slots.pop(cell_id, None)
+                self._down.discard(cell_id)
+        self._changed()
 
     def admitting(self) -> dict[str, int]:
-        """Admitting cells and their free slots (slots minus the executions pinned there)."""
+        """Admitting cells (not down) and their free slots (slots minus the executions pinned there)."""
         with self._lock:
             return self._free_locked()
 
     def _free_locked(self) -> dict[str, int]:
-        load = dict.fromkeys(self._slots, 0)
+        load = {cell: 0 for cell in self._slots if cell not in self._down}
         for cell in self._pins.values():
             if cell in load:
                 load[cell] += 1
-        return {cell: self._slots[cell] - load[cell] for cell in sorted(self._slots)}
+        return {cell: self._slots[cell] - load[cell] for cell in sorted(load)}
+
+    def _live_free_locked(self) -> dict[str, int]:
+        """Where an execution leaving a lost cell may go, with free slots (possibly none: a survivor takes
+        more than its slots rather than fail a harness). Never routed: every live cell, the least loaded
+        first."""
+        if self._routed:
+            return self._free_locked()
+        load = {cell: 0 for cell in sorted(self._engines) if cell not in self._down}
+        for cell in self._pins.values():
+            if cell in load:
+                load[cell] += 1
+        return {cell: -n for cell, n in load.items()}
+
+    # -- lost engines ----------------------------------------------------------------------------------
+
+    @property
+    def routed(self) -> bool:
+        """Whether a controller routes the cells (`set_route` was called): only then can a lost cell come
+        back by a routing update."""
+        return self._routed
+
+    def revive(self) -> list[str]:
+        """Clear every down mark (without a controller, when no live cell is left: the next call tries the
+        engines again, which may have restarted); returns the cells that were down."""
+        with self._lock:
+            revived, self._down = sorted(self._down), set()
+        self._changed()
+        return revived
+
+    def is_down(self, cell_id: str) -> bool:
+        return cell_id in self._down
+
+    def down(self) -> list[str]:
+        with self._lock:
+            return sorted(self._down)
+
+    def mark_down(self, cell_id: str, engine: GenerateEngine | None = None) -> dict[str, str]:
+        """``cell_id``'s engine is lost: the cell admits nothing and its executions move to the live cells
+        with the most free slots (those finding none keep their pin and wait: `relocate`). ``engine``: the
+        engine found lost; nothing happens when the cell has had a new one since. Returns the new pins."""
+        with self._lock:
+            if cell_id not in self._engines or (engine is not None and self._engines[cell_id] is not engine):
+                return {}
+            self._down.add(cell_id)
+            moved: dict[str, str] = {}
+            free = self._live_free_locked()
+            for execution in sorted(e for e, cell in self._pins.items() if cell == cell_id):
+                target = max(free, key=lambda c: free[c], default=None)
+                if target is None:
+                    break
+                moved[execution] = target
+                free[target] -= 1
+            self._pins.update(moved)
+        self._changed()
+        return moved
+
+    def relocate(self, execution_id: str) -> str | None:
+        """The cell ``execution_id`` runs on: its pin unless that cell is down, else (re-pinned) the live
+        admitting cell with the most free slots (`place`'s rule, lowest id among equals, even when full);
+        None when it has no pin or no live cell admits."""
+        with self._lock:
+            cell = self._pins.get(execution_id)
+            if cell is None:
+                return None
+            if cell not in self._down:
+                return cell
+            free = self._live_free_locked()
+            target = max(free, key=lambda c: free[c], default=None)
+            if target is not None:
+                self._pins[execution_id] = target
+        if target is not None:
+            self._changed()
+        return target
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` (from whichever thread changes it) after every change of routes, engines or
+        pins; returns the function that stops watching."""
+        with self._lock:
+            key = self._next_watcher
+            self._next_watcher += 1
+            self._watchers[key] = callback
+        return lambda: self._watchers.pop(key, None)
+
+    def _changed(self) -> None:
+        for callback in list(self._watchers.values()):
+            try:
+                callback()
+            except Exception:  # a watcher must not break a routing update
+                log.exception("router watcher failed")
 
     def place(self, execution_id: str) -> str | None:
         """Pin ``execution_id`` to the admitting cell with the most free slots (lowest id among equals);
@@ -93,7 +218,8 @@ class Router:
             if best is None or free[best] <= 0:
                 return None
             self._pins[execution_id] = best
-            return best
+        self._changed()
+        return best
 
     def repin_plan(self, from_cell: str, planned: Mapping[str, str]) -> dict[str, str]:
         """Move every execution pinned to ``from_cell``: to ``planned[execution]`` where the plan names it,
@@ -116,15 +242,17 @@ class Router:
                 moved[execution] = target
                 free[target] -= 1
             self._pins.update(moved)
+        self._changed()
         return moved
 
     def pin(self, execution_id: str, cell_id: str | None = None) -> str:
         """Pin an execution to `cell_id`, or to the cell with the fewest pinned executions."""
         with self._lock:
             if cell_id is None:
-                load = dict.fromkeys(self._engines, 0)
+                load = {cell: 0 for cell in self._engines if cell not in self._down} or dict.fromkeys(self._engines, 0)
                 for pinned in self._pins.values():
-                    load[pinned] = load.get(pinned, 0) + 1
+                    if pinned in load:
+                        load[pinned] += 1
                 cell_id = min(load, key=lambda c: load[c])
             self.engine(cell_id)
             self._pins[execution_id] = cell_id
@@ -133,12 +261,16 @@ class Router:
     def unpin(self, execution_id: str) -> None:
         with self._lock:
             self._pins.pop(execution_id, None)
+        self._changed()
 
     def cell_of(self, execution_id: str) -> str:
         try:
             return self._pins[execution_id]
         except KeyError:
             raise UnknownCellError(f"execution {execution_id!r} is not placed on any cell yet") from None
+
+    def pin_of(self, execution_id: str) -> str | None:
+        return self._pins.get(execution_id)
 
     def repin(self, from_cell: str, to_cells: Sequence[str]) -> dict[str, str]:
         """Move every execution pinned to `from_cell` onto `to_cells`, spread evenly; returns the new pins."""
@@ -150,6 +282,7 @@ class Router:
         with self._lock:
             moved = {execution: next(targets) for execution, cell in self._pins.items() if cell == from_cell}
             self._pins.update(moved)
+        self._changed()
         return moved
 
     def track(self, flight: Flight) -> None:
@@ -162,7 +295,7 @@ class Router:
         return list(self._flights.get(cell_id, ()))
 
     async def aclose(self) -> None:
-        for engine in self._engines.values():
+        for engine in [*self._engines.values(), *self._retired]:
             await engine.aclose()
 
 
