@@ -123,12 +123,16 @@ class CellNode:
         self.ready.set()
 
     def _build_core(self) -> None:
+        from gyre.cluster.faults import CrashingProducer, crash_points
         from gyre.controller import WeightStore
         from gyre.train.core import LocalCoreTrainer
         from gyre.trainer import StepCoordinator
 
         log_path = self.run_dir / "log"
-        producer = self.link.producer("trainer")
+        producer: Any = self.link.producer("trainer")
+        crash_at = crash_points(self.cell_id) - {"claim"}
+        if crash_at:  # fault injection (tests): die at a moment too short to hit from outside
+            producer = CrashingProducer(producer, crash_at, self.run_dir, self.cell_id)
         restarted = producer.next_seq > 0  # the log holds a predecessor's trainer events
         if restarted:
             self.link.sink.commit(remote=True)  # what it spilled is in the log before the log is folded
@@ -210,8 +214,14 @@ class CellNode:
 
         started = time.perf_counter()
         if self.satellite is None:
+            from gyre.cluster.faults import crash_once, crash_points
+
+            on_claim = None
+            if "claim" in crash_points(self.cell_id):  # fault injection (tests)
+                def on_claim(step: int, micro_step: int) -> None:
+                    crash_once(self.run_dir, self.cell_id, "claim")
             self.satellite = SatelliteReplica(cell_id=self.cell_id, backend=trainer_backend(self.config),
-                                              endpoint=self.endpoint, secret=self.secret)
+                                              endpoint=self.endpoint, secret=self.secret, on_claim=on_claim)
         weights = join.weights if join.HasField("weights") and join.weights.manifest else None
         figures = dict(self.satellite.join(join.trainer_endpoint, weights) or {})
         figures["trainer_join_s"] = time.perf_counter() - started

@@ -1,9 +1,11 @@
 """Kill anything, lose nothing: one 3-cell run in which every kind of process is SIGKILLed at a chosen moment.
 
 The controller runs as its own process (`gyre run CONFIG`), like a user's, so it can be killed and resumed
-(`gyre run CONFIG --resume`). Each kill waits for an event that says the run is at the moment it targets
-(no sleeps to race): a rollout cell while executions run on it, a satellite holding a micro-step, the core
-inside a train step, the proxy with calls in flight, the controller mid-rollout, and a harness. Each test
+(`gyre run CONFIG --resume`). Each kill from outside waits for an event that says the run is at the moment
+it targets (no sleeps to race): a rollout cell with executions on it, the proxy with calls in flight, the
+controller mid-rollout, and a harness. Moments too short to hit from outside die by fault injection
+(`gyre.cluster.faults`): the core in the middle of step 1 (its 6th micro-step) and each satellite at its first
+claim. Each test
 then checks one crash's recovery in the log; the first checks the whole run with the audit
 (`gyre.log.audit`: every producer's events gapless and once, every reward once on its execution's last
 attempt) and replay.
@@ -12,6 +14,7 @@ attempt) and replay.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -21,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.chaos_bench import candidates, kill, resolve
+from gyre.cluster.faults import CRASH_ENV
 from gyre.log import LogReader
 from gyre.log.audit import audit
 from gyre.replay.exact import replay_decisions
@@ -30,6 +34,7 @@ from .test_cluster_run import cluster_config
 pytestmark = pytest.mark.integration
 
 STEPS = 4
+CRASHES = "cell0:micro_step_finished@6,cell1:claim,cell2:claim"
 WAIT_S = 240.0
 """Longest wait for the event a kill waits on (a loaded 2-core CI machine starts a torch process in ~20 s)."""
 
@@ -67,8 +72,10 @@ class Driver:
 
     def start(self, resume: bool = False) -> None:
         argv = [sys.executable, "-m", "gyre", "run", str(self.config_file), *(["--resume"] if resume else [])]
+        env = {**os.environ, CRASH_ENV: CRASHES}
         with open(self.output, "ab") as out:
-            self.controller = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.controller = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                               env=env)
 
     def wait_event(self, kind: str, where=lambda e: True):
         """The next event of ``kind`` after the last kill (polled from the log, which is the run's truth)."""
@@ -128,10 +135,6 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> FaultRun:
     try:
         started = driver.wait_event("execution_started", lambda e: e.cell_id not in (None, "cell0"))
         run.kills["rollout"] = driver.kill(started.cell_id, started)
-        claim = driver.wait_event("micro_step_claimed", lambda e: e.cell_id != "cell0")
-        run.kills["satellite"] = driver.kill(claim.cell_id, claim)
-        step = driver.wait_event("train_step_started")
-        run.kills["core"] = driver.kill("cell0", step)
         call = driver.wait_event("model_call_started")
         run.kills["proxy"] = driver.kill("proxy", call)
         reward = driver.wait_event("reward_recorded")
@@ -173,24 +176,33 @@ def test_a_killed_rollout_cell_is_replaced_and_its_executions_continue(faults: F
     assert on_it and on_it <= scored
 
 
+def _crashed(faults: FaultRun, cell: str, kind: str) -> list:
+    """The cell_lost events of ``cell`` whose process died by fault injection at ``kind``."""
+    marker = [p.name for p in (faults.run_dir / "processes").glob(f"{cell}.crashed-*")]
+    assert any(kind in m for m in marker), f"{cell} never crashed at {kind} (markers: {marker})"
+    return [e for e in _events(faults.log, "cell_lost") if e.cell_id == cell]
+
+
 def test_a_killed_satellite_loses_its_lease_and_the_step_completes(faults: FaultRun) -> None:
-    kill = faults.kills["satellite"]
-    claims = [e for e in _events(faults.log, "micro_step_claimed") if e.seq == kill.at_seq]
-    step = claims[0].step
-    finished = [e for e in _events(faults.log, "train_step_finished") if e.step == step]
-    aborted = [e for e in _events(faults.log, "train_step_aborted") if e.step == step]
-    released = [e for e in _events(faults.log, "micro_step_released") if e.cell_id == kill.victim]
-    assert finished, f"step {step} never finished after satellite {kill.victim} died"
-    assert released or aborted, "the dead satellite's micro-step was neither released nor its step restarted"
+    claims = [e for e in _events(faults.log, "micro_step_claimed") if e.cell_id in ("cell1", "cell2")]
+    assert claims, "no satellite ever claimed a micro-step"
+    satellite = claims[0].cell_id
+    assert _crashed(faults, satellite, "claim")
+    released = [e for e in _events(faults.log, "micro_step_released") if e.cell_id == satellite]
+    assert released, f"the micro-step satellite {satellite} died holding was never released"
+    steps = {e.step for e in _events(faults.log, "train_step_finished")}
+    assert claims[0].step in steps, f"step {claims[0].step} never finished after its satellite died"
 
 
 def test_a_killed_core_restarts_from_its_checkpoint_and_the_step_is_trained_again(faults: FaultRun) -> None:
-    kill = faults.kills["core"]
-    opened = next(e for e in _events(faults.log, "train_step_started") if e.seq == kill.at_seq)
-    aborted = [e for e in _events(faults.log, "train_step_aborted") if e.step == opened.step]
-    finished = [e for e in _events(faults.log, "train_step_finished") if e.step == opened.step]
-    assert finished, f"step {opened.step} was never trained after the core died in it"
-    assert aborted or finished[0].seq < kill.at_seq + 50, "the step the core died in was not closed"
+    lost = _crashed(faults, "cell0", "micro_step_finished")
+    assert lost, "the core's crash was never noticed"
+    aborted = [e for e in _events(faults.log, "train_step_aborted") if e.seq > lost[0].seq - 50]
+    assert aborted, "the step the core died in was not aborted"
+    finished = [e for e in _events(faults.log, "train_step_finished") if e.step == aborted[0].step]
+    assert finished and finished[0].seq > aborted[0].seq, f"step {aborted[0].step} was not trained again"
+    again = [e for e in _events(faults.log, "cell_registered") if e.cell_id == "cell0" and e.seq > lost[0].seq]
+    assert again, "the core was not registered again"
     assert [e.policy_version for e in _events(faults.log, "weights_published")] == list(range(1, STEPS + 1))
 
 
