@@ -123,6 +123,8 @@ class RemoteCell:
         self.upto = upto
         """The controller's folded seq: a train step's batch is built from that (durable) log prefix."""
         self._actions = OrderedActions(cell_id, fail, tolerate=lambda error: isinstance(error, PeerLost))
+        self.on_lost_train: Callable[[], None] | None = None
+        """Told when a train step reaches this actuator after it was closed (the controller trains it again)."""
 
     @property
     def info(self) -> CellInfo:
@@ -134,7 +136,8 @@ class RemoteCell:
         self._actions.put(lambda: self._switch(decision))
 
     def train(self, step: int, groups: tuple[str, ...]) -> None:
-        self._actions.put(lambda: self._train(step, groups))
+        if not self._actions.put(lambda: self._train(step, groups)) and self.on_lost_train is not None:
+            self.on_lost_train()  # the core was lost as the step was handed over: it is trained again later
 
     def bring_up(self, role: str, then: Callable[[], None] | None = None) -> None:
         """A (re)started process, registered in ``role``: give it that role's state (engine weights and

@@ -315,6 +315,7 @@ class ClusterRun:
         actuator = RemoteCell(cell_id, commands=self.commands, directory=self.directory,
                               sink=self.sink.producer(f"actuator:{cell_id}"), fail=self.controller.fail,
                               upto=lambda: self.controller.folded_seq)
+        actuator.on_lost_train = self.controller.forget_training
         self.controller.cells[cell_id] = actuator
         self._closers.append(actuator.close)
         return actuator

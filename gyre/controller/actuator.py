@@ -59,10 +59,13 @@ class OrderedActions:
         self._thread = threading.Thread(target=self._run, name=f"gyre-cell-{cell_id}", daemon=True)
         self._thread.start()
 
-    def put(self, action: Callable[[], None]) -> None:
+    def put(self, action: Callable[[], None]) -> bool:
+        """Queue ``action``; False (and nothing queued) once closed — a lost cell's actuator, replaced."""
         if self._closed:
-            raise RuntimeError(f"cell {self.cell_id}: an action was handed to a closed actuator (a replaced one?)")
+            log.warning("cell %s: an action reached the actuator after it was closed (the cell was lost)", self.cell_id)
+            return False
         self._queue.put(action)
+        return True
 
     def close(self, wait: bool = True) -> None:
         """Finish the action under way, drop the rest, stop the thread (``wait=False``: without waiting for
