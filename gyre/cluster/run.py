@@ -296,15 +296,18 @@ class ClusterRun:
         info = _info(hello, role)
         with self.directory.lock:
             self.directory.cells[cell_id] = info
-        self.membership_sink.commit(self.membership_sink.record(CellRegistered(
-            cell_id=cell_id, role=role, is_core=info.is_core, slots=info.slots, address=info.engine_url,
-            incarnation=hello.incarnation)))
+
         def rejoin() -> None:  # the satellites' old Trainer service died with the core
             for other in list(self.directory.cells.values()):
                 if other.cell_id != cell_id and not other.lost and other.role == "training":
                     self.controller.cells[other.cell_id].rejoin()
 
+        # The new actuator, with the bring-up first in its queue, before the registration is in the log: the
+        # policy may decide for the cell as soon as it folds it, and that decision must follow the bring-up.
         self._actuator(cell_id).bring_up(role, then=rejoin if info.is_core else None)
+        self.membership_sink.commit(self.membership_sink.record(CellRegistered(
+            cell_id=cell_id, role=role, is_core=info.is_core, slots=info.slots, address=info.engine_url,
+            incarnation=hello.incarnation)))
         self.progress("registered", {"cell": cell_id, "role": role})
 
     def _initial_role(self, cell_id: str) -> str:
