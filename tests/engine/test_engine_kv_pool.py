@@ -13,12 +13,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.engine.kv_protocol import KvImportRequest, KvOfferRequest
+from gyre.engine.kv_protocol import KvImportRequest, KvOfferRequest, KvReserveRequest
 from gyre.engine.local import LocalEngine, LocalEngineConfig, kv_port
 from gyre.engine.local.kv import KvPool, KVShape, PoolBlock
 from gyre.engine.local.radix import RadixCache
 from gyre.engine.local.scheduler import EngineRequest, RequestOutput
 from gyre.engine.protocol import SamplingParams
+from gyre.errors import TransferError
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=4)
 PROMPT = [(7 * i + 3) % 250 + 1 for i in range(150)]
@@ -310,6 +311,39 @@ def test_no_pool_when_configured_off(engines, fresh_buffers: list[int]) -> None:
     ids = PROMPT + _generate(a, PROMPT).output_ids
     assert b.kv_pool is None and "kv_pool" not in b.scheduler.snapshot()
     assert _move(a, b, ids) == len(ids) - 1 and fresh_buffers == [len(ids) - 1]
+
+
+def test_pages_of_a_failed_read_are_never_handed_out_again(engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = engines
+    ids = PROMPT + _generate(a, PROMPT).output_ids
+    assert b.kv_pool is not None
+    real = type(b.kv.endpoint).read
+
+    def timed_out(self, peer, local, remote):  # as a timeout leaves it: spans in flight
+        raise TransferError("read timed out; spans abandoned")
+
+    monkeypatch.setattr(type(b.kv.endpoint), "read", timed_out)
+    with pytest.raises(TransferError):
+        _move(a, b, ids)
+    pages = -(-(len(ids) - 1) // 16)
+    s = b.kv_pool.stats
+    assert s.quarantined_pages == s.pages_in_use == pages and b.kv_pool.free_runs() == [(pages, s.pages - pages)]
+    monkeypatch.setattr(type(b.kv.endpoint), "read", real)
+    assert _move(a, b, ids) == len(ids) - 1  # the next import lands elsewhere, and works
+    assert _generate(b, ids).output_ids == _generate(a, ids).output_ids
+    b.scheduler.flush_cache().result()
+    assert b.kv_pool.stats.pages_in_use == pages  # only the quarantined ones
+
+
+def test_push_reservations_keep_fresh_memory(engines, fresh_buffers: list[int]) -> None:
+    """A cancelled or expired reservation may still be written by a late sender: its memory is unregistered
+    then, which pool pages cannot be."""
+    a, b = engines
+    ids = PROMPT + _generate(a, PROMPT).output_ids
+    res = b.kv.reserve(KvReserveRequest(input_ids=ids))
+    assert fresh_buffers == [len(ids) - 1] and b.kv_pool is not None and b.kv_pool.stats.allocations == 0
+    b.kv.cancel(res.reservation_id)
+    assert b.kv.endpoint.registered == 0
 
 
 def test_an_offer_of_imported_pages_keeps_them_from_the_next_import(engines) -> None:

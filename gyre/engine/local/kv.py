@@ -123,6 +123,8 @@ class PoolStats:
     fallbacks: int = 0
     """Imports and reservations that received into fresh memory after all (the pool was full or too small)."""
     frees: int = 0
+    quarantined_pages: int = 0
+    """Pages of failed reads, never handed out again (Mooncake may still write them)."""
 
 
 class PoolBlock:
@@ -242,6 +244,13 @@ class KvPool:
             runs[i - 1][1] += runs[i][1]
             del runs[i]
 
+    def quarantine(self, block: PoolBlock) -> None:
+        """Take `block` out of circulation for good: its pages stay in use and are never handed out again."""
+        with self._lock:
+            assert block.refs > 0, f"{block} was already returned to the pool"
+            block.refs = 0
+            self.stats.quarantined_pages += block.pages
+
     def note_fallback(self) -> None:
         with self._lock:
             self.stats.fallbacks += 1
@@ -258,4 +267,5 @@ class KvPool:
         s = self.stats
         return {"pages": s.pages, "page_size": s.page_size, "pages_in_use": s.pages_in_use,
                 "peak_pages_in_use": s.peak_pages_in_use, "allocations": s.allocations, "refused": s.refused,
-                "fallbacks": s.fallbacks, "frees": s.frees}
+                "fallbacks": s.fallbacks, "frees": s.frees,
+                "quarantined_pages": s.quarantined_pages}

@@ -15,7 +15,9 @@ it is. Only the scheduler thread touches the cache; the transfers run on the cal
 Receive memory comes from the engine's `KvPool` (kv.py): pages populated once at engine start and
 registered with the Mooncake endpoint once, when it starts. The import takes a run of free pages on the
 scheduler thread (evicting least recently used imported edges if the pool is full), reads into it, and the
-radix edge it becomes views those pages; eviction gives them back. Without a pool, or when no run is free
+radix edge it becomes views those pages; eviction gives them back. Pages of a read that raised are
+quarantined, never reused (a timed-out read leaves spans Mooncake may still write). The push path's
+reservations keep fresh memory (`reserve`). Without a pool, or when no run is free
 even then, it falls back to `receive_buffer`: fresh memory, populated before the transfer, never first
 touched inside it (a plain `torch.empty` was first touched on Mooncake's single I/O thread, 4 KiB page by
 page - an 8 MiB move took 18 ms instead of 3 ms). Populating fresh memory still costs 1-3 ms per MiB on this
@@ -53,6 +55,7 @@ from gyre.engine.kv_protocol import (
 )
 from gyre.engine.local.kv import HUGE_PAGE, KvPool, KVShape, PoolBlock, populated
 from gyre.engine.local.scheduler import Scheduler
+from gyre.errors import TransferError
 from gyre.transfer import EndpointConfig, Region, Span, TransferEndpoint, merge_spans
 
 T = TypeVar("T")
@@ -120,12 +123,11 @@ class _Reserved:
     version: str
     pages: torch.Tensor | None
     region: Region | None
-    block: PoolBlock | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class _Receive:
-    """Where an import or reservation of `tokens` lands: pool pages (`block`) or fresh memory (`region`)."""
+    """Where an import of `tokens` lands: pool pages (`block`) or fresh memory (`region`)."""
 
     pages: torch.Tensor
     plane_stride: int
@@ -213,55 +215,44 @@ class KvPort:
     # -- receiver --------------------------------------------------------------------------------------
 
     def reserve(self, req: KvReserveRequest) -> KvReservation:
+        """The push path's receiver: fresh receive memory, registered until commit or cancel, never pool
+        pages - a reservation that expires or is cancelled might still be written by a late sender, and
+        only unregistering its memory stops that write (pool pages would be handed to the next import)."""
         ids = req.input_ids
         end = len(ids) - 1  # the last token is computed by the continuing request (its logits are needed)
 
-        def cached() -> tuple[int, str, PoolBlock | None]:
+        def cached() -> tuple[int, str]:
             held = self.scheduler.cache.match(ids, limit=end, count=False).length if end else 0
-            block = self._take_pages(ids, held, end) if end > held else None
-            return held, self.scheduler.weight_version, block
+            return held, self.scheduler.weight_version
 
-        start, version, block = self._on_scheduler(cached)
+        start, version = self._on_scheduler(cached)
         layout = self.layout().model_copy(update={"policy_version": version})
         rid = f"kv-{uuid.uuid4().hex}"  # unique across restarts: a stale commit never hits a new reservation
-        recv = None
-        try:
-            if end > start:
-                recv = self._receive(block, end - start)
-        except BaseException:
-            if block is not None:
-                block.release()
-            raise
-        entry = _Reserved(ids[:end], start, end, version, recv.pages if recv else None,
-                          recv.region if recv else None, block)
+        pages = region = None
+        if end > start:
+            pages = receive_buffer(self.shape, end - start)
+            region = self.endpoint.register_tensor(pages)
+        entry = _Reserved(ids[:end], start, end, version, pages, region)
         with self._lock:
             self._reserved[rid] = entry
             stale = []
             while len(self._reserved) > MAX_OPEN_RESERVATIONS:
                 stale.append(self._reserved.popitem(last=False)[1])
         for old in stale:
-            self._drop(old)
+            self._release(old)
         return KvReservation(
             reservation_id=rid,
             session_id=self.endpoint.session_id,
             layout=layout,
             start=start,
             end=end,
-            addr=recv.pages.data_ptr() if recv is not None else 0,
-            plane_stride=recv.plane_stride if recv is not None else 0,
+            addr=pages.data_ptr() if pages is not None else 0,
+            plane_stride=(end - start) * layout.token_bytes,
         )
 
     def commit(self, req: KvCommitRequest) -> KvCommitResult:
         entry = self._take(req.reservation_id)
         self._release(entry)
-        try:
-            return self._commit(entry, req)
-        finally:
-            if entry.block is not None:  # the edge inserted holds its own reference
-                entry.block.release()
-                entry.block = None
-
-    def _commit(self, entry: _Reserved, req: KvCommitRequest) -> KvCommitResult:
         if not entry.start <= req.end <= entry.end:
             raise EngineRequestError("end", f"{req.end} is outside the reservation's {entry.start}..{entry.end}")
 
@@ -274,12 +265,12 @@ class KvPort:
             if req.end == entry.start or entry.pages is None:
                 return self.scheduler.cache.match(entry.ids, count=False).length
             pages = entry.pages if req.end == entry.end else entry.pages[:, :, :, : req.end - entry.start]
-            return self.scheduler.cache.insert_pages(entry.ids[: req.end], entry.start, pages, entry.block)
+            return self.scheduler.cache.insert_pages(entry.ids[: req.end], entry.start, pages)
 
         return KvCommitResult(cached_tokens=self._on_scheduler(insert))
 
     def cancel(self, reservation_id: str) -> None:
-        self._drop(self._take(reservation_id))
+        self._release(self._take(reservation_id))
 
     def _take(self, reservation_id: str) -> _Reserved:
         with self._lock:
@@ -294,13 +285,6 @@ class KvPort:
         if entry.region is not None:
             self.endpoint.unregister(entry.region)
             entry.region = None
-
-    def _drop(self, entry: _Reserved) -> None:
-        """A reservation that will not be committed: its memory goes back too."""
-        self._release(entry)
-        if entry.block is not None:
-            entry.block.release()
-            entry.block = None
 
     # -- sender ----------------------------------------------------------------------------------------
 
@@ -432,7 +416,7 @@ class KvPort:
         try:
             return self._import(offer, ids, mine, start, end, version, block)
         finally:
-            if block is not None:  # the edge inserted holds its own reference
+            if block is not None and block.refs:  # the edge inserted holds its own reference
                 block.release()
 
     def _import(self, offer: KvOffer, ids: list[int], mine: KvLayout, start: int, end: int, version: str,
@@ -449,7 +433,12 @@ class KvPort:
             want = (end - start) * offer.layout.bytes_per_token
             if sum(s.length for s in ours) != want:
                 raise KvRefusedError("offer.blocks", f"the offered blocks do not cover tokens {start}..{end}")
-            stats = self.endpoint.read(offer.session_id, ours, theirs)
+            try:
+                stats = self.endpoint.read(offer.session_id, ours, theirs)
+            except TransferError:
+                if block is not None:  # Mooncake may still write these pages (a timeout abandons spans in
+                    block.pool.quarantine(block)  # flight): they are never handed out again
+                raise
         finally:
             if recv.region is not None:
                 self.endpoint.unregister(recv.region)
