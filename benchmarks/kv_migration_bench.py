@@ -14,6 +14,9 @@ And transfer throughput: the pull path's Mooncake read (bytes / its seconds) aga
 stream of the same bytes between two processes (one `sendall`, `recv_into` a preallocated buffer),
 measured in the same rounds. Paths alternate within each round, B's cache is flushed before each B path,
 and medians are kept.
+`receive` says where B received the moved KV: `pool` (pages of B's KV pool, populated at engine start) or
+`fresh` (a fallback to freshly mapped memory, when the pool cannot hold the move), counted from B's
+`/gyre/stats` (`kv_pool.allocations` and `kv_pool.fallbacks`) over the size's rounds, both paths.
 Engines A and B are `gyre engine serve` processes; the benchmark process plays the proxy.
 Goals (issue 13): the redirect's cost (`migrate - stay`, paired by round) <= transfer + 20 ms at every size
 (`migrate_minus_transfer_ms` is reported too: it also holds the continuation's own first step, which
@@ -128,8 +131,15 @@ async def _first_token(client: HttpEngineClient, ids: list[int]) -> tuple[float,
     return time.perf_counter() - start, result.cached_tokens
 
 
+async def _pool_counts(url: str) -> tuple[int, int]:
+    async with httpx.AsyncClient() as http:
+        pool = (await http.get(url + "/gyre/stats")).json().get("kv_pool")
+    return (pool["allocations"], pool["fallbacks"]) if pool else (0, 0)
+
+
 async def _size(a: HttpEngineClient, b: HttpEngineClient, mover: MooncakeKvMover, pusher: MooncakeKvMover,
-                raw: RawTcp, n: int, rounds: int) -> dict[str, Any]:
+                raw: RawTcp, n: int, rounds: int, b_url: str) -> dict[str, Any]:
+    before = await _pool_counts(b_url)
     ids = [(i * 7919 + n) % 250 + 1 for i in range(n - 4)]
     first = await a.generate(ids, {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True})
     ids = ids + first.output_ids  # A caches ids[:-1], as after aborting a call with 4 tokens of output
@@ -167,6 +177,8 @@ async def _size(a: HttpEngineClient, b: HttpEngineClient, mover: MooncakeKvMover
                 assert moved is not None or r == 0
                 rows["raw"].append(raw.stream(moved.bytes if moved is not None else n * 1024))
     assert moved is not None
+    after = await _pool_counts(b_url)
+    pooled, fresh = after[0] - before[0], after[1] - before[1]
     med = {k: statistics.median(v) for k, v in rows.items()}
     transfer_gbps = statistics.median(moved.bytes / s / 1e9 for s in rows["transfer"])
     raw_gbps = statistics.median(moved.bytes / s / 1e9 for s in rows["raw"][1:] or rows["raw"])
@@ -198,6 +210,7 @@ async def _size(a: HttpEngineClient, b: HttpEngineClient, mover: MooncakeKvMover
             "transfer_gbps": round(push_gbps, 3),
             "transfer_vs_raw_tcp": round(push_gbps / raw_gbps, 3),
         },
+        "receive": {"pool": pooled, "fresh": fresh},
         "speedup_vs_recompute": round(med["recompute"] / med["migrate"], 2),
         "transfer_gbps": round(transfer_gbps, 3),
         "raw_tcp_gbps": round(raw_gbps, 3),
@@ -229,7 +242,7 @@ async def run(quick: bool = False, rounds: int | None = None, sizes: tuple[int, 
             await mover.move(KvMove("bench", "warm", "a", "b", [*warm, 1]))
             await pusher.move(KvMove("bench", "warm", "a", "b", [*warm, 2]))
             for n in sizes:
-                results[str(n)] = await _size(a, b, mover, pusher, raw, n, rounds)
+                results[str(n)] = await _size(a, b, mover, pusher, raw, n, rounds, urls[1])
         await mover.aclose()
         await pusher.aclose()
     finally:

@@ -11,6 +11,7 @@ import torch
 
 from gyre.engine.errors import EngineRequestError
 from gyre.engine.local.forward import RaggedQwen2
+from gyre.engine.local.kv import KvPool
 from gyre.engine.local.kv_port import KvPort
 from gyre.engine.local.scheduler import Scheduler, SchedulerConfig
 from gyre.engine.local.weights import apply_weights, read_checkpoint
@@ -40,6 +41,11 @@ class LocalEngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_page_size: int = 16
     """Tokens per KV page, the unit of KV export and import (migration needs equal page sizes)."""
+    kv_pool_tokens: int | None = None
+    """Tokens of KV memory allocated and populated at start for KV imported from other engines (a migration
+    reads into it; its radix edges return the pages on eviction). None: the model's context length (the
+    tiny model: 128K tokens, 128 MiB); 0: no pool (every import maps fresh memory). An import the pool
+    cannot hold, even after evicting older imports, falls back to fresh memory."""
     transfer: EndpointConfig = field(default_factory=EndpointConfig)
     """The Mooncake endpoint KV pages move through (started on the first migration)."""
 
@@ -48,6 +54,8 @@ class LocalEngineConfig:
             raise ValueError("num_threads must be >= 1")
         if self.kv_page_size < 1:
             raise ValueError("kv_page_size must be >= 1")
+        if self.kv_pool_tokens is not None and self.kv_pool_tokens < 0:
+            raise ValueError("kv_pool_tokens must be >= 0 (0: no pool)")
 
 
 def load_model(config: LocalEngineConfig) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
@@ -73,8 +81,14 @@ class LocalEngine:
         self.model_path = self.config.model
         self.tokenizer_path = self.config.model
         self.runner = RaggedQwen2(self.model)
-        self.scheduler = Scheduler(self.runner, self.decode_all, self._eos_ids(), self.config.scheduler)
-        self.kv = KvPort(self.scheduler, self.runner.kv_shape, self.config.kv_page_size, self.config.transfer)
+        pool_tokens = self.config.kv_pool_tokens
+        if pool_tokens is None:
+            pool_tokens = self.runner.max_positions
+        self.kv_pool = KvPool(self.runner.kv_shape, self.config.kv_page_size, pool_tokens) if pool_tokens else None
+        self.scheduler = Scheduler(self.runner, self.decode_all, self._eos_ids(), self.config.scheduler,
+                                   pool=self.kv_pool)
+        self.kv = KvPort(self.scheduler, self.runner.kv_shape, self.config.kv_page_size, self.config.transfer,
+                         self.kv_pool)
 
     def _eos_ids(self) -> frozenset[int]:
         """EOS ids from the model config, generation config and tokenizer (Qwen stops on several)."""

@@ -1,15 +1,46 @@
-"""Per-sequence KV storage: one contiguous, growable buffer per running sequence.
+"""KV storage: one contiguous, growable buffer per running sequence, and the page pool imported KV lands in.
 
 Layout `[layers, 2 (k, v), kv_heads, capacity, head_dim]`: attention for a sequence reads a contiguous
 `[kv_heads, length, head_dim]` slice with no gather, and a prefix can be copied in or out in one slice.
 Capacity doubles on demand, so appending n tokens costs amortised O(n).
+
+`KvPool` is memory allocated and populated once, at engine start, in the same layout with `pool tokens` as
+the token dimension, cut into pages of `page_size` tokens. An import (`kv_port`) reads another engine's KV
+into a run of free pages; the radix edge it becomes is a view of those pages, and the pages go back to the
+pool when the last holder (edges, offers) lets go. Fresh memory costs 1-3 ms per MiB to first touch on the
+dev VM (the hypervisor backs guest pages on first use, and seems to take freed ones back), which was most of
+what an import cost beyond its transfer; pool pages are touched once, at start, and never returned.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import threading
 from dataclasses import dataclass
 
 import torch
+
+HUGE_PAGE = 2 << 20
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not in Python's mmap module
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def populated(nbytes: int) -> torch.Tensor:
+    """`nbytes` of fresh memory (flat uint8), 2 MiB-aligned, advised for huge pages and populated. libc's
+    madvise through ctypes, not `mmap.madvise`: that one holds the GIL for the whole populate, which stalled
+    the engine's other threads (the importing one included) for its ~10 ms. Falls back to first touch by
+    `zero_` where the kernel lacks the advice."""
+    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = torch.frombuffer(area, dtype=torch.uint8)  # the tensor keeps `area` mapped while it lives
+    offset = -base.data_ptr() % HUGE_PAGE
+    addr = base.data_ptr() + offset
+    _libc.madvise(addr, nbytes, mmap.MADV_HUGEPAGE)  # a hint: no error matters
+    if _libc.madvise(addr, nbytes, MADV_POPULATE_WRITE) != 0:
+        base[offset : offset + nbytes].zero_()
+    return base[offset : offset + nbytes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,3 +106,166 @@ class SequenceKV:
     def reset(self) -> None:
         """Forget every token (the buffer is kept for reuse)."""
         self.length = 0
+
+
+@dataclass(slots=True)
+class PoolStats:
+    """Counters of a `KvPool` (reported under `kv_pool` in `/gyre/stats`)."""
+
+    pages: int = 0
+    page_size: int = 0
+    pages_in_use: int = 0
+    peak_pages_in_use: int = 0
+    allocations: int = 0
+    """Runs of pages handed out."""
+    refused: int = 0
+    """`alloc` calls no free run could serve (an import then evicts imported edges and asks again)."""
+    fallbacks: int = 0
+    """Imports and reservations that received into fresh memory after all (the pool was full or too small)."""
+    frees: int = 0
+    quarantined_pages: int = 0
+    """Pages of failed reads, never handed out again (Mooncake may still write them)."""
+
+
+class PoolBlock:
+    """A run of `pages` pool pages from `first_page`, returned to the pool when its last reference is
+    released. `tensor(n)` views its first `n` tokens as `[layers, 2, kv_heads, n, head_dim]` (strided: the
+    pool's planes are `pool.tokens` long)."""
+
+    __slots__ = ("first_page", "pages", "pool", "refs")
+
+    def __init__(self, pool: KvPool, first_page: int, pages: int) -> None:
+        self.pool = pool
+        self.first_page = first_page
+        self.pages = pages
+        self.refs = 1
+
+    @property
+    def start_token(self) -> int:
+        return self.first_page * self.pool.page_size
+
+    def tensor(self, tokens: int) -> torch.Tensor:
+        assert 0 < tokens <= self.pages * self.pool.page_size, "the view must lie inside the block"
+        a = self.start_token
+        return self.pool.buf[:, :, :, a : a + tokens]
+
+    def retain(self) -> PoolBlock:
+        self.pool.retain(self)
+        return self
+
+    def release(self) -> None:
+        self.pool.release(self)
+
+    def __repr__(self) -> str:
+        return f"PoolBlock(pages {self.first_page}..{self.first_page + self.pages}, refs {self.refs})"
+
+
+class KvPool:
+    """`tokens` (rounded up to whole pages) of KV memory, populated once, handed out as contiguous runs of
+    pages (first fit; freed runs merge with free neighbours). Thread-safe: blocks are allocated on the
+    scheduler thread and may be released on an HTTP worker's (an offer's release)."""
+
+    def __init__(self, shape: KVShape, page_size: int, tokens: int) -> None:
+        if page_size < 1 or tokens < 1:
+            raise ValueError("a KV pool needs page_size >= 1 and tokens >= 1")
+        self.shape = shape
+        self.page_size = page_size
+        self.pages = -(-tokens // page_size)
+        self.tokens = self.pages * page_size
+        elt = shape.empty(0).element_size()
+        flat = populated(shape.bytes_per_token() * self.tokens)
+        self.flat = flat
+        self.buf = flat.view(shape.dtype).view(shape.num_layers, 2, shape.num_kv_heads, self.tokens, shape.head_dim)
+        self.plane_stride = self.tokens * shape.head_dim * elt
+        """Bytes between neighbouring (layer, k|v, head) planes of any block."""
+        self.stats = PoolStats(pages=self.pages, page_size=page_size)
+        self._lock = threading.Lock()
+        self._free: list[list[int]] = [[0, self.pages]]  # sorted, disjoint, never adjacent: [first, count]
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def alloc(self, tokens: int) -> PoolBlock | None:
+        """A block of whole pages covering `tokens` (one reference, the caller's), or None if no free run is
+        long enough."""
+        need = self.pages_for(tokens)
+        if need < 1:
+            raise ValueError("a pool block holds at least one token")
+        with self._lock:
+            for i, run in enumerate(self._free):
+                if run[1] >= need:
+                    first = run[0]
+                    if run[1] == need:
+                        del self._free[i]
+                    else:
+                        run[0] += need
+                        run[1] -= need
+                    s = self.stats
+                    s.allocations += 1
+                    s.pages_in_use += need
+                    s.peak_pages_in_use = max(s.peak_pages_in_use, s.pages_in_use)
+                    return PoolBlock(self, first, need)
+            self.stats.refused += 1
+            return None
+
+    def retain(self, block: PoolBlock) -> None:
+        with self._lock:
+            assert block.refs > 0, f"{block} was already returned to the pool"
+            block.refs += 1
+
+    def release(self, block: PoolBlock) -> None:
+        with self._lock:
+            assert block.refs > 0, f"{block} was released more often than retained"
+            block.refs -= 1
+            if block.refs:
+                return
+            self._give_back(block.first_page, block.pages)
+            self.stats.frees += 1
+            self.stats.pages_in_use -= block.pages
+
+    def _give_back(self, first: int, count: int) -> None:
+        runs = self._free
+        lo, hi = 0, len(runs)
+        while lo < hi:  # the first run starting after `first`
+            mid = (lo + hi) // 2
+            if runs[mid][0] < first:
+                lo = mid + 1
+            else:
+                hi = mid
+        i = lo
+        assert i == len(runs) or first + count <= runs[i][0], "a freed block overlaps a free run"
+        assert i == 0 or runs[i - 1][0] + runs[i - 1][1] <= first, "a freed block overlaps a free run"
+        if i < len(runs) and runs[i][0] == first + count:  # merge with the run after
+            runs[i][0] = first
+            runs[i][1] += count
+        else:
+            runs.insert(i, [first, count])
+        if i > 0 and runs[i - 1][0] + runs[i - 1][1] == runs[i][0]:  # and with the run before
+            runs[i - 1][1] += runs[i][1]
+            del runs[i]
+
+    def quarantine(self, block: PoolBlock) -> None:
+        """Take `block` out of circulation for good: its pages stay in use and are never handed out again."""
+        with self._lock:
+            assert block.refs > 0, f"{block} was already returned to the pool"
+            block.refs = 0
+            self.stats.quarantined_pages += block.pages
+
+    def note_fallback(self) -> None:
+        with self._lock:
+            self.stats.fallbacks += 1
+
+    def free_runs(self) -> list[tuple[int, int]]:
+        with self._lock:
+            return [(a, n) for a, n in self._free]
+
+    def largest_free_tokens(self) -> int:
+        with self._lock:
+            return max((n for _, n in self._free), default=0) * self.page_size
+
+    def snapshot(self) -> dict[str, int]:
+        s = self.stats
+        return {"pages": s.pages, "page_size": s.page_size, "pages_in_use": s.pages_in_use,
+                "peak_pages_in_use": s.peak_pages_in_use, "allocations": s.allocations, "refused": s.refused,
+                "fallbacks": s.fallbacks, "frees": s.frees,
+                "quarantined_pages": s.quarantined_pages}

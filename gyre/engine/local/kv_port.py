@@ -12,20 +12,23 @@ radix edge owns one tensor, and edges are never written after insertion, so they
 scheduler thread while the reference is held), and the receiver's reserved tensor becomes a radix edge as
 it is. Only the scheduler thread touches the cache; the transfers run on the caller's (HTTP worker) thread.
 
-Receive memory (`receive_buffer`) is populated before the transfer, never first touched inside it: a plain
-`torch.empty` is fresh memory (glibc maps large blocks anew), and its first touch happened on Mooncake's
-single I/O thread, 4 KiB page by page - on this VM an 8 MiB move took 18 ms instead of 3 ms. A 2 MiB-aligned
-mapping advised for huge pages and populated in one call costs less, but not nothing: fresh guest memory
-costs ~1 ms per 2 MiB here (the hypervisor backs it on first use). A spare buffer refilled in the
-background (the local stand-in for a paged engine's preallocated pool) was tried and measured worse on 2
-cores: the refill competed with the transfer and the continuation (docs/benchmarks.md, KV migration).
+Receive memory comes from the engine's `KvPool` (kv.py): pages populated once at engine start and
+registered with the Mooncake endpoint once, when it starts. The import takes a run of free pages on the
+scheduler thread (evicting least recently used imported edges if the pool is full), reads into it, and the
+radix edge it becomes views those pages; eviction gives them back. Pages of a read that raised are
+quarantined, never reused (a timed-out read leaves spans Mooncake may still write). The push path's
+reservations keep fresh memory (`reserve`). Without a pool, or when no run is free
+even then, it falls back to `receive_buffer`: fresh memory, populated before the transfer, never first
+touched inside it (a plain `torch.empty` was first touched on Mooncake's single I/O thread, 4 KiB page by
+page - an 8 MiB move took 18 ms instead of 3 ms). Populating fresh memory still costs 1-3 ms per MiB on this
+VM (the hypervisor backs it on first use), which is why the pool exists. `KvPool.stats` counts both paths
+(`allocations`, `fallbacks`). A spare buffer refilled in the background was tried before the pool and
+measured worse on 2 cores: the refill competed with the transfer and the continuation.
 """
 
 from __future__ import annotations
 
-import ctypes
 import itertools
-import mmap
 import threading
 import uuid
 from collections import OrderedDict
@@ -50,8 +53,9 @@ from gyre.engine.kv_protocol import (
     KvReservation,
     KvReserveRequest,
 )
-from gyre.engine.local.kv import KVShape
+from gyre.engine.local.kv import HUGE_PAGE, KvPool, KVShape, PoolBlock, populated
 from gyre.engine.local.scheduler import Scheduler
+from gyre.errors import TransferError
 from gyre.transfer import EndpointConfig, Region, Span, TransferEndpoint, merge_spans
 
 T = TypeVar("T")
@@ -59,27 +63,7 @@ MAX_OPEN_RESERVATIONS = 16
 """Reservations a vanished proxy never committed are dropped, oldest first, past this many."""
 MAX_OPEN_OFFERS = 16
 """Offers a vanished proxy never released are released, oldest first, past this many."""
-HUGE_PAGE = 2 << 20
-MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not in Python's mmap module
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-
-
-def populated(nbytes: int) -> torch.Tensor:
-    """`nbytes` of fresh memory (flat uint8), 2 MiB-aligned, advised for huge pages and populated. libc's
-    madvise through ctypes, not `mmap.madvise`: that one holds the GIL for the whole populate, which stalled
-    the engine's other threads (the importing one included) for its ~10 ms. Falls back to first touch by
-    `zero_` where the kernel lacks the advice."""
-    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    base = torch.frombuffer(area, dtype=torch.uint8)  # the tensor keeps `area` mapped while it lives
-    offset = -base.data_ptr() % HUGE_PAGE
-    addr = base.data_ptr() + offset
-    _libc.madvise(addr, nbytes, mmap.MADV_HUGEPAGE)  # a hint: no error matters
-    if _libc.madvise(addr, nbytes, MADV_POPULATE_WRITE) != 0:
-        base[offset : offset + nbytes].zero_()
-    return base[offset : offset + nbytes]
+__all__ = ["HUGE_PAGE", "KvPort", "populated", "receive_buffer"]
 
 
 def receive_bytes(shape: KVShape, tokens: int) -> int:
@@ -128,6 +112,7 @@ def plane_spans(blocks: list[KvBlock], layout: KvLayout, start: int, end: int, d
 class _Offered:
     tensors: list[torch.Tensor]
     regions: list[Region]
+    blocks: list[PoolBlock]
 
 
 @dataclass(slots=True)
@@ -140,15 +125,28 @@ class _Reserved:
     region: Region | None
 
 
+@dataclass(frozen=True, slots=True)
+class _Receive:
+    """Where an import of `tokens` lands: pool pages (`block`) or fresh memory (`region`)."""
+
+    pages: torch.Tensor
+    plane_stride: int
+    block: PoolBlock | None
+    region: Region | None
+
+
 class KvPort:
     """Export and import of prefix-cache pages for one engine."""
 
-    def __init__(self, scheduler: Scheduler, shape: KVShape, page_size: int, transfer: EndpointConfig) -> None:
+    def __init__(self, scheduler: Scheduler, shape: KVShape, page_size: int, transfer: EndpointConfig,
+                 pool: KvPool | None = None) -> None:
         self.scheduler = scheduler
         self.shape = shape
         self.page_size = page_size
         self.transfer_config = transfer
+        self.pool = pool
         self._endpoint: TransferEndpoint | None = None
+        self._pool_region: Region | None = None
         self._lock = threading.Lock()
         self._reserved: OrderedDict[str, _Reserved] = OrderedDict()
         self._offers: OrderedDict[str, _Offered] = OrderedDict()
@@ -160,6 +158,45 @@ class KvPort:
             if self._endpoint is None:
                 self._endpoint = TransferEndpoint(self.transfer_config)
             return self._endpoint
+
+    def _register_pool(self) -> None:
+        """Register the whole pool with the endpoint, once, on the first receive into it; it stays registered
+        for the engine's life (a registration per move would cost each move, and pin memory under RDMA)."""
+        endpoint = self.endpoint
+        with self._lock:
+            if self._pool_region is None and self.pool is not None:
+                self._pool_region = endpoint.register_tensor(self.pool.buf)
+
+    def _take_pages(self, ids: list[int], start: int, end: int) -> PoolBlock | None:
+        """On the scheduler thread: pool pages for tokens `start..end` of `ids`, evicting imported edges
+        (least recently used, none on `ids[:start]`'s path) if no free run is long enough; None without a
+        pool or when even that leaves no room (the caller then uses fresh memory)."""
+        pool = self.pool
+        if pool is None:
+            return None
+        n = end - start
+        if pool.pages_for(n) > pool.pages:
+            pool.note_fallback()
+            return None
+        block = pool.alloc(n)
+        if block is None:
+            fits = pool.pages_for(n) * pool.page_size
+            if self.scheduler.cache.make_room(lambda: pool.largest_free_tokens() >= fits, ids[:start]):
+                block = pool.alloc(n)
+        if block is None:
+            pool.note_fallback()
+        return block
+
+    def _receive(self, block: PoolBlock | None, tokens: int) -> _Receive:
+        """Receive memory for `tokens`: `block`'s pages (registered with the pool), or fresh memory registered
+        for this move alone."""
+        if block is not None:
+            assert self.pool is not None
+            self._register_pool()
+            return _Receive(block.tensor(tokens), self.pool.plane_stride, block, None)
+        pages = receive_buffer(self.shape, tokens)
+        return _Receive(pages, tokens * self.shape.head_dim * pages.element_size(), None,
+                        self.endpoint.register_tensor(pages))
 
     def layout(self) -> KvLayout:
         s = self.shape
@@ -178,6 +215,9 @@ class KvPort:
     # -- receiver --------------------------------------------------------------------------------------
 
     def reserve(self, req: KvReserveRequest) -> KvReservation:
+        """The push path's receiver: fresh receive memory, registered until commit or cancel, never pool
+        pages - a reservation that expires or is cancelled might still be written by a late sender, and
+        only unregistering its memory stops that write (pool pages would be handed to the next import)."""
         ids = req.input_ids
         end = len(ids) - 1  # the last token is computed by the continuing request (its logits are needed)
 
@@ -258,13 +298,22 @@ class KvPort:
         if res.wanted == 0:
             return KvExportResult(end=res.start, tokens=0, pages=0, bytes=0, seconds=0.0)
 
-        def lookup() -> tuple[list[torch.Tensor], int, str]:
+        def lookup() -> tuple[list[torch.Tensor], int, str, list[PoolBlock]]:
             if req.rid is not None:
                 self.scheduler.cache_sequence(req.rid)
             match = self.scheduler.cache.match(req.input_ids, limit=res.end, count=False)
-            return match.segments, match.length, self.scheduler.weight_version
+            return match.segments, match.length, self.scheduler.weight_version, [b.retain() for b in match.blocks]
 
-        segments, have, version = self._on_scheduler(lookup)
+        segments, have, version, held = self._on_scheduler(lookup)
+        try:
+            return self._export(req, mine, segments, have, version)
+        finally:
+            for block in held:  # pool pages stay ours (not handed to an import) until the write is done
+                block.release()
+
+    def _export(self, req: KvExportRequest, mine: KvLayout, segments: list[torch.Tensor], have: int,
+                version: str) -> KvExportResult:
+        res = req.reservation
         if version != res.layout.policy_version:  # the weights changed since the layout was read
             raise KvRefusedError("reservation.layout.policy_version", mine.version_mismatch(res.layout) or version)
         end = min(res.end, have)
@@ -301,13 +350,13 @@ class KvPort:
         """Hold the cached blocks of `input_ids[:-1]` for a receiver to read, and say where they are."""
         ids = req.input_ids
 
-        def lookup() -> tuple[list[torch.Tensor], int, str]:
+        def lookup() -> tuple[list[torch.Tensor], int, str, list[PoolBlock]]:
             if req.rid is not None:
                 self.scheduler.cache_sequence(req.rid)
             match = self.scheduler.cache.match(ids, limit=len(ids) - 1, count=False)
-            return match.segments, match.length, self.scheduler.weight_version
+            return match.segments, match.length, self.scheduler.weight_version, [b.retain() for b in match.blocks]
 
-        segments, end, version = self._on_scheduler(lookup)
+        segments, end, version, held = self._on_scheduler(lookup)
         layout = self.layout().model_copy(update={"policy_version": version})
         endpoint = self.endpoint
         owners = {t.untyped_storage().data_ptr(): t for t in segments}.values()
@@ -318,7 +367,7 @@ class KvPort:
             off += seg.shape[3]
         offer_id = f"kvo-{uuid.uuid4().hex}"
         with self._lock:
-            self._offers[offer_id] = _Offered(segments, regions)
+            self._offers[offer_id] = _Offered(segments, regions, held)
             stale = []
             while len(self._offers) > MAX_OPEN_OFFERS:
                 stale.append(self._offers.popitem(last=False)[1])
@@ -338,6 +387,9 @@ class KvPort:
             self.endpoint.unregister(region)
         offered.regions.clear()
         offered.tensors.clear()
+        for block in offered.blocks:  # pool pages the offer kept from being handed to an import
+            block.release()
+        offered.blocks.clear()
 
     # -- pull path: receiver -------------------------------------------------------------------------------
 
@@ -354,34 +406,48 @@ class KvPort:
                 raise KvRefusedError(field, reason)
         end = min(offer.end, len(ids) - 1)
 
-        def cached() -> tuple[int, str]:
+        def cached() -> tuple[int, str, PoolBlock | None]:
             held = self.scheduler.cache.match(ids, limit=end, count=False).length if end else 0
-            return held, self.scheduler.weight_version
+            version = self.scheduler.weight_version
+            ok = end > held and version == offer.layout.policy_version
+            return held, version, self._take_pages(ids, held, end) if ok else None
 
-        start, version = self._on_scheduler(cached)
+        start, version, block = self._on_scheduler(cached)
+        try:
+            return self._import(offer, ids, mine, start, end, version, block)
+        finally:
+            if block is not None and block.refs:  # the edge inserted holds its own reference
+                block.release()
+
+    def _import(self, offer: KvOffer, ids: list[int], mine: KvLayout, start: int, end: int, version: str,
+                block: PoolBlock | None) -> KvImportResult:
         if version != offer.layout.policy_version:  # the weights changed since the layout was read
             raise KvRefusedError("offer.layout.policy_version", offer.layout.version_mismatch(
                 mine.model_copy(update={"policy_version": version}), this="the sender's KV") or version)
         if end <= start:
             return KvImportResult(start=start, end=start, tokens=0, pages=0, bytes=0, seconds=0.0, cached_tokens=start)
-        pages = receive_buffer(self.shape, end - start)
-        endpoint = self.endpoint
-        region = endpoint.register_tensor(pages)
+        recv = self._receive(block, end - start)
+        pages = recv.pages
         try:
-            plane_stride = (end - start) * offer.layout.token_bytes
-            theirs, ours = plane_spans(offer.blocks, offer.layout, start, end, pages.data_ptr(), plane_stride)
+            theirs, ours = plane_spans(offer.blocks, offer.layout, start, end, pages.data_ptr(), recv.plane_stride)
             want = (end - start) * offer.layout.bytes_per_token
             if sum(s.length for s in ours) != want:
                 raise KvRefusedError("offer.blocks", f"the offered blocks do not cover tokens {start}..{end}")
-            stats = endpoint.read(offer.session_id, ours, theirs)
+            try:
+                stats = self.endpoint.read(offer.session_id, ours, theirs)
+            except TransferError:
+                if block is not None:  # Mooncake may still write these pages (a timeout abandons spans in
+                    block.pool.quarantine(block)  # flight): they are never handed out again
+                raise
         finally:
-            endpoint.unregister(region)
+            if recv.region is not None:
+                self.endpoint.unregister(recv.region)
 
         def insert() -> int:
             if self.scheduler.weight_version != version:
                 now = self.scheduler.weight_version
                 raise KvRefusedError("policy_version", f"weights changed from {version!r} to {now!r} during the move")
-            return self.scheduler.cache.insert_pages(ids[:end], start, pages)
+            return self.scheduler.cache.insert_pages(ids[:end], start, pages, block)
 
         cached_tokens = self._on_scheduler(insert)
         return KvImportResult(

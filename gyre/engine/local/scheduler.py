@@ -25,7 +25,7 @@ import torch
 
 from gyre.engine.errors import EngineError, EngineRequestError
 from gyre.engine.local.forward import RaggedQwen2, StepInput
-from gyre.engine.local.kv import SequenceKV
+from gyre.engine.local.kv import KvPool, SequenceKV
 from gyre.engine.local.radix import RadixCache
 from gyre.engine.local.sampling import TokenFilter, draw, sampling_logprobs
 from gyre.engine.local.stopping import StopChecker
@@ -119,8 +119,11 @@ class Scheduler:
         decode: Callable[[Sequence[int]], str],
         eos_ids: frozenset[int],
         config: SchedulerConfig | None = None,
+        pool: KvPool | None = None,
     ) -> None:
         self.runner = runner
+        self.pool = pool
+        """The engine's KV page pool (imported KV lives there; its counters go into `snapshot`)."""
         self.config = config or SchedulerConfig()
         self.cache = RadixCache(self.config.cache_capacity_tokens)
         self.stats = SchedulerStats()
@@ -220,6 +223,7 @@ class Scheduler:
             "cache_tokens": self.cache.tokens,
             "cache_hits": self.cache.stats.hits,
             "cache_lookups": self.cache.stats.lookups,
+            **({"kv_pool": self.pool.snapshot()} if self.pool is not None else {}),
         }
 
     # ---- scheduler thread ------------------------------------------------------------------------------
