@@ -151,6 +151,8 @@ class Controller:
         for call in calls:
             call()
             self._fold_new()
+        if calls:
+            self._plan()  # a membership change may have undone a plan command (a queue sent to a proxy that died)
 
     def step(self) -> None:
         """One round at the current prefix: decide and act, then the plan's commands."""
