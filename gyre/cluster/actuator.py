@@ -205,7 +205,7 @@ class RemoteCell:
                 self._join()
         else:
             weights = self.directory.weights
-            if weights.version != self.info.engine_version:
+            if weights.version != self.info.engine_version and weights.location:  # v0: every engine's initial weights
                 c.cell(self.cell_id, "load weights", load_weights=gyre_pb2.LoadWeights(weights=weights))
                 self.info.engine_version = weights.version
             c.cell(self.cell_id, "serve", serve=gyre_pb2.Serve())
@@ -217,7 +217,7 @@ class RemoteCell:
             c.cell(self.cell_id, "leave", leave=gyre_pb2.Leave(reason="returning to rollout"))
         weights = self.directory.weights
         parts: dict = {"weights_bytes": 0, "weights_s": 0.0}
-        if weights.version != self.info.engine_version:
+        if weights.version != self.info.engine_version and weights.location:  # v0: every engine's initial weights
             loaded = c.cell(self.cell_id, "load weights", load_weights=gyre_pb2.LoadWeights(weights=weights))
             parts = {"weights_bytes": int(loaded.figures["weights_bytes"]), "weights_s": loaded.figures["weights_s"]}
             self.info.engine_version = weights.version

@@ -456,6 +456,11 @@ class ClusterRun:
                           "scored": len(rewards), "wall_s": time.monotonic() - self._started}
                 self._steps.append(record)
                 self.progress("step", record)
+            elif isinstance(event, WeightsPublished):
+                with self.directory.lock:  # the file, for a cell to load (the core's Train answer adds Mooncake's copy)
+                    if event.policy_version > self.directory.weights.version:
+                        self.directory.weights = gyre_pb2.WeightsRef(
+                            version=event.policy_version, location=event.location, sha256=event.sha256)
             elif isinstance(event, RoleSwitchCompleted):
                 self.progress("switch", {"cell": event.cell_id, "to": event.to_role, "seconds": event.duration_s})
 
