@@ -357,3 +357,49 @@ def test_an_offer_of_imported_pages_keeps_them_from_the_next_import(engines) -> 
     assert b.kv_pool.stats.pages_in_use > 0  # held by the offer
     b.kv.release(offer.offer_id)
     assert b.kv_pool.stats.pages_in_use == 0
+
+
+# -- recycled per-sequence buffers ------------------------------------------------------------------------------
+
+
+def test_sequence_buffers_hand_back_a_kept_buffer_of_a_fitting_size_and_bound_what_they_keep() -> None:
+    from gyre.engine.local.kv import SequenceBuffers, SequenceKV, size_class
+
+    assert [size_class(t) for t in (1, 4, 9, 100, 1506, 32773, 32768)] == [1, 4, 10, 112, 1536, 40960, 32768]
+    per_token = SHAPE.bytes_per_token()
+    bufs = SequenceBuffers(SHAPE, max_bytes=400 * per_token, min_bytes=10 * per_token)
+    kv = SequenceKV(SHAPE, 100, bufs)
+    assert kv.capacity == 112  # its size class: room for a longer continuation
+    first = kv.buf.data_ptr()
+    kv.append_segment(encoded(PROMPT[:100], 0))
+    kv.release()
+    assert bufs.kept_bytes == 112 * per_token and kv.length == 0
+    assert SequenceKV(SHAPE, 201, bufs).buf.data_ptr() != first  # 112 < 201 tokens: too small
+    again = SequenceKV(SHAPE, 110, bufs)  # 112 lies within 110..220: reused, stale data and all
+    assert again.buf.data_ptr() == first and again.capacity == 112 and again.length == 0
+    assert bufs.snapshot() == {"kept": 0, "kept_bytes": 0, "reused": 1, "allocated": 2}
+    assert SequenceKV(SHAPE, 20, bufs).capacity == 20  # a fresh one: nothing kept
+    again.length = 100
+    again.reserve(50)  # grows into a new buffer (224 tokens) and gives the old one back
+    assert again.capacity == 224 and bufs.kept_bytes == 112 * per_token
+    again.release()
+    assert bufs.kept_bytes == 336 * per_token
+    SequenceKV(SHAPE, 160, bufs).release()  # reuses the 224 (within 160..320), gives it back
+    assert bufs.kept_bytes == 336 * per_token
+    SequenceKV(SHAPE, 300, bufs).release()  # a fresh 320: 656 > 400 in all, so the oldest go (112, 224)
+    assert bufs.snapshot()["kept"] == 1 and bufs.kept_bytes == 320 * per_token
+    SequenceKV(SHAPE, 5, bufs).release()  # under min_bytes: not kept
+    assert bufs.snapshot()["kept"] == 1
+
+
+def test_a_continuation_copies_its_cached_prefix_into_the_previous_sequence_buffer(engines) -> None:
+    a, _ = engines
+    ids = PROMPT * 10  # 1,500 tokens: a 1.5 MiB buffer on the tiny model, above the 1 MiB floor
+    first = _generate(a, ids)
+    before = a.scheduler.snapshot()["kv_buffers"]
+    assert before["kept"] >= 1
+    again = _generate(a, ids + first.output_ids)
+    after = a.scheduler.snapshot()["kv_buffers"]
+    assert again.cached_tokens == len(ids) + len(first.output_ids) - 1
+    assert after["reused"] == before["reused"] + 1
+    assert again.output_ids == _generate(a, ids + first.output_ids).output_ids

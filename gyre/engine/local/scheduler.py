@@ -25,7 +25,7 @@ import torch
 
 from gyre.engine.errors import EngineError, EngineRequestError
 from gyre.engine.local.forward import RaggedQwen2, StepInput
-from gyre.engine.local.kv import KvPool, SequenceKV
+from gyre.engine.local.kv import KvPool, SequenceBuffers, SequenceKV
 from gyre.engine.local.radix import RadixCache
 from gyre.engine.local.sampling import TokenFilter, draw, sampling_logprobs
 from gyre.engine.local.stopping import StopChecker
@@ -42,6 +42,9 @@ class SchedulerConfig:
     max_step_tokens: int = 2048
     cache_capacity_tokens: int = 131072
     seed: int = 0
+    recycled_kv_tokens: int = 131072
+    """Tokens (summed over capacities) of finished sequences' KV buffers kept for the next sequences, so a
+    continuation copies its cached prefix into memory already touched, not fresh memory (0: keep none)."""
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -50,6 +53,8 @@ class SchedulerConfig:
             raise ValueError("max_step_tokens must be >= max_running_requests (every decode needs a slot)")
         if self.cache_capacity_tokens < 0:
             raise ValueError("cache_capacity_tokens must be >= 0")
+        if self.recycled_kv_tokens < 0:
+            raise ValueError("recycled_kv_tokens must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +131,9 @@ class Scheduler:
         """The engine's KV page pool (imported KV lives there; its counters go into `snapshot`)."""
         self.config = config or SchedulerConfig()
         self.cache = RadixCache(self.config.cache_capacity_tokens)
+        kept = self.config.recycled_kv_tokens * runner.kv_shape.bytes_per_token()
+        self.kv_buffers = SequenceBuffers(runner.kv_shape, kept)
+        """Finished sequences' KV buffers, handed to the next sequences (see `SequenceBuffers`)."""
         self.stats = SchedulerStats()
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self._decode = decode
@@ -223,6 +231,7 @@ class Scheduler:
             "cache_tokens": self.cache.tokens,
             "cache_hits": self.cache.stats.hits,
             "cache_lookups": self.cache.stats.lookups,
+            "kv_buffers": self.kv_buffers.snapshot(),
             **({"kv_pool": self.pool.snapshot()} if self.pool is not None else {}),
         }
 
@@ -301,7 +310,8 @@ class Scheduler:
         seed = req.params.sampling_seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (), generator=self._seeds))
-        kv = SequenceKV(self.runner.kv_shape, len(req.input_ids) + min(req.params.max_new_tokens, 256))
+        kv = SequenceKV(self.runner.kv_shape, len(req.input_ids) + min(req.params.max_new_tokens, 256),
+                        self.kv_buffers)
         seq = _Sequence(
             req=req,
             token_filter=f,
@@ -371,6 +381,7 @@ class Scheduler:
             self._running.remove(seq)
         full = seq.req.input_ids + seq.output_ids
         self.cache.insert(full[: seq.kv.length], seq.kv)
+        seq.kv.release()  # the cache copied what it keeps; the next sequence reuses the buffer
         if finish.type == "abort":
             self.stats.aborted_requests += 1
         else:
@@ -433,7 +444,8 @@ class Scheduler:
         if mode == "retract":
             for seq in self._running:
                 seq.pending = seq.req.input_ids + seq.output_ids  # KV is recomputed on continue
-                seq.kv = SequenceKV(self.runner.kv_shape, 1)
+                seq.kv.release()
+                seq.kv = SequenceKV(self.runner.kv_shape, 1, self.kv_buffers)
                 seq.retracted = True
         return len(self._running)
 
