@@ -239,6 +239,13 @@ class RemoteCell:
                     self.directory.weights = ref
 
 
+def execution_spec(execution_id: str, group_id: str, task_id: str, step: int, policy_version: int,
+                   attempt: int) -> gyre_pb2.ExecutionSpec:
+    """An execution to queue on the proxy, with a token the controller mints for it."""
+    return gyre_pb2.ExecutionSpec(execution_id=execution_id, group_id=group_id, task_id=task_id, step=step,
+                                  policy_version=policy_version, attempt=attempt, token=auth.mint())
+
+
 class ClusterRollouts:
     """The controller's `Rollouts`: a step's executions, with minted tokens, queued on the proxy process."""
 
@@ -247,8 +254,7 @@ class ClusterRollouts:
         self.commands, self.plan, self.on_queued = commands, plan, on_queued
 
     def queue(self, step: int, policy_version: int) -> None:
-        specs = [gyre_pb2.ExecutionSpec(execution_id=e.execution_id, group_id=e.group_id, task_id=e.task_id,
-                                        step=step, policy_version=policy_version, attempt=0, token=auth.mint())
+        specs = [execution_spec(e.execution_id, e.group_id, e.task_id, step, policy_version, attempt=0)
                  for e in self.plan(step)]
         self.commands.proxy(f"queue step {step}", queue=gyre_pb2.QueueExecutions(executions=specs))
         if self.on_queued is not None:

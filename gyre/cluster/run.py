@@ -40,7 +40,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre import auth
-from gyre.cluster.actuator import CellInfo, ClusterRollouts, Commands, Directory, RemoteCell, wait_done
+from gyre.cluster.actuator import (
+    CellInfo,
+    ClusterRollouts,
+    Commands,
+    Directory,
+    RemoteCell,
+    execution_spec,
+    wait_done,
+)
 from gyre.cluster.auth import SECRET_ENV
 from gyre.cluster.config import ClusterConfig
 from gyre.cluster.proto import gyre_pb2
@@ -256,13 +264,13 @@ class ClusterRun:
             self._membership.put(lambda: self._cell_gone(cell_id, hello.incarnation, reason))
 
     def _on_proxy_hello(self, hello: gyre_pb2.ProxyHello) -> None:
-        self._proxy_starts = self.supervisor.starts("proxy")
+        self._hello_starts["proxy"] = self.supervisor.starts("proxy")
         self.supervisor.said_hello("proxy")
         if self._live:
             self._membership.put(self._proxy_back)
 
     def _on_proxy_lost(self, proxy_id: str) -> None:
-        if self.supervisor.starts("proxy") == getattr(self, "_proxy_starts", None):
+        if self.supervisor.starts("proxy") == self._hello_starts.get("proxy"):
             self.supervisor.kill("proxy")
 
     # -- membership (the membership thread: one change at a time, in the order the hub reported them) --------
@@ -341,9 +349,7 @@ class ClusterRun:
         if not resubmit:
             return
         version = view.trainer.policy_version
-        specs = [gyre_pb2.ExecutionSpec(execution_id=r.execution_id, group_id=r.group_id, task_id=r.task_id,
-                                        step=r.step, policy_version=version, attempt=r.attempt, token=auth.mint())
-                 for r in resubmit]
+        specs = [execution_spec(r.execution_id, r.group_id, r.task_id, r.step, version, r.attempt) for r in resubmit]
         self.commands.proxy("resubmit", queue=gyre_pb2.QueueExecutions(executions=specs))
         self.progress("resubmitted", {"executions": len(specs)})
 
