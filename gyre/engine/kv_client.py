@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import httpx
@@ -21,11 +22,18 @@ from gyre.engine.kv_protocol import (
 )
 
 M = TypeVar("M", bound=BaseModel)
+IdsArg = str | Sequence[int]
+"""Token ids, or `pack_ids`' string of them."""
+
+
+def _packed(ids: IdsArg) -> str:
+    return ids if isinstance(ids, str) else pack_ids(ids)
 
 
 class KvClient:
     """`/gyre/kv/*` of one engine. A 409 answer becomes `KvRefusedError` (the caller recomputes). Token ids
-    travel packed (`pack_ids`)."""
+    travel packed (`pack_ids`); a caller making several calls on one prefix packs it once and passes the
+    string (`IdsArg`)."""
 
     def __init__(self, base_url: str, http: httpx.AsyncClient, timeout_s: float = 120.0) -> None:
         self.base_url = base_url.rstrip("/")
@@ -35,21 +43,21 @@ class KvClient:
     async def layout(self) -> KvLayout:
         return await self._call("GET", "/gyre/kv/layout", None, KvLayout)
 
-    async def offer(self, input_ids: list[int], rid: str | None = None) -> KvOffer:
-        return await self._call("POST", "/gyre/kv/offer", {"input_ids": pack_ids(input_ids), "rid": rid}, KvOffer)
+    async def offer(self, input_ids: IdsArg, rid: str | None = None) -> KvOffer:
+        return await self._call("POST", "/gyre/kv/offer", {"input_ids": _packed(input_ids), "rid": rid}, KvOffer)
 
-    async def import_(self, input_ids: list[int], offer: KvOffer) -> KvImportResult:
-        body = {"input_ids": pack_ids(input_ids), "offer": offer.model_dump()}
+    async def import_(self, input_ids: IdsArg, offer: KvOffer) -> KvImportResult:
+        body = {"input_ids": _packed(input_ids), "offer": offer.model_dump()}
         return await self._call("POST", "/gyre/kv/import", body, KvImportResult)
 
     async def release(self, offer_id: str) -> None:
         await self._call("POST", "/gyre/kv/release", {"offer_id": offer_id}, None)
 
-    async def reserve(self, input_ids: list[int]) -> KvReservation:
-        return await self._call("POST", "/gyre/kv/reserve", {"input_ids": pack_ids(input_ids)}, KvReservation)
+    async def reserve(self, input_ids: IdsArg) -> KvReservation:
+        return await self._call("POST", "/gyre/kv/reserve", {"input_ids": _packed(input_ids)}, KvReservation)
 
-    async def export(self, input_ids: list[int], reservation: KvReservation, rid: str | None = None) -> KvExportResult:
-        body = {"input_ids": pack_ids(input_ids), "rid": rid, "reservation": reservation.model_dump()}
+    async def export(self, input_ids: IdsArg, reservation: KvReservation, rid: str | None = None) -> KvExportResult:
+        body = {"input_ids": _packed(input_ids), "rid": rid, "reservation": reservation.model_dump()}
         return await self._call("POST", "/gyre/kv/export", body, KvExportResult)
 
     async def commit(self, reservation_id: str, end: int) -> KvCommitResult:

@@ -17,49 +17,73 @@ The push path (receiver reserves, sender writes, receiver commits: three calls o
 3. `POST {to}/gyre/kv/commit {reservation_id, end}` - the receiver inserts the pages into its prefix
    cache under the prefix, so the resubmitted request hits the cache. `/gyre/kv/cancel` drops a reservation.
 The push path is SGLang's disaggregation pattern (the receiver names destination pages, the sender writes),
-but for a call in flight rather than a finished prefill. This module imports only pydantic.
+but for a call in flight rather than a finished prefill. This module imports pydantic and numpy (no torch).
 """
 
 from __future__ import annotations
 
-import base64
 import binascii
-import sys
-from array import array
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, TypeAdapter, WithJsonSchema
+
+_WIRE_ID = np.dtype("<i4")
 
 
-def pack_ids(ids: list[int]) -> str:
-    """Token ids as base64 of little-endian int32: at 32K ids, ~0.3 ms to pack and unpack where a JSON list
-    took ~10 ms to dump and load, paid on each call that carries the prefix."""
-    arr = array("i", ids)
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return base64.b64encode(arr.tobytes()).decode("ascii")
+def pack_ids(ids: Sequence[int] | np.ndarray) -> str:
+    """Token ids as base64 of little-endian int32: at 32K ids, ~0.7 ms to pack where a JSON list took ~7 ms to
+    dump and ~3 ms to load. Pack once and pass the string to every call that carries the same prefix."""
+    if isinstance(ids, np.ndarray):
+        if ids.size and (ids.min() < np.iinfo(_WIRE_ID).min or ids.max() > np.iinfo(_WIRE_ID).max):
+            raise OverflowError("token ids do not fit in int32")
+        arr = ids.astype(_WIRE_ID, copy=False)
+    else:
+        arr = np.fromiter(ids, dtype=_WIRE_ID, count=len(ids))  # OverflowError past int32
+    return binascii.b2a_base64(arr.tobytes(), newline=False).decode("ascii")
 
 
-def unpack_ids(text: str) -> list[int]:
+def unpack_ids(text: str) -> np.ndarray:
+    """`pack_ids`' string as a read-only int64 array (the radix cache's key type: no per-id Python objects)."""
     try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as e:
+        raw = binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
+    except (binascii.Error, ValueError, UnicodeEncodeError) as e:
         raise ValueError(f"packed ids are not valid base64: {e}") from e
     if len(raw) % 4:
         raise ValueError(f"packed ids are {len(raw)} bytes, not a multiple of 4 (int32)")
-    arr = array("i")
-    arr.frombytes(raw)
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return arr.tolist()
+    return _frozen(np.frombuffer(raw, dtype=_WIRE_ID).astype(np.int64))
 
 
-def _ids(value: Any) -> Any:
-    return unpack_ids(value) if isinstance(value, str) else value
+def _frozen(arr: np.ndarray) -> np.ndarray:
+    arr.flags.writeable = False
+    return arr
 
 
-Ids = Annotated[list[int], BeforeValidator(_ids)]
-"""Token ids on the KV routes: a JSON list or `pack_ids`' string (what `KvClient` sends)."""
+_ID_LIST = TypeAdapter(list[int])
+
+
+def _ids(value: Any) -> np.ndarray:
+    if isinstance(value, str):
+        arr = unpack_ids(value)
+    elif isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu":
+        arr = _frozen(value.astype(np.int64))
+    else:
+        arr = _frozen(np.asarray(_ID_LIST.validate_python(value), dtype=np.int64))
+    if arr.size == 0:
+        raise ValueError("input_ids must hold at least one token id")
+    return arr
+
+
+Ids = Annotated[
+    np.ndarray,
+    PlainValidator(_ids),
+    PlainSerializer(pack_ids, return_type=str),
+    WithJsonSchema({"type": "string", "description": "base64 of little-endian int32 token ids"}),
+]
+"""Token ids on the KV routes: `pack_ids`' string (what `KvClient` sends) or a JSON list, held as a read-only
+int64 array. At 32K ids, a `list[int]` cost ~1.2 ms to validate and ~0.7 ms more at every radix lookup that
+turned it into an array, on each engine and call."""
 
 KvDtype = Literal["float32", "float16", "bfloat16", "float64"]
 ELEMENT_SIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -119,7 +143,7 @@ class KvLayout(BaseModel):
 class KvReserveRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    input_ids: Ids = Field(min_length=1, description="the prefix the continuing request will send")
+    input_ids: Ids = Field(description="the prefix the continuing request will send")
 
 
 class KvReservation(BaseModel):
@@ -144,7 +168,7 @@ class KvReservation(BaseModel):
 class KvExportRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    input_ids: Ids = Field(min_length=1)
+    input_ids: Ids
     rid: str | None = Field(None, description="a paused request whose live KV should be exported too")
     reservation: KvReservation
 
@@ -182,7 +206,7 @@ class KvCancelRequest(BaseModel):
 class KvOfferRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    input_ids: Ids = Field(min_length=1, description="the prefix the continuing request will send")
+    input_ids: Ids = Field(description="the prefix the continuing request will send")
     rid: str | None = Field(None, description="a paused request whose live KV should be offered too")
 
 
@@ -215,7 +239,7 @@ class KvOffer(BaseModel):
 class KvImportRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    input_ids: Ids = Field(min_length=1)
+    input_ids: Ids
     offer: KvOffer
 
 

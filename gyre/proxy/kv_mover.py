@@ -23,6 +23,7 @@ import httpx
 
 from gyre.engine.errors import EngineError, KvRefusedError
 from gyre.engine.kv_client import KvClient
+from gyre.engine.kv_protocol import pack_ids
 from gyre.errors import GyreError
 from gyre.proxy.routing import KvMove, KvMoveResult
 
@@ -54,18 +55,19 @@ class MooncakeKvMover:
         except (KeyError, GyreError) as e:
             return self._refused(move, ids, f"no engine URL for the cell: {e}")
         try:
+            packed = pack_ids(ids)  # once: both calls carry the same prefix
             if self.path == "pull":
-                offer = await src.offer(ids, move.rid)
+                offer = await src.offer(packed, move.rid)
                 try:
-                    done = await dst.import_(ids, offer)
+                    done = await dst.import_(packed, offer)
                 finally:
                     self._release_later(src, offer.offer_id)
                 blocks, nbytes, tokens = done.pages, done.bytes, done.tokens
                 transfer, cached = done.seconds, done.cached_tokens
             else:
-                reservation = await dst.reserve(ids)
+                reservation = await dst.reserve(packed)
                 try:
-                    exported = await src.export(ids, reservation, move.rid)
+                    exported = await src.export(packed, reservation, move.rid)
                 except EngineError:
                     await self._cancel(dst, reservation.reservation_id)
                     raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -81,11 +82,21 @@ def test_layout_mismatches_name_the_field() -> None:
     assert LAYOUT.bytes_per_token == 2 * 2 * 2 * 4 * 4
 
 
-@given(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=300))
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=300))
 def test_packed_ids_round_trip_and_either_form_is_accepted(ids: list[int]) -> None:
-    assert unpack_ids(pack_ids(ids)) == ids
-    assert KvOfferRequest.model_validate({"input_ids": pack_ids(ids)}).input_ids == ids
-    assert KvOfferRequest.model_validate({"input_ids": ids}).input_ids == ids
+    assert unpack_ids(pack_ids(ids)).tolist() == ids
+    assert pack_ids(np.asarray(ids, dtype=np.int64)) == pack_ids(ids)
+    for form in (pack_ids(ids), ids):
+        got = KvOfferRequest.model_validate({"input_ids": form}).input_ids
+        assert got.dtype == np.int64 and not got.flags.writeable and got.tolist() == ids
+    assert KvOfferRequest.model_validate({"input_ids": ids}).model_dump()["input_ids"] == pack_ids(ids)
+
+
+def test_ids_beyond_int32_are_refused_when_packed() -> None:
+    with pytest.raises(OverflowError):
+        pack_ids([2**31])
+    with pytest.raises(OverflowError):
+        pack_ids(np.asarray([-(2**31) - 1]))
 
 
 def test_bad_packed_ids_are_named() -> None:
@@ -93,8 +104,12 @@ def test_bad_packed_ids_are_named() -> None:
         KvOfferRequest.model_validate({"input_ids": "***"})
     with pytest.raises(ValueError, match="not a multiple of 4"):
         KvOfferRequest.model_validate({"input_ids": "AAA="})
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(ValueError, match="at least one token id"):
         KvOfferRequest.model_validate({"input_ids": ""})
+    with pytest.raises(ValueError, match="at least one token id"):
+        KvOfferRequest.model_validate({"input_ids": []})
+    with pytest.raises(ValueError, match="fractional part"):
+        KvOfferRequest.model_validate({"input_ids": [1.5]})
 
 
 def test_receive_buffers_are_zeroed_aligned_pages_of_the_right_shape() -> None:

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from gyre.engine.errors import EngineRequestError, KvRefusedError
@@ -117,7 +118,7 @@ class _Offered:
 
 @dataclass(slots=True)
 class _Reserved:
-    ids: list[int]
+    ids: np.ndarray
     start: int
     end: int
     version: str
@@ -167,7 +168,7 @@ class KvPort:
             if self._pool_region is None and self.pool is not None:
                 self._pool_region = endpoint.register_tensor(self.pool.buf)
 
-    def _take_pages(self, ids: list[int], start: int, end: int) -> PoolBlock | None:
+    def _take_pages(self, ids: np.ndarray, start: int, end: int) -> PoolBlock | None:
         """On the scheduler thread: pool pages for tokens `start..end` of `ids`, evicting imported edges
         (least recently used, none on `ids[:start]`'s path) if no free run is long enough; None without a
         pool or when even that leaves no room (the caller then uses fresh memory)."""
@@ -419,7 +420,7 @@ class KvPort:
             if block is not None and block.refs:  # the edge inserted holds its own reference
                 block.release()
 
-    def _import(self, offer: KvOffer, ids: list[int], mine: KvLayout, start: int, end: int, version: str,
+    def _import(self, offer: KvOffer, ids: np.ndarray, mine: KvLayout, start: int, end: int, version: str,
                 block: PoolBlock | None) -> KvImportResult:
         if version != offer.layout.policy_version:  # the weights changed since the layout was read
             raise KvRefusedError("offer.layout.policy_version", offer.layout.version_mismatch(

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from gyre.engine.local.kv import PoolBlock, SequenceKV
+
+TokenIds = Sequence[int] | np.ndarray
+"""A key: a list of ids (requests) or an int64 array (KV migration's routes, which never build the list)."""
 
 
 class _Node:
@@ -90,7 +93,7 @@ class RadixCache:
                 n.block.release()
                 n.block = None
 
-    def match(self, ids: list[int], limit: int | None = None, *, count: bool = True) -> PrefixMatch:
+    def match(self, ids: TokenIds, limit: int | None = None, *, count: bool = True) -> PrefixMatch:
         """Longest cached prefix of `ids[:limit]`; marks the path as recently used. `count=False` leaves
         the hit statistics alone (a KV migration asking what is cached is not a request's lookup)."""
         arr = np.asarray(ids[: len(ids) if limit is None else limit], dtype=np.int64)
@@ -116,12 +119,12 @@ class RadixCache:
             self.stats.matched_tokens += pos
         return PrefixMatch(pos, segments, blocks)
 
-    def insert(self, ids: list[int], kv: SequenceKV) -> None:
+    def insert(self, ids: TokenIds, kv: SequenceKV) -> None:
         """Cache the KV of `ids` (`kv` holds at least `len(ids)` positions); only missing tokens are copied."""
         assert kv.length >= len(ids), "KV must cover every inserted token"
         self._insert(ids, kv.segment)
 
-    def insert_pages(self, ids: list[int], start: int, pages: torch.Tensor, block: PoolBlock | None = None) -> int:
+    def insert_pages(self, ids: TokenIds, start: int, pages: torch.Tensor, block: PoolBlock | None = None) -> int:
         """Cache `ids` whose KV for positions `start..len(ids)` is `pages` (`[layers, 2, kv_heads, n,
         head_dim]`, imported from another engine; kept as is, not copied). Positions before `start` must
         still be cached here, or nothing past them is inserted. With `block` (the pool pages `pages` views),
@@ -134,10 +137,10 @@ class RadixCache:
 
         return self._insert(ids, piece, block)
 
-    def _insert(self, ids: list[int], piece: Callable[[int, int], torch.Tensor | None],
+    def _insert(self, ids: TokenIds, piece: Callable[[int, int], torch.Tensor | None],
                 block: PoolBlock | None = None) -> int:
         """Walk `ids`, attaching `piece(pos, len(ids))` where the tree ends; returns the tokens cached."""
-        if self.capacity_tokens == 0 or not ids:
+        if self.capacity_tokens == 0 or len(ids) == 0:
             return 0
         arr = np.asarray(ids, dtype=np.int64)
         now = next(self._clock)
@@ -186,7 +189,7 @@ class RadixCache:
         if self.tokens > self.capacity_tokens:
             self._evict_lru(lambda: self.tokens <= self.capacity_tokens)
 
-    def make_room(self, done: Callable[[], bool], keep: list[int]) -> bool:
+    def make_room(self, done: Callable[[], bool], keep: TokenIds) -> bool:
         """Evict edges that hold pool pages, least recently used first, until `done()` (the pool can serve an
         import); the edges on the path of `keep` (the prefix that import builds on) stay. Returns `done()`."""
         path: set[int] = set()
