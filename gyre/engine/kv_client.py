@@ -12,28 +12,30 @@ from pydantic import BaseModel, ValidationError
 from gyre.engine.client import _transport_error
 from gyre.engine.errors import EngineHTTPError, EngineProtocolError, KvRefusedError
 from gyre.engine.kv_protocol import (
+    KV_BODY_TYPE,
     KvCommitResult,
     KvExportResult,
     KvImportResult,
     KvLayout,
     KvOffer,
     KvReservation,
-    pack_ids,
+    frame_body,
+    ids_bytes,
 )
 
 M = TypeVar("M", bound=BaseModel)
-IdsArg = str | Sequence[int]
-"""Token ids, or `pack_ids`' string of them."""
+IdsArg = bytes | Sequence[int]
+"""Token ids, or `ids_bytes` of them."""
 
 
-def _packed(ids: IdsArg) -> str:
-    return ids if isinstance(ids, str) else pack_ids(ids)
+def _wire(ids: IdsArg) -> bytes:
+    return ids if isinstance(ids, bytes) else ids_bytes(ids)
 
 
 class KvClient:
     """`/gyre/kv/*` of one engine. A 409 answer becomes `KvRefusedError` (the caller recomputes). Token ids
-    travel packed (`pack_ids`); a caller making several calls on one prefix packs it once and passes the
-    string (`IdsArg`)."""
+    travel raw after the call's JSON fields (`KV_BODY_TYPE`); a caller making several calls on one prefix
+    converts it once (`ids_bytes`) and passes the bytes (`IdsArg`)."""
 
     def __init__(self, base_url: str, http: httpx.AsyncClient, timeout_s: float = 120.0) -> None:
         self.base_url = base_url.rstrip("/")
@@ -44,21 +46,21 @@ class KvClient:
         return await self._call("GET", "/gyre/kv/layout", None, KvLayout)
 
     async def offer(self, input_ids: IdsArg, rid: str | None = None) -> KvOffer:
-        return await self._call("POST", "/gyre/kv/offer", {"input_ids": _packed(input_ids), "rid": rid}, KvOffer)
+        return await self._call("POST", "/gyre/kv/offer", {"rid": rid}, KvOffer, ids=_wire(input_ids))
 
     async def import_(self, input_ids: IdsArg, offer: KvOffer) -> KvImportResult:
-        body = {"input_ids": _packed(input_ids), "offer": offer.model_dump()}
-        return await self._call("POST", "/gyre/kv/import", body, KvImportResult)
+        body = {"offer": offer.model_dump()}
+        return await self._call("POST", "/gyre/kv/import", body, KvImportResult, ids=_wire(input_ids))
 
     async def release(self, offer_id: str) -> None:
         await self._call("POST", "/gyre/kv/release", {"offer_id": offer_id}, None)
 
     async def reserve(self, input_ids: IdsArg) -> KvReservation:
-        return await self._call("POST", "/gyre/kv/reserve", {"input_ids": _packed(input_ids)}, KvReservation)
+        return await self._call("POST", "/gyre/kv/reserve", {}, KvReservation, ids=_wire(input_ids))
 
     async def export(self, input_ids: IdsArg, reservation: KvReservation, rid: str | None = None) -> KvExportResult:
-        body = {"input_ids": _packed(input_ids), "rid": rid, "reservation": reservation.model_dump()}
-        return await self._call("POST", "/gyre/kv/export", body, KvExportResult)
+        body = {"rid": rid, "reservation": reservation.model_dump()}
+        return await self._call("POST", "/gyre/kv/export", body, KvExportResult, ids=_wire(input_ids))
 
     async def commit(self, reservation_id: str, end: int) -> KvCommitResult:
         body = {"reservation_id": reservation_id, "end": end}
@@ -67,12 +69,16 @@ class KvClient:
     async def cancel(self, reservation_id: str) -> None:
         await self._call("POST", "/gyre/kv/cancel", {"reservation_id": reservation_id}, None)
 
-    async def _call(self, method: str, path: str, body: Any, model: type[M] | None) -> Any:
+    async def _call(self, method: str, path: str, body: Any, model: type[M] | None, *,
+                    ids: bytes | None = None) -> Any:
         url = self.base_url + path
+        if ids is not None:
+            content, kind = frame_body(body, ids), KV_BODY_TYPE
+        else:
+            content, kind = None if body is None else json.dumps(body).encode(), "application/json"
         try:
             resp = await self._http.request(
-                method, url, content=None if body is None else json.dumps(body).encode(),
-                headers={"content-type": "application/json"}, timeout=self.timeout_s,
+                method, url, content=content, headers={"content-type": kind}, timeout=self.timeout_s,
             )
         except httpx.TransportError as e:
             raise _transport_error(e, url, self.timeout_s) from e

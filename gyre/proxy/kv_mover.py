@@ -23,7 +23,7 @@ import httpx
 
 from gyre.engine.errors import EngineError, KvRefusedError
 from gyre.engine.kv_client import KvClient
-from gyre.engine.kv_protocol import pack_ids
+from gyre.engine.kv_protocol import ids_bytes
 from gyre.errors import GyreError
 from gyre.proxy.routing import KvMove, KvMoveResult
 
@@ -55,7 +55,7 @@ class MooncakeKvMover:
         except (KeyError, GyreError) as e:
             return self._refused(move, ids, f"no engine URL for the cell: {e}")
         try:
-            packed = pack_ids(ids)  # once: both calls carry the same prefix
+            packed = ids_bytes(ids)  # once: both calls carry the same prefix
             if self.path == "pull":
                 offer = await src.offer(packed, move.rid)
                 try:

@@ -12,7 +12,7 @@ import pytest
 from gyre.engine import SyncHttpEngineClient
 from gyre.engine.errors import KvRefusedError
 from gyre.engine.kv_client import KvClient
-from gyre.engine.kv_protocol import KvCommitResult, KvExportResult
+from gyre.engine.kv_protocol import KV_BODY_TYPE, KvCommitResult, KvExportResult, frame_body, ids_bytes
 from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
 from gyre.engine.local.kv_port import MAX_OPEN_OFFERS
 from gyre.model import build_tiny_model
@@ -177,3 +177,21 @@ def test_an_offer_holds_its_blocks_until_released_and_the_oldest_expire(pair) ->
             assert a.engine.kv.endpoint.registered == 0
 
     asyncio.run(run())
+
+
+def test_kv_routes_take_framed_or_json_bodies_and_name_a_malformed_frame(pair) -> None:
+    a, _ = pair
+    url = a.url + "/gyre/kv/offer"
+    framed = {"content-type": KV_BODY_TYPE}
+    with httpx.Client() as http:
+        bad = http.post(url, content=frame_body({"rid": None}, ids_bytes(PROMPT))[:-2], headers=framed)
+        assert bad.status_code == 400
+        assert "not a valid framed KV body" in bad.json()["error"]["message"]
+        empty = http.post(url, content=frame_body({}, b""), headers=framed)
+        assert empty.status_code == 400 and "at least one token id" in empty.json()["error"]["message"]
+        offers = [http.post(url, content=frame_body({}, ids_bytes(PROMPT)), headers=framed),
+                  http.post(url, json={"input_ids": PROMPT})]
+        for resp in offers:
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["end"] == 0  # nothing cached on a fresh engine: an empty offer
+            assert http.post(a.url + "/gyre/kv/release", json={"offer_id": resp.json()["offer_id"]}).status_code == 200

@@ -11,7 +11,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.engine.kv_protocol import KvLayout, KvOfferRequest, KvReservation, pack_ids, unpack_ids
+from gyre.engine.kv_protocol import (
+    KvLayout,
+    KvOfferRequest,
+    KvReservation,
+    frame_body,
+    ids_bytes,
+    pack_ids,
+    unframe_body,
+    unpack_ids,
+)
 from gyre.engine.local.kv import KVShape, SequenceKV
 from gyre.engine.local.kv_port import HUGE_PAGE, KvPort, receive_buffer
 from gyre.engine.local.radix import RadixCache
@@ -118,3 +127,21 @@ def test_receive_buffers_are_zeroed_aligned_pages_of_the_right_shape() -> None:
     assert pages.data_ptr() % HUGE_PAGE == 0 and not pages.any()
     pages.fill_(1.0)  # writable, and the mapping outlives the function that made it
     assert pages.sum().item() == pages.numel()
+
+
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=300), st.dictionaries(st.sampled_from("abc"), st.integers()))
+def test_a_framed_body_carries_its_fields_and_ids(ids: list[int], fields: dict) -> None:
+    got = unframe_body(frame_body(fields, ids_bytes(ids)))
+    assert got.pop("input_ids").tolist() == ids and got == fields
+
+
+def test_malformed_framed_bodies_are_named() -> None:
+    body = frame_body({"rid": None}, ids_bytes([1, 2]))
+    with pytest.raises(ValueError, match="shorter than its 4-byte header"):
+        unframe_body(body[:3])
+    with pytest.raises(ValueError, match="declares 13 bytes of JSON fields"):
+        unframe_body(body[:10])
+    with pytest.raises(ValueError, match="not a multiple of 4"):
+        unframe_body(body[:-1])
+    with pytest.raises(ValueError, match="not among them"):
+        unframe_body(frame_body({"input_ids": [1]}, b""))

@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 
 from gyre.engine.errors import EngineError, EngineRequestError, KvRefusedError
 from gyre.engine.kv_protocol import (
+    KV_BODY_TYPE,
     KvCancelRequest,
     KvCommitRequest,
     KvExportRequest,
@@ -31,6 +32,7 @@ from gyre.engine.kv_protocol import (
     KvOfferRequest,
     KvReleaseRequest,
     KvReserveRequest,
+    unframe_body,
 )
 from gyre.engine.local.engine import LocalEngine
 from gyre.engine.local.scheduler import EngineRequest, RequestOutput
@@ -85,10 +87,12 @@ async def _parse(request: Request, model: type[M], *, optional_body: bool = Fals
     raw = await request.body()
     if not raw.strip() and optional_body:
         return model()
+    framed = request.headers.get("content-type", "").split(";")[0].strip() == KV_BODY_TYPE
     try:
-        data = json.loads(raw)
+        data = unframe_body(raw) if framed else json.loads(raw)
     except ValueError as e:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8
-        raise _BadRequest("body", f"request body is not valid JSON: {e}") from e
+        what = "a valid framed KV body" if framed else "valid JSON"
+        raise _BadRequest("body", f"request body is not {what}: {e}") from e
     if not isinstance(data, dict):
         raise _BadRequest("body", "request body must be a JSON object")
     try:
