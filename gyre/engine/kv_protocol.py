@@ -17,7 +17,9 @@ The push path (receiver reserves, sender writes, receiver commits: three calls o
 3. `POST {to}/gyre/kv/commit {reservation_id, end}` - the receiver inserts the pages into its prefix
    cache under the prefix, so the resubmitted request hits the cache. `/gyre/kv/cancel` drops a reservation.
 The push path is SGLang's disaggregation pattern (the receiver names destination pages, the sender writes),
-but for a call in flight rather than a finished prefill. This module imports pydantic and numpy (no torch).
+but for a call in flight rather than a finished prefill. The routes that carry `input_ids` take it raw,
+after their other fields, in a framed body (`KV_BODY_TYPE`), or inside a JSON body. This module imports
+pydantic and numpy (no torch).
 """
 
 from __future__ import annotations
