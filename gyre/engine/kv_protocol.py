@@ -48,8 +48,13 @@ def unpack_ids(text: str) -> np.ndarray:
         raw = binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
     except (binascii.Error, ValueError, UnicodeEncodeError) as e:
         raise ValueError(f"packed ids are not valid base64: {e}") from e
+    return _wire_ids(raw, "packed ids")
+
+
+def _wire_ids(raw: bytes | memoryview, what: str) -> np.ndarray:
+    """Little-endian int32 bytes (`ids_bytes`) as a read-only int64 array; `what` names them in the error."""
     if len(raw) % 4:
-        raise ValueError(f"packed ids are {len(raw)} bytes, not a multiple of 4 (int32)")
+        raise ValueError(f"{what} are {len(raw)} bytes, not a multiple of 4 (int32)")
     return _frozen(np.frombuffer(raw, dtype=_WIRE_ID).astype(np.int64))
 
 
@@ -65,7 +70,8 @@ def _ids(value: Any) -> np.ndarray:
     if isinstance(value, str):
         arr = unpack_ids(value)
     elif isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu":
-        arr = _frozen(value.astype(np.int64))
+        # a frame's ids are already read-only int64 (`unframe_body`): kept, not copied again
+        arr = value if value.dtype == np.int64 and not value.flags.writeable else _frozen(value.astype(np.int64))
     else:
         arr = _frozen(np.asarray(_ID_LIST.validate_python(value), dtype=np.int64))
     if arr.size == 0:
@@ -118,10 +124,7 @@ def unframe_body(raw: bytes) -> dict[str, Any]:
         raise ValueError("framed KV body's fields must be a JSON object")
     if "input_ids" in fields:
         raise ValueError("framed KV body carries input_ids after its fields, not among them")
-    ids = memoryview(raw)[_FRAME.size + n :]
-    if len(ids) % 4:
-        raise ValueError(f"framed KV body's ids are {len(ids)} bytes, not a multiple of 4 (int32)")
-    fields["input_ids"] = _frozen(np.frombuffer(ids, dtype=_WIRE_ID).astype(np.int64))
+    fields["input_ids"] = _wire_ids(memoryview(raw)[_FRAME.size + n :], "framed KV body's ids")
     return fields
 
 

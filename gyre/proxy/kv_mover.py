@@ -48,26 +48,26 @@ class MooncakeKvMover:
         return KvClient(self._url_of(cell), self._http, self._timeout_s)
 
     async def move(self, move: KvMove) -> KvMoveResult:
-        ids = list(move.token_ids)
+        n = len(move.token_ids)
         started = time.perf_counter()
         try:
             src, dst = self._client(move.from_cell), self._client(move.to_cell)
         except (KeyError, GyreError) as e:
-            return self._refused(move, ids, f"no engine URL for the cell: {e}")
+            return self._refused(move, f"no engine URL for the cell: {e}")
         try:
-            packed = ids_bytes(ids)  # once: both calls carry the same prefix
+            wire = ids_bytes(move.token_ids)  # once: both calls carry the same prefix
             if self.path == "pull":
-                offer = await src.offer(packed, move.rid)
+                offer = await src.offer(wire, move.rid)
                 try:
-                    done = await dst.import_(packed, offer)
+                    done = await dst.import_(wire, offer)
                 finally:
                     self._release_later(src, offer.offer_id)
                 blocks, nbytes, tokens = done.pages, done.bytes, done.tokens
                 transfer, cached = done.seconds, done.cached_tokens
             else:
-                reservation = await dst.reserve(packed)
+                reservation = await dst.reserve(wire)
                 try:
-                    exported = await src.export(packed, reservation, move.rid)
+                    exported = await src.export(wire, reservation, move.rid)
                 except EngineError:
                     await self._cancel(dst, reservation.reservation_id)
                     raise
@@ -75,17 +75,17 @@ class MooncakeKvMover:
                 blocks, nbytes, tokens = exported.pages, exported.bytes, exported.tokens
                 transfer, cached = exported.seconds, committed.cached_tokens
         except KvRefusedError as e:
-            return self._refused(move, ids, f"{e.field}: {e.message}")
+            return self._refused(move, f"{e.field}: {e.message}")
         except EngineError as e:  # unreachable cell, transfer failure (HTTP 502), bad answer
-            return self._refused(move, ids, str(e))
-        cached = min(cached, len(ids) - 1)  # the last token is always computed again
+            return self._refused(move, str(e))
+        cached = min(cached, n - 1)  # the last token is always computed again
         return KvMoveResult(
             blocks=blocks,
             bytes=nbytes,
             tokens=tokens,
             transfer_seconds=transfer,
             seconds=time.perf_counter() - started,
-            tokens_recomputed=len(ids) - cached,
+            tokens_recomputed=n - cached,
         )
 
     def _release_later(self, client: KvClient, offer_id: str) -> None:
@@ -102,10 +102,10 @@ class MooncakeKvMover:
         task.add_done_callback(self._releases.discard)
 
     @staticmethod
-    def _refused(move: KvMove, ids: list[int], reason: str) -> KvMoveResult:
+    def _refused(move: KvMove, reason: str) -> KvMoveResult:
         log.info("call %s: KV not moved %s -> %s (%s); the new engine recomputes it",
                  move.call_id, move.from_cell, move.to_cell, reason)
-        return KvMoveResult(tokens_recomputed=len(ids), refused=reason)
+        return KvMoveResult(tokens_recomputed=len(move.token_ids), refused=reason)
 
     @staticmethod
     async def _cancel(client: KvClient, reservation_id: str) -> None:
