@@ -17,7 +17,10 @@ and medians are kept.
 `receive` says where B received the moved KV: `pool` (pages of B's KV pool, populated at engine start) or
 `fresh` (a fallback to freshly mapped memory, when the pool cannot hold the move), counted from B's
 `/gyre/stats` (`kv_pool.allocations` and `kv_pool.fallbacks`) over the size's rounds, both paths.
-Engines A and B are `gyre engine serve` processes; the benchmark process plays the proxy.
+Engines A and B are `gyre engine serve` processes; the benchmark process plays the proxy, with the proxy's
+own pieces: the moved prefix is an `array("i")` (as a call record holds it) and `/generate` goes through
+`EngineLink` with the prompt's JSON built once (as the proxy keeps recorded calls' JSON), so neither the
+move nor the continuation pays a per-id conversion the proxy does not.
 Goals (issue 13): the redirect's cost (`migrate - stay`, paired by round) <= transfer + 20 ms at every size
 (`migrate_minus_transfer_ms` is reported too: it also holds the continuation's own first step, which
 `stay` pays as well); transfer >= 0.8 x raw TCP.
@@ -36,14 +39,16 @@ import struct
 import subprocess
 import sys
 import time
+from array import array
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from gyre.engine import HttpEngineClient
+from gyre.engine import HttpEngineClient, SamplingParams
 from gyre.proxy.kv_mover import MooncakeKvMover
 from gyre.proxy.routing import KvMove
+from gyre.proxy.transport import EngineLink, Prompt
 
 SIZES = (8192, 32000, 100000)  # the tiny model's context is 131072 positions
 FULL_RECOMPUTE_MAX = 32768
@@ -122,12 +127,12 @@ class RawTcp:
 
 # -- the measured paths ---------------------------------------------------------------------------------------
 
-GREEDY_ONE = {"temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True}
+GREEDY_ONE = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
 
 
-async def _first_token(client: HttpEngineClient, ids: list[int]) -> tuple[float, int]:
+async def _first_token(link: EngineLink, prompt: Prompt, rid: str) -> tuple[float, int]:
     start = time.perf_counter()
-    result = await client.generate(ids, GREEDY_ONE)
+    result = await link.generate(prompt, GREEDY_ONE, rid)
     return time.perf_counter() - start, result.cached_tokens
 
 
@@ -137,12 +142,15 @@ async def _pool_counts(url: str) -> tuple[int, int]:
     return (pool["allocations"], pool["fallbacks"]) if pool else (0, 0)
 
 
-async def _size(a: HttpEngineClient, b: HttpEngineClient, mover: MooncakeKvMover, pusher: MooncakeKvMover,
-                raw: RawTcp, n: int, rounds: int, b_url: str) -> dict[str, Any]:
+async def _size(a: HttpEngineClient, b: HttpEngineClient, links: tuple[EngineLink, EngineLink],
+                mover: MooncakeKvMover, pusher: MooncakeKvMover, raw: RawTcp, n: int, rounds: int,
+                b_url: str) -> dict[str, Any]:
     before = await _pool_counts(b_url)
     ids = [(i * 7919 + n) % 250 + 1 for i in range(n - 4)]
     first = await a.generate(ids, {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True})
     ids = ids + first.output_ids  # A caches ids[:-1], as after aborting a call with 4 tokens of output
+    prompt, held = Prompt.of(ids), array("i", ids)  # the proxy's forms: cached JSON, the record's array
+    link_a, link_b = links
     keys = ("migrate", "migrate_push", "recompute", "stay", "transfer", "transfer_push", "move", "move_push", "raw")
     rows: dict[str, list[float]] = {k: [] for k in keys}
     moved = None
@@ -156,9 +164,9 @@ async def _size(a: HttpEngineClient, b: HttpEngineClient, mover: MooncakeKvMover
             if path in ("migrate", "migrate_push"):
                 suffix = path.removeprefix("migrate")
                 start = time.perf_counter()
-                call = KvMove("bench", f"call-{n}-{r}{suffix}", "a", "b", ids)
+                call = KvMove("bench", f"call-{n}-{r}{suffix}", "a", "b", held)
                 done = await (mover if path == "migrate" else pusher).move(call)
-                _, cached = await _first_token(b, ids)
+                _, cached = await _first_token(link_b, prompt, f"{n}-{r}-{path}")
                 rows[path].append(time.perf_counter() - start)
                 assert done.refused is None, done.refused
                 assert cached == done.tokens, (cached, done.tokens)  # B served from the moved pages
@@ -168,11 +176,11 @@ async def _size(a: HttpEngineClient, b: HttpEngineClient, mover: MooncakeKvMover
                 if path == "migrate":
                     moved = done
             elif path == "recompute":
-                seconds, cached = await _first_token(b, ids)
+                seconds, cached = await _first_token(link_b, prompt, f"{n}-{r}-{path}")
                 assert cached == 0
                 rows["recompute"].append(seconds)
             elif path == "stay":
-                rows["stay"].append((await _first_token(a, ids))[0])
+                rows["stay"].append((await _first_token(link_a, prompt, f"{n}-{r}-{path}"))[0])
             else:
                 assert moved is not None or r == 0
                 rows["raw"].append(raw.stream(moved.bytes if moved is not None else n * 1024))
@@ -236,13 +244,16 @@ async def run(quick: bool = False, rounds: int | None = None, sizes: tuple[int, 
         mover = MooncakeKvMover({"a": urls[0], "b": urls[1]})
         pusher = MooncakeKvMover({"a": urls[0], "b": urls[1]}, path="push")
         results: dict[str, Any] = {}
+        links = (EngineLink(urls[0]), EngineLink(urls[1]))
         async with HttpEngineClient(urls[0]) as a, HttpEngineClient(urls[1]) as b:
             warm = [1 + i % 200 for i in range(300)]  # endpoints start and connect once, outside the figures
             await a.generate(warm, {"max_new_tokens": 2})
             await mover.move(KvMove("bench", "warm", "a", "b", [*warm, 1]))
             await pusher.move(KvMove("bench", "warm", "a", "b", [*warm, 2]))
             for n in sizes:
-                results[str(n)] = await _size(a, b, mover, pusher, raw, n, rounds, urls[1])
+                results[str(n)] = await _size(a, b, links, mover, pusher, raw, n, rounds, urls[1])
+        for link in links:
+            await link.aclose()
         await mover.aclose()
         await pusher.aclose()
     finally:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import binascii
 import json
 import struct
+from array import array
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -97,8 +98,14 @@ _FRAME = struct.Struct("<I")
 
 
 def ids_bytes(ids: Sequence[int] | np.ndarray) -> bytes:
-    """Token ids as little-endian int32 bytes; OverflowError past int32."""
+    """Token ids as little-endian int32 bytes; OverflowError past int32. An int ndarray or an integer
+    `array.array` (the proxy's call records hold `array("i")`) converts without a Python object per id: at
+    100K ids a list costs ~2.3 ms, an array ~0.05 ms."""
+    if isinstance(ids, array) and ids.typecode in "bBhHiIlLqQ":
+        ids = np.frombuffer(ids, dtype=np.dtype(ids.typecode)) if len(ids) else np.empty(0, dtype=_WIRE_ID)
     if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"token ids must be integers, got an array of {ids.dtype}")
         if ids.size and (ids.min() < np.iinfo(_WIRE_ID).min or ids.max() > np.iinfo(_WIRE_ID).max):
             raise OverflowError("token ids do not fit in int32")
         return ids.astype(_WIRE_ID, copy=False).tobytes()

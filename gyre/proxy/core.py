@@ -501,14 +501,9 @@ class ActiveCall:
 
     async def _redirected(self, flight: Flight) -> None:
         assert flight.redirect_to is not None
-        move = KvMove(
-            self.state.execution_id,
-            self.call_id,
-            flight.cell_id,
-            flight.redirect_to,
-            self.record.ids(0, self.record.prompt_len).tolist() + self.output_ids,
-            rid=flight.rid,
-        )
+        ids = self.record.ids(0, self.record.prompt_len)  # an array("i"): the mover sends it without a list
+        ids.extend(self.output_ids)
+        move = KvMove(self.state.execution_id, self.call_id, flight.cell_id, flight.redirect_to, ids, rid=flight.rid)
         moved = await self.proxy.kv_mover.move(move)
         self.redirects += 1
         self.cell_id = flight.redirect_to

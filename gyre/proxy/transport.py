@@ -30,8 +30,8 @@ from gyre.engine import (
     SamplingParams,
 )
 from gyre.engine.client import ROUTING_KEY_HEADER, parse_generate, sse_payload
+from gyre.engine.wire import WireError, WirePool
 from gyre.proxy.tito import CallRecord
-from gyre.proxy.wire import WireError, WirePool
 
 
 @dataclass(frozen=True, slots=True)

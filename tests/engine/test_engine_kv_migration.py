@@ -10,11 +10,12 @@ import httpx
 import pytest
 
 from gyre.engine import SyncHttpEngineClient
-from gyre.engine.errors import KvRefusedError
+from gyre.engine.errors import EngineUnreachableError, KvRefusedError
 from gyre.engine.kv_client import KvClient
 from gyre.engine.kv_protocol import KV_BODY_TYPE, KvCommitResult, KvExportResult, frame_body, ids_bytes
 from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
 from gyre.engine.local.kv_port import MAX_OPEN_OFFERS
+from gyre.engine.wire import WirePool
 from gyre.model import build_tiny_model
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
@@ -36,13 +37,15 @@ def pair() -> Iterator[tuple[LocalEngineServer, LocalEngineServer]]:
 
 
 def migrate(src: str, dst: str, ids: list[int], rid: str | None = None,
-            path: str = "push") -> tuple[KvExportResult, KvCommitResult]:
+            path: str = "push", wire: bool = False) -> tuple[KvExportResult, KvCommitResult]:
     """Push: reserve on `dst`, export from `src` into it, commit on `dst`. Pull (what the proxy's mover does
-    by default): offer on `src`, import on `dst`, release on `src`. Both answer in the push path's terms."""
+    by default): offer on `src`, import on `dst`, release on `src`. Both answer in the push path's terms.
+    `wire`: POSTs go through `WirePool`s (as the mover sends them), not httpx."""
 
     async def run() -> tuple[KvExportResult, KvCommitResult]:
         async with httpx.AsyncClient() as http:
-            source, target = KvClient(src, http), KvClient(dst, http)
+            source = KvClient(src, http, wire=WirePool(src) if wire else None)
+            target = KvClient(dst, http, wire=WirePool(dst) if wire else None)
             if path == "pull":
                 offer = await source.offer(ids, rid)
                 try:
@@ -63,13 +66,13 @@ def migrate(src: str, dst: str, ids: list[int], rid: str | None = None,
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize("path", ["pull", "push"])
-def test_continuation_after_migration_equals_continuing_on_the_old_engine(pair, path: str) -> None:
+@pytest.mark.parametrize(("path", "wire"), [("pull", False), ("pull", True), ("push", False)])
+def test_continuation_after_migration_equals_continuing_on_the_old_engine(pair, path: str, wire: bool) -> None:
     a, b = pair
     with SyncHttpEngineClient(a.url) as old, SyncHttpEngineClient(b.url) as new:
         first = old.generate(PROMPT, GREEDY)  # A now caches prompt + output[:-1], as after an abort
         ids = PROMPT + first.output_ids
-        exported, committed = migrate(a.url, b.url, ids, path=path)
+        exported, committed = migrate(a.url, b.url, ids, path=path, wire=wire)
         page = LocalEngineConfig().kv_page_size
         end = len(ids) - 1  # every token but the last, which B computes for its logits
         assert (exported.end, exported.tokens, exported.pages) == (end, end, -(-end // page))
@@ -195,3 +198,23 @@ def test_kv_routes_take_framed_or_json_bodies_and_name_a_malformed_frame(pair) -
             assert resp.status_code == 200, resp.text
             assert resp.json()["end"] == 0  # nothing cached on a fresh engine: an empty offer
             assert http.post(a.url + "/gyre/kv/release", json={"offer_id": resp.json()["offer_id"]}).status_code == 200
+
+
+def test_kv_calls_over_the_wire_pool_raise_the_same_errors_as_over_httpx(pair) -> None:
+    """The mover's `WirePool` transport: a refusal (409) is a `KvRefusedError` naming its field, and an engine
+    nobody listens on is unreachable, as with httpx."""
+    a, _ = pair
+
+    async def run() -> None:
+        async with httpx.AsyncClient() as http:
+            for wire in (None, WirePool(a.url)):
+                client = KvClient(a.url, http, wire=wire)
+                with pytest.raises(KvRefusedError) as refused:
+                    await client.release("kvo-never-offered")
+                assert refused.value.field == "offer_id" and "kvo-never-offered" in refused.value.message
+            dead = "http://127.0.0.1:9"  # the discard port: nothing listens there
+            for wire in (None, WirePool(dead)):
+                with pytest.raises(EngineUnreachableError):
+                    await KvClient(dead, http, timeout_s=10.0, wire=wire).offer(PROMPT)
+
+    asyncio.run(run())

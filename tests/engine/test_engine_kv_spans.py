@@ -4,6 +4,7 @@ any shape of the sender's radix tree (prefix split over several edges) and any c
 from __future__ import annotations
 
 import ctypes
+from array import array
 
 import numpy as np
 import pytest
@@ -101,11 +102,23 @@ def test_packed_ids_round_trip_and_either_form_is_accepted(ids: list[int]) -> No
     assert KvOfferRequest.model_validate({"input_ids": ids}).model_dump()["input_ids"] == pack_ids(ids)
 
 
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=300), st.sampled_from("ilq"))
+def test_ids_bytes_of_an_int_array_equals_that_of_the_list(ids: list[int], typecode: str) -> None:
+    """The proxy hands the mover its call record's `array("i")`; every integer form gives the same bytes."""
+    want = ids_bytes(ids)
+    assert ids_bytes(array(typecode, ids)) == want == ids_bytes(np.asarray(ids, dtype=np.int64))
+    assert np.frombuffer(want, dtype="<i4").tolist() == ids
+
+
 def test_ids_beyond_int32_are_refused_when_packed() -> None:
     with pytest.raises(OverflowError):
         pack_ids([2**31])
     with pytest.raises(OverflowError):
         pack_ids(np.asarray([-(2**31) - 1]))
+    with pytest.raises(OverflowError):
+        ids_bytes(array("q", [1, 2**31]))
+    with pytest.raises(TypeError, match="must be integers"):
+        ids_bytes(np.asarray([1.5, 2.0]))
 
 
 def test_bad_packed_ids_are_named() -> None:

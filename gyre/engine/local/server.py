@@ -88,6 +88,11 @@ async def _parse(request: Request, model: type[M], *, optional_body: bool = Fals
     if not raw.strip() and optional_body:
         return model()
     framed = request.headers.get("content-type", "").split(";")[0].strip() == KV_BODY_TYPE
+    if not framed:
+        try:  # pydantic's own JSON parser: at 100K prompt ids ~3 ms against ~10 ms for json.loads + validate
+            return model.model_validate_json(raw)
+        except ValidationError:
+            pass  # the path below names what is wrong, in the engine's words
     try:
         data = unframe_body(raw) if framed else json.loads(raw)
     except ValueError as e:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8

@@ -1,7 +1,9 @@
-"""A minimal keep-alive HTTP/1.1 client for the proxy's hot path (`/generate` without streaming).
+"""A minimal keep-alive HTTP/1.1 client for the hot paths to an engine: the proxy's `/generate` (without
+streaming) and the KV mover's `/gyre/kv/*` calls.
 
 httpx costs about 0.9 ms of CPU per request on this class of machine; this costs about 0.1 ms, and the proxy
-makes one such request per model call on its only event loop. It does only what an SGLang engine needs:
+makes one such request per model call on its only event loop (a KV migration makes two on a redirect's
+critical path). It does only what an SGLang engine needs:
 POST with a JSON body, `Content-Length` or chunked responses, pooled connections. Streams and TLS go through
 httpx.
 """
