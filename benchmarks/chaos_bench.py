@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from gyre.cluster.procs import ProcStat, all_stats, cmdline, running
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE_CONFIG = ROOT / "examples" / "cluster-cpu.toml"
 VICTIM_CLASSES = ("controller", "proxy", "cell", "harness")
@@ -100,41 +102,9 @@ def parse_weights(text: str) -> dict[str, float]:
     return weights
 
 
-# -- processes (pure reads of /proc and the run's pid files) ---------------------------------------------------
+# -- processes (pure reads of /proc, in gyre.cluster.procs, and the run's pid files) --------------------------
 
-
-@dataclass(frozen=True)
-class ProcStat:
-    pid: int
-    state: str
-    ppid: int
-    pgid: int
-    sid: int
-
-
-def proc_stat(pid: int, proc: Path = Path("/proc")) -> ProcStat | None:
-    """The fields of ``/proc/<pid>/stat`` the driver needs; None when there is no such process."""
-    try:
-        text = (proc / str(pid) / "stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
-        return None
-    rest = text[text.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
-    return ProcStat(pid, rest[0], int(rest[1]), int(rest[2]), int(rest[3]))
-
-
-def alive(pid: int, proc: Path = Path("/proc")) -> bool:
-    stat = proc_stat(pid, proc)
-    return stat is not None and stat.state not in ("Z", "X")
-
-
-def all_stats(proc: Path = Path("/proc")) -> list[ProcStat]:
-    out = []
-    for entry in proc.iterdir():
-        if entry.name.isdigit():
-            stat = proc_stat(int(entry.name), proc)
-            if stat is not None:
-                out.append(stat)
-    return out
+alive = running  # the driver's word for it
 
 
 def descendants(pid: int, stats: list[ProcStat]) -> list[ProcStat]:
@@ -187,11 +157,7 @@ def children_by_argv(controller_pid: int, stats: list[ProcStat], proc: Path = Pa
     """name -> pid of the controller's cells and proxy found by their argv (for a controller without pid files)."""
     out = {}
     for stat in descendants(controller_pid, stats):
-        try:
-            argv = (proc / str(stat.pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        name = child_name(argv)
+        name = child_name(cmdline(stat.pid, proc))
         if name is not None and name not in out:
             out[name] = stat.pid
     return out
@@ -437,11 +403,8 @@ class Chaos:
 
 def _is_ours(pid: int, run_dir: Path) -> bool:
     """A pid from our pid files still runs `gyre` for this run (not a recycled pid)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-    except OSError:
-        return False
-    return b"gyre" in cmdline and (str(run_dir).encode() in cmdline or b"--controller" in cmdline)
+    line = " ".join(cmdline(pid))
+    return "gyre" in line and (str(run_dir) in line or "--controller" in line)
 
 
 # -- figures ------------------------------------------------------------------------------------------------------

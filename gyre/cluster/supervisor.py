@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gyre.cluster.procs import cmdline, running
+
 log = logging.getLogger(__name__)
 
 
@@ -37,22 +39,6 @@ class _Process:
     starts: int = 0
     crashes: int = 0  # exits since the last hello
     gone: bool = False  # exited and not started again (stopping, or given up)
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an adopted process is reaped by init, a child by us)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 class Supervisor:
@@ -95,8 +81,8 @@ class Supervisor:
             pid = int(self.pid_file(name).read_text().strip())
         except (OSError, ValueError):
             return 0
-        argv = _cmdline(pid)
-        if not _running(pid) or not all(part in argv for part in self.identity(name)):
+        argv = cmdline(pid)
+        if not running(pid) or not all(part in argv for part in self.identity(name)):
             return 0
         return pid
 
@@ -128,7 +114,7 @@ class Supervisor:
         if proc.popen is not None:
             code = proc.popen.poll()
             return None if code is None else f"its process {proc.pid} exited with status {code}"
-        return None if _running(proc.pid) else f"its process {proc.pid} is gone"
+        return None if running(proc.pid) else f"its process {proc.pid} is gone"
 
     def _watch(self) -> None:
         while not self._stopping.wait(self.poll_s):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import chaos_bench as cb
+from gyre.cluster.procs import ProcStat, cmdline, proc_stat, running
 from gyre.events.models import RewardRecorded, TrainStepFinished
 from gyre.log import LogWriter
 
@@ -77,14 +78,15 @@ def test_process_discovery_from_pid_files_and_a_proc_tree(tmp_path):
     (run_dir / "processes" / "cell3.pid").write_text("")  # being rewritten
     assert cb.pid_files(run_dir) == {"controller": 100, "cell0": 200, "cell1": 201, "cell2": 999, "proxy": 300}
     stats = cb.all_stats(proc)
-    assert cb.proc_stat(401, proc) == cb.ProcStat(401, "R", 400, 400, 400)
+    assert proc_stat(401, proc) == ProcStat(401, "R", 400, 400, 400)
+    assert proc_stat(999, proc) is None and cmdline(999, proc) == []
     assert [s.pid for s in cb.descendants(300, stats)] == [400, 410, 420, 401]
     assert cb.harnesses(300, stats) == [400, 410]
     found = cb.candidates(run_dir, 100, proc)
     assert found == {"controller": ["controller"], "proxy": ["proxy"], "cell": ["cell0", "cell1"],
                      "harness": ["harness:400", "harness:410"]}
     assert cb.resolve("harness:410", run_dir, 100) == 410 and cb.resolve("cell1", run_dir, 100) == 201
-    assert not cb.alive(430, proc) and not cb.alive(999, proc) and cb.alive(401, proc)
+    assert not running(430, proc) and not running(999, proc) and running(401, proc)  # 430 is a zombie
 
 
 def test_without_pid_files_the_controllers_children_are_found_by_argv(tmp_path):
