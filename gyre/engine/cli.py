@@ -22,7 +22,10 @@ def serve(
     max_running_requests: int = typer.Option(64, help="Sequences decoded together at most."),
     max_step_tokens: int = typer.Option(2048, help="Tokens per forward step (prefill chunk budget)."),
     cache_tokens: int = typer.Option(131072, help="Prefix-cache capacity in tokens (0 disables it)."),
-    kv_page_size: int = typer.Option(16, help="Tokens per KV page, the unit of KV migration (/gyre/kv/*)."),
+    kv_page_size: int = typer.Option(16, min=1, help="Tokens per KV page, the unit of KV migration (/gyre/kv/*)."),
+    kv_pool_tokens: int | None = typer.Option(
+        None, min=0, help="Tokens of KV memory populated at start for imported KV (default: the model's context "
+        "length; 0: no pool, imports map fresh memory)."),
 ) -> None:
     """Serve /generate and the admin endpoints until interrupted."""
     from gyre.engine.local import LocalEngine, LocalEngineConfig, SchedulerConfig
@@ -33,6 +36,7 @@ def serve(
         seed=seed,
         num_threads=threads,
         kv_page_size=kv_page_size,
+        kv_pool_tokens=kv_pool_tokens,
         scheduler=SchedulerConfig(
             max_running_requests=max_running_requests,
             max_step_tokens=max_step_tokens,

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -154,11 +155,14 @@ def test_cli_serves_the_tiny_model() -> None:
     from gyre.engine.cli import engine_app
 
     help_text = CliRunner().invoke(engine_app, ["serve", "--help"]).output
-    assert "--model" in help_text and "--port" in help_text
+    assert "--model" in help_text and "--port" in help_text and "--kv-pool-tokens" in help_text
+    refused = CliRunner().invoke(engine_app, ["serve", "--kv-pool-tokens", "-1"])
+    assert refused.exit_code == 2 and "--kv-pool-tokens" in refused.output
     port = _free_port()
     code = "from gyre.engine.cli import engine_app; engine_app()"
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, "serve", "--model", "tiny", "--port", str(port), "--seed", "0"],
+        [sys.executable, "-c", code, "serve", "--model", "tiny", "--port", str(port), "--seed", "0",
+         "--kv-pool-tokens", "4096"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -171,6 +175,8 @@ def test_cli_serves_the_tiny_model() -> None:
                 time.sleep(0.2)
             assert c.model_info().model_path == "tiny"
             assert c.generate([1, 2, 3], {"max_new_tokens": 3}).completion_tokens == 3
+        pool = httpx.get(f"http://127.0.0.1:{port}/gyre/stats").json()["kv_pool"]
+        assert (pool["pages"], pool["page_size"]) == (4096 // 16, 16)  # the flag sized the import pool
     finally:
         proc.terminate()
         proc.wait(10)
