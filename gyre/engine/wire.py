@@ -50,7 +50,9 @@ class WirePool:
         return reader, writer
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> WireResponse:
-        """POST `body`; a kept-alive connection the server closed meanwhile is retried once on a new one."""
+        """POST `body`; a kept-alive connection the server closed meanwhile is retried once on a new one.
+        Idle connections whose close has already arrived are dropped unused, so the resend - which could
+        repeat a request the server handled before dropping the connection - happens at most once."""
         head = b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n%s\r\n" % (
             path.encode(),
             self._host_header,
@@ -59,10 +61,13 @@ class WirePool:
         )
         while self._idle:
             conn = self._idle.pop()
+            if conn[0].at_eof() or conn[1].is_closing():  # the server's close already arrived: never sent on
+                conn[1].close()
+                continue
             try:
                 return await self._exchange(conn, head + body)
             except _StaleConnection:
-                continue
+                break  # sent, and nothing came back: one resend on a new connection, not on every idle one
         try:
             return await self._exchange(await self._connect(), head + body)
         except _StaleConnection as e:
