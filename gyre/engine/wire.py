@@ -30,7 +30,8 @@ Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 class WirePool:
-    """Kept-alive connections to one `http://host:port`."""
+    """Kept-alive connections to one `http://host:port[/prefix]` (a prefix goes before every posted path, as
+    httpx's `base_url` does)."""
 
     def __init__(self, base_url: str, max_idle: int = 1024) -> None:
         parts = urlsplit(base_url)
@@ -38,6 +39,7 @@ class WirePool:
             raise ValueError(f"WirePool speaks plain http only, got {base_url!r}")
         self.host = parts.hostname
         self.port = parts.port or 80
+        self.prefix = parts.path.rstrip("/")
         self._host_header = f"{self.host}:{self.port}".encode()
         self._idle: list[Conn] = []
         self._max_idle = max_idle
@@ -54,7 +56,7 @@ class WirePool:
         Idle connections whose close has already arrived are dropped unused, so the resend - which could
         repeat a request the server handled before dropping the connection - happens at most once."""
         head = b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n%s\r\n" % (
-            path.encode(),
+            (self.prefix + path).encode(),
             self._host_header,
             len(body),
             b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items()),

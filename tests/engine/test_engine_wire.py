@@ -16,6 +16,7 @@ class _Server:
 
     def __init__(self) -> None:
         self.handled = 0
+        self.paths: list[str] = []
         self.drop = False
         self.close_after_answer = False
         self._server: asyncio.Server | None = None
@@ -28,6 +29,7 @@ class _Server:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
+                self.paths.append(head.split(b" ")[1].decode())
                 length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                               if line.lower().startswith(b"content-length"))
                 body = await reader.readexactly(length)
@@ -72,6 +74,18 @@ def test_an_idle_connection_the_server_closed_is_not_used() -> None:
         assert (await pool.post("/x", b"a", {})).body == b"a"
         assert (await pool.post("/x", b"b", {})).body == b"b"  # the first connection is closed by now
         assert server.handled == 2  # each request delivered once
+        pool.close()
+        await server.stop()
+
+    asyncio.run(run())
+
+
+def test_a_base_url_path_prefixes_every_request() -> None:
+    async def run() -> None:
+        server = _Server()
+        pool = WirePool(await server.start() + "/engine/")
+        assert (await pool.post("/gyre/kv/offer", b"x", {})).body == b"x"
+        assert server.paths == ["/engine/gyre/kv/offer"]
         pool.close()
         await server.stop()
 
