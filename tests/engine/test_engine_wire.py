@@ -5,6 +5,7 @@ never used."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -50,43 +51,47 @@ class _Server:
         await self._server.wait_closed()
 
 
-def test_a_request_dropped_after_handling_is_sent_again_at_most_once() -> None:
+def _with_pool(test: Callable[[_Server, WirePool], Awaitable[None]], *, close_after_answer: bool = False,
+               suffix: str = "") -> None:
+    """Run `test` against a fresh server and a pool of connections to it (`suffix` is added to its URL)."""
+
     async def run() -> None:
         server = _Server()
-        pool = WirePool(await server.start())
+        server.close_after_answer = close_after_answer
+        pool = WirePool(await server.start() + suffix)
+        try:
+            await test(server, pool)
+        finally:
+            pool.close()
+            await server.stop()
+
+    asyncio.run(run())
+
+
+def test_a_request_dropped_after_handling_is_sent_again_at_most_once() -> None:
+    async def test(server: _Server, pool: WirePool) -> None:
         answers = await asyncio.gather(*(pool.post("/x", b"%d" % i, {}) for i in range(3)))
         assert [a.body for a in answers] == [b"0", b"1", b"2"] and server.handled == 3  # three idle now
         server.drop = True
         with pytest.raises(WireError, match="closed the connection without answering"):
             await pool.post("/x", b"once", {})
         assert server.handled == 3 + 2  # on an idle connection, then one resend on a new one; not 3 + 4
-        pool.close()
-        await server.stop()
 
-    asyncio.run(run())
+    _with_pool(test)
 
 
 def test_an_idle_connection_the_server_closed_is_not_used() -> None:
-    async def run() -> None:
-        server = _Server()
-        server.close_after_answer = True
-        pool = WirePool(await server.start())
+    async def test(server: _Server, pool: WirePool) -> None:
         assert (await pool.post("/x", b"a", {})).body == b"a"
         assert (await pool.post("/x", b"b", {})).body == b"b"  # the first connection is closed by now
         assert server.handled == 2  # each request delivered once
-        pool.close()
-        await server.stop()
 
-    asyncio.run(run())
+    _with_pool(test, close_after_answer=True)
 
 
 def test_a_base_url_path_prefixes_every_request() -> None:
-    async def run() -> None:
-        server = _Server()
-        pool = WirePool(await server.start() + "/engine/")
+    async def test(server: _Server, pool: WirePool) -> None:
         assert (await pool.post("/gyre/kv/offer", b"x", {})).body == b"x"
         assert server.paths == ["/engine/gyre/kv/offer"]
-        pool.close()
-        await server.stop()
 
-    asyncio.run(run())
+    _with_pool(test, suffix="/engine/")
