@@ -104,8 +104,6 @@ def parse_weights(text: str) -> dict[str, float]:
 
 # -- processes (pure reads of /proc, in gyre.cluster.procs, and the run's pid files) --------------------------
 
-alive = running  # the driver's word for it
-
 
 def descendants(pid: int, stats: list[ProcStat]) -> list[ProcStat]:
     """Every live process below ``pid`` (children, grandchildren, ...), parents before children."""
@@ -397,7 +395,7 @@ class Chaos:
             self.controller.kill()
             self.controller.wait()
         for name, pid in pid_files(self.run_dir).items():
-            if name != "controller" and alive(pid) and _is_ours(pid, self.run_dir):
+            if name != "controller" and running(pid) and _is_ours(pid, self.run_dir):
                 kill(name, pid)
 
 

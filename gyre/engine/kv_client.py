@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -11,13 +10,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from gyre.engine.client import _transport_error
-from gyre.engine.errors import (
-    EngineHTTPError,
-    EngineProtocolError,
-    EngineTimeoutError,
-    EngineUnreachableError,
-    KvRefusedError,
-)
+from gyre.engine.errors import EngineHTTPError, EngineProtocolError, KvRefusedError
 from gyre.engine.kv_protocol import (
     KV_BODY_TYPE,
     KvCommitResult,
@@ -29,7 +22,7 @@ from gyre.engine.kv_protocol import (
     frame_body,
     ids_bytes,
 )
-from gyre.engine.wire import WireError, WirePool
+from gyre.engine.wire import WirePool, post_or_raise
 
 M = TypeVar("M", bound=BaseModel)
 IdsArg = bytes | Sequence[int]
@@ -107,13 +100,7 @@ class KvClient:
     async def _send(self, method: str, path: str, content: bytes | None, kind: str) -> tuple[int, bytes]:
         url = self.base_url + path
         if self._wire is not None and method == "POST":
-            try:
-                answer = await asyncio.wait_for(self._wire.post(path, content or b"", {"content-type": kind}),
-                                                self.timeout_s)
-            except TimeoutError as e:
-                raise EngineTimeoutError(url, self.timeout_s) from e
-            except (WireError, OSError) as e:
-                raise EngineUnreachableError(url, str(e) or type(e).__name__) from e
+            answer = await post_or_raise(self._wire, path, content or b"", {"content-type": kind}, self.timeout_s, url)
             return answer.status, answer.body
         try:
             resp = await self._http.request(

@@ -15,6 +15,8 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from gyre.engine.errors import EngineTimeoutError, EngineUnreachableError
+
 
 class WireError(ConnectionError):
     """The connection failed or the response was not HTTP/1.1 as expected."""
@@ -107,6 +109,18 @@ class WirePool:
         for _, writer in self._idle:
             writer.close()
         self._idle.clear()
+
+
+async def post_or_raise(pool: WirePool, path: str, body: bytes, headers: dict[str, str], timeout_s: float | None,
+                        url: str) -> WireResponse:
+    """`pool.post` with its failures as the engine errors httpx's would become: no answer within `timeout_s`
+    is `EngineTimeoutError`, a failed or dropped connection `EngineUnreachableError` (`url` names the engine)."""
+    try:
+        return await asyncio.wait_for(pool.post(path, body, headers), timeout_s)
+    except TimeoutError as e:
+        raise EngineTimeoutError(url, timeout_s) from e
+    except (WireError, OSError) as e:
+        raise EngineUnreachableError(url, str(e) or type(e).__name__) from e
 
 
 class _StaleConnection(Exception):

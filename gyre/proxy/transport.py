@@ -11,7 +11,6 @@ rest of the proxy sees exactly what `HttpEngineClient` would give it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -21,16 +20,13 @@ from typing import Any, Protocol
 import httpx
 
 from gyre.engine import (
-    EngineError,
     EngineHTTPError,
     EngineProtocolError,
-    EngineTimeoutError,
-    EngineUnreachableError,
     GenerateResult,
     SamplingParams,
 )
-from gyre.engine.client import ROUTING_KEY_HEADER, parse_generate, sse_payload
-from gyre.engine.wire import WireError, WirePool
+from gyre.engine.client import ROUTING_KEY_HEADER, _transport_error, parse_generate, sse_payload
+from gyre.engine.wire import WirePool, post_or_raise
 from gyre.proxy.tito import CallRecord
 
 
@@ -154,14 +150,9 @@ class EngineLink:
             try:
                 response = await self._http.post(path, content=body, headers=headers, timeout=timeout_s)
             except httpx.TransportError as e:
-                raise self._transport_error(e) from e
+                raise _transport_error(e, self.base_url, self.timeout_s) from e
             return response.status_code, response.content
-        try:
-            response = await asyncio.wait_for(self._wire.post(path, body, headers), timeout_s)
-        except TimeoutError as e:
-            raise EngineTimeoutError(self.base_url, timeout_s) from e
-        except (WireError, OSError) as e:
-            raise EngineUnreachableError(self.base_url, str(e) or type(e).__name__) from e
+        response = await post_or_raise(self._wire, path, body, headers, timeout_s, self.base_url)
         return response.status, response.body
 
     async def generate_stream(
@@ -181,14 +172,14 @@ class EngineLink:
                     if data is not None:
                         yield parse_generate(data, rid, time.perf_counter() - start, final=False)
         except httpx.TransportError as e:
-            raise self._transport_error(e) from e
+            raise _transport_error(e, self.base_url, self.timeout_s) from e
 
     async def context_length(self) -> int | None:
         """The engine's context length from `/get_model_info` (`context_length`), None when it does not say."""
         try:
             response = await self._http.get("/get_model_info", timeout=30.0)
         except httpx.TransportError as e:
-            raise self._transport_error(e) from e
+            raise _transport_error(e, self.base_url, self.timeout_s) from e
         if response.status_code == 404:
             return None
         if response.status_code >= 400:
@@ -210,12 +201,3 @@ class EngineLink:
         if self._wire is not None:
             self._wire.close()
         await self._http.aclose()
-
-    def _transport_error(self, error: httpx.TransportError) -> EngineError:
-        if isinstance(error, httpx.ConnectError | httpx.ConnectTimeout):
-            return EngineUnreachableError(self.base_url, str(error) or type(error).__name__)
-        if isinstance(error, httpx.TimeoutException):
-            return EngineTimeoutError(self.base_url, self.timeout_s)
-        return EngineUnreachableError(self.base_url, f"{type(error).__name__}: {error}")
-
-

@@ -118,10 +118,10 @@ def test_a_real_harness_group_is_found_under_its_parent_and_killed_whole(tmp_pat
         group = [s.pid for s in cb.descendants(parent.pid, cb.all_stats())]
         assert cb.kill(f"harness:{leader}", leader)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(cb.alive(p) for p in group if p != leader):
+        while time.monotonic() < deadline and any(running(p) for p in group if p != leader):
             time.sleep(0.05)
-        assert not any(cb.alive(p) for p in group if p != leader)  # the whole group, not just its leader
-        assert cb.alive(parent.pid)
+        assert not any(running(p) for p in group if p != leader)  # the whole group, not just its leader
+        assert running(parent.pid)
     finally:
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait()
