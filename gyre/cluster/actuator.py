@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from gyre import auth
 from gyre.cluster.errors import PeerLost
 from gyre.cluster.proto import gyre_pb2
 from gyre.controller.actuator import OrderedActions, perform_switch
-from gyre.events.models import RoleSwitchRequested
+from gyre.events.models import RoleSwitchRequested, WeightsLoaded
 from gyre.sink import EventSink
 from gyre.train.build import PlannedExecution
 
@@ -91,7 +92,7 @@ class Directory:
         with self.lock:
             return gyre_pb2.Routing(cells=[
                 gyre_pb2.CellRoute(cell_id=c.cell_id, engine_url=c.engine_url, slots=c.slots,
-                                   admitting=c.role == "rollout" and not c.lost)
+                                   admitting=c.role == "rollout" and not c.lost, weights_version=c.engine_version)
                 for c in sorted(self.cells.values(), key=lambda c: c.cell_id)])
 
 
@@ -149,6 +150,11 @@ class RemoteCell:
                 then()
         self._actions.put(action)
 
+    def update_weights(self, cause: str = "publish") -> None:
+        """A version was published (or the cell was adopted with its engine's version unknown): a cell that
+        serves rollouts loads it, and the proxy admits executions queued with it there once it has."""
+        self._actions.put(lambda: self._update_weights(cause))
+
     def rejoin(self) -> None:
         """The core restarted: a satellite joins its new Trainer service (its old one died with the core)."""
         self._actions.put(self._rejoin)
@@ -204,23 +210,43 @@ class RemoteCell:
             if not self.info.is_core:
                 self._join()
         else:
-            weights = self.directory.weights
-            if weights.version != self.info.engine_version and weights.location:  # v0: every engine's initial weights
-                c.cell(self.cell_id, "load weights", load_weights=gyre_pb2.LoadWeights(weights=weights))
-                self.info.engine_version = weights.version
+            self._load_latest("bring_up")
             c.cell(self.cell_id, "serve", serve=gyre_pb2.Serve())
         c.proxy("routing", routing=self.directory.routing())
+
+    def _load_latest(self, cause: str) -> gyre_pb2.CommandDone | None:
+        """Bring the engine to the latest published version (None when it holds it already) and record
+        `weights_loaded`; the caller sends the proxy the routing that says so."""
+        weights = self.directory.weights
+        if weights.version == self.info.engine_version:
+            return None
+        if not weights.location:  # v0: every engine's initial weights (a cell adopted with its version unknown)
+            self.info.engine_version = weights.version
+            return None
+        started = time.perf_counter()
+        loaded = self.commands.cell(self.cell_id, "load weights", load_weights=gyre_pb2.LoadWeights(weights=weights))
+        with self.directory.lock:
+            self.info.engine_version = weights.version
+        self.sink.commit(self.sink.record(WeightsLoaded(
+            cell_id=self.cell_id, policy_version=weights.version, cause=cause,
+            duration_s=time.perf_counter() - started, drain_s=loaded.figures.get("drain_s", 0.0),
+            weights_bytes=int(loaded.figures.get("weights_bytes", 0)))))
+        return loaded
+
+    def _update_weights(self, cause: str) -> None:
+        if self.info.lost or self.info.role != "rollout":
+            return  # a training cell loads the latest version when it returns to rollout
+        if self._load_latest(cause) is not None:
+            self.commands.proxy("routing", routing=self.directory.routing())
 
     def _return_to_rollout(self) -> dict:
         c = self.commands
         if not self.info.is_core:
             c.cell(self.cell_id, "leave", leave=gyre_pb2.Leave(reason="returning to rollout"))
-        weights = self.directory.weights
         parts: dict = {"weights_bytes": 0, "weights_s": 0.0}
-        if weights.version != self.info.engine_version and weights.location:  # v0: every engine's initial weights
-            loaded = c.cell(self.cell_id, "load weights", load_weights=gyre_pb2.LoadWeights(weights=weights))
+        loaded = self._load_latest("return_to_rollout")
+        if loaded is not None:
             parts = {"weights_bytes": int(loaded.figures["weights_bytes"]), "weights_s": loaded.figures["weights_s"]}
-            self.info.engine_version = weights.version
         parts["engine_resume_s"] = c.cell(self.cell_id, "serve", serve=gyre_pb2.Serve()).figures["engine_resume_s"]
         with self.directory.lock:
             self.info.role = "rollout"

@@ -10,6 +10,12 @@ gets in:
   checksum checked) and calls `/update_weights_from_disk` with it; the server is started with
   `--enable-memory-saver`, which `/release_memory_occupation` needs. Written against SGLang's documented
   server arguments and endpoints (references.md §1, §9); not runnable here (no GPU, no SGLang install).
+
+Both engines report the version that served each call (``meta_info.weight_version``): they start named
+version 0, and a load names the version it installs. A load while the engine serves finishes every request
+in flight on the old weights first and admits none meanwhile (``drain_s``): SGLang's generate requests hold
+its model-update lock for their whole run, and the CPU engine drains the same way (`Scheduler.call_when_idle`),
+so one call is never served by two versions.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any, Protocol
 
 from gyre.cluster.config import ClusterConfig
 from gyre.cluster.proto import gyre_pb2
+from gyre.engine.protocol import INITIAL_WEIGHT_VERSION
 from gyre.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -49,6 +56,7 @@ class LocalEngineHost:
         self.local_engine = LocalEngine(engine_config(config, config.cluster.cell_threads))
         self._server = LocalEngineServer(self.local_engine, host=config.cluster.host)
         self.url = self._server.start()
+        self.local_engine.set_weight_version(INITIAL_WEIGHT_VERSION)  # before the proxy knows the engine
         self._puller: Any = None
 
     def load_weights(self, ref: gyre_pb2.WeightsRef) -> dict[str, float]:
@@ -68,9 +76,10 @@ class LocalEngineHost:
             from gyre.controller import WeightStore
 
             tensors = WeightStore(Path(self.config.run_dir)).load(ref.location, ref.sha256)
-        self.local_engine.load_weights(tensors, version=str(ref.version))
+        installed = self.local_engine.load_weights(tensors, version=str(ref.version), drain=True)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        return {"weights_bytes": float(nbytes), "weights_s": time.perf_counter() - started}
+        return {"weights_bytes": float(nbytes), "weights_s": time.perf_counter() - started,
+                "drain_s": installed.drain_s}
 
     def stop(self) -> None:
         self._server.stop()
@@ -107,6 +116,10 @@ class SglangEngineHost:
                 self.stop()
                 raise ConfigError(f"the SGLang server did not become healthy within {timeout_s:g} s; see {log_path}")
             time.sleep(1.0)
+        from gyre.engine import SyncHttpEngineClient
+
+        with SyncHttpEngineClient(self.url) as client:  # its calls report the version they ran on, from v0
+            client.update_weight_version(INITIAL_WEIGHT_VERSION)
 
     def _model_dir(self) -> Path:
         model = self.config.engine.model
@@ -123,12 +136,15 @@ class SglangEngineHost:
         started = time.perf_counter()
         path = export_policy(self.run_dir, self.run_dir / "weights" / f"v{ref.version:06d}.hf",
                              version=ref.version).path
-        with SyncHttpEngineClient(self.url) as client:
+        exported = time.perf_counter()
+        with SyncHttpEngineClient(self.url) as client:  # SGLang's update waits for the requests in flight
             response = client.update_weights_from_disk(str(path), version=str(ref.version))
         if not response.success:
             raise RuntimeError(f"SGLang refused weights v{ref.version} from {path}: {response.message}")
         nbytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-        return {"weights_bytes": float(nbytes), "weights_s": time.perf_counter() - started}
+        done = time.perf_counter()
+        return {"weights_bytes": float(nbytes), "weights_s": done - started, "drain_s": 0.0,
+                "update_s": done - exported}
 
     def stop(self) -> None:
         if self._process.poll() is None:

@@ -48,34 +48,38 @@ LINK_CLOSE_S = 30.0
 
 
 class PlacementGate(Gate):
-    """Admits an execution while some admitting cell has a free slot, then places it there.
-
-    ``enter`` reserves room (free slots over all admitting cells, less executions admitted but not yet
-    placed); ``place`` pins the execution (`Router.place`). A routing update or an execution leaving its cell
-    wakes the waiters (`interrupt`).
+    """Admits an execution once an admitting cell whose engine holds the execution's policy version (or a
+    newer one) has a free slot, and places it there (`Router.place`) in the same step, so no other execution
+    takes the slot in between. A routing update (a cell loaded a version, joined or left rollout) or an
+    execution leaving its cell wakes the waiters (`interrupt`).
     """
 
     def __init__(self, router: Router) -> None:
         super().__init__(is_open=True)
         self.router = router
-        self._reserved = 0
+        self._placed: dict[str, str] = {}
 
-    def enter(self, stop: Callable[[], bool]) -> bool:
+    def enter(self, stop: Callable[[], bool], execution_id: str = "", version: int = 0) -> bool:
+        def placed() -> bool:
+            cell = self.router.place(execution_id, version)
+            if cell is not None:
+                self._placed[execution_id] = cell
+            return cell is not None
+
         with self._cond:
-            self._cond.wait_for(lambda: stop() or sum(self.router.admitting().values()) > self._reserved)
-            if stop():
+            self._cond.wait_for(lambda: stop() or placed())
+            if execution_id not in self._placed:
                 return False
-            self._reserved += 1
+            if stop():
+                self.router.unpin(execution_id)
+                del self._placed[execution_id]
+                return False
             self._inside += 1
             return True
 
     def place(self, execution_id: str) -> str | None:
         with self._cond:
-            self._reserved -= 1
-            cell = self.router.place(execution_id)
-            if cell is None:  # routes changed between enter and place: no cell admits it any more
-                raise RuntimeError(f"no admitting cell has a free slot for execution {execution_id}")
-            return cell
+            return self._placed.pop(execution_id)
 
 
 @dataclass
@@ -167,7 +171,7 @@ class ProxyNode:
                 router.add_cell(route.cell_id, EngineLink(route.engine_url,
                                                           timeout_s=self.parts.proxy.config.engine_timeout_s))
             self._urls[route.cell_id] = route.engine_url
-            router.set_route(route.cell_id, route.slots, route.admitting)
+            router.set_route(route.cell_id, route.slots, route.admitting, route.weights_version)
         self.parts.gate.interrupt()
         return {"admitting": float(sum(r.admitting for r in routing.cells))}
 

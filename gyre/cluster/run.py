@@ -436,6 +436,8 @@ class ClusterRun:
             cell = view.cluster.cells[cell_id]
             if cell.switching_to is not None and cell.switching_to != cell.role and cell_id in decisions:
                 self.controller.cells[cell_id].switch(decisions[cell_id])  # under way at the crash: again
+            else:
+                self.controller.cells[cell_id].update_weights("resume")  # its engine's version is unknown
         self.controller.fold_now()
         self._resubmit_rollouts(held)
         self.progress("resumed", {"adopted": adopted, "restarted": restarted, "held": len(held)})
@@ -467,6 +469,8 @@ class ClusterRun:
                     if event.policy_version > self.directory.weights.version:
                         self.directory.weights = gyre_pb2.WeightsRef(
                             version=event.policy_version, location=event.location, sha256=event.sha256)
+                for actuator in list(self.controller.cells.values()):  # cells serving rollouts load it now
+                    actuator.update_weights()
             elif isinstance(event, RoleSwitchCompleted):
                 self.progress("switch", {"cell": event.cell_id, "to": event.to_role, "seconds": event.duration_s})
 

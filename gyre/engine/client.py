@@ -490,6 +490,10 @@ class SyncHttpEngineClient:
             self._request("POST", "/update_weights_from_disk", body=_disk_body(path, version, abort_all_requests))
         )
 
+    def update_weight_version(self, version: str) -> None:
+        """Name the weights the engine holds (SGLang's `/update_weight_version`; requests keep running)."""
+        self._request("POST", "/update_weight_version", body={"new_version": version, "abort_all_requests": False})
+
     def update_weights_from_tensor(
         self,
         named_tensors: NamedTensors,

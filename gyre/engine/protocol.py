@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 #: SGLang turns any temperature below this into greedy decoding (temperature 1, top_k 1).
 GREEDY_TEMPERATURE_EPS = 1e-6
 DEFAULT_WEIGHT_VERSION = "default"
+INITIAL_WEIGHT_VERSION = "0"
+"""The name Gyre gives an engine's starting weights (policy version 0), so that every call reports the version
+it ran on; a load names the version it installs."""
 
 
 class SamplingParams(BaseModel):
@@ -170,6 +173,15 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     abort_all_requests: bool = False
     weight_version: str | None = None
     flush_cache: bool = True
+
+
+class UpdateWeightVersionRequest(BaseModel):
+    """SGLang's `/update_weight_version`: name the weights the engine holds (no weights move)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    new_version: str = Field(min_length=1)
+    abort_all_requests: bool = False
 
 
 class UpdateWeightsFromTensorRequest(BaseModel):

@@ -242,6 +242,10 @@ class ModelCallFinished(Event):
     output_ids: TokenIds = Field(default_factory=list)
     output_logprobs: LogProbs = Field(default_factory=list)
     policy_version: NonNegativeInt = 0
+    engine_version: NonNegativeInt | None = Field(
+        None, description="the weights version the engine reported serving the call with (the oldest, if it "
+                          "moved between engines); None when the engine reported none (policy_version then "
+                          "holds the version the execution was queued with)")
     cached_tokens: NonNegativeInt = 0
     latency_s: NonNegativeFloat = 0.0
     finish_reason: FinishReason = "stop"
@@ -411,6 +415,22 @@ class WeightsPublished(Event):
     location: str = Field("", description="the weights file, relative to the run directory")
     duration_s: NonNegativeFloat = 0.0
     sha256: str = Field("", description="checksum of the weights file")
+
+
+class WeightsLoaded(Event):
+    """A cell's engine now serves ``policy_version`` (a cluster run): loaded when it was brought up, when it
+    returned to rollout, or because a version was published while it served. Until this event a cell admits
+    no execution queued with a newer version; calls in flight finished on the old weights first
+    (``drain_s``)."""
+
+    kind: ClassVar[str] = "weights_loaded"
+    view: ClassVar[str] = "weights_loaded"
+    cell_id: str
+    policy_version: NonNegativeInt
+    cause: Literal["publish", "bring_up", "return_to_rollout", "resume"]
+    duration_s: NonNegativeFloat = Field(0.0, description="from the command sent to the engine serving the version")
+    drain_s: NonNegativeFloat = Field(0.0, description="waiting for the calls in flight to finish on the old weights")
+    weights_bytes: NonNegativeInt = 0
 
 
 class CheckpointSaved(Event):

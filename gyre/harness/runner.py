@@ -115,8 +115,9 @@ class Gate:
         with self._cond:
             self._open = False
 
-    def enter(self, stop: Callable[[], bool]) -> bool:
-        """Wait until the gate is open (True) or ``stop()`` holds (False); `interrupt` re-checks ``stop``."""
+    def enter(self, stop: Callable[[], bool], execution_id: str = "", version: int = 0) -> bool:
+        """Wait until the gate is open (True) or ``stop()`` holds (False); `interrupt` re-checks ``stop``.
+        ``execution_id`` and its queued policy ``version``: for a gate that places executions on cells."""
         with self._cond:
             self._cond.wait_for(lambda: self._open or stop())
             if stop():
@@ -227,7 +228,8 @@ class HarnessRunner:
         try:
             if self.gate is None:
                 return self._execute_counted(execution)
-            if not self.gate.enter(lambda: self._cancel.is_set() or (self._closed and not self.gate.is_open)):
+            if not self.gate.enter(lambda: self._cancel.is_set() or (self._closed and not self.gate.is_open),
+                                   execution.execution_id, execution.policy_version):
                 dirs = ExecutionDirs.for_execution(self.root, execution.execution_id, execution.attempt)
                 return self._finish(execution, dirs, "harness_error", None, 0.0,
                                     "cancelled before it started (runner closed while its cell was not serving)",

@@ -18,6 +18,10 @@ run to after its processes were killed at random. The rules:
   no model call names an attempt that was never queued.
 - **training** — train steps finished gapless from 0, each once (and ``expected_steps`` of them when given);
   published weight versions gapless from 1, each once; the run finished ``completed`` (``require_finished``).
+- **versions** — every model call reports the weights version its engine served it with (``engine_version``;
+  ``require_versions``), that version is at least the one its execution's attempt was queued with (no call
+  on stale weights), and a trained call lags the version that trains it (step ``s`` trains from version
+  ``s``) by at most the run's ``scheduler.staleness``.
 
 Counted, not judged: micro-steps redone (claims of a micro-step already claimed, releases), steps aborted or
 started again, role switches, cells lost and registered again, controller restarts.
@@ -74,6 +78,12 @@ class AuditReport(BaseModel):
     rewards_lost: int = Field(0, description="last attempts of trained steps' executions with no outcome")
     rewards_doubled: int = Field(0, description="outcomes beyond the first of an attempt or an execution")
     rewards_unqueued: int = Field(0, description="outcomes before their execution was ever queued")
+    # -- versions --
+    calls_versioned: int = Field(0, description="model calls whose engine reported the version serving them")
+    calls_unversioned: int = Field(0, description="model calls whose engine reported no version")
+    calls_stale: int = Field(0, description="calls served by weights older than their execution was queued with")
+    calls_overlagged: int = Field(0, description="trained calls lagging their step's weights by over the staleness")
+    max_version_lag: int | None = Field(None, description="the most a trained call lagged its step's weights")
     # -- training --
     steps_trained: int = 0
     versions: list[int] = Field(default_factory=list)
@@ -102,9 +112,11 @@ class AuditReport(BaseModel):
 
 
 def audit(log: str | Path, *, expected_steps: int | None = None, require_finished: bool = True,
-          spill_dir: str | Path | None = None, quiet_gap_s: float = 3.0, replay: bool = False) -> AuditReport:
+          spill_dir: str | Path | None = None, quiet_gap_s: float = 3.0, replay: bool = False,
+          require_versions: bool = True) -> AuditReport:
     """Audit the log at ``log`` (a run's ``<run_dir>/log``); spill files are looked for in ``spill_dir``
-    (default ``<run_dir>/spill``)."""
+    (default ``<run_dir>/spill``). ``require_versions=False``: calls may lack the served version (logs of the
+    simulator, or written before engines reported it); those that carry one are still checked."""
     log = Path(log)
     reader = LogReader(log)
     report = AuditReport(log=str(log))
@@ -119,6 +131,7 @@ def audit(log: str | Path, *, expected_steps: int | None = None, require_finishe
     _spill(Path(spill_dir) if spill_dir is not None else log.parent / SPILL_DIR, report, con)
     _rewards(con, report)
     _training(con, report, expected_steps, require_finished)
+    _versions(con, report, require_versions)
     _cluster(con, report, quiet_gap_s)
     if replay:
         from gyre.replay.exact import replay_decisions
@@ -327,6 +340,51 @@ def _training(con, report: AuditReport, expected_steps: int | None, require_fini
     report.run_status = row[0] if row else None
     if require_finished and report.run_status != "completed":
         report.problems.append(f"run: finished as {report.run_status or 'never (no run_finished)'}, not completed")
+
+
+def _versions(con, report: AuditReport, require_versions: bool) -> None:
+    """Each call against its attempt's queued version and, when its step was trained, that step's weights."""
+    columns = {c for (c,) in con.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_name = 'model_calls'").fetchall()}
+    if "engine_version" not in columns:  # no call in the log carries the field (a log older than it)
+        report.calls_unversioned = con.execute("SELECT count(*) FROM model_calls").fetchone()[0]
+        if require_versions and report.calls_unversioned:
+            report.problems.append(f"versions: none of the {report.calls_unversioned} model calls reports the "
+                                   f"version its engine served it with")
+        return
+    row = con.execute("SELECT json_extract(config, '$.scheduler.staleness') FROM runs_started ORDER BY seq LIMIT 1"
+                      ).fetchone()
+    staleness = int(row[0]) if row is not None and row[0] is not None else 0
+    rows = con.execute("""
+        WITH queued AS (SELECT execution_id, attempt, any_value(policy_version) AS queued_version,
+                               any_value(step) AS step FROM executions_queued GROUP BY ALL),
+             trained AS (SELECT step, arg_min(policy_version, seq) - 1 AS trains_from FROM train_steps GROUP BY step)
+        SELECT c.execution_id, c.call_id, c.attempt, c.cell_id, c.engine_version, q.queued_version, q.step,
+               t.trains_from
+        FROM model_calls c LEFT JOIN queued q USING (execution_id, attempt) LEFT JOIN trained t ON t.step = q.step
+        ORDER BY c.seq""").fetchall()
+    problems: list[str] = []
+    for execution_id, call_id, attempt, cell_id, served, queued_version, step, trains_from in rows:
+        if served is None:
+            report.calls_unversioned += 1
+            if require_versions:
+                problems.append(f"versions: call {call_id} of execution {execution_id} (on {cell_id}) does not "
+                                f"report the version its engine served it with")
+            continue
+        report.calls_versioned += 1
+        if queued_version is not None and served < queued_version:
+            report.calls_stale += 1
+            problems.append(f"versions: call {call_id} of execution {execution_id} attempt {attempt} ran on "
+                            f"{cell_id} with weights v{served}, older than the v{queued_version} it was queued with")
+        if trains_from is not None:
+            lag = trains_from - served
+            report.max_version_lag = lag if report.max_version_lag is None else max(report.max_version_lag, lag)
+            if lag > staleness:
+                report.calls_overlagged += 1
+                problems.append(f"versions: call {call_id} of execution {execution_id} (v{served}) was trained at "
+                                f"step {step} from v{trains_from}: {lag} versions behind, over the run's "
+                                f"staleness {staleness}")
+    _add(report, "versions", problems)
 
 
 def _short(values: list[int]) -> str:

@@ -56,6 +56,10 @@ class ProxyConfig:
     """A call whose engine is lost (connection refused or reset, stream cut) continues on another admitting
     cell; with none, it waits this long for one (a routing update) before the harness is answered a
     retryable error (Anthropic 529 `overloaded_error`, OpenAI 503)."""
+    weights_wait_s: float = 300.0
+    """A call whose execution's cell does not hold the weights the execution was queued with yet (a cell
+    loading a version just published, or one an execution was moved to) waits this long for the cell to
+    load them, or for the execution to move, before the harness is answered a retryable error."""
     disconnect_poll_s: float = 0.25
     context_length: int | None = None
     """Longest prompt + 1 the engines can hold; a longer prompt is refused before any byte of the answer.
@@ -77,6 +81,8 @@ class ProxyConfig:
             raise ValueError(f"ProxyConfig.kv_mover must be 'recompute' or 'mooncake', got {self.kv_mover!r}")
         if self.engine_lost_wait_s < 0:
             raise ValueError("ProxyConfig.engine_lost_wait_s must be >= 0")
+        if self.weights_wait_s < 0:
+            raise ValueError("ProxyConfig.weights_wait_s must be >= 0")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise ValueError("ProxyConfig.max_tokens_cap must be >= 1")
         try:

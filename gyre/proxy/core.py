@@ -78,6 +78,12 @@ class Generation:
     finish: FinishReason | None = None
 
 
+def _served_version(weight_version: str | None) -> int | None:
+    """An engine's ``weight_version`` as a policy version; None for a name that is not one (SGLang's
+    "default": an engine nobody named a version)."""
+    return int(weight_version) if weight_version is not None and weight_version.isdigit() else None
+
+
 def harness_env(registration: Registration, base_url: str, model: str = "gyre-policy") -> dict[str, str]:
     """Environment that points Anthropic- and OpenAI-speaking harnesses at the proxy with their token."""
     base = base_url.rstrip("/")
@@ -240,6 +246,34 @@ class Proxy:
             finally:
                 unwatch()
 
+    async def cell_holding(self, execution_id: str, version: int) -> str:
+        """Where ``execution_id`` runs once that cell's engine holds ``version`` or newer: its cell is loading
+        a version just published, or the execution moved to a cell that has not loaded it yet. Waits (woken by
+        routing changes) up to `weights_wait_s`, then `EngineLostError` (a retryable answer)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.weights_wait_s
+        while True:
+            changed = asyncio.Event()
+
+            def wake(event: asyncio.Event = changed) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                    loop.call_soon_threadsafe(event.set)
+
+            unwatch = self.router.watch(wake)  # before looking: a change in between still wakes us
+            try:
+                cell = self.router.relocate(execution_id) or self.router.cell_of(execution_id)
+                if self.router.holds(cell, version):
+                    return cell
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise EngineLostError(self.router.engine(cell).base_url,
+                                          f"cell {cell!r} did not load weights v{version}, which execution "
+                                          f"{execution_id!r} was queued with, within {self.config.weights_wait_s:g} s")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), left)
+            finally:
+                unwatch()
+
     def stats(self) -> dict[str, int]:
         return {"executions": len(self.registry), "calls_in_flight": len(self._active)}
 
@@ -388,7 +422,8 @@ class ActiveCall:
         self.logprobs: list[float] = []
         self.finish: FinishReason | None = None
         self.cached_tokens = 0
-        self.weight_version: str | None = None
+        self.engine_version: int | None = None
+        """The version the engines reported serving this call with (the oldest over its attempts)."""
         self.redirects = 0
         self._flight: Flight | None = None
         self._last: GenerateResult | None = None
@@ -416,6 +451,8 @@ class ActiveCall:
             cell = router.cell_of(execution)
             if router.is_down(cell):
                 cell = await proxy.live_cell(execution, lost)
+            if not router.holds(cell, self.state.registration.policy_version):
+                cell = await proxy.cell_holding(execution, self.state.registration.policy_version)
             if cell != self.cell_id and (lost is not None or router.is_down(self.cell_id)):
                 self._moved_off_lost(self.cell_id, cell, lost)
             lost = None
@@ -496,7 +533,9 @@ class ActiveCall:
         self.output_ids.extend(result.output_ids)
         self.logprobs.extend(result.output_logprobs)
         self.cached_tokens += result.cached_tokens
-        self.weight_version = result.weight_version or self.weight_version
+        served = _served_version(result.weight_version)
+        if served is not None and (self.engine_version is None or served < self.engine_version):
+            self.engine_version = served  # the oldest weights that produced any of the call's tokens
         return result.finish_reason
 
     async def _redirected(self, flight: Flight) -> None:
@@ -575,8 +614,8 @@ class ActiveCall:
         self.proxy._active.pop(self.call_id, None)
         self.state.tree.finish(self.record, self.output_ids, reply_body)
         finish = self.finish.type if self.finish is not None else "abort"
-        version = self.weight_version
-        policy = int(version) if version is not None and version.isdigit() else self.state.registration.policy_version
+        served = self.engine_version
+        policy = served if served is not None else self.state.registration.policy_version
         return self.proxy.sink.record(
             ModelCallFinished(
                 execution_id=self.state.execution_id,
@@ -589,6 +628,7 @@ class ActiveCall:
                 output_ids=self.output_ids,
                 output_logprobs=self.logprobs,
                 policy_version=policy,
+                engine_version=served,
                 cached_tokens=self.cached_tokens,
                 latency_s=time.perf_counter() - self.started,
                 finish_reason=finish,

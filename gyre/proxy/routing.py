@@ -63,6 +63,11 @@ class Router:
         self._flights: dict[str, set[Flight]] = {cell: set() for cell in engines}
         self._slots: dict[str, int] = {}
         """Cells that admit new executions, with their slots (set by the controller's routing updates)."""
+        self._versions: dict[str, int] = {}
+        """The weights version each routed cell's engine holds (-1: unknown); a cell never given one is not
+        checked (engines without a controller)."""
+        self._need: dict[str, int] = {}
+        """The version each placed execution was queued with: it runs only where the engine holds that or newer."""
         self._routed = False
         """Whether a controller ever routed (`set_route`); without one every live cell may take an execution."""
         self._down: set[str] = set()
@@ -93,14 +98,17 @@ class Router:
             self._flights.setdefault(cell_id, set())
         self._changed()
 
-    def set_route(self, cell_id: str, slots: int, admitting: bool) -> None:
-        """Whether ``cell_id`` (whose engine must be known) admits new executions, and its slots.
+    def set_route(self, cell_id: str, slots: int, admitting: bool, version: int | None = None) -> None:
+        """Whether ``cell_id`` (whose engine must be known) admits new executions, its slots, and the weights
+        version its engine holds (it admits only executions queued with that version or an older one).
 
         A down cell stays down on an admitting route (it may predate the loss); a route taking it out of
         rollout clears the mark, so that the controller's next admitting route re-adds it."""
         self.engine(cell_id)
         with self._lock:
             self._routed = True
+            if version is not None:
+                self._versions[cell_id] = version
             if admitting:
                 self._slots[cell_id] = slots
             else:
@@ -108,24 +116,33 @@ class Router:
                 self._down.discard(cell_id)
         self._changed()
 
-    def admitting(self) -> dict[str, int]:
-        """Admitting cells (not down) and their free slots (slots minus the executions pinned there)."""
+    def admitting(self, version: int = 0) -> dict[str, int]:
+        """Admitting cells (not down) whose engine holds ``version`` or newer, and their free slots (slots
+        minus the executions pinned there)."""
         with self._lock:
-            return self._free_locked()
+            return self._free_locked(version)
 
-    def _free_locked(self) -> dict[str, int]:
-        load = {cell: 0 for cell in self._slots if cell not in self._down}
+    def holds(self, cell_id: str, version: int) -> bool:
+        """Whether ``cell_id``'s engine holds ``version`` or newer (a cell never routed with a version: yes)."""
+        return self._versions.get(cell_id, version) >= version
+
+    def need(self, execution_id: str) -> int:
+        """The version ``execution_id`` was placed with (0 when unknown)."""
+        return self._need.get(execution_id, 0)
+
+    def _free_locked(self, version: int = 0) -> dict[str, int]:
+        load = {cell: 0 for cell in self._slots if cell not in self._down and self.holds(cell, version)}
         for cell in self._pins.values():
             if cell in load:
                 load[cell] += 1
         return {cell: self._slots[cell] - load[cell] for cell in sorted(load)}
 
-    def _live_free_locked(self) -> dict[str, int]:
+    def _live_free_locked(self, version: int = 0) -> dict[str, int]:
         """Where an execution leaving a lost cell may go, with free slots (possibly none: a survivor takes
         more than its slots rather than fail a harness). Never routed: every live cell, the least loaded
         first."""
         if self._routed:
-            return self._free_locked()
+            return self._free_locked(version)
         load = {cell: 0 for cell in sorted(self._engines) if cell not in self._down}
         for cell in self._pins.values():
             if cell in load:
@@ -166,9 +183,10 @@ class Router:
             moved: dict[str, str] = {}
             free = self._live_free_locked()
             for execution in sorted(e for e, cell in self._pins.items() if cell == cell_id):
-                target = max(free, key=lambda c: free[c], default=None)
+                need = self._need.get(execution, 0)
+                target = max((c for c in free if self.holds(c, need)), key=lambda c: free[c], default=None)
                 if target is None:
-                    break
+                    continue
                 moved[execution] = target
                 free[target] -= 1
             self._pins.update(moved)
@@ -185,7 +203,7 @@ class Router:
                 return None
             if cell not in self._down:
                 return cell
-            free = self._live_free_locked()
+            free = self._live_free_locked(self._need.get(execution_id, 0))
             target = max(free, key=lambda c: free[c], default=None)
             if target is not None:
                 self._pins[execution_id] = target
@@ -209,15 +227,17 @@ class Router:
             except Exception:  # a watcher must not break a routing update
                 log.exception("router watcher failed")
 
-    def place(self, execution_id: str) -> str | None:
-        """Pin ``execution_id`` to the admitting cell with the most free slots (lowest id among equals);
-        None when no admitting cell has a free slot."""
+    def place(self, execution_id: str, version: int = 0) -> str | None:
+        """Pin ``execution_id`` (queued with policy ``version``) to the admitting cell with the most free
+        slots among those whose engine holds that version or newer (lowest id among equals); None when no
+        such cell has a free slot."""
         with self._lock:
-            free = self._free_locked()
+            free = self._free_locked(version)
             best = max(free, key=lambda c: free[c], default=None)
             if best is None or free[best] <= 0:
                 return None
             self._pins[execution_id] = best
+            self._need[execution_id] = version
         self._changed()
         return best
 
@@ -236,7 +256,8 @@ class Router:
                 if target in free:
                     free[target] -= 1
             for execution in (e for e in leaving if e not in planned):
-                target = max(free, key=lambda c: free[c], default=None)
+                need = self._need.get(execution, 0)
+                target = max((c for c in free if self.holds(c, need)), key=lambda c: free[c], default=None)
                 if target is None:  # every cell leaves: the policy saw no execution here (this one has ended,
                     continue        # its runner not yet done unregistering it); it keeps its pin
                 moved[execution] = target
@@ -261,6 +282,7 @@ class Router:
     def unpin(self, execution_id: str) -> None:
         with self._lock:
             self._pins.pop(execution_id, None)
+            self._need.pop(execution_id, None)
         self._changed()
 
     def cell_of(self, execution_id: str) -> str:

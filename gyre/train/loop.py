@@ -129,6 +129,7 @@ class TrainingRun:
         that kind (counted from the log's start, resumed events included; `gyre.train.crash`)."""
         from gyre.engine.client import SyncHttpEngineClient
         from gyre.engine.local import LocalEngine, LocalEngineServer
+        from gyre.engine.protocol import INITIAL_WEIGHT_VERSION
         from gyre.harness.config import HarnessConfig
         from gyre.harness.runner import Gate, HarnessRunner
         from gyre.proxy import Proxy, ProxyConfig, ProxyServer, SamplingOverrides
@@ -197,6 +198,7 @@ class TrainingRun:
             engine = LocalEngine(engine_config(config))
             self.engine_server = LocalEngineServer(engine)
             engine_url = self.engine_server.start()
+            engine.set_weight_version(INITIAL_WEIGHT_VERSION)  # calls report the version they ran on
             self._closers.append(self.engine_server.stop)
             self.engine = SyncHttpEngineClient(engine_url)
 

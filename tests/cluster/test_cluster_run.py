@@ -114,3 +114,25 @@ def test_replay_rederives_every_decision(three_cells: tuple[ClusterConfig, Path]
     _, log = three_cells
     report = replay_decisions(log)
     assert report.decisions > 0 and report.mismatches == [], report.to_dict()
+
+
+def test_every_call_runs_on_weights_at_least_as_new_as_its_execution(three_cells: tuple[ClusterConfig, Path]) -> None:
+    """The version contract: each call reports the version that served it, never older than its execution's
+    (the audit's rule), so at staleness 0 the trainer's log-probs equal the engines' up to float noise."""
+    from gyre.log.audit import audit
+
+    config, log = three_cells
+    report = audit(log, expected_steps=config.steps)
+    assert report.ok, report.problems
+    assert report.calls_versioned > 0 and report.calls_unversioned == report.calls_stale == 0
+    assert report.max_version_lag == 0
+    steps = _events(log, "train_step_finished")
+    assert all(s.log_ratio_max is not None and s.log_ratio_max < 1e-3 for s in steps), \
+        [(s.step, s.log_ratio_max) for s in steps]
+    loads = _events(log, "weights_loaded")
+    published = {p.policy_version for p in _events(log, "weights_published")}
+    assert loads and {w.policy_version for w in loads} <= published
+    back = {(s.cell_id, s.seq) for s in _events(log, "role_switch_completed")
+            if s.to_role == "rollout" and s.weights_bytes}
+    for cell_id, _ in back:  # a cell returning to rollout with new weights records the load
+        assert any(w.cell_id == cell_id and w.cause == "return_to_rollout" for w in loads)

@@ -176,3 +176,51 @@ def test_a_crashing_step_fails_requests_loudly_and_marks_engine_unhealthy(server
     with pytest.raises(EngineHTTPError) as e:
         client.generate(prompt("after"), SamplingParams(max_new_tokens=4))
     assert e.value.status == 503
+
+
+def test_a_draining_weight_load_finishes_calls_in_flight_on_the_old_weights_and_holds_new_ones(
+        server, client, prompt) -> None:
+    """A cell that stays in rollout loads each published version: the call in flight finishes (here: is
+    aborted) on the weights that began it and reports them; a call arriving meanwhile waits and runs on the
+    new weights. No call is served by two versions."""
+    engine = server.engine
+    client.update_weight_version("0")
+    old = Background(server, prompt("old"), LONG, rid="old")
+    wait_for(lambda: stats(server)["running"] == 1)
+    tensors = dict(build_tiny_model(seed=1).state_dict())
+    loaded: list = []
+    load = threading.Thread(target=lambda: loaded.append(engine.load_weights(tensors, version="1", drain=True)))
+    load.start()
+    wait_for(lambda: stats(server)["draining"])
+    new = Background(server, prompt("new"), SamplingParams(temperature=0.0, max_new_tokens=4), rid="new")
+    wait_for(lambda: stats(server)["waiting"] == 1)
+    assert stats(server)["running"] == 1  # not admitted while the engine drains
+    client.abort("old")
+    load.join(60)
+    old_result, new_result = old.join(), new.join()
+    assert old_result.finish_reason is not None and old_result.finish_reason.type == "abort"
+    assert old_result.weight_version == "0" and new_result.weight_version == "1"
+    assert loaded[0].num_running == 0 and loaded[0].tensors == len(tensors)
+    assert stats(server)["weight_version"] == "1" and not stats(server)["draining"]
+
+
+def test_a_draining_load_on_an_idle_or_paused_engine_installs_at_once(server, client, prompt) -> None:
+    engine = server.engine
+    tensors = dict(build_tiny_model(seed=1).state_dict())
+    assert engine.load_weights(tensors, version="3", drain=True).num_running == 0
+    client.pause("in_place")
+    parked = Background(server, prompt("parked"), LONG, rid="parked")
+    wait_for(lambda: stats(server)["waiting"] == 1)
+    assert engine.load_weights(tensors, version="4", drain=True).tensors == len(tensors)  # paused: no wait
+    client.abort("parked")
+    assert parked.join().finish_reason.type == "abort"
+    assert stats(server)["weight_version"] == "4"
+
+
+def test_update_weight_version_names_the_weights_without_moving_any(client, prompt) -> None:
+    before = client.generate(prompt("hi"), SamplingParams(temperature=0.0, max_new_tokens=4))
+    client.update_weight_version("7")
+    after = client.generate(prompt("hi"), SamplingParams(temperature=0.0, max_new_tokens=4))
+    assert before.weight_version == "default" and after.weight_version == "7"
+    assert after.output_ids == before.output_ids
+    assert client.model_info().weight_version == "7"

@@ -34,7 +34,8 @@ RUN = "run"
 
 
 def queued(e: str, step: int, attempt: int = 0) -> ExecutionQueued:
-    return ExecutionQueued(execution_id=e, task_id="hello", group_id=f"g{step}", attempt=attempt, step=step)
+    return ExecutionQueued(execution_id=e, task_id="hello", group_id=f"g{step}", attempt=attempt, step=step,
+                           policy_version=step)
 
 
 def finished(e: str, status: str = "completed") -> ExecutionFinished:
@@ -45,9 +46,12 @@ def reward(e: str, value: float = 1.0) -> RewardRecorded:
     return RewardRecorded(execution_id=e, reward=value)
 
 
-def call(e: str, attempt: int = 0) -> ModelCallFinished:
+def call(e: str, attempt: int = 0, served: int | None = None) -> ModelCallFinished:
+    """A call of ``e`` (named ``s<step>-...``), served by the weights of its step unless ``served`` says."""
+    version = int(e.split("-")[0][1:]) if served is None else served
     return ModelCallFinished(execution_id=e, call_id=f"{e}-c{attempt}", cell_id="cell1", output_ids=[1],
-                             output_logprobs=[-0.5], attempt=attempt)
+                             output_logprobs=[-0.5], attempt=attempt, policy_version=version,
+                             engine_version=version)
 
 
 def step_events(step: int, executions: list[str]) -> list[tuple[str, Event]]:
@@ -254,3 +258,42 @@ def test_the_cli_prints_json_and_fails_on_problems(tmp_path):
     result = runner.invoke(app, ["log", "audit", str(broken)])
     assert result.exit_code == 1
     assert "s1-e2" in result.output
+
+
+def test_a_call_on_weights_older_than_its_queued_version_is_stale(tmp_path):
+    events = clean_run()
+    at = events.index(("proxy", call("s1-e1")))
+    events[at] = ("proxy", call("s1-e1", served=0))  # a cell that stayed in rollout across the publish of v1
+    report = audit(write(tmp_path, events), expected_steps=2)
+    assert report.calls_stale == 1 and report.calls_versioned == 6
+    assert any("s1-e1" in p and "v0, older than the v1" in p for p in report.problems), report.problems
+
+
+def test_a_call_whose_engine_reported_no_version_is_named_unless_versions_are_not_required(tmp_path):
+    events = clean_run()
+    at = events.index(("proxy", call("s0-e2")))
+    events[at] = ("proxy", call("s0-e2").model_copy(update={"engine_version": None}))
+    log = write(tmp_path, events)
+    report = audit(log, expected_steps=2)
+    assert report.calls_unversioned == 1
+    assert any("s0-e2" in p and "does not report" in p for p in report.problems), report.problems
+    assert audit(log, expected_steps=2, require_versions=False).ok
+
+
+def test_a_trained_call_lagging_its_step_by_more_than_the_staleness_is_named(tmp_path):
+    def run(staleness: int) -> list:
+        events = clean_run(3)
+        config = json.dumps({"scheduler": {"staleness": staleness}})
+        events[0] = ("controller", events[0][1].model_copy(update={"config": config}))
+        at = events.index(("controller", queued("s2-e0", 2)))
+        events[at] = ("controller", queued("s2-e0", 2).model_copy(update={"policy_version": 1}))
+        at = events.index(("proxy", call("s2-e0")))
+        events[at] = ("proxy", call("s2-e0", served=1))  # queued with v1, served by v1, trained from v2
+        return events
+
+    lagging = audit(write(tmp_path / "s0", run(0)), expected_steps=3)
+    assert lagging.calls_overlagged == 1 and lagging.max_version_lag == 1 and lagging.calls_stale == 0
+    assert any("s2-e0" in p and "1 versions behind" in p for p in lagging.problems), lagging.problems
+    allowed = audit(write(tmp_path / "s1", run(1)), expected_steps=3)
+    assert allowed.ok, allowed.problems
+    assert allowed.max_version_lag == 1

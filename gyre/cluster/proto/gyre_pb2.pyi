@@ -229,16 +229,18 @@ class ProxyUp(_message.Message):
     def __init__(self, hello: _Optional[_Union[ProxyHello, _Mapping]] = ..., events: _Optional[_Union[EventBatch, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., done: _Optional[_Union[CommandDone, _Mapping]] = ...) -> None: ...
 
 class CellRoute(_message.Message):
-    __slots__ = ("cell_id", "engine_url", "slots", "admitting")
+    __slots__ = ("cell_id", "engine_url", "slots", "admitting", "weights_version")
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     ADMITTING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     cell_id: str
     engine_url: str
     slots: int
     admitting: bool
-    def __init__(self, cell_id: _Optional[str] = ..., engine_url: _Optional[str] = ..., slots: _Optional[int] = ..., admitting: _Optional[bool] = ...) -> None: ...
+    weights_version: int
+    def __init__(self, cell_id: _Optional[str] = ..., engine_url: _Optional[str] = ..., slots: _Optional[int] = ..., admitting: _Optional[bool] = ..., weights_version: _Optional[int] = ...) -> None: ...
 
 class Routing(_message.Message):
     __slots__ = ("cells",)

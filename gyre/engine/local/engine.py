@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -29,6 +30,17 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 TINY = "tiny"
+
+
+@dataclass(frozen=True)
+class WeightsInstalled:
+    """A `LocalEngine.load_weights`: tensors installed, requests running across it (0 after a drain), the
+    seconds it waited for the requests in flight to finish and the seconds installing took."""
+
+    tensors: int
+    num_running: int
+    drain_s: float
+    install_s: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,16 +170,30 @@ class LocalEngine:
 
         return self.scheduler.call(run)
 
-    def load_weights(self, tensors: dict[str, torch.Tensor], version: str | None = None) -> UpdateWeightsResponse:
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: str | None = None, *,
+                     drain: bool = False) -> WeightsInstalled:
         """Install every parameter from tensors already in this process (a cell that pulled them over
-        Mooncake): no file and no HTTP body in between. Waits until they are installed."""
+        Mooncake): no file and no HTTP body in between. Waits until they are installed.
 
-        def run() -> UpdateWeightsResponse:
-            paused = self._install(tensors, True, "tensors", False, True, version)
-            return UpdateWeightsResponse(success=True, message=f"loaded {len(tensors)} tensors",
-                                         num_paused_requests=paused)
+        ``drain``: first let every request in flight finish on the weights that began it, admitting none
+        meanwhile (`Scheduler.call_when_idle`), so that each call is served by one version and reports it;
+        without it requests still running continue under the new weights."""
+        asked = time.perf_counter()
+        began: list[float] = []
 
-        return self.scheduler.call(run).result()
+        def run() -> int:
+            began.append(time.perf_counter())
+            return self._install(tensors, True, "tensors", False, True, version)
+
+        future = self.scheduler.call_when_idle(run) if drain else self.scheduler.call(run)
+        running = future.result()
+        return WeightsInstalled(tensors=len(tensors), num_running=running, drain_s=began[0] - asked,
+                                install_s=time.perf_counter() - began[0])
+
+    def set_weight_version(self, version: str) -> None:
+        """Name the weights the engine holds now (SGLang's `/update_weight_version`): a cell's engine starts
+        on version 0, so that every call it serves reports the version it ran on."""
+        self.scheduler.call(lambda: setattr(self.scheduler, "weight_version", version)).result()
 
     def _install(
         self,

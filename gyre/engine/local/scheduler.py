@@ -153,6 +153,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._inbox: deque[EngineRequest] = deque()
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._idle_calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        """Calls that run once no request is running (`call_when_idle`); none is admitted meanwhile."""
         self._waiting: deque[EngineRequest] = deque()
         self._running: list[_Sequence] = []
         self._in_flight: set[str] = set()  # rids submitted and not yet finished (guarded by _cond)
@@ -213,6 +215,20 @@ class Scheduler:
             self._cond.notify_all()
         return fut
 
+    def call_when_idle(self, fn: Callable[[], T]) -> Future[T]:
+        """Run `fn` on the scheduler thread once no request is running (at once while paused: nothing
+        advances then); requests that arrive meanwhile wait, not admitted. A weight update's drain: every
+        request in flight finishes on the weights that began it, as SGLang's model-update lock makes an
+        update wait for its generate requests."""
+        fut: Future[T] = Future()
+        with self._cond:
+            if not self.healthy:
+                fut.set_exception(EngineError("engine scheduler is not running"))
+                return fut
+            self._idle_calls.append((fn, fut))
+            self._cond.notify_all()
+        return fut
+
     def abort(self, rid: str, abort_all: bool = False) -> Future[int]:
         return self.call(lambda: self._abort(rid, abort_all))
 
@@ -238,6 +254,7 @@ class Scheduler:
             "running": len(self._running),
             "waiting": len(self._waiting) + len(self._inbox),
             "paused": self._paused,
+            "draining": bool(self._idle_calls),
             "weight_version": self.weight_version,
             "cache_tokens": self.cache.tokens,
             "cache_hits": self.cache.stats.hits,
@@ -256,7 +273,8 @@ class Scheduler:
                         self._stopping
                         or self._calls
                         or self._inbox
-                        or (not self._paused and (self._running or self._waiting))
+                        or (self._idle_calls and (self._paused or not self._running))
+                        or (not self._paused and (self._running or (self._waiting and not self._idle_calls)))
                     ):
                         self._cond.wait()
                     if self._stopping:
@@ -265,10 +283,16 @@ class Scheduler:
                     self._calls.clear()
                     self._waiting.extend(self._inbox)
                     self._inbox.clear()
+                    if self._idle_calls and (self._paused or not self._running):
+                        calls.extend(self._idle_calls)
+                        self._idle_calls.clear()
                 for fn, fut in calls:
                     self._run_call(fn, fut)
                 if not self._paused:
-                    self._admit()
+                    with self._cond:
+                        draining = bool(self._idle_calls)
+                    if not draining:
+                        self._admit()
                     if self._running:
                         self._step()
         except BaseException as e:
@@ -297,8 +321,9 @@ class Scheduler:
             self._stopping = True
             self._waiting.extend(self._inbox)
             self._inbox.clear()
-            calls = list(self._calls)
+            calls = [*self._calls, *self._idle_calls]
             self._calls.clear()
+            self._idle_calls.clear()
         for _, fut in calls:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineError(reason))

@@ -45,6 +45,7 @@ from gyre.engine.protocol import (
     SamplingParams,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromTensorRequest,
+    UpdateWeightVersionRequest,
 )
 from gyre.errors import TransferError
 from gyre.http_server import Refusal, ServerLimits, listen, uvicorn_config
@@ -271,6 +272,14 @@ def build_app(engine: LocalEngine) -> FastAPI:
         pending = await asyncio.to_thread(engine.update_weights_from_disk, req)  # reads files off the loop
         result = await asyncio.wrap_future(pending)
         return JSONResponse(result.model_dump())
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> JSONResponse:
+        req = await _parse(request, UpdateWeightVersionRequest)
+        if req.abort_all_requests:
+            await asyncio.wrap_future(engine.scheduler.abort("", abort_all=True))
+        await asyncio.to_thread(engine.set_weight_version, req.new_version)
+        return JSONResponse({"success": True, "message": f"weight version is {req.new_version}"})
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> JSONResponse:
