@@ -21,6 +21,7 @@ demo: $(STAMP)
 	rm -rf runs/cluster-cpu
 	$(BIN)/gyre run examples/cluster-cpu.toml
 	$(BIN)/gyre replay runs/cluster-cpu/log
+	$(BIN)/gyre log audit runs/cluster-cpu/log
 	$(BIN)/gyre log sql runs/cluster-cpu/log "SELECT cell_id, to_role, count(*) AS switches, \
 	  round(avg(duration_s), 2) AS mean_s, sum(redirected_calls) AS redirected, max(weights_bytes) AS weights_bytes \
 	  FROM role_switches GROUP BY ALL ORDER BY ALL"

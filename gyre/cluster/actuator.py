@@ -11,6 +11,10 @@ has completed, with each part's measured seconds and bytes as the processes repo
 - training -> rollout: a satellite leaves the trainer; the cell loads the latest published weights into its
   engine (`weights_bytes`, `weights_s`: a Mooncake pull from the core), resumes it (`engine_resume_s`), and
   the proxy admits executions to it again.
+- a version published while the cell serves rollouts (`update_weights`): the engine drains its calls in
+  flight and loads it, and the proxy's routing says so; every load records `weights_loaded`, and the proxy
+  places an execution only on a cell holding the version it was queued with (docs/design.md, "the version
+  contract").
 
 `ClusterRollouts` queues a step's executions: the controller mints their tokens and the proxy process
 registers them and hands them to its harness runner; `execution_queued` is durable when it returns.
@@ -236,7 +240,9 @@ class RemoteCell:
     def _update_weights(self, cause: str) -> None:
         if self.info.lost or self.info.role != "rollout":
             return  # a training cell loads the latest version when it returns to rollout
-        if self._load_latest(cause) is not None:
+        held = self.info.engine_version
+        self._load_latest(cause)
+        if self.info.engine_version != held:
             self.commands.proxy("routing", routing=self.directory.routing())
 
     def _return_to_rollout(self) -> dict:

@@ -204,12 +204,18 @@ def audit(path: PathArg, as_json: JsonOpt = False,
           steps: Annotated[int | None, typer.Option("--steps", help="the steps the run was to train")] = None,
           unfinished: Annotated[bool, typer.Option(
               "--unfinished", help="do not require a run_finished 'completed'")] = False,
-          replay: Annotated[bool, typer.Option("--replay", help="also replay the decisions exactly")] = False) -> None:
+          replay: Annotated[bool, typer.Option("--replay", help="also replay the decisions exactly")] = False,
+          no_versions: Annotated[bool, typer.Option(
+              "--no-versions", help="calls may lack the version that served them (simulator logs, older logs)")]
+          = False) -> None:
     """Hold a finished run's log to its promises: no event lost or doubled (producer numbering, spill files),
-    every trained execution scored exactly once, steps and versions gapless. Exit 1 on any problem."""
+    every trained execution scored exactly once, steps and versions gapless, every call served by weights at
+    least as new as its execution's and within the run's staleness of the step that trains it. Exit 1 on any
+    problem."""
     from gyre.log.audit import audit as audit_log
 
-    report = audit_log(path, expected_steps=steps, require_finished=not unfinished, replay=replay)
+    report = audit_log(path, expected_steps=steps, require_finished=not unfinished, replay=replay,
+                       require_versions=not no_versions)
     if as_json:
         print(json.dumps({"ok": report.ok, **report.model_dump(mode="json")}))
     else:
@@ -220,6 +226,7 @@ def audit(path: PathArg, as_json: JsonOpt = False,
         table = Table("audit", "value")
         for name in ("events_lost", "events_doubled", "spill_files", "rewards_lost", "rewards_doubled",
                      "rewards_unqueued", "micro_steps_redone", "micro_steps_released", "steps_aborted",
+                     "calls_versioned", "calls_unversioned", "calls_stale", "calls_overlagged", "max_version_lag",
                      "role_switches", "cells_lost", "cells_reregistered", "controller_restarts", "quiet_gaps",
                      "run_status"):
             table.add_row(name, str(getattr(report, name)))
