@@ -103,6 +103,14 @@ class ClusterView(Projection[ClusterState]):
             cell.role, cell.switching_to = to_role, None
         s.now_us = ts
 
+    @on("command_abandoned", "cell_id", "switch_to", "ts")
+    def _abandoned(self, s: ClusterState, cell_id, switch_to, ts) -> None:
+        """A switch given up on ends: the cell stays in its role, and the policy may decide for it again."""
+        cell = s.cells.get(cell_id) if cell_id is not None else None
+        if cell is not None and switch_to is not None and cell.switching_to == switch_to:
+            cell.switching_to = None
+        s.now_us = ts
+
     @on("execution_queued", "execution_id", "ts")
     def _queued(self, s: ClusterState, execution_id, ts) -> None:
         s.queued.add(execution_id)
