@@ -180,6 +180,8 @@ def perform(send: Callable[[], gyre_pb2.CommandDone], what: str, *, command: str
                 reason, stale = f"{one_line(str(error))} (no more attempts: {rule.value})", False
             if reason is None and wait(backoff.delay(attempt)):
                 reason = "the run is stopping"
+            if reason is None:
+                reason = obsolete()  # what changed while it waited: never sent again for a replaced peer
             if reason is not None:
                 raise Abandoned(what, command=command, reason=reason, attempts=attempt, stale=stale,
                                 cell_id=cell_id, incarnation=incarnation) from error
