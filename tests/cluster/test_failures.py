@@ -25,7 +25,7 @@ from gyre.cluster.failures import (
     is_transient,
     perform,
 )
-from gyre.cluster.proto import gyre_pb2
+from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.controller.weights import WeightsError
 from gyre.engine.errors import EngineHTTPError, EngineRequestError, EngineTimeoutError, EngineUnreachableError
 from gyre.errors import ConfigError, LogCorruptionError, TransferError
@@ -376,3 +376,31 @@ def test_commands_stop_retrying_when_the_run_stops() -> None:
         cell.commands.cell("c1", "serve", serve=gyre_pb2.Serve())
     assert hub.lost == []
     cell.close()
+
+
+def test_a_join_refused_by_a_restoring_core_is_retried_over_the_real_stream(cluster) -> None:
+    """End to end: a core's Trainer service that is not attached yet answers a real UNAVAILABLE; the cell's
+    link reports it retryable; the controller's `Commands` sends the join again once it waited, and it is done."""
+    from gyre.cluster.auth import metadata
+    from gyre.cluster.trainer_service import TrainerServer
+
+    server = TrainerServer(secret=cluster.secret, endpoint=None)  # type: ignore[arg-type]  # unused until attached
+    server.start()
+    restored = threading.Event()
+
+    def handler(command: gyre_pb2.CellCommand) -> dict[str, float]:
+        if not restored.is_set():  # what SatelliteReplica.join does first: Trainer.Join on the core
+            with grpc.insecure_channel(server.address) as channel:
+                gyre_pb2_grpc.TrainerStub(channel).Join(gyre_pb2.TrainerJoin(cell_id="c1"),
+                                                        metadata=metadata(cluster.secret), timeout=10)
+        return {"trainer_join_s": 0.2}
+
+    try:
+        cluster.link("c1", handler=handler, incarnation="c1-a")
+        directory = Directory()
+        directory.cells["c1"] = CellInfo("c1", 2, False, "http://c1", incarnation="c1-a")
+        commands = Commands(cluster.hub, directory, ListSink(), wait=lambda s: restored.set() or False)
+        done = commands.cell("c1", "join step", join_step=gyre_pb2.JoinStep(trainer_endpoint=server.address))
+        assert done.figures["trainer_join_s"] == pytest.approx(0.2) and restored.is_set()
+    finally:
+        server.stop()
