@@ -323,6 +323,18 @@ def test_an_abandoned_switch_ends_and_its_live_cell_is_declared_lost() -> None:
     assert (columnar.cells["c1"].role, columnar.cells["c1"].switching_to) == ("rollout", None)
 
 
+def test_a_late_abandon_does_not_end_a_switch_of_the_next_incarnation() -> None:
+    """The old actuator's command gives up after its cell was replaced and a switch decided for the new one."""
+    fold = SchedulerFold()
+    for event in [CellRegistered(cell_id="c1", role="rollout", slots=2, incarnation="c1-a"), TO_TRAINING,
+                  CellRegistered(cell_id="c1", role="rollout", slots=2, incarnation="c1-b"), TO_TRAINING,
+                  CommandAbandoned(cell_id="c1", command="join_step", incarnation="c1-a", switch_to="training")]:
+        fold.apply(event)
+    assert fold.view.cluster.cells["c1"].switching_to == "training"
+    fold.apply(CommandAbandoned(cell_id="c1", command="join_step", incarnation="c1-b", switch_to="training"))
+    assert fold.view.cluster.cells["c1"].switching_to is None
+
+
 def test_a_join_whose_core_was_replaced_is_abandoned_and_the_switch_completes() -> None:
     hub = FakeHub(join_step=[failed_done(1, NOT_READY)])
     cell: RemoteCell | None = None
