@@ -24,6 +24,7 @@ and reports it in ``CommandDone.retryable``; the controller reads only that flag
 from __future__ import annotations
 
 import enum
+import logging
 import re
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -36,6 +37,8 @@ from gyre.cluster.proto import gyre_pb2
 from gyre.engine.errors import EngineTimeoutError, EngineUnreachableError
 from gyre.errors import ConfigError, EventValidationError, GyreError, LogCorruptionError, TransferError
 from gyre.events.models import CommandAbandoned
+
+log = logging.getLogger(__name__)
 
 COMMAND_TIMEOUT_S = 3600.0
 """A command's longest wait (a train step of a real model can take long); a lost cell fails it sooner."""
@@ -178,6 +181,9 @@ def perform(send: Callable[[], gyre_pb2.CommandDone], what: str, *, command: str
                 reason = str(error)
             if reason is None and (rule is Rule.ONCE or attempt >= backoff.attempts):
                 reason, stale = f"{one_line(str(error))} (no more attempts: {rule.value})", False
+            if reason is None:
+                log.warning("%s failed (transient, attempt %d of %d); sent again in %.1f s: %s", what, attempt,
+                            backoff.attempts, backoff.delay(attempt), one_line(str(error)))
             if reason is None and wait(backoff.delay(attempt)):
                 reason = "the run is stopping"
             if reason is None:
