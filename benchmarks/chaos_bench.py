@@ -1,6 +1,7 @@
 """Chaos: a 4-cell `gyre run` whose processes (controller, proxy, cells, harnesses) are SIGKILLed at seeded moments.
 
     python -m benchmarks.chaos_bench --kills 30 --seed 1 --json
+    python -m benchmarks.chaos_bench --kills 30 --seeds 1-10 --json    # in sequence: per seed, and in total
 
 The run is examples/cluster-cpu.toml in a temp run directory (more steps, quicker loss detection). At each
 moment drawn from a seeded RNG — once the log has grown by a drawn number of events and a drawn 1-6 s have
@@ -447,7 +448,8 @@ def summary(result: ChaosResult, audit, replay: dict | None, baseline_gap_s: flo
                    micro_steps_redone=audit.micro_steps_redone, micro_steps_released=audit.micro_steps_released,
                    steps_trained=audit.steps_trained, steps_aborted=audit.steps_aborted,
                    role_switches=audit.role_switches, cells_lost=audit.cells_lost,
-                   cells_reregistered=audit.cells_reregistered, spill_files=audit.spill_files)
+                   cells_reregistered=audit.cells_reregistered, spill_files=audit.spill_files,
+                   commands_abandoned=audit.commands_abandoned)
         problems += audit.problems
     if replay is not None:
         out["replay_mismatches"] = replay.get("mismatches")
@@ -468,10 +470,74 @@ def replay(log: Path) -> dict:
         return {"error": f"gyre replay exited {done.returncode}: {done.stderr.strip()[-500:]}"}
 
 
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds``: ``1-10``, ``3,5,7`` or a mix (``1-3,8``), in the order given."""
+    seeds: list[int] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        first, _, last = part.partition("-")
+        try:
+            low, high = int(first), int(last or first)
+        except ValueError:
+            raise ValueError(f"--seeds: {part!r} is not a seed or a range like 1-10") from None
+        if high < low:
+            raise ValueError(f"--seeds: the range {part!r} is empty")
+        seeds += range(low, high + 1)
+    if not seeds:
+        raise ValueError("--seeds: no seeds given")
+    return seeds
+
+
+def totals(runs: list[dict]) -> dict:
+    """The seeds' runs summed: runs completed, kills by class, what was lost or doubled, time lost per kill
+    (over every kill of every run), replay mismatches."""
+    def total(key: str) -> int:
+        return sum(r.get(key) or 0 for r in runs)
+
+    by_class = dict.fromkeys(VICTIM_CLASSES, 0)
+    for r in runs:
+        for victim, count in r["kills_by_victim"].items():
+            by_class[victim] += count
+    recovery = [k["recovery_s"] for r in runs for k in r["kill_log"] if k.get("recovery_s") is not None]
+    return {"runs": len(runs), "runs_completed": sum(bool(r["finished"]) for r in runs),
+            "runs_passed": sum(bool(r["passed"]) for r in runs),
+            "failed_seeds": [r["seed"] for r in runs if not r["passed"]],
+            "kills": total("kills"), "kills_by_victim": by_class,
+            "events_lost": total("events_lost"), "events_doubled": total("events_doubled"),
+            "rewards_lost": total("rewards_lost"), "rewards_doubled": total("rewards_doubled"),
+            "commands_abandoned": total("commands_abandoned"),
+            "time_lost_per_kill_s": {"median": round(statistics.median(recovery), 3) if recovery else None,
+                                     "max": max(recovery) if recovery else None,
+                                     "unrecovered": total("kills") - len(recovery)},
+            "replay_mismatches": total("replay_mismatches"), "wall_s": round(sum(r["wall_s"] for r in runs), 1)}
+
+
+def run_seed(args: argparse.Namespace, seed: int, root: Path, run_name: str = "run") -> dict:
+    """One chaos run of ``seed`` under ``root``; its summary (``kill_log`` included)."""
+    steps = args.steps or max(4, (args.kills + 1) // 2)
+    schedule = KillSchedule(seed, args.weights, Pace(args.min_wait_s, args.max_wait_s, 1, args.max_events))
+    run_dir = root / run_name
+    config = write_config(run_dir, run_config(run_dir, steps=steps, seed=seed, base=args.config))
+    chaos = Chaos(run_dir, config, schedule, args.kills, timeout_s=args.timeout_s, stall_s=args.stall_s)
+    result = chaos.run()
+    report = replayed = gap = None
+    if (run_dir / "log").is_dir() and any((run_dir / "log").glob("*.seg")):
+        from gyre.log.audit import audit
+
+        report = audit(run_dir / "log", expected_steps=steps, require_finished=True)
+        gap = recovery_times(run_dir / "log", result.kills)
+        replayed = replay(run_dir / "log")
+    out = {"seed": seed, "steps": steps, **summary(result, report, replayed, gap)}
+    if args.keep is not None:
+        out["run_dir"] = str(run_dir)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kills", type=int, default=30)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seeds", type=parse_seeds, default=None,
+                        help="several runs in sequence, e.g. 1-10 or 3,5,7: each seed's figures and their totals")
     parser.add_argument("--steps", type=int, default=None, help="train steps (default: enough for the kills)")
     parser.add_argument("--weights", type=parse_weights, default=None,
                         help="victim class weights, e.g. controller=1,proxy=1,cell=2,harness=2")
@@ -484,32 +550,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=Path, default=None, help="run here and keep it (default: a temp dir)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    steps = args.steps or max(4, (args.kills + 1) // 2)
-    schedule = KillSchedule(args.seed, args.weights, Pace(args.min_wait_s, args.max_wait_s, 1, args.max_events))
     root = Path(tempfile.mkdtemp(prefix="gyre-chaos-")) if args.keep is None else args.keep
     root.mkdir(parents=True, exist_ok=True)
-    run_dir = root / "run"
     try:
-        config = write_config(run_dir, run_config(run_dir, steps=steps, seed=args.seed, base=args.config))
-        chaos = Chaos(run_dir, config, schedule, args.kills, timeout_s=args.timeout_s, stall_s=args.stall_s)
-        result = chaos.run()
-        report = replayed = gap = None
-        if (run_dir / "log").is_dir() and any((run_dir / "log").glob("*.seg")):
-            from gyre.log.audit import audit
-
-            report = audit(run_dir / "log", expected_steps=steps, require_finished=True)
-            gap = recovery_times(run_dir / "log", result.kills)
-            replayed = replay(run_dir / "log")
-        out = {"seed": args.seed, "steps": steps, **summary(result, report, replayed, gap)}
-        if args.keep is not None:
-            out["run_dir"] = str(run_dir)
+        if args.seeds is None:
+            out = run_seed(args, args.seed, root)
+        else:
+            runs = []
+            for seed in args.seeds:
+                runs.append(run_seed(args, seed, root, f"run-s{seed}"))
+                if not args.json:
+                    print(json.dumps({k: v for k, v in runs[-1].items() if k != "kill_log"}), flush=True)
+            out = {"seeds": args.seeds, "runs": runs, "total": totals(runs),
+                   "passed": all(r["passed"] for r in runs)}
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
     if args.json:
         print(json.dumps(out))
-    else:
+    elif args.seeds is None:
         print(json.dumps({k: v for k, v in out.items() if k != "kill_log"}, indent=2))
+    else:
+        print(json.dumps(out["total"], indent=2))
     return 0 if out["passed"] else 1
 
 

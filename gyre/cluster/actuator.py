@@ -19,10 +19,15 @@ has completed, with each part's measured seconds and bytes as the processes repo
 `ClusterRollouts` queues a step's executions: the controller mints their tokens and the proxy process
 registers them and hands them to its harness runner; `execution_queued` is durable when it returns.
 
-A process lost mid-action (`PeerLost`) does not fail the run: the action is cut short, and the controller's
-membership handling restarts the process, registers it again and brings it up (`RemoteCell.bring_up`). A
-command to a lost proxy is answered with nothing: a restarted proxy has no calls to redirect, gets the
-routing when it connects, and the executions it lost are submitted again.
+A failed command follows one rule (`gyre.cluster.failures`): a transient failure is sent again with
+bounded backoff, or abandoned (``command_abandoned``; an abandoned switch ends there, its cell staying in
+its role) when the decision it served is obsolete or its attempts ran out — and then a target still alive is
+declared lost; a fatal failure ends the run. A process lost mid-action (`PeerLost`, which an abandoned
+command is too) does not fail the run: the action is cut short, and the controller's membership handling
+restarts the process, registers it again and brings it up (`RemoteCell.bring_up`); a train step it
+abandoned is trained again once a core is back. A command to a lost proxy is answered with nothing: a
+restarted proxy has no calls to redirect, gets the routing when it connects, and the executions it lost are
+submitted again.
 """
 
 from __future__ import annotations
@@ -31,14 +36,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gyre import auth
 from gyre.cluster.errors import PeerLost
+from gyre.cluster.failures import (
+    CELL_RULES,
+    COMMAND_TIMEOUT_S,
+    PROXY_RULES,
+    Abandoned,
+    Backoff,
+    CommandFailed,
+    perform,
+    wait_done,
+)
 from gyre.cluster.proto import gyre_pb2
 from gyre.controller.actuator import OrderedActions, perform_switch
+from gyre.errors import GyreError
 from gyre.events.models import RoleSwitchRequested, WeightsLoaded
 from gyre.sink import EventSink
 from gyre.train.build import PlannedExecution
@@ -48,19 +63,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-COMMAND_TIMEOUT_S = 3600.0
-"""A command's longest wait (a train step of a real model can take long); a lost cell fails it sooner."""
-
-
-class CommandFailed(RuntimeError):
-    """A process reported that a command failed; the message names the process and the command."""
-
-
-def wait_done(future: Future[gyre_pb2.CommandDone], what: str) -> gyre_pb2.CommandDone:
-    done = future.result(COMMAND_TIMEOUT_S)
-    if not done.ok:
-        raise CommandFailed(f"{what} failed: {done.error}")
-    return done
+__all__ = ["COMMAND_TIMEOUT_S", "CommandFailed", "wait_done"]  # the rule's names, where callers found them
 
 
 @dataclass
@@ -101,21 +104,66 @@ class Directory:
 
 
 class Commands:
-    """Typed commands to the processes through the hub (each returns a future of its `CommandDone`)."""
+    """Typed commands to the processes through the hub, each sent under the failed-command rule."""
 
-    def __init__(self, hub: Hub) -> None:
-        self.hub = hub
+    def __init__(self, hub: Hub, directory: Directory | None = None, sink: EventSink | None = None, *,
+                 backoff: Backoff = Backoff(), wait: Callable[[float], bool] | None = None) -> None:
+        """``sink``: where abandoned proxy commands are recorded; ``wait(s)``: the backoff's sleep (True when
+        the run began stopping meanwhile; default: ``stopping.wait``)."""
+        self.hub, self.sink, self.backoff = hub, sink, backoff
+        self.directory = directory if directory is not None else Directory()
+        self.stopping = threading.Event()
+        """Set when the run stops: retries end, their commands abandoned."""
+        self.wait = wait if wait is not None else self.stopping.wait
 
-    def cell(self, cell_id: str, what: str, **body: object) -> gyre_pb2.CommandDone:
-        return wait_done(self.hub.command_cell(cell_id, gyre_pb2.CellCommand(**body)), f"{what} on cell {cell_id}")
+    def cell(self, cell_id: str, what: str, *, obsolete: Callable[[], str | None] | None = None,
+             **body: object) -> gyre_pb2.CommandDone:
+        """Do a command on the cell's current incarnation (fenced: never on a later one). ``obsolete()``: why
+        the decision it serves no longer holds besides its cell being lost or replaced (None: it holds)."""
+        command = gyre_pb2.CellCommand(**body)
+        kind = command.WhichOneof("body") or ""
+        info = self.directory.cells.get(cell_id)
+        incarnation = info.incarnation if info is not None else ""
+
+        def stale() -> str | None:
+            if self.stopping.is_set():
+                return "the run is stopping"
+            now = self.directory.cells.get(cell_id)
+            if info is not None and (now is not info or now.lost):
+                return f"cell {cell_id} incarnation {incarnation} was lost or replaced"
+            return obsolete() if obsolete is not None else None
+
+        return perform(lambda: wait_done(self.hub.command_cell(cell_id, command, incarnation=incarnation),
+                                         f"{what} on cell {cell_id}"),
+                       f"{what} on cell {cell_id}", command=kind, rule=CELL_RULES[kind], obsolete=stale,
+                       wait=self.wait, backoff=self.backoff, cell_id=cell_id, incarnation=incarnation)
 
     def proxy(self, what: str, **body: object) -> gyre_pb2.CommandDone | None:
-        """None when the proxy was lost before it was done (see the module docstring)."""
+        """None when the proxy was lost, or the command abandoned, before it was done (see the module docstring)."""
+        command = gyre_pb2.ProxyCommand(**body)
+        kind = command.WhichOneof("body") or ""
         try:
-            return wait_done(self.hub.command_proxy(gyre_pb2.ProxyCommand(**body)), f"{what} on the proxy")
-        except PeerLost as lost:
-            log.warning("%s: %s", what, lost)
+            return perform(lambda: wait_done(self.hub.command_proxy(command), f"{what} on the proxy"),
+                           f"{what} on the proxy", command=kind, rule=PROXY_RULES[kind],
+                           obsolete=lambda: "the run is stopping" if self.stopping.is_set() else None,
+                           wait=self.wait, backoff=self.backoff)
+        except Abandoned as abandoned:
+            log.warning("%s", abandoned)
+            if not isinstance(abandoned.__cause__, PeerLost):  # a lost proxy's story is its restart, not this
+                self.abandon(abandoned, self.sink)
             return None
+
+    def abandon(self, abandoned: Abandoned, sink: EventSink | None, switch_to: str | None = None) -> None:
+        """Record ``command_abandoned``; a target still alive (its attempts ran out) is declared lost, so
+        the lost-peer path restarts it clean and redoes what the command was for."""
+        if sink is not None:
+            try:
+                sink.commit(sink.record(abandoned.event(switch_to)))
+            except GyreError as error:  # the log closed as the run ended: nothing waits for the fact
+                log.warning("%s; not recorded: %s", abandoned, error)
+        if not abandoned.stale:
+            kind, peer = ("cell", abandoned.cell_id) if abandoned.cell_id else ("proxy", "")
+            self.hub.lose(kind, peer, f"{abandoned.what} was abandoned: {abandoned.reason}", abandoned.incarnation)
 
 
 class RemoteCell:
@@ -138,10 +186,12 @@ class RemoteCell:
     # -- the actuator interface -----------------------------------------------------------------------------
 
     def switch(self, decision: RoleSwitchRequested) -> None:
-        self._actions.put(lambda: self._switch(decision))
+        self._actions.put(self._guarded(lambda: self._switch(decision), switch_to=decision.to_role))
 
     def train(self, step: int, groups: tuple[str, ...]) -> None:
-        if not self._actions.put(lambda: self._train(step, groups)) and self.on_lost_train is not None:
+        """Abandoned, the step's core is lost (declared so if it was not): `Controller.forget_training`, on
+        that path, has it trained again once a core is back."""
+        if not self._actions.put(self._guarded(lambda: self._train(step, groups))) and self.on_lost_train is not None:
             self.on_lost_train()  # the core was lost as the step was handed over: it is trained again later
 
     def bring_up(self, role: str, then: Callable[[], None] | None = None) -> None:
@@ -152,21 +202,32 @@ class RemoteCell:
             self._bring_up(role)
             if then is not None:
                 then()
-        self._actions.put(action)
+        self._actions.put(self._guarded(action))
 
     def update_weights(self, cause: str = "publish") -> None:
         """A version was published (or the cell was adopted with its engine's version unknown): a cell that
         serves rollouts loads it, and the proxy admits executions queued with it there once it has."""
-        self._actions.put(lambda: self._update_weights(cause))
+        self._actions.put(self._guarded(lambda: self._update_weights(cause)))
 
     def rejoin(self) -> None:
         """The core restarted: a satellite joins its new Trainer service (its old one died with the core)."""
-        self._actions.put(self._rejoin)
+        self._actions.put(self._guarded(self._rejoin))
 
     def close(self, wait: bool = True) -> None:
         self._actions.close(wait)
 
     # -- actions --------------------------------------------------------------------------------------------
+
+    def _guarded(self, action: Callable[[], None], switch_to: str | None = None) -> Callable[[], None]:
+        """``action``, with a command it abandons recorded (and, with ``switch_to``, the switch it served
+        ended); the `Abandoned` goes on to cut the action short."""
+        def run() -> None:
+            try:
+                action()
+            except Abandoned as abandoned:
+                self.commands.abandon(abandoned, self.sink, switch_to)
+                raise
+        return run
 
     def _switch(self, decision: RoleSwitchRequested) -> None:
         perform_switch(self.cell_id, decision, self.sink, self._leave_rollout, self._return_to_rollout)
@@ -190,12 +251,21 @@ class RemoteCell:
     def _join(self) -> float:
         """Join the core's step; 0 s when the core is down (its restart makes every training cell rejoin)."""
         core = self.directory.core
+
+        def core_gone() -> str | None:
+            now = self.directory.core
+            if now.lost or now.incarnation != core.incarnation:
+                return f"the core {core.cell_id} incarnation {core.incarnation} was lost or replaced"
+            return None
+
         try:
-            joined = self.commands.cell(self.cell_id, "join step", join_step=gyre_pb2.JoinStep(
+            joined = self.commands.cell(self.cell_id, "join step", obsolete=core_gone, join_step=gyre_pb2.JoinStep(
                 trainer_endpoint=core.trainer_endpoint, weights=self.directory.weights))
-        except CommandFailed as error:
-            if not self.directory.core.lost and self.directory.core.incarnation == core.incarnation:
+        except (Abandoned, CommandFailed) as error:
+            if core_gone() is None:
                 raise
+            if isinstance(error, Abandoned):
+                self.commands.abandon(error, self.sink)
             log.warning("cell %s: the core went down while it joined (%s); it joins the restarted core", self.cell_id,
                         error)
             return 0.0

@@ -10,3 +10,8 @@ class ClusterError(GyreError):
 class PeerLost(ClusterError):
     """A command failed because its process was declared lost: the controller's membership handling (restart,
     re-registration, resubmitted rollouts) takes over, so the action that sent it is not a run failure."""
+
+
+class Unavailable(ClusterError):
+    """A peer a command needs is not ready yet or restarting (a core restoring its trainer): the command may
+    succeed when sent again (`gyre.cluster.failures`)."""

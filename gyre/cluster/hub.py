@@ -20,6 +20,10 @@ its requests too), so it is lost after ``dead_after_s`` as well — except after
 then its stream's end is its exit, and it leaves at once, without ``on_*_lost``. A lost incarnation is
 refused if it comes back: the controller has already acted on its loss, so only a restarted process (a new
 incarnation) rejoins.
+
+Incarnations fence each other: once a newer incarnation of a peer has connected, the older one is lost, so
+its stream, its hello if it comes back, and therefore its events are refused; a command addressed to an
+incarnation (``command_cell(..., incarnation=)``) is refused unless that incarnation is the connected one.
 """
 
 from __future__ import annotations
@@ -229,16 +233,19 @@ class Hub:
 
     # -- commands (any thread) -----------------------------------------------------------------------------
 
-    def command_cell(self, cell_id: str, command: gyre_pb2.CellCommand
+    def command_cell(self, cell_id: str, command: gyre_pb2.CellCommand, *, incarnation: str = ""
                      ) -> concurrent.futures.Future[gyre_pb2.CommandDone]:
-        """Send ``command`` (a copy, given the next command_id) to a cell; the future gets its `CommandDone`."""
-        return self._command(("cell", cell_id), command, gyre_pb2.CellCommand())
+        """Send ``command`` (a copy, given the next command_id) to a cell; the future gets its `CommandDone`.
+        With ``incarnation``, only to that process: another incarnation of the cell fails it with `PeerLost`
+        (a decision made for a process never reaches its replacement)."""
+        return self._command(("cell", cell_id), command, gyre_pb2.CellCommand(), incarnation)
 
     def command_proxy(self, command: gyre_pb2.ProxyCommand) -> concurrent.futures.Future[gyre_pb2.CommandDone]:
         """Send ``command`` (a copy, given the next command_id) to the proxy."""
         return self._command(("proxy", ""), command, gyre_pb2.ProxyCommand())
 
-    def _command(self, key: Key, command: Command, copy: Command) -> concurrent.futures.Future[gyre_pb2.CommandDone]:
+    def _command(self, key: Key, command: Command, copy: Command,
+                 incarnation: str = "") -> concurrent.futures.Future[gyre_pb2.CommandDone]:
         if command.WhichOneof("body") is None:
             raise ValueError(f"a {type(command).__name__} without a body (serve, pause, ...) says nothing to do")
         copy.CopyFrom(command)
@@ -246,12 +253,13 @@ class Hub:
         with self._ids_lock:  # numbered and queued together: a peer gets its commands in command_id order
             copy.command_id = next(self._ids)
             if self._running:
-                self._thread.call(self._enqueue, key, copy, future)
+                self._thread.call(self._enqueue, key, copy, future, incarnation)
                 return future
         _fail(future, ClusterError(f"the hub is not running; command {copy.command_id} was not sent"))
         return future
 
-    def _enqueue(self, key: Key, command: Command, future: concurrent.futures.Future[gyre_pb2.CommandDone]) -> None:
+    def _enqueue(self, key: Key, command: Command, future: concurrent.futures.Future[gyre_pb2.CommandDone],
+                 incarnation: str = "") -> None:
         peer = self._peers.get(key)
         what = "the proxy" if key[0] == "proxy" else f"cell {key[1]!r}"
         if self._stopping:
@@ -262,19 +270,24 @@ class Hub:
         elif peer.lost is not None:
             _fail(future, PeerLost(f"{peer.name} was lost ({peer.lost}); command {command.command_id} "
                                        f"({command.WhichOneof('body')}) was not sent"))
+        elif incarnation and peer.hello.incarnation != incarnation:  # fenced: sent for a process now replaced
+            _fail(future, PeerLost(f"{peer.name} incarnation {incarnation!r} was replaced by "
+                                   f"{peer.hello.incarnation!r}; command {command.command_id} "
+                                   f"({command.WhichOneof('body')}) was not sent"))
         else:
             peer.pending[command.command_id] = (command, future)
             if peer.stream is not None:
                 peer.stream.send(_down(peer.kind, command=command))
 
-    def lose(self, kind: str, peer_id: str, reason: str) -> None:
-        """Declare a peer's current incarnation lost now (its process was seen to exit), without waiting
-        ``dead_after_s``; a no-op if it is already lost or never connected."""
+    def lose(self, kind: str, peer_id: str, reason: str, incarnation: str = "") -> None:
+        """Declare a peer's current incarnation (``incarnation``, if given: only that one) lost now (its
+        process was seen to exit, or stopped doing its commands), without waiting ``dead_after_s``; a no-op
+        if it is already lost or never connected."""
         key: Key = ("cell", peer_id) if kind == "cell" else ("proxy", "")
 
         async def lose() -> None:
             peer = self._peers.get(key)
-            if peer is not None:
+            if peer is not None and incarnation in ("", peer.hello.incarnation):
                 self._declare_lost(peer, reason)
         if self._running:
             self._thread.submit(lose()).result(timeout=10)

@@ -16,7 +16,8 @@ Commands run on one dedicated thread, in the order they arrive (a cell's command
 command id runs once per process; a repeat (the hub re-sends what was pending when the stream broke) is
 answered with the recorded `CommandDone`. The handler returns the command's figures (a mapping, or None),
 or a whole `CommandDone` when the command has a ``detail`` to return (ok unless its ``error`` is set); an
-exception is reported as ``ok=False`` with its text.
+exception is reported as ``ok=False`` with its text, and whether it is transient (``retryable``, from its type:
+`gyre.cluster.failures`).
 
 A link that the controller refuses for good — a wrong secret, a protocol error, a refused batch, a process
 declared lost — stops: ``error`` says why, ``on_failed`` is told, and the sink's waiters fail with `SinkError`.
@@ -44,6 +45,7 @@ import pyarrow as pa
 from gyre.cluster.aio import GRPC_OPTIONS, LoopThread
 from gyre.cluster.auth import metadata
 from gyre.cluster.errors import ClusterError
+from gyre.cluster.failures import failed_done
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.cluster.spill import Spill
 from gyre.cluster.wire import pack_events
@@ -752,9 +754,9 @@ class ControllerLink:
                 for name, value in (result or {}).items():
                     done.figures[name] = float(value)
             done.command_id = command.command_id
-        except Exception as e:  # reported to the controller as ok=False, with the error
+        except Exception as e:  # reported to the controller as ok=False, with the error and its class
             log.exception("%s %r: command %d (%s) failed", self.kind, self.peer_id, command.command_id, body)
-            return gyre_pb2.CommandDone(command_id=command.command_id, ok=False, error=f"{type(e).__name__}: {e}")
+            return failed_done(command.command_id, e)
         return done
 
     DONE_KEPT = 4096

@@ -155,7 +155,7 @@ class ClusterRun:
             self.hub.on_cell_lost = self._on_cell_lost
             self.hub.on_proxy_hello = self._on_proxy_hello
             self.hub.on_proxy_lost = self._on_proxy_lost
-            self.commands = Commands(self.hub)
+            self.commands = Commands(self.hub, self.directory, self.sink.producer("commands"))
             self.controller = Controller(self.sink, self.policy, self.params,
                                          RunPlan(steps=config.steps, staleness=config.scheduler.staleness),
                                          cells={}, rollouts=ClusterRollouts(self.commands, self._plan, self._queued))
@@ -516,6 +516,7 @@ class ClusterRun:
     def _stop_processes(self) -> None:
         """Ask every connected process to stop (the proxy first: its harnesses end), then wait for them."""
         self._stopping = True
+        self.commands.stopping.set()  # a command still retrying is abandoned now
         self.supervisor.stop_watching()
         for name in ["proxy", *self.config.cluster.cell_ids]:
             if not self.supervisor.alive(name):

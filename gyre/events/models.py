@@ -484,6 +484,24 @@ class HeldOutEvaluated(Event):
     group_prefix: str = Field("", description="group_id prefix of its executions, to tell them from training")
 
 
+# --- the control plane ---------------------------------------------------------------------------------
+
+
+class CommandAbandoned(Event):
+    """The controller gave up on a command after transient failures (`gyre.cluster.failures`): its target or
+    the core was lost or replaced, the run was stopping, or its attempts ran out (the target is then declared
+    lost). With ``switch_to``, the role switch it served ends here: the cell stays in its role."""
+
+    kind: ClassVar[str] = "command_abandoned"
+    view: ClassVar[str] = "commands_abandoned"
+    command: str = Field(description="the command kind (join_step, train, redirect, ...)")
+    target: Literal["cell", "proxy"] = "cell"
+    reason: str = ""
+    attempts: NonNegativeInt = 1
+    incarnation: str | None = Field(None, description="the target cell's incarnation the command was sent to")
+    switch_to: Role | None = Field(None, description="the role of the switch it ends (None: no switch ends)")
+
+
 def event_type(kind: str) -> type[Event]:
     """The model class of a kind, or a clear error naming the known kinds."""
     from gyre.errors import UnknownEventKindError

@@ -24,7 +24,7 @@ run to after its processes were killed at random. The rules:
   ``s``) by at most the run's ``scheduler.staleness``.
 
 Counted, not judged: micro-steps redone (claims of a micro-step already claimed, releases), steps aborted or
-started again, role switches, cells lost and registered again, controller restarts.
+started again, role switches, cells lost and registered again, commands abandoned, controller restarts.
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ class AuditReport(BaseModel):
     cells_lost: int = 0
     cells_registered: int = 0
     cells_reregistered: int = Field(0, description="cell_registered for a cell already registered")
+    commands_abandoned: int = Field(0, description="commands given up on after transient failures")
     controller_restarts: int | None = Field(
         None, description="resume events the log holds; None when the vocabulary has no resume kind")
     quiet_gaps: int = Field(0, description="pauses of at least quiet_gap_s with no event at all (each "
@@ -400,6 +401,8 @@ def _cluster(con, report: AuditReport, quiet_gap_s: float) -> None:
     report.cells_registered, distinct = con.execute(
         "SELECT count(*), count(DISTINCT cell_id) FROM cells").fetchone()
     report.cells_reregistered = report.cells_registered - distinct
+    (report.commands_abandoned,) = con.execute(
+        "SELECT count(*) FROM events WHERE kind = 'command_abandoned'").fetchone()
     kinds = [kind for kind in RESUME_KINDS if kind in EVENT_TYPES]
     if kinds:
         (report.controller_restarts,) = con.execute(

@@ -227,8 +227,8 @@ def audit(path: PathArg, as_json: JsonOpt = False,
         for name in ("events_lost", "events_doubled", "spill_files", "rewards_lost", "rewards_doubled",
                      "rewards_unqueued", "micro_steps_redone", "micro_steps_released", "steps_aborted",
                      "calls_versioned", "calls_unversioned", "calls_stale", "calls_overlagged", "max_version_lag",
-                     "role_switches", "cells_lost", "cells_reregistered", "controller_restarts", "quiet_gaps",
-                     "run_status"):
+                     "role_switches", "cells_lost", "cells_reregistered", "commands_abandoned", "controller_restarts",
+                     "quiet_gaps", "run_status"):
             table.add_row(name, str(getattr(report, name)))
         console.print(table)
         for problem in report.problems:

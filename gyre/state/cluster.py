@@ -22,6 +22,8 @@ class Cell:
     switching_to: str | None = None
     """Target role of a requested switch that has not completed yet."""
     lost: bool = False
+    incarnation: str | None = None
+    """The registered process (cluster runs): a late fact about an earlier one does not apply to it."""
 
 
 @dataclass(slots=True)
@@ -57,6 +59,7 @@ class ClusterState:
 
 class ClusterView(Projection[ClusterState]):
     name = "cluster"
+    version = 2  # cells carry their incarnation; command_abandoned ends a switch
     state_type = ClusterState
 
     def apply_batch(self, state: ClusterState, batch: pa.RecordBatch,
@@ -77,9 +80,9 @@ class ClusterView(Projection[ClusterState]):
         state.now_us = batch.column("ts")[int(relevant[-1])].value
         return state
 
-    @on("cell_registered", "cell_id", "role", "is_core", "slots", "gpus", "ts")
-    def _registered(self, s: ClusterState, cell_id, role, is_core, slots, gpus, ts) -> None:
-        s.cells[cell_id] = Cell(cell_id, role, is_core, slots, gpus)
+    @on("cell_registered", "cell_id", "role", "is_core", "slots", "gpus", "incarnation", "ts")
+    def _registered(self, s: ClusterState, cell_id, role, is_core, slots, gpus, incarnation, ts) -> None:
+        s.cells[cell_id] = Cell(cell_id, role, is_core, slots, gpus, incarnation=incarnation)
         s.now_us = ts
 
     @on("cell_lost", "cell_id", "ts")
@@ -101,6 +104,16 @@ class ClusterView(Projection[ClusterState]):
         cell = s.cells.get(cell_id)
         if cell is not None:
             cell.role, cell.switching_to = to_role, None
+        s.now_us = ts
+
+    @on("command_abandoned", "cell_id", "switch_to", "incarnation", "ts")
+    def _abandoned(self, s: ClusterState, cell_id, switch_to, incarnation, ts) -> None:
+        """A switch given up on ends: the cell stays in its role, and the policy may decide for it again (not
+        a switch of a later incarnation, decided after the one the command was for was replaced)."""
+        cell = s.cells.get(cell_id) if cell_id is not None else None
+        if (cell is not None and switch_to is not None and cell.switching_to == switch_to
+                and (incarnation is None or cell.incarnation in (None, incarnation))):
+            cell.switching_to = None
         s.now_us = ts
 
     @on("execution_queued", "execution_id", "ts")

@@ -13,7 +13,7 @@ import pytest
 
 from gyre import auth
 from gyre.cluster.auth import metadata
-from gyre.cluster.errors import ClusterError
+from gyre.cluster.errors import ClusterError, PeerLost
 from gyre.cluster.hub import Hub
 from gyre.cluster.link import ControllerLink
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
@@ -210,6 +210,31 @@ def test_a_new_incarnation_replaces_the_old(cluster) -> None:
     assert failed.wait(5) and "FAILED_PRECONDITION" in str(old.error)
     assert hellos == ["one", "two"] and lost == [("c0", "replaced by incarnation 'two'")]
     assert cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())).result(5).ok
+
+
+def test_a_newer_incarnation_fences_the_older(cluster) -> None:
+    """A process cut off (a partition) never acts beside its replacement: once the new incarnation is in,
+    commands decided for the old one and the old one's events are refused."""
+    ran: list[str] = []
+    serve = gyre_pb2.CellCommand(serve=gyre_pb2.Serve())
+    old = cluster.link("c0", incarnation="one", handler=lambda command: ran.append("one"))
+    old.sink.commit(old.producer("c0").record(_lost(1, "old")))
+    assert cluster.hub.command_cell("c0", serve, incarnation="one").result(5).ok
+    failed = threading.Event()
+    old.on_failed = lambda error: failed.set()
+    new = cluster.link("c0", incarnation="two", handler=lambda command: ran.append("two"))
+    assert failed.wait(5)
+    with pytest.raises(PeerLost, match="incarnation 'one' was replaced by 'two'"):
+        cluster.hub.command_cell("c0", serve, incarnation="one").result(5)
+    assert cluster.hub.command_cell("c0", serve, incarnation="two").result(5).ok
+    assert ran == ["one", "two"]
+    with pytest.raises(SinkError):  # what the old process records now goes nowhere
+        old.producer("c0").record(_lost(1, "stale"))
+    back = cluster.link("c0", incarnation="one", start=False, connect_timeout_s=5)  # its partition heals
+    with pytest.raises(ClusterError, match="was declared lost"):
+        back.start()
+    new.sink.commit(new.producer("c0").record(_lost(1, "new")))
+    assert [e.reason for e in cluster.events()] == ["old0", "new0"]
 
 
 def test_wait_for_names_the_missing(cluster) -> None:

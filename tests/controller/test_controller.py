@@ -12,6 +12,7 @@ import pytest
 from gyre.controller import Controller, RunPlan
 from gyre.events.models import (
     CellRegistered,
+    CommandAbandoned,
     ExecutionFinished,
     ExecutionQueued,
     ExecutionStarted,
@@ -85,14 +86,29 @@ class StandInRollouts:
         thread.start()
 
 
-def drive(log_dir, policy_name: str, steps: int = 3) -> Controller:
+class AbandoningCell(StandInCell):
+    """Its first switch to training is given up on (its join kept failing): the cell stays in rollout."""
+
+    abandoned = False
+
+    def switch(self, decision: RoleSwitchRequested) -> None:
+        if decision.to_role == "training" and not self.abandoned:
+            self.abandoned = True
+            self.producer.record(CommandAbandoned(cell_id=decision.cell_id, command="join_step", attempts=3,
+                                                  reason="the core's trainer is not ready yet",
+                                                  switch_to="training"))
+            return
+        super().switch(decision)
+
+
+def drive(log_dir, policy_name: str, steps: int = 3, cell: type[StandInCell] = StandInCell) -> Controller:
     policy = get_policy(policy_name)
     params = policy.params({})
     sink = LogSink(LogWriter(log_dir, run_id="r"))
     gate = Gate()
     rollouts = StandInRollouts(sink, size=4, gate=gate)
     controller = Controller(sink, policy, params, RunPlan(steps=steps), cells={}, rollouts=rollouts)
-    controller.cells["c0"] = StandInCell(sink, gate)
+    controller.cells["c0"] = cell(sink, gate)
     controller.record([RunStarted(run_id="r", name="t", policy=policy.name, policy_version=policy.version,
                                   policy_params=params.model_dump_json(), decision_points="explicit"),
                        CellRegistered(cell_id="c0", role="rollout", is_core=True, slots=2)])
@@ -115,6 +131,17 @@ def test_a_live_log_replays_with_no_mismatch(tmp_path, policy):
     assert all(d.decided_at_seq is not None and d.decided_at_seq < d.seq for d in decisions)
     # one cell: it trains when a step's data is ready and serves otherwise, so the roles alternate
     assert [d.to_role for d in decisions] == ["training", "rollout"] * 2 + ["training"]
+
+
+def test_an_abandoned_switch_is_decided_again_and_replays_exactly(tmp_path):
+    controller = drive(tmp_path / "log", "elastic", steps=2, cell=AbandoningCell)
+    report = replay_decisions(tmp_path / "log")
+    assert report.mismatches == [], report.to_dict()
+    decisions = list(LogReader(tmp_path / "log").events(kinds=["role_switch_requested"]))
+    assert [d.to_role for d in decisions] == ["training", "training", "rollout", "training"]
+    [abandoned] = LogReader(tmp_path / "log").events(kinds=["command_abandoned"])
+    assert decisions[0].seq < abandoned.seq < decisions[1].decided_at_seq + 1  # decided again on seeing it
+    assert all(c.switching_to is None for c in controller.view.cluster.cells.values())
 
 
 def test_replay_reports_an_altered_decision(tmp_path):

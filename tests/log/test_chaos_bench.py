@@ -155,3 +155,27 @@ def test_time_lost_per_kill_is_kill_to_the_next_progress_event(tmp_path):
     assert out["kills_by_victim"] == {"controller": 0, "proxy": 1, "cell": 1, "harness": 0}
     assert out["time_lost_per_kill_s"] == {"median": 4.0, "max": 4.0, "unrecovered": 1}
     assert out["passed"] and out["replay_mismatches"] == 0
+
+
+def test_seeds_are_parsed_in_order():
+    assert cb.parse_seeds("1-3") == [1, 2, 3]
+    assert cb.parse_seeds("5, 2-3,9") == [5, 2, 3, 9]
+    with pytest.raises(ValueError, match="empty"):
+        cb.parse_seeds("4-2")
+    with pytest.raises(ValueError, match="not a seed"):
+        cb.parse_seeds("a-b")
+
+
+def test_the_seeds_add_up():
+    def run(seed, passed, kills, recovery):
+        return {"seed": seed, "finished": True, "passed": passed, "kills": len(kills), "wall_s": 10.0,
+                "kills_by_victim": {c: kills.count(c) for c in cb.VICTIM_CLASSES}, "events_lost": 0,
+                "rewards_doubled": 1 - passed, "replay_mismatches": 0, "commands_abandoned": 2,
+                "kill_log": [{"recovery_s": r} for r in recovery]}
+
+    total = cb.totals([run(3, True, ["cell", "proxy"], [1.0, None]), run(4, False, ["cell"], [3.0])])
+    assert total["runs"] == 2 and total["runs_completed"] == 2 and total["runs_passed"] == 1
+    assert total["failed_seeds"] == [4] and total["kills"] == 3 and total["rewards_doubled"] == 1
+    assert total["kills_by_victim"] == {"controller": 0, "proxy": 1, "cell": 2, "harness": 0}
+    assert total["time_lost_per_kill_s"] == {"median": 2.0, "max": 3.0, "unrecovered": 1}
+    assert total["commands_abandoned"] == 4 and total["wall_s"] == 20.0

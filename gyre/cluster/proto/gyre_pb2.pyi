@@ -35,7 +35,7 @@ class Heartbeat(_message.Message):
     def __init__(self, sent_us: _Optional[int] = ...) -> None: ...
 
 class CommandDone(_message.Message):
-    __slots__ = ("command_id", "ok", "error", "figures", "detail")
+    __slots__ = ("command_id", "ok", "error", "figures", "detail", "retryable", "error_type")
     class FiguresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -48,12 +48,16 @@ class CommandDone(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FIGURES_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     ok: bool
     error: str
     figures: _containers.ScalarMap[str, float]
     detail: bytes
-    def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., figures: _Optional[_Mapping[str, float]] = ..., detail: _Optional[bytes] = ...) -> None: ...
+    retryable: bool
+    error_type: str
+    def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., figures: _Optional[_Mapping[str, float]] = ..., detail: _Optional[bytes] = ..., retryable: _Optional[bool] = ..., error_type: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("run_id", "held", "heartbeat_s")
