@@ -244,8 +244,9 @@ class ModelCallFinished(Event):
     policy_version: NonNegativeInt = 0
     engine_version: NonNegativeInt | None = Field(
         None, description="the weights version the engine reported serving the call with (the oldest, if it "
-                          "moved between engines); None when the engine reported none (policy_version then "
-                          "holds the version the execution was queued with)")
+                          "moved between engines); None when the engine reported none, or when the call ended "
+                          "before any engine produced a token (policy_version then holds the version the "
+                          "execution was queued with)")
     cached_tokens: NonNegativeInt = 0
     latency_s: NonNegativeFloat = 0.0
     finish_reason: FinishReason = "stop"

@@ -18,7 +18,7 @@ run to after its processes were killed at random. The rules:
   no model call names an attempt that was never queued.
 - **training** — train steps finished gapless from 0, each once (and ``expected_steps`` of them when given);
   published weight versions gapless from 1, each once; the run finished ``completed`` (``require_finished``).
-- **versions** — every model call reports the weights version its engine served it with (``engine_version``;
+- **versions** — every model call with output reports the weights version its engine served it with (``engine_version``;
   ``require_versions``), that version is at least the one its execution's attempt was queued with (no call
   on stale weights), and a trained call lags the version that trains it (step ``s`` trains from version
   ``s``) by at most the run's ``scheduler.staleness``.
@@ -80,7 +80,8 @@ class AuditReport(BaseModel):
     rewards_unqueued: int = Field(0, description="outcomes before their execution was ever queued")
     # -- versions --
     calls_versioned: int = Field(0, description="model calls whose engine reported the version serving them")
-    calls_unversioned: int = Field(0, description="model calls whose engine reported no version")
+    calls_unversioned: int = Field(0, description="model calls with output whose engine reported no version")
+    calls_unserved: int = Field(0, description="model calls that ended with no output token (no version served them)")
     calls_stale: int = Field(0, description="calls served by weights older than their execution was queued with")
     calls_overlagged: int = Field(0, description="trained calls lagging their step's weights by over the staleness")
     max_version_lag: int | None = Field(None, description="the most a trained call lagged its step's weights")
@@ -361,11 +362,14 @@ def _versions(con, report: AuditReport, require_versions: bool) -> None:
                                any_value(step) AS step FROM executions_queued GROUP BY ALL),
              trained AS (SELECT step, arg_min(policy_version, seq) - 1 AS trains_from FROM train_steps GROUP BY step)
         SELECT c.execution_id, c.call_id, c.attempt, c.cell_id, c.engine_version, q.queued_version, q.step,
-               t.trains_from
+               t.trains_from, len(c.output_ids) AS produced
         FROM model_calls c LEFT JOIN queued q USING (execution_id, attempt) LEFT JOIN trained t ON t.step = q.step
         ORDER BY c.seq""").fetchall()
     problems: list[str] = []
-    for execution_id, call_id, attempt, cell_id, served, queued_version, step, trains_from in rows:
+    for execution_id, call_id, attempt, cell_id, served, queued_version, step, trains_from, produced in rows:
+        if served is None and not produced:
+            report.calls_unserved += 1  # ended before any engine produced a token (aborted): no version served it
+            continue
         if served is None:
             report.calls_unversioned += 1
             if require_versions:

@@ -297,3 +297,14 @@ def test_a_trained_call_lagging_its_step_by_more_than_the_staleness_is_named(tmp
     allowed = audit(write(tmp_path / "s1", run(1)), expected_steps=3)
     assert allowed.ok, allowed.problems
     assert allowed.max_version_lag == 1
+
+
+def test_a_call_aborted_before_any_token_needs_no_served_version(tmp_path):
+    events = clean_run()
+    at = events.index(("proxy", call("s1-e0")))
+    aborted = ModelCallFinished(execution_id="s1-e0", call_id="s1-e0-aborted", cell_id="cell1", policy_version=1,
+                                finish_reason="abort")  # its harness was killed while the call waited
+    events.insert(at, ("proxy", aborted))
+    report = audit(write(tmp_path, events), expected_steps=2)
+    assert report.ok, report.problems
+    assert (report.calls_unserved, report.calls_unversioned, report.calls_versioned) == (1, 0, 6)
