@@ -41,6 +41,12 @@ class SimResult:
     """Groups trained by a later step than their own batch's (partial rollouts)."""
     max_group_lag: int = 0
     """Most versions between a trained group's first queueing and the step that trained it."""
+    mixed_version_share: float = 0.0
+    """Share of trained trajectories whose calls started under more than one policy version."""
+    max_token_lag: int = 0
+    """Most versions between a trained token's policy (its call's start) and the step that trained it."""
+    resume_hours: float = 0.0
+    """Time cut executions spent re-prefilling their context on resumption (``rollout.resume_s_per_mtoken``)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -102,11 +108,14 @@ def summarise(sim: Simulation, makespan_us: int, log_dir: str | Path | None) -> 
         role_switches=sim.stats.switches, redirects=sim.stats.redirects, executions=len(executions),
         timed_out_share=sum(e.status == "timed_out" for e in executions) / max(1, len(executions)),
         log=str(log_dir) if log_dir is not None else None, partial_rollouts=sim.params.partial_rollouts,
-        cut_executions=sim.rollouts.cuts, **_lags(sim))
+        cut_executions=sim.rollouts.cuts, resume_hours=sim.rollouts.resume_s / 3600, **_lags(sim))
 
 
-def _lags(sim: Simulation) -> dict[str, int]:
-    """Groups trained after their own batch's step, and the largest version lag of a trained group."""
+def _lags(sim: Simulation) -> dict[str, Any]:
+    """How off-policy the trained data was: groups trained after their own batch's step, the largest
+    version lag of a trained group (from its first queueing) and of a trained token (from the version
+    its call started under: step ``s`` trains with version ``s``), and the share of trained trajectories
+    whose calls span versions."""
     work = sim.view.work
     if work.partial_rollouts:
         trained = [(step, g) for step, groups in work.assigned.items() for g in groups]
@@ -114,7 +123,19 @@ def _lags(sim: Simulation) -> dict[str, int]:
         trained = [(s, g) for s, w in work.steps.items() for g in w.complete_groups]
     carried = sum(1 for step, g in trained if step > work.group_origin[g][0])
     lag = max((step - work.group_origin[g][1] for step, g in trained), default=0)
-    return {"carried_groups": carried, "max_group_lag": lag}
+    members: dict[str, list[str]] = {}
+    for e in sim.workload.executions():
+        if e.trained:
+            members.setdefault(e.group_id, []).append(e.execution_id)
+    first, mixed = sim.rollouts.first_version, sim.rollouts.mixed
+    token_lag, trajectories, mixing = 0, 0, 0
+    for step, g in trained:
+        for execution in members.get(g, ()):
+            trajectories += 1
+            mixing += execution in mixed
+            token_lag = max(token_lag, step - first.get(execution, step))
+    return {"carried_groups": carried, "max_group_lag": lag, "max_token_lag": token_lag,
+            "mixed_version_share": mixing / max(1, trajectories)}
 
 
 def compare(scenario: Scenario, *, seed: int | None = None, steps: int | None = None,
@@ -210,7 +231,8 @@ def ablate(scenario: Scenario, *, seed: int | None = None, steps: int | None = N
                      "hours": round(r.hours, 4), "lower_bound_hours": round(r.lower_bound_hours, 4),
                      "ratio_to_lower_bound": round(r.ratio_to_lower_bound, 4), "role_switches": r.role_switches,
                      "cut_executions": r.cut_executions, "carried_groups": r.carried_groups,
-                     "max_group_lag": r.max_group_lag})
+                     "max_group_lag": r.max_group_lag, "mixed_version_share": round(r.mixed_version_share, 4),
+                     "max_token_lag": r.max_token_lag, "resume_hours": round(r.resume_hours, 4)})
     hours = {r["variant"]: r["hours"] for r in rows}
     elastic = hours["elastic"]
 
