@@ -114,3 +114,8 @@ def _print_ablation(out: dict[str, Any]) -> None:
     gains = ", ".join(f"{design} {gain:.3f}x" for design, gain in pr["gain"].items())
     console.print(f"with partial rollouts for every design (gain {gains}; groups up to {pr['max_group_lag']} "
                   f"versions old): elastic {pr['speedup_vs_best_baseline']:.3f}x the best baseline")
+    e3 = out["elastic3"]
+    console.print(f"elastic/3: {e3['speedup_vs_best_baseline']:.3f}x the best baseline, "
+                  f"{e3['speedup_vs_best_baseline_partial']:.3f}x with partial rollouts for every design "
+                  f"({e3['best']}, {e3['ratio_to_lower_bound_partial']:.3f}x the lower bound); "
+                  f"{e3['speedup_vs_elastic2_partial']:.3f}x elastic/2")

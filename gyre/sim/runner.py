@@ -165,7 +165,9 @@ class Variant:
     policy: str
     overrides: dict[str, Any]
     role: str
-    """elastic | colocate | async: the design it stands for."""
+    """elastic | colocate | async (+partial), elastic3 (+partial): the design it stands for."""
+    version: str | None = None
+    """A shipped policy version other than the current one (``elastic/3`` while it is not the default)."""
 
 
 def oversample_sweep(scenario: Scenario) -> list[int]:
@@ -203,6 +205,24 @@ def ablation_variants(scenario: Scenario) -> list[Variant]:
         for cells in range(1, scenario.cluster.cells):
             out.append(Variant(f"async {cells} training + streaming" + suffix, "async",
                                {"stream_micro_steps": True, "training_cells": cells, **partial}, "async+partial"))
+    return out + elastic3_variants(scenario)
+
+
+def elastic3_variants(scenario: Scenario) -> list[Variant]:
+    """elastic/3 with and without partial rollouts, and (at the most over-sampling) with each of its
+    mechanisms off: cutting what the next step does not need, and at staleness >= 1 the rate split."""
+    v3 = "elastic/3"
+    out = [Variant("elastic/3", "elastic", {}, "elastic3", v3)]
+    sweep = oversample_sweep(scenario)
+    for k in sweep:
+        out.append(Variant(f"elastic/3 + partial rollouts ({k} over-sampled)", "elastic",
+                           {"partial_rollouts": True, "oversample_groups": k}, "elastic3+partial", v3))
+    most = {"partial_rollouts": True, "oversample_groups": sweep[-1]}
+    out.append(Variant(f"elastic/3 + partial rollouts ({sweep[-1]} over-sampled), no cuts", "elastic",
+                       {**most, "cut_unneeded": False}, "elastic3 ablation", v3))
+    if scenario.policy.staleness >= 1:
+        out.append(Variant(f"elastic/3 + partial rollouts ({sweep[-1]} over-sampled), no rate split", "elastic",
+                           {**most, "rate_split": False}, "elastic3 ablation", v3))
     return out
 
 
@@ -222,9 +242,9 @@ def ablate(scenario: Scenario, *, seed: int | None = None, steps: int | None = N
     workload = sample_workload(scenario, seed, steps)
     rows = []
     for v in ablation_variants(scenario):
-        policy = get_policy(v.policy)
+        policy = get_policy(v.policy, v.version)
         params = policy_params(scenario, policy, v.overrides)
-        r = simulate(scenario, v.policy, seed=seed, workload=workload, params=params)
+        r = simulate(scenario, v.policy, seed=seed, workload=workload, params=params, version=v.version)
         rows.append({"variant": v.name, "design": v.role, "policy_version": r.policy_version,
                      "params": params.model_dump(exclude={"switch_to_training_s", "switch_to_rollout_s",
                                                           "satellite_join_s"}),
@@ -253,6 +273,18 @@ def ablate(scenario: Scenario, *, seed: int | None = None, steps: int | None = N
         "speedup_vs_best_baseline": round(partial_lead, 4),
         "max_group_lag": max(r["max_group_lag"] for r in rows if r["design"].endswith("+partial")),
     }
+    v3, v3_partial = best("elastic3"), best("elastic3+partial")
+    elastic3 = {
+        "best": v3_partial["variant"],
+        "speedup_vs_best_baseline": round(best_baseline["hours"] / v3["hours"], 4),
+        "speedup_vs_best_baseline_partial": round(partial_baseline["hours"] / v3_partial["hours"], 4),
+        "ratio_to_lower_bound": v3["ratio_to_lower_bound"],
+        "ratio_to_lower_bound_partial": v3_partial["ratio_to_lower_bound"],
+        "speedup_vs_elastic2": round(elastic / v3["hours"], 4),
+        "speedup_vs_elastic2_partial": round(with_partial["elastic"]["hours"] / v3_partial["hours"], 4),
+        "mechanisms": {r["variant"]: round(r["hours"] / v3_partial["hours"], 4)
+                       for r in rows if r["design"] == "elastic3 ablation"},
+    }
     x = {name: round(hours[name] / elastic, 4) for name in hours if name != "elastic"}
     decomposition = {
         "streaming": round(hours["colocate (brief)"] / hours["colocate + streaming"], 4),
@@ -271,5 +303,5 @@ def ablate(scenario: Scenario, *, seed: int | None = None, steps: int | None = N
         "speedup_vs_best_colocate": round(best_colocate["hours"] / elastic, 4),
         "speedup_vs_best_async": round(best_async["hours"] / elastic, 4),
         "speedup_vs_best_baseline": round(lead, 4), "decomposition": decomposition, "verdict": verdict,
-        "partial_rollouts": partial,
+        "partial_rollouts": partial, "elastic3": elastic3,
     }
