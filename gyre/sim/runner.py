@@ -282,7 +282,7 @@ def ablate(scenario: Scenario, *, seed: int | None = None, steps: int | None = N
         "ratio_to_lower_bound_partial": v3_partial["ratio_to_lower_bound"],
         "speedup_vs_elastic2": round(elastic / v3["hours"], 4),
         "speedup_vs_elastic2_partial": round(with_partial["elastic"]["hours"] / v3_partial["hours"], 4),
-        "mechanisms": {r["variant"]: round(r["hours"] / v3_partial["hours"], 4)
+        "mechanisms": {r["variant"]: round(r["hours"] / hours[r["variant"].rsplit(",", 1)[0]], 4)
                        for r in rows if r["design"] == "elastic3 ablation"},
     }
     x = {name: round(hours[name] / elastic, 4) for name in hours if name != "elastic"}
