@@ -6,7 +6,7 @@ Nothing here imports a server, a clock or a random generator; see ``policy.py`` 
 from gyre.errors import ConfigError
 from gyre.scheduler.colocate import COLOCATE
 from gyre.scheduler.decisions import InsufficientCapacityError
-from gyre.scheduler.elastic import ELASTIC, ELASTIC_V1
+from gyre.scheduler.elastic import ELASTIC, ELASTIC_V1, ELASTIC_V2, ELASTIC_V3
 from gyre.scheduler.fixed_pools import ASYNC
 from gyre.scheduler.params import AsyncParams, ColocateParams, ElasticParams, PolicyParams
 from gyre.scheduler.policy import CellSpec, Policy
@@ -14,7 +14,7 @@ from gyre.scheduler.view import SchedulerFold, SchedulerView, WorkState, WorkVie
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (ELASTIC, COLOCATE, ASYNC)}
 """The current version of each policy, by name."""
-VERSIONS: dict[str, Policy] = {p.version: p for p in (ELASTIC_V1, ELASTIC, COLOCATE, ASYNC)}
+VERSIONS: dict[str, Policy] = {p.version: p for p in (ELASTIC_V1, ELASTIC_V2, ELASTIC_V3, COLOCATE, ASYNC)}
 """Every version still shipped, so a recorded run replays under the policy that made it."""
 DECISION_KINDS = frozenset({"role_switch_requested"})
 """Event kinds a policy emits; everything else in a log is the world reacting."""
@@ -41,6 +41,8 @@ __all__ = [
     "DECISION_KINDS",
     "ELASTIC",
     "ELASTIC_V1",
+    "ELASTIC_V2",
+    "ELASTIC_V3",
     "POLICIES",
     "VERSIONS",
     "AsyncParams",

@@ -4,6 +4,8 @@ Redirect targets are chosen so that no rollout cell is pushed over its slots: ea
 running execution on the cell) goes to the remaining rollout cell with the most free slots, lowest id first.
 """
 
+from collections.abc import Callable
+
 from gyre.events.models import Redirect, RoleSwitchRequested
 from gyre.scheduler.view import SchedulerView
 from gyre.state import Cell
@@ -19,15 +21,18 @@ def to_rollout(view: SchedulerView, cell: Cell, reason: str) -> RoleSwitchReques
 
 
 def leave_rollout(view: SchedulerView, cell: Cell, remaining: list[Cell], free: dict[str, int],
-                  reason: str) -> RoleSwitchRequested:
+                  reason: str, keep: Callable[[str], bool] | None = None) -> RoleSwitchRequested:
     """Switch ``cell`` to training, redirecting its in-flight calls into ``free`` slots of ``remaining``.
 
     ``remaining`` must be sorted by id. ``free`` (cell -> free slots) is updated in place, so several
-    departures in one decision round share it.
+    departures in one decision round share it. With ``keep`` (partial rollouts) only the calls of
+    executions it accepts are redirected; the others are cut when the cell leaves.
     """
     redirects = []
     for call_id in view.cluster.inflight(cell.cell_id):
         execution_id = view.work.call_execution.get(call_id, "")
+        if keep is not None and not keep(execution_id):
+            continue
         target = max(remaining, key=lambda c: free[c.cell_id], default=None)  # first of equals: lowest id
         if target is None or free[target.cell_id] <= 0:
             raise InsufficientCapacityError(

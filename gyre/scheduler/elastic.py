@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from gyre.events.models import RoleSwitchRequested
 from gyre.scheduler.decisions import free_slots, leave_rollout, to_rollout
-from gyre.scheduler.params import ElasticParams
+from gyre.scheduler.params import ElasticParams, ElasticV3Params
 from gyre.scheduler.policy import Policy, all_rollout
 from gyre.scheduler.view import SchedulerView
 from gyre.state import Cell
@@ -171,7 +171,153 @@ def _return_to_rollout(view: SchedulerView, shortfall: int, costs: SwitchCosts |
     return decisions
 
 
+@dataclass(frozen=True)
+class Needs:
+    """The rollout work the next train step waits on (``WorkState.needed_groups``), as executions."""
+
+    demand: int
+    """Queued and running executions of the needed groups: what rollout capacity must serve."""
+    running: frozenset[str]
+    """Needed executions holding a slot: a cell leaving rollout must redirect these."""
+    on_cell: dict[str, int]
+    """Cell -> needed executions on it."""
+
+    @classmethod
+    def of(cls, view: SchedulerView) -> "Needs":
+        work, queued = view.work, view.cluster.queued
+        groups = work.needed_groups()
+        running, on_cell = set(), {}
+        if not groups:
+            return cls(0, frozenset(), {})
+        located = work.execution_group
+        for execution, cell in work.placement.items():
+            if located.get(execution, (0, ""))[1] in groups:
+                running.add(execution)
+                on_cell[cell] = on_cell.get(cell, 0) + 1
+        demand = len(running) + sum(1 for e in queued if located.get(e, (0, ""))[1] in groups)
+        return cls(demand, frozenset(running), on_cell)
+
+
+def rate_split(view: SchedulerView) -> int:
+    """Training cells that match the measured rates once batches overlap (staleness >= 1).
+
+    Per step, rollout needs ``executions x mean execution / slots per cell`` cell-seconds and training
+    ``planned micro-steps x mean micro-step``; with ``n`` cells both keep pace when training holds
+    ``n x training / (rollout + training)`` of them (rounded, at least 1, at most ``n - 1``). 0 until
+    both are measured: until then elastic/3 lends as elastic/2 does.
+    """
+    work = view.work
+    execution_s, micro_s = work.mean("execution"), work.mean("micro_step")
+    live = [c for c in view.cluster.cells.values() if not c.lost]
+    if execution_s is None or micro_s is None or not work.planned_micro_steps or len(live) < 2 or not work.steps:
+        return 0
+    executions = work.steps[min(work.steps)].executions
+    rollout_s = executions * execution_s / (view.capacity(live) / len(live))
+    training_s = work.planned_micro_steps * micro_s
+    return min(len(live) - 1, max(1, round(len(live) * training_s / (rollout_s + training_s))))
+
+
+def _next_step_gain(view: SchedulerView, training: int) -> float | None:
+    """Seconds of training a cell can expect if it joins ``training`` others: the next step's remaining
+    micro-steps only (elastic/2 counts every pending step, which overstates it at staleness >= 1)."""
+    micro_s = view.work.mean("micro_step")
+    if micro_s is None:
+        return None
+    current = view.trainer.current
+    done = len(current.claimed) if current is not None and not current.closed else 0
+    return max(0, view.work.planned_micro_steps - done) * micro_s / (training + 1)
+
+
+def decide_v3(view: SchedulerView, params: ElasticV3Params) -> list[RoleSwitchRequested]:
+    """elastic/3: weigh rollout capacity against the work the next train step needs, not the watermark.
+
+    - Demand is the needed executions (``Needs``); training cells return when it exceeds the rollout
+      capacity (plus cells on their way back), or when training has nothing to do and the whole
+      watermark does (then the rest of the work is worth serving).
+    - A cell leaves when training will have work and the cells that stay can serve the demand with
+      ``hysteresis_slots`` to spare and hold its needed executions in free slots. With partial rollouts
+      (``cut_unneeded``) it redirects only those; the rest are cut and continue later, progress kept.
+    - At staleness >= 1 with partial rollouts (``rate_split``) the training cells never fall below
+      ``rate_split`` and rollout cells lend to reach it whatever the demand (cutting what the next step
+      does not need); elastic lending happens around that split. Without partial rollouts a cell lent to
+      the split would have to redirect all its work onto fewer cells, which measured worse (no floor).
+    - Every switch must pay for its round trip (elastic/2's guards, with the next step's gain).
+    """
+    rollout = view.cells_in("rollout")
+    capacity = view.capacity(rollout)
+    costs = SwitchCosts.of(view, params)
+    coming = view.capacity(view.entering("rollout"))
+    needs = Needs.of(view)
+    split = params.rate_split and params.partial_rollouts and params.staleness >= 1
+    floor = rate_split(view) if split else 0
+    settled = view.cells_in("training")
+    training = len(settled) + len(view.entering("training"))
+    idle = view.open_step is None and not view.work.training_ready() and not view.busy_training()
+    shortfall = needs.demand - capacity - coming
+    if shortfall <= 0 and idle:
+        shortfall = view.watermark - capacity - coming
+    if shortfall > 0 and settled and training > floor:
+        decisions = _return_to_rollout(view, shortfall, costs=costs, capacity=capacity + coming)
+        return decisions if capacity + coming == 0 else decisions[:training - floor]
+    if training >= floor and not view.training_pending:
+        return []
+    cut = params.partial_rollouts and params.cut_unneeded
+    return _lend_v3(view, rollout, needs, params, costs, training, floor, cut)
+
+
+def _lend_v3(view: SchedulerView, rollout: list[Cell], needs: Needs, params: ElasticV3Params, costs: SwitchCosts,
+             training: int, floor: int, cut: bool) -> list[RoleSwitchRequested]:
+    core = view.core
+    if core is None:
+        return []
+    leaving: list[Cell] = []
+
+    def moving(cell: Cell) -> int:
+        return needs.on_cell.get(cell.cell_id, 0) if cut else view.load(cell.cell_id)
+
+    def fits(cell: Cell) -> bool:
+        gone = {c.cell_id for c in leaving} | {cell.cell_id}
+        staying = [c for c in rollout if c.cell_id not in gone]
+        free = sum(c.slots - view.load(c.cell_id) for c in staying)
+        if sum(moving(c) for c in (*leaving, cell)) > free:
+            return False
+        if training + len(leaving) < floor:
+            return True
+        rest, demand = view.capacity(staying), needs.demand
+        return demand <= rest and (demand == 0 or demand + params.hysteresis_slots <= rest)
+
+    def pays(cell: Cell) -> bool:
+        if not params.migrate and moving(cell):
+            return False
+        if cell.is_core or training + len(leaving) < floor:
+            return True
+        gain = _next_step_gain(view, training + len(leaving))
+        return gain is None or gain >= costs.round_trip(cell)
+
+    if any(c.cell_id == core.cell_id for c in rollout):
+        if not (fits(core) and pays(core)):
+            return []
+        leaving.append(core)
+    elif not (core.role == "training" or core.switching_to == "training"):
+        return []
+    for cell in sorted((c for c in rollout if not c.is_core),
+                       key=lambda c: (moving(c), view.load(c.cell_id), c.cell_id)):
+        if fits(cell) and pays(cell):
+            leaving.append(cell)
+    if not leaving:
+        return []
+    gone = {c.cell_id for c in leaving}
+    staying = [c for c in rollout if c.cell_id not in gone]
+    free = free_slots(view, staying)
+    keep = needs.running.__contains__ if cut else None
+    reason = f"remaining rollout capacity {view.capacity(staying)} serves the next step's {needs.demand} executions"
+    return [leave_rollout(view, cell, staying, free, reason, keep=keep) for cell in leaving]
+
+
 ELASTIC_V1 = Policy(name="elastic", version="elastic/1", params_type=ElasticParams, decide=decide,
                     initial_roles=all_rollout)
-ELASTIC = Policy(name="elastic", version="elastic/2", params_type=ElasticParams, decide=decide_v2,
-                 initial_roles=all_rollout)
+ELASTIC_V2 = Policy(name="elastic", version="elastic/2", params_type=ElasticParams, decide=decide_v2,
+                    initial_roles=all_rollout)
+ELASTIC_V3 = Policy(name="elastic", version="elastic/3", params_type=ElasticV3Params, decide=decide_v3,
+                    initial_roles=all_rollout)
+ELASTIC = ELASTIC_V2

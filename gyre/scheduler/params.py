@@ -58,6 +58,17 @@ class ElasticParams(PolicyParams):
         0.0, description="expected weight pull of a joining satellite until the log has measured some (elastic/2)")
 
 
+class ElasticV3Params(ElasticParams):
+    """elastic/3's switches, for the ablation: each turns one of its mechanisms off (``docs/scheduler.md``)."""
+
+    cut_unneeded: bool = Field(
+        True, description="with partial rollouts, a leaving cell redirects only the executions the next train "
+                          "step needs and cuts the rest (their progress kept); false: it redirects all")
+    rate_split: bool = Field(
+        True, description="at staleness >= 1, keep the training cells that match the measured rollout and "
+                          "training rates (lending around that split); false: no floor, as elastic/2")
+
+
 class ColocateParams(PolicyParams):
     staleness: Literal[0] = Field(0, description="colocate alternates the whole cluster: always on-policy")
 

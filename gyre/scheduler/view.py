@@ -119,6 +119,53 @@ class WorkState:
         """Some queued batch has not been trained yet: training will have work."""
         return len(self.steps) > len(self.trained)
 
+    def training_ready(self) -> bool:
+        """Training has data now: a step is open, or some complete group waits for the next one."""
+        if self.open_train is not None:
+            return True
+        if self.partial_rollouts:
+            return bool(self.pool)
+        work = self.steps.get(self.next_train_step())
+        return work is not None and bool(work.complete_groups)
+
+    def needed_groups(self) -> set[str]:
+        """Groups still rolling out that the next train step needs: the rollout work it waits on.
+
+        Without partial rollouts: the incomplete groups of the first batch not yet complete (the next
+        step's own). With them: the step still lacks ``batch_groups()`` minus the groups it holds or can
+        take now (if none: at staleness 0 nothing, the step's training is the critical path; at staleness
+        >= 1 the step after it, counted against the groups left in the pool); it needs
+        every due group still running, then as many more as it lacks, nearest completion first (fewest
+        members left, oldest batch, group id: the order they will most likely complete in). Everything
+        else running (over-sampled, carried, later batches) is work the next step does not wait for.
+        """
+        step = self.next_train_step()
+        if not self.partial_rollouts:
+            while step in self.steps and not self.steps[step].group_sizes:
+                step += 1
+            work = self.steps.get(step)
+            return set(work.group_sizes) if work is not None else set()
+        groups = self.batch_groups()
+        if not groups:
+            return set()
+        take, full = self.assignable(step, groups)
+        if full and not self.staleness:
+            return set()  # the next batch waits for this step's weights: its training is the critical path
+        if full:
+            step += 1
+            lacking = groups - (len(self.pool) - len(take))
+            taken = set(take)
+            due = {g for g in self._due(step) if g not in taken}
+        else:
+            lacking = groups - len(self.assigned.get(step, ())) - len(take)
+            due = set(self._due(step))
+        incomplete = [(left, batch, g) for batch, w in self.steps.items() if batch <= step + 1
+                      for g, left in w.group_sizes.items()]
+        needed = {g for _, _, g in incomplete if g in due}
+        rest = sorted(t for t in incomplete if t[2] not in due)
+        needed.update(g for _, _, g in rest[:max(0, lacking - len(needed))])
+        return needed
+
 
 class WorkView(Projection[WorkState]):
     name = "work"

@@ -96,12 +96,14 @@ def _print_table(runs: list[dict[str, Any]], comparison: dict[str, Any] | None) 
 
 def _print_ablation(out: dict[str, Any]) -> None:
     table = Table(title=f"{out['scenario']}: {out['steps']} steps, seed {out['seed']}, staleness {out['staleness']}")
-    for column in ("variant", "hours", "ratio to bound", "elastic speedup", "switches"):
+    for column in ("variant", "hours", "ratio to bound", "elastic speedup", "switches", "cuts", "mixed-version",
+                   "max token lag"):
         table.add_column(column, justify="right")
     for r in out["runs"]:
         speedup = out["speedup"].get(r["variant"])
         table.add_row(r["variant"], f"{r['hours']:.2f}", f"{r['ratio_to_lower_bound']:.3f}",
-                      "" if speedup is None else f"{speedup:.3f}x", str(r["role_switches"]))
+                      "" if speedup is None else f"{speedup:.3f}x", str(r["role_switches"]),
+                      str(r["cut_executions"]), f"{r['mixed_version_share']:.1%}", str(r["max_token_lag"]))
     console = Console()
     console.print(table)
     d = out["decomposition"]
@@ -112,3 +114,8 @@ def _print_ablation(out: dict[str, Any]) -> None:
     gains = ", ".join(f"{design} {gain:.3f}x" for design, gain in pr["gain"].items())
     console.print(f"with partial rollouts for every design (gain {gains}; groups up to {pr['max_group_lag']} "
                   f"versions old): elastic {pr['speedup_vs_best_baseline']:.3f}x the best baseline")
+    e3 = out["elastic3"]
+    console.print(f"elastic/3: {e3['speedup_vs_best_baseline']:.3f}x the best baseline, "
+                  f"{e3['speedup_vs_best_baseline_partial']:.3f}x with partial rollouts for every design "
+                  f"({e3['best']}, {e3['ratio_to_lower_bound_partial']:.3f}x the lower bound); "
+                  f"{e3['speedup_vs_elastic2_partial']:.3f}x elastic/2")

@@ -14,7 +14,12 @@ cell share that cell's egress (``kv_cell_gb_per_s``), each capped at one path (`
 Partial rollouts: an execution still on a cell that leaves rollout without redirecting it is *cut*: its
 call in flight is aborted, it is queued again (at the front: slime's buffer is consumed first) and it
 later continues where it stopped (the rest of its call, then its remaining calls) under the weights of
-that moment. Its work is kept, not redone; re-prefilling the context on the new cell is not charged.
+that moment. Its work is kept, not redone, but resuming costs a re-prefill of its context:
+``rollout.resume_s_per_mtoken`` seconds per million context tokens, during which it holds its slot and
+decodes nothing (as a redirected call waits for its KV).
+
+Every call records the published version it started under, so a run can say how many trained
+trajectories mix versions (``mixed``) and how old its oldest trained token is (``first_version``).
 """
 
 import heapq
@@ -144,6 +149,12 @@ class Rollouts:
         self.suspended: dict[str, Running] = {}
         """Cut executions waiting in the queue to continue (partial rollouts)."""
         self.cuts = 0
+        self.resume_s = 0.0
+        """Seconds cut executions spent re-prefilling their context when they resumed."""
+        self.first_version: dict[str, int] = {}
+        """Execution -> the policy version its first call started under (its oldest tokens)."""
+        self.mixed: set[str] = set()
+        """Executions whose calls started under more than one policy version."""
 
     def enqueue(self, batch: tuple[ExecutionSpec, ...], policy_version: int) -> None:
         sim = self.sim
@@ -178,7 +189,14 @@ class Rollouts:
             self.running[spec.execution_id] = run
             sim.emit(ExecutionStarted(ts=sim.ts, execution_id=spec.execution_id, cell_id=cell))
             self._call_started(run)
-            self._activate(run, cell, run.remaining, retime=False)
+            pause_s = run.context / 1e6 * sim.scenario.rollout.resume_s_per_mtoken
+            pause = to_us(pause_s)
+            if pause:  # re-prefill its context before it decodes again
+                self.resume_s += pause_s
+                epoch = run.epoch
+                sim.agenda.at(now + pause, lambda: self._arrive(run, epoch))
+            else:
+                self._activate(run, cell, run.remaining, retime=False)
             return
         call_us = max(1, to_us(spec.duration_s) // spec.calls)
         run = Running(spec, cell, now, call_us, since_us=now)
@@ -259,6 +277,10 @@ class Rollouts:
         sim = self.sim
         run.call_started_us = sim.now
         prompt = run.spec.tokens * run.call // run.spec.calls
+        version = sim.trainer.published
+        first = self.first_version.setdefault(run.spec.execution_id, version)
+        if first != version:
+            self.mixed.add(run.spec.execution_id)
         sim.emit(ModelCallStarted(ts=sim.ts, execution_id=run.spec.execution_id, call_id=run.call_id(),
                                   cell_id=run.cell, prompt_tokens=prompt, policy_version=sim.trainer.published,
                                   parent_call_id=run.parent))

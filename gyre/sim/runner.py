@@ -41,6 +41,12 @@ class SimResult:
     """Groups trained by a later step than their own batch's (partial rollouts)."""
     max_group_lag: int = 0
     """Most versions between a trained group's first queueing and the step that trained it."""
+    mixed_version_share: float = 0.0
+    """Share of trained trajectories whose calls started under more than one policy version."""
+    max_token_lag: int = 0
+    """Most versions between a trained token's policy (its call's start) and the step that trained it."""
+    resume_hours: float = 0.0
+    """Time cut executions spent re-prefilling their context on resumption (``rollout.resume_s_per_mtoken``)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -102,11 +108,14 @@ def summarise(sim: Simulation, makespan_us: int, log_dir: str | Path | None) -> 
         role_switches=sim.stats.switches, redirects=sim.stats.redirects, executions=len(executions),
         timed_out_share=sum(e.status == "timed_out" for e in executions) / max(1, len(executions)),
         log=str(log_dir) if log_dir is not None else None, partial_rollouts=sim.params.partial_rollouts,
-        cut_executions=sim.rollouts.cuts, **_lags(sim))
+        cut_executions=sim.rollouts.cuts, resume_hours=sim.rollouts.resume_s / 3600, **_lags(sim))
 
 
-def _lags(sim: Simulation) -> dict[str, int]:
-    """Groups trained after their own batch's step, and the largest version lag of a trained group."""
+def _lags(sim: Simulation) -> dict[str, Any]:
+    """How off-policy the trained data was: groups trained after their own batch's step, the largest
+    version lag of a trained group (from its first queueing) and of a trained token (from the version
+    its call started under: step ``s`` trains with version ``s``), and the share of trained trajectories
+    whose calls span versions."""
     work = sim.view.work
     if work.partial_rollouts:
         trained = [(step, g) for step, groups in work.assigned.items() for g in groups]
@@ -114,7 +123,19 @@ def _lags(sim: Simulation) -> dict[str, int]:
         trained = [(s, g) for s, w in work.steps.items() for g in w.complete_groups]
     carried = sum(1 for step, g in trained if step > work.group_origin[g][0])
     lag = max((step - work.group_origin[g][1] for step, g in trained), default=0)
-    return {"carried_groups": carried, "max_group_lag": lag}
+    members: dict[str, list[str]] = {}
+    for e in sim.workload.executions():
+        if e.trained:
+            members.setdefault(e.group_id, []).append(e.execution_id)
+    first, mixed = sim.rollouts.first_version, sim.rollouts.mixed
+    token_lag, trajectories, mixing = 0, 0, 0
+    for step, g in trained:
+        for execution in members.get(g, ()):
+            trajectories += 1
+            mixing += execution in mixed
+            token_lag = max(token_lag, step - first.get(execution, step))
+    return {"carried_groups": carried, "max_group_lag": lag, "max_token_lag": token_lag,
+            "mixed_version_share": mixing / max(1, trajectories)}
 
 
 def compare(scenario: Scenario, *, seed: int | None = None, steps: int | None = None,
@@ -144,7 +165,9 @@ class Variant:
     policy: str
     overrides: dict[str, Any]
     role: str
-    """elastic | colocate | async: the design it stands for."""
+    """elastic | colocate | async (+partial), elastic3 (+partial): the design it stands for."""
+    version: str | None = None
+    """A shipped policy version other than the current one (``elastic/3`` while it is not the default)."""
 
 
 def oversample_sweep(scenario: Scenario) -> list[int]:
@@ -182,6 +205,24 @@ def ablation_variants(scenario: Scenario) -> list[Variant]:
         for cells in range(1, scenario.cluster.cells):
             out.append(Variant(f"async {cells} training + streaming" + suffix, "async",
                                {"stream_micro_steps": True, "training_cells": cells, **partial}, "async+partial"))
+    return out + elastic3_variants(scenario)
+
+
+def elastic3_variants(scenario: Scenario) -> list[Variant]:
+    """elastic/3 with and without partial rollouts, and (at the most over-sampling) with each of its
+    mechanisms off: cutting what the next step does not need, and at staleness >= 1 the rate split."""
+    v3 = "elastic/3"
+    out = [Variant("elastic/3", "elastic", {}, "elastic3", v3)]
+    sweep = oversample_sweep(scenario)
+    for k in sweep:
+        out.append(Variant(f"elastic/3 + partial rollouts ({k} over-sampled)", "elastic",
+                           {"partial_rollouts": True, "oversample_groups": k}, "elastic3+partial", v3))
+    most = {"partial_rollouts": True, "oversample_groups": sweep[-1]}
+    out.append(Variant(f"elastic/3 + partial rollouts ({sweep[-1]} over-sampled), no cuts", "elastic",
+                       {**most, "cut_unneeded": False}, "elastic3 ablation", v3))
+    if scenario.policy.staleness >= 1:
+        out.append(Variant(f"elastic/3 + partial rollouts ({sweep[-1]} over-sampled), no rate split", "elastic",
+                           {**most, "rate_split": False}, "elastic3 ablation", v3))
     return out
 
 
@@ -201,16 +242,17 @@ def ablate(scenario: Scenario, *, seed: int | None = None, steps: int | None = N
     workload = sample_workload(scenario, seed, steps)
     rows = []
     for v in ablation_variants(scenario):
-        policy = get_policy(v.policy)
+        policy = get_policy(v.policy, v.version)
         params = policy_params(scenario, policy, v.overrides)
-        r = simulate(scenario, v.policy, seed=seed, workload=workload, params=params)
+        r = simulate(scenario, v.policy, seed=seed, workload=workload, params=params, version=v.version)
         rows.append({"variant": v.name, "design": v.role, "policy_version": r.policy_version,
                      "params": params.model_dump(exclude={"switch_to_training_s", "switch_to_rollout_s",
                                                           "satellite_join_s"}),
                      "hours": round(r.hours, 4), "lower_bound_hours": round(r.lower_bound_hours, 4),
                      "ratio_to_lower_bound": round(r.ratio_to_lower_bound, 4), "role_switches": r.role_switches,
                      "cut_executions": r.cut_executions, "carried_groups": r.carried_groups,
-                     "max_group_lag": r.max_group_lag})
+                     "max_group_lag": r.max_group_lag, "mixed_version_share": round(r.mixed_version_share, 4),
+                     "max_token_lag": r.max_token_lag, "resume_hours": round(r.resume_hours, 4)})
     hours = {r["variant"]: r["hours"] for r in rows}
     elastic = hours["elastic"]
 
@@ -231,6 +273,18 @@ def ablate(scenario: Scenario, *, seed: int | None = None, steps: int | None = N
         "speedup_vs_best_baseline": round(partial_lead, 4),
         "max_group_lag": max(r["max_group_lag"] for r in rows if r["design"].endswith("+partial")),
     }
+    v3, v3_partial = best("elastic3"), best("elastic3+partial")
+    elastic3 = {
+        "best": v3_partial["variant"],
+        "speedup_vs_best_baseline": round(best_baseline["hours"] / v3["hours"], 4),
+        "speedup_vs_best_baseline_partial": round(partial_baseline["hours"] / v3_partial["hours"], 4),
+        "ratio_to_lower_bound": v3["ratio_to_lower_bound"],
+        "ratio_to_lower_bound_partial": v3_partial["ratio_to_lower_bound"],
+        "speedup_vs_elastic2": round(elastic / v3["hours"], 4),
+        "speedup_vs_elastic2_partial": round(with_partial["elastic"]["hours"] / v3_partial["hours"], 4),
+        "mechanisms": {r["variant"]: round(r["hours"] / hours[r["variant"].rsplit(",", 1)[0]], 4)
+                       for r in rows if r["design"] == "elastic3 ablation"},
+    }
     x = {name: round(hours[name] / elastic, 4) for name in hours if name != "elastic"}
     decomposition = {
         "streaming": round(hours["colocate (brief)"] / hours["colocate + streaming"], 4),
@@ -249,5 +303,5 @@ def ablate(scenario: Scenario, *, seed: int | None = None, steps: int | None = N
         "speedup_vs_best_colocate": round(best_colocate["hours"] / elastic, 4),
         "speedup_vs_best_async": round(best_async["hours"] / elastic, 4),
         "speedup_vs_best_baseline": round(lead, 4), "decomposition": decomposition, "verdict": verdict,
-        "partial_rollouts": partial,
+        "partial_rollouts": partial, "elastic3": elastic3,
     }

@@ -67,6 +67,9 @@ class RolloutSpec(_Section):
     kv_gb_per_s: PositiveFloat = Field(50.0, description="KV migration bandwidth of one redirected call's path")
     kv_cell_gb_per_s: PositiveFloat | None = Field(
         None, description="a leaving cell's total egress, shared by its concurrent migrations (None: unlimited)")
+    resume_s_per_mtoken: NonNegativeFloat = Field(
+        0.0, description="partial rollouts: seconds a cut execution spends re-prefilling each million tokens of its "
+                         "context when it resumes on a cell, before it decodes again (0: free)")
 
 
 class DecodeSpec(_Section):

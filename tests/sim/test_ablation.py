@@ -20,11 +20,23 @@ def test_every_baseline_gets_every_mechanism_it_can_use():
 
 def test_every_design_gets_partial_rollouts_at_every_over_sampling_tried():
     """seed-2.4t has 16 groups a step: 4 and 8 over-sampled groups, for elastic, colocate and every split."""
-    variants = [v for v in ablation_variants(load_scenario("seed-2.4t")) if v.overrides.get("partial_rollouts")]
+    variants = [v for v in ablation_variants(load_scenario("seed-2.4t"))
+                if v.overrides.get("partial_rollouts") and v.version is None]
     assert {(v.role, v.overrides["oversample_groups"], v.overrides.get("training_cells")) for v in variants} == {
         (role, k, cells) for k in (4, 8) for role, cells in (("elastic+partial", None), ("colocate+partial", None))
     } | {("async+partial", k, cells) for k in (4, 8) for cells in (1, 2, 3)}
     assert all(v.overrides["stream_micro_steps"] for v in variants if v.role != "elastic+partial")
+
+
+def test_elastic3_runs_beside_elastic2_with_each_of_its_mechanisms_off():
+    """elastic/3 is not the default, so its rows name their version; the rate split is ablated only where
+    it acts (staleness >= 1)."""
+    sc = load_scenario("seed-2.4t")
+    v3 = [v for v in ablation_variants(sc) if v.version == "elastic/3"]
+    assert {(v.role, v.overrides.get("oversample_groups")) for v in v3} == {
+        ("elastic3", None), ("elastic3+partial", 4), ("elastic3+partial", 8), ("elastic3 ablation", 8)}
+    stale = with_values(sc, {"policy.staleness": 1})
+    assert sum(v.role == "elastic3 ablation" for v in ablation_variants(stale)) == 2
 
 
 def test_the_ablation_reports_every_run_and_a_decomposition_that_multiplies_out():
@@ -42,6 +54,12 @@ def test_the_ablation_reports_every_run_and_a_decomposition_that_multiplies_out(
     assert pr["speedup_vs_best_baseline"] == pytest.approx(
         min(partial["colocate"], partial["async"]) / partial["elastic"], rel=1e-3)
     assert pr["max_group_lag"] <= out["staleness"] + 1
+    e3 = out["elastic3"]
+    v3_partial = min(r["hours"] for r in out["runs"] if r["design"] == "elastic3+partial")
+    assert e3["speedup_vs_best_baseline_partial"] == pytest.approx(
+        min(partial["colocate"], partial["async"]) / v3_partial, rel=1e-3)
+    assert all(r["max_token_lag"] <= out["staleness"] + 1 and 0 <= r["mixed_version_share"] <= 1
+               for r in out["runs"])
 
 
 def _hours(scenario, policy: str, overrides: dict, workload) -> float:

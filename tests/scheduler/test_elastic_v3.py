@@ -1,0 +1,124 @@
+"""elastic/3: capacity against the work the next step needs; with partial rollouts a leaving cell redirects
+only that work and cuts the rest (progress kept); replay of its logs is exact; its parameters are validated."""
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gyre.errors import ConfigError
+from gyre.scheduler import ELASTIC, ELASTIC_V3, get_policy
+from gyre.scheduler.elastic import Needs
+from gyre.sim.engine import Simulation
+from gyre.sim.runner import policy_params, simulate, summarise
+from gyre.sim.scenario import load_scenario, with_values
+from gyre.sim.workload import sample_workload
+from gyre.sink import MemorySink, NullSink
+
+
+def tailed(**values):
+    """tiny with a stalling task in every batch (a tail to lend around) and the decode curve off."""
+    return with_values(load_scenario("tiny"), {"rollout.stall_task_share": 0.3, "rollout.stall_prob": 1.0,
+                                               "rollout.timeout_s": 900.0, "steps": 4, **values})
+
+
+def test_elastic3_is_shipped_beside_elastic2_which_stays_the_default():
+    assert get_policy("elastic", "elastic/3") is ELASTIC_V3
+    assert get_policy("elastic") is ELASTIC and ELASTIC.version == "elastic/2"
+    params = ELASTIC_V3.params({"cut_unneeded": False, "staleness": 1})
+    assert params.rate_split and not params.cut_unneeded
+    with pytest.raises(ConfigError, match="rate_split"):
+        ELASTIC_V3.params({"rate_split": "sometimes"})
+    with pytest.raises(ConfigError):
+        ELASTIC_V3.params({"split_cells": 2})  # no per-scenario knob: the split is derived (docs/scheduler.md)
+
+
+class Checked:
+    """elastic/3 that checks each decision against the view it was made on."""
+
+    def __init__(self) -> None:
+        self.leaves = 0
+        self.cut_calls = 0
+
+    def __call__(self, view, params):
+        decisions = ELASTIC_V3.decide(view, params)
+        needs = Needs.of(view)
+        for d in decisions:
+            if d.to_role != "training" or d.from_role != "rollout":
+                continue
+            self.leaves += 1
+            moved = {r.execution_id for r in d.redirects}
+            here = {view.work.call_execution[c] for c in view.cluster.inflight(d.cell_id)}
+            assert needs.running & here <= moved, "a needed execution was left on a leaving cell"
+            if not (params.partial_rollouts and params.cut_unneeded):
+                assert here <= moved, "without cuts every execution is redirected"
+            self.cut_calls += len(here - moved)
+        return decisions
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 50), staleness=st.integers(0, 1), oversample=st.integers(0, 2),
+       partial=st.booleans(), cut=st.booleans())
+def test_a_leaving_cell_never_leaves_needed_work_unredirected(seed, staleness, oversample, partial, cut):
+    sc = tailed(**{"rollout.resume_s_per_mtoken": 20.0})
+    overrides = {"staleness": staleness, "cut_unneeded": cut, "partial_rollouts": partial,
+                 "oversample_groups": oversample if partial else 0}
+    params = policy_params(sc, ELASTIC_V3, overrides)
+    checked = Checked()
+    sim = Simulation(sc, sample_workload(sc, seed), replace(ELASTIC_V3, decide=checked), params, NullSink(),
+                     seed=seed, run_id="checked")
+    result = summarise(sim, sim.run(), None)
+    assert checked.leaves > 0
+    assert result.max_group_lag <= staleness + 1 and result.max_token_lag <= staleness + 1
+    if not partial:
+        assert result.cut_executions == 0 and checked.cut_calls == 0
+    assert checked.cut_calls <= result.cut_executions
+
+
+def test_cuts_keep_progress_and_resuming_pays_the_re_prefill():
+    """Decode curve off: an execution's time on cells is its sampled duration plus, per resumption, its
+    context's re-prefill (``rollout.resume_s_per_mtoken``); cut work is never redone."""
+    sc = tailed(**{"rollout.resume_s_per_mtoken": 50.0})
+    sink = MemorySink()
+    params = policy_params(sc, ELASTIC_V3, {"partial_rollouts": True, "oversample_groups": 2})
+    result = simulate(sc, "elastic", sink=sink, params=params, version="elastic/3")
+    assert result.cut_executions > 0 and result.resume_hours > 0
+    spec = {e.execution_id: e for e in sample_workload(sc, sc.seed).executions()}
+    on_cell: dict[str, float] = {}
+    since: dict[str, float] = {}
+    resumes: dict[str, dict[str, int]] = {}
+    """Execution -> resumption suffix -> the call it resumed with."""
+    t0 = sink.events[0].ts
+    for e in sink.events:
+        t = (e.ts - t0).total_seconds()
+        if e.kind == "execution_started":
+            since[e.execution_id] = t
+        elif (e.kind == "execution_queued" and e.execution_id in since) or e.kind == "execution_finished":
+            on_cell[e.execution_id] = on_cell.get(e.execution_id, 0.0) + t - since.pop(e.execution_id)
+        elif e.kind == "model_call_started" and "-r" in e.call_id.rsplit("-c", 1)[-1]:
+            call, suffix = e.call_id.rsplit("-c", 1)[-1].split("-r")
+            resumes.setdefault(e.execution_id, {}).setdefault(suffix, int(call))
+    assert resumes
+    total_pause, exact = 0.0, 0
+    for execution, calls in resumes.items():
+        s = spec[execution]  # the resumed call's context: the trajectory grows evenly over the calls
+        pause = sum(s.tokens * (call + 1) // s.calls / 1e6 * 50.0 for call in calls.values())
+        total_pause += pause
+        exact += on_cell[execution] == pytest.approx(s.duration_s + pause, abs=0.01 * len(calls) + 0.01)
+        # never less than its work (progress kept); less than the full charge only when cut mid-re-prefill
+        assert s.duration_s - 0.01 <= on_cell[execution] <= s.duration_s + pause + 0.01 * len(calls) + 0.01
+    assert exact > 0
+    assert total_pause / 3600 == pytest.approx(result.resume_hours, rel=0.05)
+
+
+def test_an_elastic3_log_replays_exactly(tmp_path):
+    from gyre.replay.exact import replay_decisions
+
+    sc = tailed(**{"rollout.resume_s_per_mtoken": 20.0})
+    params = policy_params(sc, ELASTIC_V3, {"partial_rollouts": True, "oversample_groups": 2, "staleness": 1})
+    result = simulate(sc, "elastic", params=params, version="elastic/3", log_dir=tmp_path / "log")
+    assert result.policy_version == "elastic/3" and result.role_switches > 0
+    report = replay_decisions(tmp_path / "log")
+    assert report.decision_points > 0 and not report.mismatches
+    assert report.recorded_version == report.current_version == "elastic/3"
