@@ -215,43 +215,42 @@ class Proxy:
         to (`Router.relocate`), waiting up to `engine_lost_wait_s` for one (woken by routing changes);
         then `EngineLostError`. Without a controller (`Router.routed` false) nothing can route a cell back:
         it fails at once and the down marks are cleared, so that the harness's retry tries again."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.engine_lost_wait_s
         from_cell = self.router.pin_of(execution_id) or UNPLACED
-        while True:
-            changed = asyncio.Event()
+        routed = self.router.routed
 
-            def wake(event: asyncio.Event = changed) -> None:
-                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-                    loop.call_soon_threadsafe(event.set)
+        def give_up() -> EngineLostError:
+            if not routed:  # no controller will route a cell back: fail now, and the retry tries them all again
+                log.warning("no live cell for %s: the retry tries %s again", execution_id, self.router.revive())
+            url = self.router.engine(from_cell).base_url if from_cell in self.router.cells else from_cell
+            waited = f"within {self.config.engine_lost_wait_s:g} s" if routed else "(none is live)"
+            return EngineLostError(url, f"cell {from_cell!r} is down and no other cell admitted execution "
+                                        f"{execution_id!r} {waited}; the engine: {cause or 'lost earlier'}")
 
-            unwatch = self.router.watch(wake)  # before looking: a change in between still wakes us
-            try:
-                cell = self.router.relocate(execution_id)
-                if cell is not None:
-                    return cell
-                left = deadline - loop.time()
-                if not self.router.routed:  # no controller will route a cell back: fail now, retry anew
-                    log.warning("no live cell for %s: the retry tries %s again", execution_id,
-                                self.router.revive())
-                    left = 0.0
-                if left <= 0:
-                    url = self.router.engine(from_cell).base_url if from_cell in self.router.cells else from_cell
-                    waited = f"within {self.config.engine_lost_wait_s:g} s" if self.router.routed else "(none is live)"
-                    reason = (f"cell {from_cell!r} is down and no other cell admitted execution {execution_id!r} "
-                              f"{waited}; the engine: {cause or 'lost earlier'}")
-                    raise EngineLostError(url, reason) from cause
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), left)
-            finally:
-                unwatch()
+        return await self._await_route(lambda: self.router.relocate(execution_id),
+                                       self.config.engine_lost_wait_s if routed else 0.0, give_up, cause)
 
     async def cell_holding(self, execution_id: str, version: int) -> str:
         """Where ``execution_id`` runs once that cell's engine holds ``version`` or newer: its cell is loading
         a version just published, or the execution moved to a cell that has not loaded it yet. Waits (woken by
         routing changes) up to `weights_wait_s`, then `EngineLostError` (a retryable answer)."""
+        def look() -> str | None:
+            cell = self.router.relocate(execution_id) or self.router.cell_of(execution_id)
+            return cell if self.router.holds(cell, version) else None
+
+        def give_up() -> EngineLostError:
+            cell = self.router.cell_of(execution_id)
+            return EngineLostError(self.router.engine(cell).base_url,
+                                   f"cell {cell!r} did not load weights v{version}, which execution "
+                                   f"{execution_id!r} was queued with, within {self.config.weights_wait_s:g} s")
+
+        return await self._await_route(look, self.config.weights_wait_s, give_up)
+
+    async def _await_route(self, look: Callable[[], str | None], wait_s: float,
+                           give_up: Callable[[], EngineLostError], cause: BaseException | None = None) -> str:
+        """``look()`` again after every routing change until it names a cell, for up to ``wait_s``; then the
+        error ``give_up()`` builds."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.weights_wait_s
+        deadline = loop.time() + wait_s
         while True:
             changed = asyncio.Event()
 
@@ -261,14 +260,12 @@ class Proxy:
 
             unwatch = self.router.watch(wake)  # before looking: a change in between still wakes us
             try:
-                cell = self.router.relocate(execution_id) or self.router.cell_of(execution_id)
-                if self.router.holds(cell, version):
+                cell = look()
+                if cell is not None:
                     return cell
                 left = deadline - loop.time()
                 if left <= 0:
-                    raise EngineLostError(self.router.engine(cell).base_url,
-                                          f"cell {cell!r} did not load weights v{version}, which execution "
-                                          f"{execution_id!r} was queued with, within {self.config.weights_wait_s:g} s")
+                    raise give_up() from cause
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), left)
             finally:
