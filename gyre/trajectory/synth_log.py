@@ -209,6 +209,7 @@ def call_batch(rows: list[tuple[SynthExecution, int]], run_id: str) -> pa.Record
         "output_ids": _lists([c.output for _, c in calls], np.int32, pa.int32()),
         "output_logprobs": _lists([c.logprobs for _, c in calls], np.float32, pa.float32()),
         "policy_version": pa.array([c.version for _, c in calls], pa.int64()),
+        "engine_version": pa.array([c.version for _, c in calls], pa.int64()),  # the simulated engine serves it
         "cached_tokens": pa.array([c.prefix_len for _, c in calls], pa.int64()),
         "latency_s": pa.array([c.latency_s for _, c in calls], pa.float64()),
         "finish_reason": pa.array([c.finish_reason for _, c in calls], pa.string()),
