@@ -9,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gyre.train.config import CheckpointSection, RolloutSection, SamplingSection, TrainConfig, TrainerSection
+from gyre.config import CheckpointSection, RolloutSection, SamplingSection, TrainConfig, TrainerSection
 from gyre.train.crash import torture
 
 QUICK = Path(__file__).resolve().parents[1] / "tests" / "controller" / "quick"

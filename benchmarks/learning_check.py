@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from gyre.train.config import RolloutSection, SamplingSection, TrainConfig, TrainerSection
-from gyre.train.loop import TrainingRun
+from gyre.config import RolloutSection, SamplingSection, TrainConfig, TrainerSection
+from gyre.train.inprocess import TrainingRun
 
 
 def learning_config(seed: int, steps: int, run_dir: Path) -> TrainConfig:

@@ -190,7 +190,7 @@ def compare_attention(batches: list[Any], repeats: int) -> dict[str, Any]:
 
 def run_demo(log: Path, config_path: Path, repeats: int) -> dict[str, Any]:
     """The demo's micro-batches: tokens with and without group-shared prefixes, tree vs eager attention."""
-    from gyre.train.config import TrainConfig
+    from gyre.config import TrainConfig
     from gyre.trainer import TrainBatch
     from gyre.trajectory import BatchBuilder, TrajectoryConfig
 

@@ -56,7 +56,6 @@ from gyre.controller.actuator import OrderedActions, perform_switch
 from gyre.errors import GyreError
 from gyre.events.models import RoleSwitchRequested, WeightsLoaded
 from gyre.sink import EventSink
-from gyre.train.build import PlannedExecution
 
 if TYPE_CHECKING:
     from gyre.cluster.hub import Hub
@@ -346,18 +345,3 @@ def execution_spec(execution_id: str, group_id: str, task_id: str, step: int, po
     """An execution to queue on the proxy, with a token the controller mints for it."""
     return gyre_pb2.ExecutionSpec(execution_id=execution_id, group_id=group_id, task_id=task_id, step=step,
                                   policy_version=policy_version, attempt=attempt, token=auth.mint())
-
-
-class ClusterRollouts:
-    """The controller's `Rollouts`: a step's executions, with minted tokens, queued on the proxy process."""
-
-    def __init__(self, commands: Commands, plan: Callable[[int], list[PlannedExecution]],
-                 on_queued: Callable[[int, int, int], None] | None = None) -> None:
-        self.commands, self.plan, self.on_queued = commands, plan, on_queued
-
-    def queue(self, step: int, policy_version: int) -> None:
-        specs = [execution_spec(e.execution_id, e.group_id, e.task_id, step, policy_version, attempt=0)
-                 for e in self.plan(step)]
-        self.commands.proxy(f"queue step {step}", queue=gyre_pb2.QueueExecutions(executions=specs))
-        if self.on_queued is not None:
-            self.on_queued(step, len(specs), policy_version)

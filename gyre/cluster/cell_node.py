@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any
 from gyre.cluster.config import ClusterConfig
 from gyre.cluster.proto import gyre_pb2
 from gyre.cluster.proxy_node import LINK_CLOSE_S
-from gyre.train.build import torch_backend, trainer_settings
+from gyre.run.build import torch_backend, trainer_settings
 
 if TYPE_CHECKING:
     from gyre.cluster.engine_host import EngineHost
-    from gyre.train.core import LocalCoreTrainer, StepTraining
+    from gyre.trainer.core import LocalCoreTrainer, StepTraining
     from gyre.trainer.protocol import TrainerBackend
 
 log = logging.getLogger(__name__)
@@ -124,9 +124,9 @@ class CellNode:
 
     def _build_core(self) -> None:
         from gyre.cluster.faults import CrashingProducer, crash_points
-        from gyre.controller import WeightStore
-        from gyre.train.core import LocalCoreTrainer
         from gyre.trainer import StepCoordinator
+        from gyre.trainer.core import LocalCoreTrainer
+        from gyre.trainer.weights import WeightStore
 
         log_path = self.run_dir / "log"
         producer: Any = self.link.producer("trainer")

@@ -26,17 +26,11 @@ def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g
     from gyre.cluster.config import ClusterConfig
     from gyre.cluster.run import ClusterRun
 
+    overrides = {key: value for key, value in (("steps", steps), ("run_dir", run_dir and str(run_dir)),
+                                               ("scheduler.policy", policy)) if value is not None}
     try:
-        settings = ClusterConfig.load(config)
-        data = settings.model_dump()
-        if steps is not None:
-            data["steps"] = steps
-        if run_dir is not None:
-            data["run_dir"] = run_dir
-        if policy is not None:
-            data["scheduler"]["policy"] = policy
-        settings = ClusterConfig.model_validate(data)  # the overrides are validated as the file was
-    except (GyreError, ValueError) as error:
+        settings = ClusterConfig.load(config, overrides)  # an override is checked as a key in the file is
+    except GyreError as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from None
     cluster = settings.cluster
@@ -68,10 +62,18 @@ def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g
         elif phase == "switch":
             console.print(f"[cyan]{figures['cell']} -> {figures['to']}[/cyan] in {figures['seconds']:.2f}s")
         elif phase == "step":
-            reward = "n/a" if figures["reward_mean"] is None else f"{figures['reward_mean']:.3f}"
-            console.print(f"step {figures['step']}: reward mean {reward} over {figures['scored']} scored, "
-                          f"{figures['micro_steps']} micro-steps, policy v{figures['policy_version']}, "
-                          f"at {figures['wall_s']:.0f}s")
+            record = figures["record"]
+            reward = "n/a" if record.reward_mean is None else f"{record.reward_mean:.3f}"
+            console.print(f"step {record.step}: reward mean {reward} over {record.scored} scored, "
+                          f"{record.micro_steps} micro-steps, policy v{record.policy_version}, "
+                          f"at {record.wall_s:.0f}s")
+        elif phase == "report":
+            console.print(f"report: {figures['path']}")
+        elif phase == "heldout":
+            event = figures["event"]
+            rate = "n/a" if event.pass_rate is None else f"{event.pass_rate:.0%}"
+            console.print(f"held-out after {event.step} steps: pass rate {rate} ({event.passed}/{event.scored}) on "
+                          f"policy v{event.policy_version}")
 
     try:
         with status:
@@ -93,9 +95,9 @@ def summary_table(summary) -> Table:
     for column in ("step", "policy", "micro-steps", "reward", "scored", "at (s)"):
         table.add_column(column, justify="right")
     for s in summary.steps:
-        reward = "n/a" if s["reward_mean"] is None else f"{s['reward_mean']:.3f}"
-        table.add_row(str(s["step"]), f"v{s['policy_version']}", str(s["micro_steps"]), reward, str(s["scored"]),
-                      f"{s['wall_s']:.0f}")
+        reward = "n/a" if s.reward_mean is None else f"{s.reward_mean:.3f}"
+        table.add_row(str(s.step), f"v{s.policy_version}", str(s.micro_steps), reward, str(s.scored),
+                      f"{s.wall_s:.0f}")
     return table
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
+from gyre.config import TrainConfig, _Section
 from gyre.errors import ConfigError
-from gyre.train.config import TrainConfig, _Section
 
 
 class ClusterSection(_Section):
@@ -77,18 +77,17 @@ class ClusterConfig(TrainConfig):
             params.setdefault("staleness", self.scheduler.staleness)
         return params
 
+    kind: ClassVar[str] = "cluster"
+
     @classmethod
-    def load(cls, path: str | Path) -> Self:
+    def load(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> Self:
         """A TOML file (as `gyre train` reads), or the JSON a controller writes for the processes it starts."""
         path = Path(path)
-        if path.suffix == ".json":
-            try:
-                return cls.model_validate_json(path.read_text())
-            except FileNotFoundError:
-                raise ConfigError(f"no config file at {path}") from None
-            except ValueError as error:
-                raise ConfigError(f"invalid cluster config {path}: {error}") from error
+        if path.suffix != ".json":
+            return super().load(path, overrides)
         try:
-            return super().load(path)
-        except ConfigError as error:
-            raise ConfigError(str(error).replace("invalid train config", "invalid cluster config")) from error
+            return cls.model_validate_json(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"no config file at {path}") from None
+        except ValueError as error:
+            raise ConfigError(f"invalid cluster config {path}: {error}") from error

@@ -50,7 +50,7 @@ class EngineHost(Protocol):
 class LocalEngineHost:
     def __init__(self, config: ClusterConfig, endpoint: Any) -> None:
         from gyre.engine.local import LocalEngine, LocalEngineServer
-        from gyre.train.build import engine_config
+        from gyre.run.build import engine_config
 
         self.config, self.endpoint = config, endpoint
         self.local_engine = LocalEngine(engine_config(config, config.cluster.cell_threads))
@@ -73,7 +73,7 @@ class LocalEngineHost:
                 log.warning("pulling weights v%d from %s failed (%s); reading %s", ref.version, ref.peer_session,
                             error, ref.location)
         if tensors is None:
-            from gyre.controller import WeightStore
+            from gyre.trainer.weights import WeightStore
 
             tensors = WeightStore(Path(self.config.run_dir)).load(ref.location, ref.sha256)
         installed = self.local_engine.load_weights(tensors, version=str(ref.version), drain=True)
@@ -125,13 +125,13 @@ class SglangEngineHost:
         model = self.config.engine.model
         if model != "tiny":
             return Path(model)
-        from gyre.train.export import export_policy
+        from gyre.trainer.export import export_policy
 
         return export_policy(self.run_dir, self.run_dir / "weights" / "v000000.hf", version=0).path
 
     def load_weights(self, ref: gyre_pb2.WeightsRef) -> dict[str, float]:
         from gyre.engine import SyncHttpEngineClient
-        from gyre.train.export import export_policy
+        from gyre.trainer.export import export_policy
 
         started = time.perf_counter()
         path = export_policy(self.run_dir, self.run_dir / "weights" / f"v{ref.version:06d}.hf",

@@ -33,7 +33,7 @@ from gyre.cluster.config import ClusterConfig
 from gyre.cluster.proto import gyre_pb2
 from gyre.harness.runner import Gate
 from gyre.proxy.routing import Router
-from gyre.train.build import rollout_tasks
+from gyre.run.build import rollout_tasks
 
 if TYPE_CHECKING:
     from gyre.harness.runner import HarnessRunner
@@ -89,6 +89,7 @@ class _Components:
     runner: HarnessRunner
     gate: PlacementGate
     tasks: TaskSet
+    heldout_tasks: TaskSet
 
 
 class ProxyNode:
@@ -134,8 +135,9 @@ class ProxyNode:
     def _build(self, routing: gyre_pb2.Routing) -> _Components:
         from gyre.harness.config import HarnessConfig
         from gyre.harness.runner import HarnessRunner
+        from gyre.harness.tasks import TaskSet
         from gyre.proxy import Proxy, ProxyConfig, ProxyServer, SamplingOverrides
-        from gyre.train.loop import reap_orphans
+        from gyre.run.history import reap_orphans
 
         config = self.config
         killed = reap_orphans(Path(config.run_dir) / "executions")
@@ -157,7 +159,9 @@ class ProxyNode:
         gate = PlacementGate(proxy.router)
         runner = HarnessRunner(harness, sink=self.link.producer("harness"), proxy_url=url,
                                root=Path(config.run_dir) / "executions", gate=gate)
-        return _Components(proxy, server, runner, gate, rollout_tasks(config.rollout)[0])
+        tasks = rollout_tasks(config.rollout)[0]
+        heldout = TaskSet.load(config.evaluation.tasks) if config.evaluation.tasks is not None else tasks
+        return _Components(proxy, server, runner, gate, tasks, heldout)
 
     def _route(self, routing: gyre_pb2.Routing) -> Mapping[str, float]:
         if self.parts is None:
@@ -185,10 +189,12 @@ class ProxyNode:
             self._held.add(spec.execution_id)
             proxy.register_execution(spec.execution_id, spec.token, cell_id=UNPLACED,
                                      policy_version=spec.policy_version, attempt=spec.attempt)
-            future = runner.submit(Execution(spec.execution_id, parts.tasks[spec.task_id],
+            step = None if spec.step < 0 else spec.step  # held-out: outside the steps
+            tasks = parts.tasks if step is not None else parts.heldout_tasks
+            future = runner.submit(Execution(spec.execution_id, tasks[spec.task_id],
                                              group_id=spec.group_id, token=spec.token,
                                              policy_version=spec.policy_version, attempt=spec.attempt,
-                                             step=spec.step))
+                                             step=step))
             future.add_done_callback(lambda _, e=spec.execution_id: self._ended(e))
         runner.sink.commit()  # every execution_queued is durable
         return {"queued": float(len(queue.executions))}

@@ -1,11 +1,13 @@
-"""`gyre run CONFIG`: the controller of a cluster run, with every cell and the proxy as its own process.
+"""`gyre run CONFIG`: the cluster topology of the run host — every cell and the proxy its own process.
 
-The controller process holds the run's one log writer, folds it, runs the configured policy and the run's
-plan (`gyre.controller.Controller`, the same loop `gyre train` runs in one process), and serves the Cell,
-Proxy and Admin services (`gyre.cluster.hub`). It starts the processes — ``cells`` × `gyre cell` and one
-`gyre proxy serve --controller` (which runs the harnesses) — hands them the run secret through their
-environment, waits until each has connected, records `cell_registered` for each in cell order with the
-policy's initial roles, and then drives the run; when the plan is finished it tells every process to stop.
+The run host (`gyre.run.host.RunHost`, the same one `gyre train` runs in one process) holds the run's one
+log writer, folds it, runs the configured policy, the run's plan, held-out evaluation and the step
+records. This adapter serves the Cell, Proxy and Admin services (`gyre.cluster.hub`). It starts the
+processes — ``cells`` × `gyre cell` and one `gyre proxy serve --controller` (which runs the harnesses) —
+hands them the run secret through their environment, waits until each has connected, records
+`cell_registered` for each in cell order with the policy's initial roles; the host then drives the run, and
+when it is over this adapter tells every process to stop. Executions are queued on the proxy process with
+tokens the controller mints; a held-out one travels with ``step = -1`` (no step).
 
 The controller also supervises (`gyre.cluster.supervisor`). A cell or the proxy that dies or stops answering
 is declared lost at once: ``cell_lost`` is recorded, the proxy stops placing executions on the cell (its
@@ -32,180 +34,109 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
-import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from gyre import auth
-from gyre.cluster.actuator import (
-    CellInfo,
-    ClusterRollouts,
-    Commands,
-    Directory,
-    RemoteCell,
-    execution_spec,
-    wait_done,
-)
+from gyre.cluster.actuator import CellInfo, Commands, Directory, RemoteCell, execution_spec, wait_done
 from gyre.cluster.auth import SECRET_ENV
 from gyre.cluster.config import ClusterConfig
 from gyre.cluster.proto import gyre_pb2
 from gyre.cluster.supervisor import Supervisor
-from gyre.controller import Controller, RunPlan
 from gyre.controller.actuator import OrderedActions
-from gyre.controller.plan import rollouts_to_resubmit
 from gyre.errors import ConfigError
 from gyre.events.models import (
     CellLost,
     CellRegistered,
     Event,
-    ExecutionQueued,
-    RewardRecorded,
     RoleSwitchCompleted,
     RoleSwitchRequested,
-    RunFinished,
     RunResumed,
-    RunStarted,
-    TrainStepFinished,
     WeightsPublished,
 )
-from gyre.log import LogReader, LogWriter
-from gyre.scheduler import CellSpec, SchedulerView, get_policy
-from gyre.sink import LogSink
-from gyre.train.build import PlannedExecution, rollout_tasks, step_plan
-from gyre.train.loop import config_differences, queued_attempts, run_start
-
-Progress = Callable[[str, dict], None]
+from gyre.log import LogReader
+from gyre.run.host import Progress, Queued, RunHost
+from gyre.scheduler import CellSpec, SchedulerView
 
 SECRETS = "secrets.toml"
 """The run secret, in the run directory (0600): a resumed controller must hold the secret its processes use."""
 ADDRESS = "controller.addr"
 """The hub's host:port, in the run directory: a resumed controller listens where the processes reconnect."""
+HELDOUT_STEP = -1
+"""``ExecutionSpec.step`` of an execution outside the steps (held-out): the proxy queues it with no step."""
 
 
-@dataclass
-class RoleSpan:
-    cell_id: str
-    role: str
-    start_s: float
-    end_s: float | None = None
+class Cluster:
+    """The hub and the processes of one cluster run (see the module docstring)."""
 
+    tick_s = 0.5
 
-@dataclass
-class ClusterSummary:
-    run_id: str
-    log: Path
-    status: str
-    policy: str
-    wall_s: float
-    steps: list[dict] = field(default_factory=list)
-    switches: int = 0
-    timeline: list[RoleSpan] = field(default_factory=list)
-
-
-class ClusterRun:
-    """Owns the controller, the hub and the processes of one cluster run (see the module docstring)."""
-
-    def __init__(self, config: ClusterConfig, progress: Progress | None = None, *, resume: bool = False) -> None:
-        from gyre.cluster.hub import Hub
-
-        self.config = config
-        self.progress = progress or (lambda phase, figures: None)
-        self.run_dir = Path(config.run_dir)
-        self.log_path = self.run_dir / "log"
-        _, self.task_ids = rollout_tasks(config.rollout)  # unknown task ids refused before anything starts
-        self.resumed = resume
-        host, port = config.cluster.host, config.cluster.port
-        secrets = auth.TokenFile(self.run_dir / SECRETS)
-        held = run_start(self.log_path)
-        if resume:
-            self.run_id, self.secret, host, port = self._resumable(held, secrets)
-        elif held is not None:
-            raise ConfigError(f"{self.run_dir} already holds the log of run {held.run_id}; give another run_dir, "
-                              f"or --resume to continue that run")
-        else:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
-            self.secret = auth.mint(auth.RUN_PREFIX)
-            secrets.write({"run": self.secret})
-        self.policy = get_policy(config.scheduler.policy)
-        try:
-            self.params = self.policy.params(config.policy_params())
-        except ValueError as error:
-            raise ConfigError(f"scheduler.params do not fit policy {self.policy.version}: {error}") from error
-        self.sink = LogSink(LogWriter(self.log_path, run_id=self.run_id))
+    def __init__(self) -> None:
         self.directory = Directory()
         self._closers: list[Callable[[], None]] = []
-        self._started = time.monotonic()
-        self._lock = threading.Lock()
-        self._rewards: dict[int, list[float]] = {}
-        self._step_of: dict[str, int] = {}
-        self._steps: list[dict] = []
         self._hellos: dict[str, gyre_pb2.CellHello] = {}
         self._hello_starts: dict[str, int] = {}
         self._live = False  # registered: from now on a hello or a loss is a membership change
+        self._stopping = False
         self.lost_cells = 0
-        try:
-            self.hub = Hub(self.sink, run_id=self.run_id, secret=self.secret, host=host, port=port,
-                           heartbeat_s=config.cluster.heartbeat_s, dead_after_s=config.cluster.dead_after_s,
-                           status=self.status)
-            self.hub.on_cell_hello = self._on_cell_hello
-            self.hub.on_cell_lost = self._on_cell_lost
-            self.hub.on_proxy_hello = self._on_proxy_hello
-            self.hub.on_proxy_lost = self._on_proxy_lost
-            self.commands = Commands(self.hub, self.directory, self.sink.producer("commands"))
-            self.controller = Controller(self.sink, self.policy, self.params,
-                                         RunPlan(steps=config.steps, staleness=config.scheduler.staleness),
-                                         cells={}, rollouts=ClusterRollouts(self.commands, self._plan, self._queued))
-            self.controller.observe(self._observe)
-            self.membership_sink = self.sink.producer("membership")
-            self._stopping = False
-            self._membership = OrderedActions("membership", self.controller.fail,
-                                              tolerate=lambda error: self._stopping)  # the run ends meanwhile
-            self._closers.append(self._membership.close)
-            if resume:
-                self.controller.catch_up(self.log_path)
-            self.address = self.hub.start()
-            self._closers.append(self.hub.stop)
-            address_file = self.run_dir / ADDRESS
-            address_file.with_suffix(".tmp").write_text(self.address + "\n")
-            os.replace(address_file.with_suffix(".tmp"), address_file)
-            (self.run_dir / "processes").mkdir(exist_ok=True)
-            (self.run_dir / "processes" / "controller.pid").write_text(f"{os.getpid()}\n")
-            if not resume:
-                self.controller.record(RunStarted(
-                    run_id=self.run_id, name=config.name, policy=self.policy.name,
-                    policy_version=self.policy.version, policy_params=self.params.model_dump_json(),
-                    config=config.model_dump_json(), seed=config.seed, decision_points="explicit"))
-            how = self._spawn(adopt=resume)
-            if resume:
-                self._reattach(how)
-            else:
-                self._register()
-            self._live = True
-        except BaseException:
-            self.close()
-            raise
+        self.supervisor: Supervisor | None = None
 
-    def _resumable(self, held: RunStarted | None, secrets: auth.TokenFile) -> tuple[str, str, str, int]:
-        """The run to resume: its id, secret and address, after checking the config is the one it began with."""
-        if held is None:
-            raise ConfigError(f"--resume: {self.run_dir} holds no run to resume")
-        differences = config_differences(json.loads(held.config), json.loads(self.config.model_dump_json()))
-        if differences:
-            raise ConfigError(f"--resume: the config differs from the one run {held.run_id} started with: "
-                              + "; ".join(differences))
-        finished = [e for e in LogReader(self.log_path).events(kinds=["run_finished"])]
+    def open(self, host: RunHost) -> None:
+        """The run secret and the hub (not listening yet: a resumed run folds its log first)."""
+        from gyre.cluster.hub import Hub
+
+        self.host = host
+        self.config: ClusterConfig = host.config  # type: ignore[assignment]
+        self.controller = host.controller
+        self.progress = host.progress
+        self.run_dir = host.run_dir
+        secrets = auth.TokenFile(self.run_dir / SECRETS)
+        listen = self.config.cluster.host, self.config.cluster.port
+        if host.resumed:
+            self.secret, listen = self._resumable(secrets)
+        else:
+            self.secret = auth.mint(auth.RUN_PREFIX)
+            secrets.write({"run": self.secret})
+        self.hub = Hub(host.sink, run_id=host.run_id, secret=self.secret, host=listen[0], port=listen[1],
+                       heartbeat_s=self.config.cluster.heartbeat_s, dead_after_s=self.config.cluster.dead_after_s,
+                       status=self.status)
+        self.hub.on_cell_hello = self._on_cell_hello
+        self.hub.on_cell_lost = self._on_cell_lost
+        self.hub.on_proxy_hello = self._on_proxy_hello
+        self.hub.on_proxy_lost = self._on_proxy_lost
+        self.commands = Commands(self.hub, self.directory, host.sink.producer("commands"))
+        self.controller.observe(self._observe)
+        self.membership_sink = host.sink.producer("membership")
+        self._membership = OrderedActions("membership", self.controller.fail,
+                                          tolerate=lambda error: self._stopping)  # the run ends meanwhile
+        self._closers.append(self._membership.close)
+
+    def start(self, host: RunHost) -> None:
+        """Listen, start (or adopt) the processes, then register the cells, or reattach to them."""
+        self.address = self.hub.start()
+        self._closers.append(self.hub.stop)
+        address_file = self.run_dir / ADDRESS
+        address_file.with_suffix(".tmp").write_text(self.address + "\n")
+        os.replace(address_file.with_suffix(".tmp"), address_file)
+        (self.run_dir / "processes").mkdir(exist_ok=True)
+        (self.run_dir / "processes" / "controller.pid").write_text(f"{os.getpid()}\n")
+        how = self._spawn(adopt=host.resumed)
+        if host.resumed:
+            self._reattach(how)
+        else:
+            self._register()
+        self._live = True
+
+    def _resumable(self, secrets: auth.TokenFile) -> tuple[str, tuple[str, int]]:
+        """The secret and address of the run to resume; a completed run has nothing to resume."""
+        finished = [e for e in LogReader(self.host.log_path).events(kinds=["run_finished"])]
         if any(e.status == "completed" for e in finished):
-            raise ConfigError(f"--resume: run {held.run_id} in {self.run_dir} has completed; nothing to resume")
+            raise ConfigError(f"--resume: run {self.host.run_id} in {self.run_dir} has completed; nothing to resume")
         secret = secrets.read().get("run")
         if secret is None:
             raise ConfigError(f"--resume: {secrets.path} holds no run secret (a cluster run writes it when it starts)")
         try:
-            host, port = (self.run_dir / ADDRESS).read_text().strip().rsplit(":", 1)
-            return held.run_id, secret, host, int(port)
+            address, port = (self.run_dir / ADDRESS).read_text().strip().rsplit(":", 1)
+            return secret, (address, int(port))
         except (OSError, ValueError) as error:
             raise ConfigError(f"--resume: cannot read the controller's address from {self.run_dir / ADDRESS}: "
                               f"{error}") from error
@@ -320,11 +251,11 @@ class ClusterRun:
 
     def _initial_role(self, cell_id: str) -> str:
         cells = [CellSpec(c.cell_id, is_core=c.is_core, slots=c.slots) for c in self.directory.cells.values()]
-        return self.policy.initial_roles(cells, self.params)[cell_id]
+        return self.host.policy.initial_roles(cells, self.host.params)[cell_id]
 
     def _actuator(self, cell_id: str) -> RemoteCell:
         actuator = RemoteCell(cell_id, commands=self.commands, directory=self.directory,
-                              sink=self.sink.producer(f"actuator:{cell_id}"), fail=self.controller.fail,
+                              sink=self.host.sink.producer(f"actuator:{cell_id}"), fail=self.controller.fail,
                               upto=lambda: self.controller.folded_seq)
         actuator.on_lost_train = self.controller.forget_training
         self.controller.cells[cell_id] = actuator
@@ -337,24 +268,14 @@ class ClusterRun:
         self.controller.submit(self._resubmit_rollouts)
 
     def _resubmit_rollouts(self, held: list[str] | None = None) -> None:
-        """Submit again what no harness runs any more (on the controller's thread, or before its loop)."""
+        """Queue again what no harness runs any more (on the controller's thread, or before its loop)."""
         if held is None:
             done = self.commands.proxy("sync", sync=gyre_pb2.Sync())
             if done is None:
                 return  # lost again: its next incarnation's hello comes back here
             held = json.loads(done.detail or b"[]")
             self.controller.fold_now()
-        view = self.controller.view
-        resubmit = rollouts_to_resubmit(view, queued_attempts(self.log_path, self.run_id), self._plan_triples, held)
-        if not resubmit:
-            return
-        version = view.trainer.policy_version
-        specs = [execution_spec(r.execution_id, r.group_id, r.task_id, r.step, version, r.attempt) for r in resubmit]
-        self.commands.proxy("resubmit", queue=gyre_pb2.QueueExecutions(executions=specs))
-        self.progress("resubmitted", {"executions": len(specs)})
-
-    def _plan_triples(self, step: int) -> list[tuple[str, str, str]]:
-        return [(e.execution_id, e.group_id, e.task_id) for e in self._plan(step)]
+        self.host.resubmit(held)
 
     # -- starting and resuming ---------------------------------------------------------------------------------
 
@@ -374,8 +295,8 @@ class ClusterRun:
         cores = [c.cell_id for c in cells if c.is_core]
         if cores != [cluster.core]:
             raise ConfigError(f"cells {cores} say they are the core; the config names {cluster.core}")
-        roles = self.policy.initial_roles([CellSpec(c.cell_id, is_core=c.is_core, slots=c.slots) for c in cells],
-                                          self.params)
+        specs = [CellSpec(c.cell_id, is_core=c.is_core, slots=c.slots) for c in cells]
+        roles = self.host.policy.initial_roles(specs, self.host.params)
         self.controller.record([CellRegistered(cell_id=c.cell_id, role=roles[c.cell_id], is_core=c.is_core,
                                                slots=c.slots, address=c.engine_url, incarnation=c.incarnation)
                                 for c in cells])
@@ -400,7 +321,7 @@ class ClusterRun:
         view = self.controller.view
         registered: dict[str, CellRegistered] = {}
         decisions: dict[str, RoleSwitchRequested] = {}
-        for event in LogReader(self.log_path).events(kinds=["cell_registered", "role_switch_requested",
+        for event in LogReader(self.host.log_path).events(kinds=["cell_registered", "role_switch_requested",
                                                             "weights_published"]):
             if isinstance(event, CellRegistered):
                 registered[event.cell_id] = event
@@ -421,7 +342,7 @@ class ClusterRun:
             else:
                 restarted.append(cell_id)
         self.controller.record(RunResumed(
-            run_id=self.run_id, folded_seq=self.controller.folded_seq,
+            run_id=self.host.run_id, folded_seq=self.controller.folded_seq,
             adopted=",".join(n for n, h in how.items() if h == "adopted"),
             started=",".join(n for n, h in how.items() if h != "adopted")))
         for cell_id in restarted:
@@ -442,39 +363,28 @@ class ClusterRun:
         self._resubmit_rollouts(held)
         self.progress("resumed", {"adopted": adopted, "restarted": restarted, "held": len(held)})
 
-    def _plan(self, step: int) -> list[PlannedExecution]:
-        return step_plan(self.run_id, self.config.rollout, self.task_ids, step)
+    # -- executions and progress -----------------------------------------------------------------------
 
-    # -- progress -------------------------------------------------------------------------------------------
-
-    def _queued(self, step: int, executions: int, version: int) -> None:
-        self.progress("rollout", {"step": step, "queued": executions, "version": version})
+    def queue(self, executions: list[Queued]) -> None:
+        """Queue on the proxy process, each with a token the controller mints (`gyre.cluster.proxy_node`)."""
+        if not executions:
+            return
+        specs = [execution_spec(e.execution_id, e.group_id, e.task_id, HELDOUT_STEP if e.step is None else e.step,
+                                e.policy_version, e.attempt) for e in executions]
+        self.commands.proxy(f"queue {len(specs)} executions", queue=gyre_pb2.QueueExecutions(executions=specs))
 
     def _observe(self, seq: int, event: Event) -> None:
-        with self._lock:
-            if isinstance(event, ExecutionQueued) and event.step is not None:
-                self._step_of[event.execution_id] = event.step
-            elif isinstance(event, RewardRecorded) and event.execution_id in self._step_of:
-                self._rewards.setdefault(self._step_of[event.execution_id], []).append(event.reward)
-            elif isinstance(event, TrainStepFinished):
-                rewards = self._rewards.get(event.step, [])
-                record = {"step": event.step, "policy_version": event.policy_version,
-                          "micro_steps": event.micro_steps, "loss": event.loss,
-                          "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-                          "scored": len(rewards), "wall_s": time.monotonic() - self._started}
-                self._steps.append(record)
-                self.progress("step", record)
-            elif isinstance(event, WeightsPublished):
-                with self.directory.lock:  # the file, for a cell to load (the core's Train answer adds Mooncake's copy)
-                    if event.policy_version > self.directory.weights.version:
-                        self.directory.weights = gyre_pb2.WeightsRef(
-                            version=event.policy_version, location=event.location, sha256=event.sha256)
-                for actuator in list(self.controller.cells.values()):  # cells serving rollouts load it now
-                    actuator.update_weights()
-            elif isinstance(event, RoleSwitchCompleted):
-                self.progress("switch", {"cell": event.cell_id, "to": event.to_role, "seconds": event.duration_s})
+        if isinstance(event, WeightsPublished):
+            with self.directory.lock:  # the file, for a cell to load (the core's Train answer adds Mooncake's copy)
+                if event.policy_version > self.directory.weights.version:
+                    self.directory.weights = gyre_pb2.WeightsRef(
+                        version=event.policy_version, location=event.location, sha256=event.sha256)
+            for actuator in list(self.controller.cells.values()):  # cells serving rollouts load it now
+                actuator.update_weights()
+        elif isinstance(event, RoleSwitchCompleted):
+            self.progress("switch", {"cell": event.cell_id, "to": event.to_role, "seconds": event.duration_s})
 
-    def _tick(self, view: SchedulerView) -> None:
+    def tick(self, view: SchedulerView) -> None:
         cells = {c.cell_id: (c.switching_to and f"{c.role}->{c.switching_to}") or c.role
                  for c in sorted(view.cluster.cells.values(), key=lambda c: c.cell_id)}
         self.progress("tick", {"watermark": view.watermark, "cells": cells,
@@ -488,34 +398,17 @@ class ClusterRun:
                                      load=view.load(c.cell_id),
                                      last_heartbeat_age_s=self.hub.heartbeat_age(c.cell_id) or 0.0)
                  for c in sorted(view.cluster.cells.values(), key=lambda c: c.cell_id)]
-        return gyre_pb2.StatusReply(run_id=self.run_id, folded_seq=self.controller.folded_seq,
+        return gyre_pb2.StatusReply(run_id=self.host.run_id, folded_seq=self.controller.folded_seq,
                                     watermark=view.watermark, policy_version=view.trainer.policy_version,
-                                    steps_trained=len(view.work.trained), cells=cells, policy=self.policy.version)
+                                    steps_trained=len(view.work.trained), cells=cells, policy=self.host.policy.version)
 
-    # -- the run ------------------------------------------------------------------------------------------
+    # -- shutdown ---------------------------------------------------------------------------------------------
 
-    def run(self) -> ClusterSummary:
-        status = "completed"
-        try:
-            self.controller.run(tick=self._tick, tick_s=0.5)
-        except KeyboardInterrupt:
-            status = "interrupted"
-            raise
-        except BaseException:
-            status = "failed"
-            raise
-        finally:
-            self._stop_processes()
-            try:
-                self.controller.record(RunFinished(run_id=self.run_id, status=status,
-                                                   message=json.dumps({"steps": len(self._steps)})))
-            finally:
-                self.close()
-        return self.summary(status)
-
-    def _stop_processes(self) -> None:
+    def stop(self) -> None:
         """Ask every connected process to stop (the proxy first: its harnesses end), then wait for them."""
         self._stopping = True
+        if self.supervisor is None:
+            return
         self.commands.stopping.set()  # a command still retrying is abandoned now
         self.supervisor.stop_watching()
         for name in ["proxy", *self.config.cluster.cell_ids]:
@@ -530,17 +423,10 @@ class ClusterRun:
                 continue
         self.supervisor.reap()
 
-    def summary(self, status: str) -> ClusterSummary:
-        return ClusterSummary(self.run_id, self.log_path, status, self.policy.version,
-                              time.monotonic() - self._started, list(self._steps), *role_timeline(self.log_path))
-
     def close(self) -> None:
-        """Stop everything this run started, then commit and close the log. Idempotent."""
-        try:
-            while self._closers:
-                self._closers.pop()()
-        finally:
-            self.sink.close()
+        """Stop everything this run started. Idempotent."""
+        while self._closers:
+            self._closers.pop()()
 
 
 def _info(hello: gyre_pb2.CellHello, role: str) -> CellInfo:
@@ -548,35 +434,9 @@ def _info(hello: gyre_pb2.CellHello, role: str) -> CellInfo:
                     incarnation=hello.incarnation)
 
 
-def role_timeline(log_path: Path) -> tuple[int, list[RoleSpan]]:
-    """Each cell's roles over the run (seconds from run start), folded from the log; and the switch count."""
-    from gyre.log import LogReader
+def ClusterRun(config: ClusterConfig, progress: Progress | None = None, *, resume: bool = False) -> RunHost:
+    """A `gyre run` run: the run host over the cluster topology."""
+    return RunHost(config, Cluster(), progress, resume=resume)
 
-    spans: dict[str, RoleSpan] = {}
-    timeline: list[RoleSpan] = []
-    start = None
-    switches = 0
-    last = 0.0
-    for event in LogReader(log_path).events(kinds=["run_started", "cell_registered", "role_switch_completed",
-                                                   "run_finished", "cell_lost"]):
-        assert event.ts is not None
-        if start is None:
-            start = event.ts
-        t = (event.ts - start).total_seconds()
-        last = t
-        if isinstance(event, CellRegistered):
-            spans[event.cell_id] = RoleSpan(event.cell_id, event.role, t)
-        elif isinstance(event, RoleSwitchCompleted):
-            switches += 1
-            previous = spans.get(event.cell_id)
-            if previous is not None:
-                previous.end_s = t
-                timeline.append(previous)
-            spans[event.cell_id] = RoleSpan(event.cell_id, event.to_role, t)
-        elif isinstance(event, CellLost) and event.cell_id in spans:
-            spans[event.cell_id].end_s = t
-            timeline.append(spans.pop(event.cell_id))
-    for span in spans.values():
-        span.end_s = last
-        timeline.append(span)
-    return switches, sorted(timeline, key=lambda s: (s.cell_id, s.start_s))
+
+__all__ = ["ADDRESS", "SECRETS", "Cluster", "ClusterRun"]

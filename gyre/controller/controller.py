@@ -132,18 +132,28 @@ class Controller:
 
     # -- the loop -------------------------------------------------------------------------------------------
 
-    def run(self, tick: Callable[[SchedulerView], None] | None = None, tick_s: float = 0.5) -> None:
-        """Drive the run until the plan is finished; raises the first failure of an action."""
+    def run(self, tick: Callable[[SchedulerView], None] | None = None, tick_s: float = 0.5,
+            hold: Callable[[], bool] | None = None) -> None:
+        """Drive the run until the plan is finished and ``hold()`` (asked once it is) is false: work the plan
+        does not know of, such as held-out evaluations of the last policy, keeps the loop folding and the
+        policy deciding. Raises the first failure of an action."""
         while True:
             self._wait(tick_s)
             self._fold_new()
             self._run_calls()
             if tick is not None:
                 tick(self.view)
-            if finished(self.view, self.plan):
+            if finished(self.view, self.plan) and (hold is None or not hold()):
                 return
             if self.folded_seq != self._decided_at:
                 self.step()
+
+    def fold_until(self, done: Callable[[], bool], tick_s: float = 0.5) -> None:
+        """Fold, deciding nothing, until ``done()``: work that must end before the loop starts (the initial
+        policy's held-out evaluation, measured before any step can take a cell). Raises an action's failure."""
+        while not done():
+            self._wait(tick_s, decided=True)
+            self._fold_new()
 
     def _run_calls(self) -> None:
         with self._cond:
@@ -159,11 +169,12 @@ class Controller:
         self._decide()
         self._plan()
 
-    def _wait(self, timeout_s: float) -> None:
-        """Sleep until something is appended, unless the current prefix is not decided on yet."""
+    def _wait(self, timeout_s: float, decided: bool = False) -> None:
+        """Sleep until something is appended, unless the current prefix is not decided on yet or a call waits
+        (``decided``: only folding is due; calls wait for the loop)."""
         with self._cond:
-            if (not self._inbox and not self._calls and self._failure is None
-                    and self.folded_seq == self._decided_at):
+            idle = decided or (not self._calls and self.folded_seq == self._decided_at)
+            if not self._inbox and self._failure is None and idle:
                 self._cond.wait(timeout_s)
             if self._failure is not None:
                 raise ControllerError(f"an action failed: {self._failure}") from self._failure

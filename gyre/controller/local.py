@@ -15,22 +15,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 from gyre.controller.actuator import OrderedActions, perform_switch
-from gyre.controller.weights import WeightStore
 from gyre.events.models import RoleSwitchRequested
 from gyre.sink import EventSink
+from gyre.trainer.weights import Published, WeightStore
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Published:
-    version: int
-    location: str
-    sha256: str
 
 
 class CoreTrainer(Protocol):

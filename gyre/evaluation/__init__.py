@@ -1,5 +1,5 @@
 """Held-out evaluation of the current policy during training (``heldout_evaluated`` events)."""
 
-from gyre.evaluation.heldout import GROUP_PREFIX, HeldOutEvaluator, HeldOutPlan, plan_heldout, summarize
+from gyre.evaluation.heldout import GROUP_PREFIX, HeldOutPlan, heldout_executions, plan_heldout, summarize
 
-__all__ = ["GROUP_PREFIX", "HeldOutEvaluator", "HeldOutPlan", "plan_heldout", "summarize"]
+__all__ = ["GROUP_PREFIX", "HeldOutPlan", "heldout_executions", "plan_heldout", "summarize"]

@@ -1,23 +1,20 @@
 """Held-out evaluation: the current policy runs tasks it never trains on, and the log gets its pass rate.
 
-Every ``every`` steps (and for the initial and the final policy) the loop hands the evaluator the policy
-version the engine serves. The evaluator runs ``samples`` executions of each held-out task through the same
-proxy and harness runner as training, scores them with the tasks' evaluators, and appends one
-``heldout_evaluated`` event. Its executions are ordinary executions in the log (calls, rewards) under
+Every ``every`` steps (and for the initial and the final policy) the run host (`gyre.run.host`) queues
+``samples`` executions of each held-out task through the same proxy and harness runner as training, with the
+version to evaluate; the tasks' evaluators score them, and once the log holds every outcome the host appends
+one ``heldout_evaluated`` event. Its executions are ordinary executions in the log (calls, rewards) under
 groups named ``heldout-s{step}-{task}``: the training loop builds batches only from the groups of its own
 step, so nothing here is ever trained on. An evaluator failure is excluded, never a failed pass.
 
-Nothing here knows the proxy or the log: registration and recording are callables the loop passes in.
+Pure: the plan, the executions and the event; queuing and waiting are the host's.
 """
 
-import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gyre.errors import ConfigError
-from gyre.events.models import Event, HeldOutEvaluated
-from gyre.harness.runner import Execution, ExecutionResult
+from gyre.events.models import HeldOutEvaluated
 from gyre.harness.tasks import TaskSet
 
 GROUP_PREFIX = "heldout-"
@@ -59,61 +56,26 @@ def plan_heldout(
     return HeldOutPlan(every, chosen, samples, pass_threshold)
 
 
-def summarize(results: Sequence[ExecutionResult], plan: HeldOutPlan, *, step: int, policy_version: int,
+def heldout_executions(plan: HeldOutPlan, steps_done: int) -> list[tuple[str, str, str]]:
+    """The executions of the evaluation before step ``steps_done``, as (execution, group, task): ``samples``
+    of each held-out task, in groups ``heldout-s{steps_done}-{task}`` that no step's batch ever includes."""
+    out = []
+    for task_id in plan.task_ids:
+        group_id = f"{GROUP_PREFIX}s{steps_done}-{task_id}"
+        out += [(f"{group_id}-e{i}", group_id, task_id) for i in range(plan.samples)]
+    return out
+
+
+def summarize(rewards: Sequence[float | None], plan: HeldOutPlan, *, step: int, policy_version: int,
               duration_s: float) -> HeldOutEvaluated:
-    """The event for a finished evaluation (pure): pass rate and mean reward over the scored executions."""
-    rewards = [r.reward for r in results if r.reward is not None]
-    passed = sum(reward >= plan.pass_threshold for reward in rewards)
+    """The event for a finished evaluation (pure): pass rate and mean reward over the scored executions
+    (``None``: excluded, its evaluator or harness failed; never a failed pass)."""
+    scored = [r for r in rewards if r is not None]
+    passed = sum(reward >= plan.pass_threshold for reward in scored)
     return HeldOutEvaluated(
-        step=step, policy_version=policy_version, tasks=len(plan.task_ids), executions=len(results),
-        scored=len(rewards), passed=passed, pass_threshold=plan.pass_threshold,
-        pass_rate=passed / len(rewards) if rewards else None,
-        reward_mean=sum(rewards) / len(rewards) if rewards else None,
+        step=step, policy_version=policy_version, tasks=len(plan.task_ids), executions=len(rewards),
+        scored=len(scored), passed=passed, pass_threshold=plan.pass_threshold,
+        pass_rate=passed / len(scored) if scored else None,
+        reward_mean=sum(scored) / len(scored) if scored else None,
         duration_s=duration_s, group_prefix=f"{GROUP_PREFIX}s{step}-",
     )
-
-
-class HeldOutEvaluator:
-    """Runs the held-out plan with the loop's runner; ``register`` returns an execution's proxy token."""
-
-    def __init__(
-        self,
-        plan: HeldOutPlan,
-        tasks: TaskSet,
-        *,
-        submit: Callable[[Execution], Future[ExecutionResult]],
-        register: Callable[[str, int], str],
-        unregister: Callable[[str], None],
-        record: Callable[[Event], object],
-        cell_id: str | None = None,
-    ) -> None:
-        self.plan = plan
-        self.tasks = tasks
-        self._submit, self._register, self._unregister, self._record = submit, register, unregister, record
-        self.cell_id = cell_id
-
-    def maybe_run(self, steps_done: int, total_steps: int, policy_version: int) -> HeldOutEvaluated | None:
-        """Evaluate if the plan says so at this point of the run; returns the event it recorded."""
-        if not self.plan.due(steps_done, total_steps):
-            return None
-        return self.run(steps_done, policy_version)
-
-    def run(self, step: int, policy_version: int) -> HeldOutEvaluated:
-        started = time.monotonic()
-        executions = []
-        for task_id in self.plan.task_ids:
-            group_id = f"{GROUP_PREFIX}s{step}-{task_id}"
-            for i in range(self.plan.samples):
-                execution_id = f"{group_id}-e{i}"
-                token = self._register(execution_id, policy_version)
-                executions.append(Execution(execution_id, self.tasks[task_id], group_id=group_id, token=token,
-                                            policy_version=policy_version, cell_id=self.cell_id))
-        try:
-            results = [f.result() for f in [self._submit(e) for e in executions]]
-        finally:
-            for execution in executions:
-                self._unregister(execution.execution_id)
-        event = summarize(results, self.plan, step=step, policy_version=policy_version,
-                          duration_s=time.monotonic() - started)
-        self._record(event)
-        return event

@@ -93,7 +93,7 @@ def _training_gain(view: SchedulerView, cell: Cell, training: int) -> float | No
     if micro_s is None:
         return None
     work = view.work
-    pending = len(work.steps) - len(work.trained)
+    pending = work.untrained_steps
     current = view.trainer.current
     done = len(current.claimed) if current is not None and not current.closed else 0
     remaining = max(0, pending * work.planned_micro_steps - done)

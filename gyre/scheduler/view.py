@@ -117,7 +117,12 @@ class WorkState:
     @property
     def training_pending(self) -> bool:
         """Some queued batch has not been trained yet: training will have work."""
-        return len(self.steps) > len(self.trained)
+        return self.untrained_steps > 0
+
+    @property
+    def untrained_steps(self) -> int:
+        """Queued steps not trained yet; executions outside the steps (held-out, bucket -1) are no batch."""
+        return sum(s >= 0 for s in self.steps) - len(self.trained)
 
     def training_ready(self) -> bool:
         """Training has data now: a step is open, or some complete group waits for the next one."""

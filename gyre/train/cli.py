@@ -1,7 +1,5 @@
 """`gyre train CONFIG`: the single-machine RL loop with live progress and a summary."""
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -10,10 +8,9 @@ from rich.console import Console
 
 from gyre.errors import GyreError
 from gyre.observe.summary import step_rows, summary_table
-from gyre.report import write_report
 
 if TYPE_CHECKING:
-    from gyre.train.config import TrainConfig
+    pass
 
 console = Console()
 
@@ -27,13 +24,12 @@ def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e
 
     Ctrl-C stops cleanly with the log committed; `--resume` continues a stopped or crashed run.
     """
-    from gyre.train.config import TrainConfig
-    from gyre.train.loop import StepRecord, TrainingRun
+    from gyre.config import TrainConfig
+    from gyre.run.host import StepRecord
+    from gyre.train.inprocess import TrainingRun
 
     try:
-        settings = TrainConfig.load(config)
-        if steps is not None:
-            settings = settings.model_copy(update={"steps": steps})
+        settings = TrainConfig.load(config, {"steps": steps} if steps is not None else None)
     except GyreError as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from None
@@ -64,30 +60,28 @@ def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e
             rate = "n/a" if event.pass_rate is None else f"{event.pass_rate:.0%}"
             console.print(f"held-out after {event.step} steps: pass rate {rate} ({event.passed}/{event.scored}) on "
                           f"policy v{event.policy_version}")
+        elif phase == "resubmitted":
+            console.print(f"[yellow]{figures['executions']} executions queued again[/yellow] (never scored)")
         elif phase == "resumed":
             console.print(f"[dim]resumed at policy v{figures['version']}: {figures['retrained_steps']} steps "
                           f"retrained from their logged batches, open step aborted: {figures['aborted_step']}[/dim]")
+        elif phase == "report":
+            console.print(f"report: {figures['path']}")
         elif phase == "skipped":
             console.print(f"[yellow]step {figures['step']}: not trained: {figures['reason']}[/yellow]")
 
     console.print(f"[bold]gyre train[/bold] {settings.name}: {settings.steps} steps, "
                   f"{settings.rollout.groups_per_step} groups x {settings.rollout.group_size} rollouts per step, "
                   f"run directory {settings.run_dir}")
-    run = None
     try:
         with status:
-            run = TrainingRun(settings, progress, resume=resume)
-            with observing(settings, run.log_path, run.run_id):
-                summary = run.run()
+            summary = TrainingRun(settings, progress, resume=resume).run()
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: harnesses stopped, log committed[/yellow]")
         raise typer.Exit(130) from None
     except GyreError as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(1) from None
-    finally:
-        if run is not None and settings.observe.report:
-            console.print(f"report: {write_report(settings.run_dir)}")
 
     console.print(summary_table(step_rows(summary.log), console.width, title=f"{settings.name}: {summary.status}"))
     console.print(f"log: {summary.log}  (final policy v{summary.policy_version})")
@@ -95,26 +89,12 @@ def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e
                   '"SELECT step, reward_mean, clip_fraction, kl, entropy FROM train_steps"', overflow="fold")
 
 
-@contextmanager
-def observing(settings: "TrainConfig", log: Path, run_id: str) -> Iterator[None]:
-    """Exporters following the run's log while it runs (and catching up when it ends), per `[observe]`."""
-    if not settings.observe.exporters:
-        yield
-        return
-    from gyre.observe import LogFollower, make_exporters
-
-    exporters = make_exporters(settings.observe.exporters, settings.run_dir, run_name=run_id,
-                               project=settings.observe.wandb_project)
-    with LogFollower(log, exporters):
-        yield
-
-
 def export(run_dir: Annotated[Path, typer.Argument(help="the run directory (holds log/ and weights/)")],
            out: Annotated[Path, typer.Argument(help="where to write the Hugging Face checkpoint")],
            version: Annotated[int | None, typer.Option(help="policy version (default: the last published)")] = None,
            ) -> None:
     """Write a trained policy as a Hugging Face checkpoint (config, safetensors, tokenizer)."""
-    from gyre.train.export import export_policy
+    from gyre.trainer.export import export_policy
 
     try:
         written = export_policy(run_dir, out, version)

@@ -20,8 +20,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre.config import TrainConfig
 from gyre.log import LogReader
-from gyre.train.config import TrainConfig
 
 
 @dataclass
@@ -51,7 +51,7 @@ def _child(config: TrainConfig, resume: bool, kill_at: tuple[str, int] | None, n
                 f.write(f"{figures['retrained_steps']}\n")
 
     try:
-        from gyre.train.loop import TrainingRun
+        from gyre.train.inprocess import TrainingRun
 
         run = TrainingRun(config, progress, resume=resume, kill_at=kill_at)
         run.run()
@@ -64,7 +64,7 @@ def _child(config: TrainConfig, resume: bool, kill_at: tuple[str, int] | None, n
 
 def warm(config: TrainConfig) -> None:
     """Import and build in the parent what every child needs (transformers imports lazily: ~10 s cold)."""
-    import gyre.train.loop  # noqa: F401
+    import gyre.train.inprocess  # noqa: F401
     from gyre.engine.local import LocalEngineConfig
     from gyre.engine.local.engine import load_model
 

@@ -43,3 +43,19 @@ def test_unknown_policy_parameters_are_refused() -> None:
     config = ClusterConfig.model_validate({"scheduler": {"policy": "elastic", "params": {"hysteresis": 1}}})
     with pytest.raises(ValueError, match="hysteresis"):
         get_policy("elastic").params(config.policy_params())
+
+
+def test_a_command_line_override_is_refused_as_a_key_in_the_file_would_be() -> None:
+    with pytest.raises(ConfigError, match="invalid cluster config") as refused:
+        ClusterConfig.load(EXAMPLE, {"steps": 0, "scheduler.policy": "fifo"})
+    message = str(refused.value)
+    assert "steps: Input should be greater than 0 (given on the command line)" in message
+    assert "scheduler.policy" in message and "\n" not in message
+    assert ClusterConfig.load(EXAMPLE, {"steps": 3, "scheduler.policy": "async"}).scheduler.policy == "async"
+
+
+def test_a_section_the_command_does_not_use_is_refused_naming_it() -> None:
+    from gyre.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="cluster: a train run has no such key or section"):
+        TrainConfig.load(EXAMPLE)

@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 
 from gyre.cluster.config import ClusterConfig, ClusterSchedulerSection, ClusterSection
 from gyre.cluster.run import ClusterRun
+from gyre.config import RolloutSection, SamplingSection, TrainerSection, TrajectorySection
 from gyre.log import LogReader
 from gyre.replay.exact import replay_decisions
-from gyre.train.config import RolloutSection, SamplingSection, TrainerSection, TrajectorySection
 
 pytestmark = pytest.mark.integration
 
@@ -82,7 +82,7 @@ def test_redirected_calls_finish_where_the_plan_sent_them(three_cells: tuple[Clu
 
 
 def test_the_steps_weights_equal_one_replica_on_the_same_micro_steps(three_cells: tuple[ClusterConfig, Path]) -> None:
-    from gyre.train.build import torch_backend
+    from gyre.run.build import torch_backend
     from gyre.trainer import TrainBatch
     from gyre.trajectory import BatchBuilder, TrajectoryConfig
     from gyre.trajectory.source import LogSource

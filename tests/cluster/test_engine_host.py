@@ -6,8 +6,8 @@ import pytest
 
 from gyre.cluster.config import ClusterConfig, ClusterSection
 from gyre.cluster.engine_host import SglangEngineHost
+from gyre.config import EngineSection
 from gyre.errors import ConfigError
-from gyre.train.config import EngineSection
 
 
 def test_an_sglang_cell_without_sglang_fails_clearly(tmp_path: Path) -> None:

@@ -26,7 +26,6 @@ from gyre.cluster.failures import (
     perform,
 )
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
-from gyre.controller.weights import WeightsError
 from gyre.engine.errors import EngineHTTPError, EngineRequestError, EngineTimeoutError, EngineUnreachableError
 from gyre.errors import ConfigError, LogCorruptionError, TransferError
 from gyre.events import encode
@@ -35,6 +34,7 @@ from gyre.scheduler import SchedulerFold
 from gyre.state.cluster import ClusterView
 from gyre.state.fold import fold_batches
 from gyre.trainer.errors import CheckpointError, TrainerError
+from gyre.trainer.weights import WeightsError
 
 
 class RpcError(grpc.RpcError):

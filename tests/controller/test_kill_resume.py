@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from gyre.controller.weights import WeightsError, file_sha256
+from gyre.config import CheckpointSection, RolloutSection, SamplingSection, TrainConfig, TrainerSection
 from gyre.log import LogReader, LogWriter
-from gyre.train.config import CheckpointSection, RolloutSection, SamplingSection, TrainConfig, TrainerSection
 from gyre.train.crash import torture
-from gyre.train.loop import TrainingRun
+from gyre.train.inprocess import TrainingRun
+from gyre.trainer.weights import WeightsError, file_sha256
 
 QUICK = Path(__file__).parent / "quick"
 

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from gyre.config import EngineSection, RolloutSection, TrainConfig
 from gyre.proxy.template_render import TemplateError, TemplateRenderer
-from gyre.train.config import EngineSection, RolloutSection, TrainConfig
-from gyre.train.loop import TrainingRun
+from gyre.train.inprocess import TrainingRun
 from tests.hf_checkpoint import save_checkpoint, train_tokenizer
 
 
@@ -22,7 +22,7 @@ def test_the_proxy_uses_the_checkpoint_tokenizer_and_template(tmp_path: Path) ->
     checkpoint = save_checkpoint(tmp_path / "ckpt")
     run = TrainingRun(_config(tmp_path, checkpoint))
     try:
-        proxy = run.proxy.proxy
+        proxy = run.topology.proxy.proxy
         assert isinstance(proxy.renderer, TemplateRenderer)
         assert len(proxy.codec.tokenizer) == len(train_tokenizer())
         assert proxy.codec.encode("print the file") == train_tokenizer().encode("print the file")

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from gyre.controller.weights import file_sha256
+from gyre.config import RolloutSection, SamplingSection, TrainConfig, TrainerSection
 from gyre.errors import ConfigError
 from gyre.events.models import RoleSwitchRequested
 from gyre.log import LogReader, LogWriter
 from gyre.replay.exact import replay_decisions
-from gyre.train.config import RolloutSection, SamplingSection, TrainConfig, TrainerSection
-from gyre.train.loop import TrainingRun
+from gyre.train.inprocess import TrainingRun
+from gyre.trainer.weights import file_sha256
 
 
 def smoke_config(run_dir: Path, steps: int = 2) -> TrainConfig:
@@ -116,7 +116,7 @@ def test_ctrl_c_stops_cleanly_with_the_log_committed(tmp_path: Path) -> None:
     last = list(LogReader(config.run_dir / "log").events())[-1]
     assert last.kind == "run_finished" and last.status == "interrupted"
     LogReader(config.run_dir / "log").verify()
-    assert run.runner.running == 0  # the harness process groups were killed, not left behind
+    assert run.topology.runner.running == 0  # the harness process groups were killed, not left behind
 
 
 def test_counterfactual_replay_retimes_a_live_log(trained) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
+from gyre.config import RolloutSection, TrainConfig
 from gyre.errors import ConfigError
-from gyre.train.config import RolloutSection, TrainConfig
 
 if TYPE_CHECKING:
     from gyre.engine.local import LocalEngineConfig

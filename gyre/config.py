@@ -1,8 +1,9 @@
-"""`gyre train` configuration: one TOML file, validated by pydantic, every section with defaults."""
+"""Run configuration (`gyre train`; `gyre run` adds its sections): one TOML file, validated by pydantic."""
 
 import tomllib
+from collections.abc import Collection
 from pathlib import Path
-from typing import Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
 
@@ -69,7 +70,7 @@ class ObserveSection(_Section):
         (), description="tensorboard: event files in RUN_DIR/tensorboard; wandb: an offline run in RUN_DIR/wandb"
     )
     wandb_project: str = Field("gyre", min_length=1)
-    report: bool = Field(True, description="write RUN_DIR/report.html when gyre train ends")
+    report: bool = Field(True, description="write RUN_DIR/report.html when the run ends (gyre train, gyre run)")
 class SchedulerSection(_Section):
     """The policy the controller runs (the same `decide(view, params)` as the simulator and replay)."""
 
@@ -101,9 +102,16 @@ class TrainConfig(_Section):
     scheduler: SchedulerSection = SchedulerSection()
     checkpoint: CheckpointSection = CheckpointSection()
 
+    def policy_params(self) -> dict[str, Any]:
+        """The policy's params as the config sets them (the policy fills in its defaults)."""
+        return {"staleness": self.scheduler.staleness} if self.scheduler.staleness else {}
+
     @classmethod
-    def load(cls, path: str | Path) -> Self:
-        """Read and validate a TOML file; relative paths in it are relative to the current directory."""
+    def load(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> Self:
+        """Read and validate a TOML file; relative paths in it are relative to the current directory.
+
+        ``overrides``: dotted keys from the command line (``{"steps": 0, "scheduler.policy": "async"}``),
+        set before validation, so a bad one is refused in the same words as a bad key in the file."""
         path = Path(path)
         try:
             data = tomllib.loads(path.read_text())
@@ -111,8 +119,27 @@ class TrainConfig(_Section):
             raise ConfigError(f"no config file at {path}") from None
         except tomllib.TOMLDecodeError as error:
             raise ConfigError(f"{path} is not valid TOML: {error}") from error
+        for key, value in (overrides or {}).items():
+            *sections, name = key.split(".")
+            table = data
+            for section in sections:
+                table = table.setdefault(section, {})
+            table[name] = value
+        return cls.validated(data, f"{path}", set(overrides or ()))
+
+    @classmethod
+    def validated(cls, data: dict[str, Any], source: str, overridden: Collection[str] = ()) -> Self:
+        """``data`` as this config, or one `ConfigError` naming every bad key (and which came from the
+        command line)."""
         try:
             return cls.model_validate(data)
         except ValidationError as error:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
-            raise ConfigError(f"invalid train config {path}: {problems}") from error
+            problems = []
+            for e in error.errors():
+                key = ".".join(str(p) for p in e["loc"])
+                message = (f"a {cls.kind} run has no such key or section (it would be ignored)"
+                           if e["type"] == "extra_forbidden" else e["msg"])
+                problems.append(f"{key}: {message}" + (" (given on the command line)" if key in overridden else ""))
+            raise ConfigError(f"invalid {cls.kind} config {source}: " + "; ".join(problems)) from error
+
+    kind: ClassVar[str] = "train"

@@ -28,6 +28,15 @@ class WeightsError(GyreError):
 
 
 @dataclass(frozen=True)
+class Published:
+    """The latest published weights as the core holds them: a version, its file and the file's checksum."""
+
+    version: int
+    location: str
+    sha256: str
+
+
+@dataclass(frozen=True)
 class StoredWeights:
     version: int
     location: str

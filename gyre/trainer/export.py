@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gyre.controller.weights import WeightStore
+from gyre.config import TrainConfig
 from gyre.errors import ConfigError
 from gyre.events.models import RunStarted, WeightsPublished
 from gyre.log import LogReader
-from gyre.train.config import TrainConfig
+from gyre.trainer.weights import WeightStore
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gyre.controller.local import Published
-from gyre.controller.weights import WeightsError, WeightStore, file_sha256, fsync_tree
+from gyre.config import TrainConfig
 from gyre.events.models import CheckpointSaved, TrainStepFinished, WeightsPublished
 from gyre.log import LogReader
-from gyre.train.config import TrainConfig
 from gyre.trainer import StepCoordinator, TorchBackend
 from gyre.trainer.protocol import StepResult
+from gyre.trainer.weights import Published, WeightsError, WeightStore, file_sha256, fsync_tree
 from gyre.trajectory.source import LiveLogSource
 
 if TYPE_CHECKING:
@@ -48,7 +47,7 @@ class StepTraining:
 class LocalCoreTrainer:
     def __init__(self, config: TrainConfig, *, cell_id: str, run_id: str, log_path: Path, backend: TorchBackend,
                  coordinator: StepCoordinator, weights: WeightStore, published: Published | None,
-                 on_trained: Callable[[StepTraining], None], durable_seq: Callable[[], int],
+                 durable_seq: Callable[[], int], on_trained: Callable[[StepTraining], None] = lambda f: None,
                  rollout_s: Callable[[int], float | None] = lambda step: None) -> None:
         self.config, self.cell_id, self.run_id, self.log_path = config, cell_id, run_id, log_path
         self.backend, self.coordinator, self.weights = backend, coordinator, weights

@@ -1,0 +1,368 @@
+"""One run host for both topologies: everything a run does that does not depend on where its parts run.
+
+`RunHost` owns the run's log writer, its controller (fold -> decide -> act) and the rules every run
+follows: the checks before a run starts or resumes, ``run_started`` and ``run_finished``, each step's
+executions (the plan), progress and the step records (folded from the log by `gyre.state.run.RunView`, so a
+resumed run reports what the log says), held-out evaluation, resubmission after a crash, and shutdown.
+
+A `Topology` supplies the rest: where the engines, the trainer, the proxy and the harnesses run, how a cell
+is told to switch, and how executions reach the harness runner. Two exist:
+
+- `gyre.train.inprocess.InProcess`: one cell, every component in this process (`gyre train`);
+- `gyre.cluster.run.Cluster`: a controller here, each cell and the proxy its own process (`gyre run`).
+
+Held-out evaluations are ordinary executions outside the steps (``step`` None, groups ``heldout-s{n}-…``):
+the host queues them through the topology and records ``heldout_evaluated`` once the log holds every one's
+outcome. The initial policy is measured before the loop starts (no step can take a cell meanwhile); an
+evaluation after step ``n`` is queued when the log says the step trained, with the version it produced (a
+cell serves it only once it holds that version); the loop keeps going after the plan is finished until the
+last one is recorded, the policy deciding as usual (held-out work counts in the watermark).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from gyre.controller import Controller, RunPlan
+from gyre.controller.plan import rollouts_to_resubmit
+from gyre.errors import ConfigError
+from gyre.events.models import Event, RunFinished, RunStarted, TrainStepFinished
+from gyre.log import LogWriter
+from gyre.run.build import PlannedExecution, rollout_tasks, step_plan
+from gyre.run.history import RoleSpan, config_differences, queued_attempts, role_timeline, run_start
+from gyre.scheduler import SchedulerView, get_policy
+from gyre.sink import LogSink
+from gyre.state.run import RunState, RunView
+
+if TYPE_CHECKING:
+    from gyre.config import TrainConfig
+    from gyre.evaluation import HeldOutPlan
+
+Progress = Callable[[str, dict], None]
+"""Called with a phase name and figures; the CLIs draw them with rich."""
+
+
+@dataclass(frozen=True)
+class Queued:
+    """An execution to queue: a step's (``step`` set) or a held-out evaluation's (``step`` None)."""
+
+    execution_id: str
+    group_id: str
+    task_id: str
+    step: int | None
+    policy_version: int
+    attempt: int = 0
+
+
+@dataclass
+class _Evaluation:
+    policy_version: int
+    started: float
+    executions: list[Queued]
+
+
+@dataclass
+class StepRecord:
+    """What one step did, for progress and the summary: all of it folded from the log."""
+
+    step: int
+    policy_version: int
+    executions: int
+    scored: int
+    reward_mean: float | None
+    micro_steps: int = 0
+    trained_tokens: int = 0
+    forwarded_tokens: int = 0
+    loss: float | None = None
+    rollout_s: float = 0.0
+    train_s: float = 0.0
+    wall_s: float = 0.0
+    """Seconds from the run's start to the step's training finishing."""
+
+
+@dataclass
+class RunSummary:
+    run_id: str
+    log: Path
+    status: str
+    policy: str
+    policy_version: int
+    wall_s: float
+    steps: list[StepRecord] = field(default_factory=list)
+    switches: int = 0
+    timeline: list[RoleSpan] = field(default_factory=list)
+
+
+class Topology(Protocol):
+    """Where a run's parts run. The host calls these in order: `open`, `start`, then `queue` and `tick` while
+    the run goes, `stop` once it is over (nothing may write after), `close` always."""
+
+    tick_s: float
+
+    def open(self, host: RunHost) -> None:
+        """Before ``run_started``: what the run directory must hold (a resumed run reads it back)."""
+        ...
+
+    def start(self, host: RunHost) -> None:
+        """After ``run_started`` (or a resumed run's catch-up): start the cells, the proxy and the harness
+        runner, register the cells or reattach to them, with every cell's actuator in
+        ``host.controller.cells``."""
+        ...
+
+    def queue(self, executions: list[Queued]) -> None:
+        """Hand executions to the harness runner; their ``execution_queued`` is durable when this returns."""
+        ...
+
+    def tick(self, view: SchedulerView) -> None:
+        """Live progress (on the controller's thread, every round)."""
+        ...
+
+    def stop(self) -> None:
+        """Stop everything that may still write events: harnesses, cells, the proxy."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class RunHost:
+    """One run: its log, its controller and the rules above, over a `Topology`."""
+
+    def __init__(self, config: TrainConfig, topology: Topology, progress: Progress | None = None, *,
+                 resume: bool = False) -> None:
+        self.config = config
+        self.topology = topology
+        self.progress = progress or (lambda phase, figures: None)
+        self.run_dir = Path(config.run_dir)
+        self.log_path = self.run_dir / "log"
+        self.resumed = resume
+        self.tasks, self.task_ids = rollout_tasks(config.rollout)  # unknown task ids refused before anything
+        held = run_start(self.log_path)
+        if resume:
+            if held is None:
+                raise ConfigError(f"--resume: {self.run_dir} holds no run to resume")
+            differences = config_differences(json.loads(held.config), json.loads(config.model_dump_json()))
+            if differences:
+                raise ConfigError(f"--resume: the config differs from the one run {held.run_id} started with: "
+                                  + "; ".join(differences))
+            self.run_id = held.run_id
+        elif held is not None:
+            raise ConfigError(f"{self.run_dir} already holds the log of run {held.run_id}; give another run_dir, "
+                              f"or --resume to continue that run")
+        else:
+            self.run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
+        self.policy = get_policy(config.scheduler.policy)
+        try:
+            self.params = self.policy.params(config.policy_params())
+        except ValueError as error:
+            raise ConfigError(f"scheduler.params do not fit policy {self.policy.version}: {error}") from error
+        self.heldout = self._heldout_plan()
+        self.view = RunView()
+        self.state: RunState = self.view.initial()
+        self._started = time.monotonic()
+        self._evaluations: dict[int, _Evaluation] = {}
+        """Held-out evaluations queued and not yet recorded, by the steps done before them."""
+        self._lock = threading.Lock()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.sink = LogSink(LogWriter(self.log_path, run_id=self.run_id))
+        try:
+            self.controller = Controller(self.sink, self.policy, self.params,
+                                         RunPlan(steps=config.steps, staleness=config.scheduler.staleness),
+                                         cells={}, rollouts=self)
+            self.controller.observe(self._observe)
+            self.heldout_sink = self.sink.producer("heldout")
+            topology.open(self)
+            if resume:
+                self.controller.catch_up(self.log_path)
+            else:
+                self.controller.record(RunStarted(
+                    run_id=self.run_id, name=config.name, policy=self.policy.name,
+                    policy_version=self.policy.version, policy_params=self.params.model_dump_json(),
+                    config=config.model_dump_json(), seed=config.seed, decision_points="explicit"))
+            topology.start(self)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def policy_version(self) -> int:
+        return self.controller.view.trainer.policy_version
+
+    # -- the plan's executions (the controller's `Rollouts`) ---------------------------------------------
+
+    def plan(self, step: int) -> list[PlannedExecution]:
+        """The executions of ``step`` (pure: a resumed or remote run computes the same)."""
+        return step_plan(self.run_id, self.config.rollout, self.task_ids, step)
+
+    def queue(self, step: int, policy_version: int) -> None:
+        executions = [Queued(e.execution_id, e.group_id, e.task_id, step, policy_version) for e in self.plan(step)]
+        self.topology.queue(executions)
+        self.progress("rollout", {"step": step, "queued": len(executions), "version": policy_version})
+
+    def resubmit(self, held: list[str] | None = None) -> int:
+        """Queue again, as new attempts, the step executions no harness runs any more and no reward scored
+        (``held``: those a surviving proxy still runs). The rule is `rollouts_to_resubmit`'s."""
+        view = self.controller.view
+        triples = lambda step: [(e.execution_id, e.group_id, e.task_id) for e in self.plan(step)]  # noqa: E731
+        again = rollouts_to_resubmit(view, queued_attempts(self.log_path, self.run_id), triples, held or ())
+        version = view.trainer.policy_version
+        self.topology.queue([Queued(r.execution_id, r.group_id, r.task_id, r.step, version, r.attempt)
+                             for r in again])
+        if again:
+            self.progress("resubmitted", {"executions": len(again)})
+        return len(again)
+
+    # -- the log, folded --------------------------------------------------------------------------------
+
+    def _observe(self, seq: int, event: Event) -> None:
+        """On the controller's thread: the run view, step records, and held-out evaluations due or done."""
+        with self._lock:
+            self.view.apply(self.state, event)
+        if isinstance(event, TrainStepFinished):
+            record = self.step_record(event.step)
+            if not record.micro_steps:
+                self.progress("skipped", {"step": event.step, "reason": "no group had enough scored executions"})
+            self.progress("step", {"record": record})
+            steps_done = event.step + 1
+            if self._live and self.heldout.due(steps_done, self.config.steps):
+                version = event.policy_version
+                self.controller.submit(lambda: self._start_evaluation(steps_done, version))
+        if self._evaluations:
+            self._record_evaluations()
+
+    _live = False
+    """Set once the loop runs: a resumed run's catch-up does not evaluate again what its predecessor did."""
+
+    def rollout_s(self, step: int) -> float | None:
+        """A step's rollout phase so far (first queued to last finished), for the trainer's step metrics."""
+        with self._lock:
+            facts = self.state.steps.get(step)
+            return facts.rollout_s if facts is not None and facts.last_finished_us else None
+
+    def step_record(self, step: int) -> StepRecord:
+        with self._lock:
+            facts = self.state.steps[step]
+            started = self.state.started_us
+            wall_s = ((facts.trained_us or 0) - started) / 1e6 if started and facts.trained_us else 0.0
+            return StepRecord(step=step, policy_version=facts.policy_version, executions=len(facts.executions),
+                              scored=len(facts.rewards), reward_mean=facts.reward_mean,
+                              micro_steps=facts.micro_steps, trained_tokens=facts.trained_tokens,
+                              forwarded_tokens=facts.forwarded_tokens, loss=facts.loss, rollout_s=facts.rollout_s,
+                              train_s=facts.train_s, wall_s=wall_s)
+
+    # -- held-out evaluation ------------------------------------------------------------------------------
+
+    def _heldout_plan(self) -> HeldOutPlan:
+        from gyre.evaluation import plan_heldout
+        from gyre.harness.tasks import TaskSet
+
+        section = self.config.evaluation
+        self.heldout_tasks = TaskSet.load(section.tasks) if section.tasks is not None else self.tasks
+        trained = self.task_ids if section.tasks is None else ()
+        return plan_heldout(section.every, self.heldout_tasks, section.task_ids, trained, section.samples,
+                            section.pass_threshold)
+
+    def _start_evaluation(self, steps_done: int, policy_version: int) -> None:
+        from gyre.evaluation import heldout_executions
+
+        executions = [Queued(execution_id, group_id, task_id, None, policy_version)
+                      for execution_id, group_id, task_id in heldout_executions(self.heldout, steps_done)]
+        with self._lock:
+            self._evaluations[steps_done] = _Evaluation(policy_version, time.monotonic(), executions)
+        self.topology.queue(executions)
+
+    def _record_evaluations(self) -> None:
+        from gyre.evaluation import summarize
+
+        with self._lock:
+            outcomes = self.state.outcomes
+            done = sorted(n for n, evaluation in self._evaluations.items()
+                          if all(e.execution_id in outcomes for e in evaluation.executions))
+            finished = [(n, self._evaluations.pop(n)) for n in done]
+            rewards = {n: [outcomes[e.execution_id] for e in evaluation.executions] for n, evaluation in finished}
+        for steps_done, evaluation in finished:
+            event = summarize(rewards[steps_done], self.heldout, step=steps_done,
+                              policy_version=evaluation.policy_version,
+                              duration_s=time.monotonic() - evaluation.started)
+            self.heldout_sink.commit(self.heldout_sink.record(event))
+            self.progress("heldout", {"event": event})
+
+    def _evaluating(self) -> bool:
+        with self._lock:
+            return bool(self._evaluations)
+
+    # -- the run -----------------------------------------------------------------------------------------
+
+    def run(self) -> RunSummary:
+        """Drive the run to its end; exporters follow the log meanwhile, and the report is written after."""
+        status = "completed"
+        try:
+            with self._exporting():
+                try:
+                    if not self.resumed and self.heldout.due(0, self.config.steps):
+                        self._start_evaluation(0, 0)
+                        self.controller.fold_until(lambda: not self._evaluating())
+                    self._live = True
+                    self.controller.run(tick=self.topology.tick, tick_s=self.topology.tick_s,
+                                        hold=self._evaluating)
+                except KeyboardInterrupt:
+                    status = "interrupted"
+                    raise
+                except BaseException:
+                    status = "failed"
+                    raise
+                finally:
+                    self.topology.stop()  # nothing may write after run_finished
+                    try:
+                        self.controller.record(RunFinished(run_id=self.run_id, status=status,
+                                                           message=json.dumps({"steps": len(self.records())})))
+                    finally:
+                        self.close()
+        finally:
+            if self.config.observe.report:
+                from gyre.report import write_report
+
+                self.progress("report", {"path": write_report(self.run_dir)})
+        return self.summary(status)
+
+    @contextmanager
+    def _exporting(self) -> Iterator[None]:
+        """The `[observe]` exporters (TensorBoard, W&B offline) following the log while the run goes, and
+        catching up when it ends."""
+        if not self.config.observe.exporters:
+            yield
+            return
+        from gyre.observe import LogFollower, make_exporters
+
+        exporters = make_exporters(self.config.observe.exporters, self.run_dir, run_name=self.run_id,
+                                   project=self.config.observe.wandb_project)
+        with LogFollower(self.log_path, exporters):
+            yield
+
+    def records(self) -> list[StepRecord]:
+        with self._lock:
+            trained = sorted(s for s, facts in self.state.steps.items() if facts.trained)
+        return [self.step_record(s) for s in trained]
+
+    def summary(self, status: str) -> RunSummary:
+        switches, timeline = role_timeline(self.log_path)
+        return RunSummary(self.run_id, self.log_path, status, self.policy.version, self.policy_version,
+                          time.monotonic() - self._started, self.records(), switches, timeline)
+
+    def close(self) -> None:
+        """Stop everything the topology started, then commit and close the log. Idempotent."""
+        try:
+            self.topology.close()
+        finally:
+            self.sink.close()
+
+
+__all__ = ["Progress", "Queued", "RunHost", "RunSummary", "StepRecord", "Topology"]
