@@ -22,10 +22,12 @@ from gyre.events.models import (
     RewardRecorded,
     RoleSwitchCompleted,
     RoleSwitchRequested,
+    RunStarted,
     SatelliteJoined,
     SatelliteLeft,
     TrainStepFinished,
     TrainStepStarted,
+    WeightsLoaded,
     WeightsPublished,
 )
 from gyre.log import LogWriter
@@ -33,6 +35,7 @@ from gyre.state import (
     PROJECTIONS,
     ClusterView,
     ExecutionsView,
+    RunView,
     TrainerView,
     fold,
     fold_batches,
@@ -242,3 +245,35 @@ def test_trainer_view_follows_a_step() -> None:
     ]), state)
     assert state.current.closed and state.policy_version == 1 and state.published_version == 1
     assert state.consumed_samples == 16
+
+
+def test_run_view_folds_step_records_held_out_outcomes_and_weights() -> None:
+    state = fold(RunView(), logged([
+        RunStarted(run_id="r", name="r", policy="elastic", policy_version="elastic/2", config="{}", seed=0),
+        ExecutionQueued(execution_id="a", task_id="t", group_id="g", step=0, policy_version=0),
+        ExecutionQueued(execution_id="b", task_id="t", group_id="g", step=0, policy_version=0),
+        ExecutionQueued(execution_id="h1", task_id="t", group_id="heldout-s0-t"),
+        ExecutionQueued(execution_id="h2", task_id="t", group_id="heldout-s0-t"),
+        ExecutionQueued(execution_id="h3", task_id="t", group_id="heldout-s0-t"),
+        ExecutionFinished(execution_id="a", status="completed", duration_s=1),
+        RewardRecorded(execution_id="a", reward=1.0),
+        ExecutionFinished(execution_id="b", status="completed", duration_s=1),
+        EvaluationFailed(execution_id="b", error="crash"),  # excluded: never a reward of 0
+        ExecutionFinished(execution_id="h1", status="completed", duration_s=1),
+        RewardRecorded(execution_id="h1", reward=0.5),
+        ExecutionFinished(execution_id="h2", status="harness_error", duration_s=1),
+        ExecutionFinished(execution_id="h3", status="completed", duration_s=1),
+        EvaluationFailed(execution_id="h3", error="crash"),
+        TrainStepFinished(step=0, policy_version=1, micro_steps=2, tokens=40, tokens_trained=30, loss=0.1,
+                          duration_s=2.5),
+        WeightsPublished(policy_version=1, location="weights/v000001.safetensors", sha256="ab"),
+        WeightsLoaded(cell_id="cell1", policy_version=1, cause="publish"),
+        CellLost(cell_id="cell2", reason="x"),
+    ]))
+    step = state.steps[0]
+    assert step.executions == ["a", "b"] and step.rewards == {"a": 1.0} and step.reward_mean == 1.0
+    assert step.trained and (step.micro_steps, step.forwarded_tokens, step.trained_tokens) == (2, 40, 30)
+    assert step.train_s == 2.5 and step.rollout_s == pytest.approx(12e-6)  # first queued to last finished: 12 us
+    assert state.outcomes == {"h1": 0.5, "h2": None, "h3": None}
+    assert state.latest is not None and state.latest.version == 1 and state.engine_versions == {"cell1": 1}
+    assert state.run_id == "r" and state.finished is None
