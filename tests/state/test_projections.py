@@ -273,7 +273,7 @@ def test_run_view_folds_step_records_held_out_outcomes_and_weights() -> None:
     step = state.steps[0]
     assert step.executions == ["a", "b"] and step.rewards == {"a": 1.0} and step.reward_mean == 1.0
     assert step.trained and (step.micro_steps, step.forwarded_tokens, step.trained_tokens) == (2, 40, 30)
-    assert step.train_s == 2.5 and step.rollout_s == pytest.approx(7e-6)  # first queued to b finished (its step's last): 7 us
+    assert step.train_s == 2.5 and step.rollout_s == pytest.approx(7e-6)  # a queued to b finished: 7 us
     assert state.outcomes == {"h1": 0.5, "h2": None, "h3": None}
     assert state.latest is not None and state.latest.version == 1 and state.engine_versions == {"cell1": 1}
     assert state.run_id == "r" and state.finished is None
