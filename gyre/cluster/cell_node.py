@@ -36,6 +36,8 @@ from gyre.run.build import torch_backend, trainer_settings
 
 if TYPE_CHECKING:
     from gyre.cluster.engine_host import EngineHost
+    from gyre.scheduler import SchedulerView
+    from gyre.state import RunState, TrainerState
     from gyre.trainer.core import LocalCoreTrainer, StepTraining
     from gyre.trainer.protocol import TrainerBackend
 
@@ -134,34 +136,40 @@ class CellNode:
         if crash_at:  # fault injection (tests): die at a moment too short to hit from outside
             producer = CrashingProducer(producer, crash_at, self.run_dir, self.cell_id)
         restarted = producer.next_seq > 0  # the log holds a predecessor's trainer events
-        if restarted:
-            self.link.sink.commit(remote=True)  # what it spilled is in the log before the log is folded
-        coordinator = StepCoordinator.resume(producer, log_path) if restarted else StepCoordinator(producer)
+        folded = self._fold(log_path) if restarted else None
+        coordinator = StepCoordinator(producer, folded[0] if folded else None)
         self.backend = trainer_backend(self.config)
         self.weights = WeightStore(self.run_dir, keep=self.config.checkpoint.keep_weights)
         self.core = LocalCoreTrainer(self.config, cell_id=self.cell_id, run_id=self.run_id,
                                      log_path=log_path, backend=self.backend, coordinator=coordinator,
                                      weights=self.weights, published=None, on_trained=self._on_trained,
                                      durable_seq=lambda: self._upto)
-        if restarted:
-            self._restore(coordinator, log_path)
+        if folded is not None:
+            self._restore(coordinator, *folded[1:])
         hub = self.trainer_service.attach(coordinator, self.core)
         # the weights the next step trains from (initially v0): a satellite may join before the step opens
         hub.publish(self.backend.policy_version, dict(self.backend.named_tensors()))
         self._closers.append(self.core.close)
 
-    def _restore(self, coordinator: Any, log_path: Path) -> None:
+    def _fold(self, log_path: Path) -> tuple[TrainerState, SchedulerView, RunState]:
+        """The log, read once by a restarted core: its coordinator's state (a copy of its own), the scheduler
+        view (each step's groups in the order they completed) and the run view (checkpoints, publishes)."""
+        from gyre.scheduler import SchedulerView
+        from gyre.scheduler.view import WorkView
+        from gyre.state import ClusterView, RunView, TrainerView
+        from gyre.state.fold import replay_all
+
+        self.link.sink.commit(remote=True)  # what it spilled is in the log before the log is folded
+        (trainer, cluster, work, run, ours), self._upto = replay_all(
+            [TrainerView(), ClusterView(), WorkView(), RunView(), TrainerView()], log_path)
+        return ours, SchedulerView(cluster, trainer, work), run
+
+    def _restore(self, coordinator: Any, view: SchedulerView, run: RunState) -> None:
         from gyre.controller.plan import step_groups
-        from gyre.log import LogReader
-        from gyre.scheduler import SchedulerFold
 
         assert self.core is not None
         aborted = coordinator.abort_open_step(f"core {self.cell_id} restarted")
-        fold = SchedulerFold()
-        for event in LogReader(log_path).events():
-            fold.apply(event)
-            self._upto = event.seq if event.seq is not None else self._upto  # the retrained batches' log prefix
-        retrained = self.core.restore(lambda s: step_groups(fold.view, s), exact=False)  # satellites shared steps
+        retrained = self.core.restore(run, lambda s: step_groups(view, s), exact=False)  # satellites shared steps
         log.info("core %s restored: aborted step %s, retrained %d steps, policy v%d", self.cell_id, aborted,
                  retrained, self.backend.policy_version)
 

@@ -49,11 +49,9 @@ from gyre.events.models import (
     CellRegistered,
     Event,
     RoleSwitchCompleted,
-    RoleSwitchRequested,
     RunResumed,
     WeightsPublished,
 )
-from gyre.log import LogReader
 from gyre.run.host import Progress, Queued, RunHost
 from gyre.scheduler import CellSpec, SchedulerView
 
@@ -112,6 +110,8 @@ class Cluster:
 
     def start(self, host: RunHost) -> None:
         """Listen, start (or adopt) the processes, then register the cells, or reattach to them."""
+        if host.resumed and host.state.finished == "completed":
+            raise ConfigError(f"--resume: run {host.run_id} in {self.run_dir} has completed; nothing to resume")
         self.address = self.hub.start()
         self._closers.append(self.hub.stop)
         address_file = self.run_dir / ADDRESS
@@ -127,10 +127,7 @@ class Cluster:
         self._live = True
 
     def _resumable(self, secrets: auth.TokenFile) -> tuple[str, tuple[str, int]]:
-        """The secret and address of the run to resume; a completed run has nothing to resume."""
-        finished = [e for e in LogReader(self.host.log_path).events(kinds=["run_finished"])]
-        if any(e.status == "completed" for e in finished):
-            raise ConfigError(f"--resume: run {self.host.run_id} in {self.run_dir} has completed; nothing to resume")
+        """The secret and address of the run to resume."""
         secret = secrets.read().get("run")
         if secret is None:
             raise ConfigError(f"--resume: {secrets.path} holds no run secret (a cluster run writes it when it starts)")
@@ -319,22 +316,14 @@ class Cluster:
         held = json.loads(wait_done(proxy, "sync on the proxy").detail or b"[]")
         self.controller.fold_now()
         view = self.controller.view
-        registered: dict[str, CellRegistered] = {}
-        decisions: dict[str, RoleSwitchRequested] = {}
-        for event in LogReader(self.host.log_path).events(kinds=["cell_registered", "role_switch_requested",
-                                                            "weights_published"]):
-            if isinstance(event, CellRegistered):
-                registered[event.cell_id] = event
-            elif isinstance(event, RoleSwitchRequested):
-                decisions[event.cell_id] = event
-            elif isinstance(event, WeightsPublished):
-                self.directory.weights = gyre_pb2.WeightsRef(version=event.policy_version, location=event.location,
-                                                             sha256=event.sha256)
+        run = self.host.state  # folded with the log: the registrations, decisions and weights it holds
+        if run.latest is not None:
+            self.directory.weights = gyre_pb2.WeightsRef(version=run.latest.version, location=run.latest.location,
+                                                         sha256=run.latest.sha256)
         adopted, restarted = [], []
         for cell_id in self.config.cluster.cell_ids:
             hello, cell = self._hellos[cell_id], view.cluster.cells.get(cell_id)
-            logged = registered.get(cell_id)
-            if cell is not None and not cell.lost and logged is not None and logged.incarnation == hello.incarnation:
+            if cell is not None and not cell.lost and cell.incarnation == hello.incarnation:
                 info = self.directory.cells[cell_id]
                 info.role, info.engine_version = cell.role, -1
                 self._actuator(cell_id)
@@ -346,17 +335,18 @@ class Cluster:
             adopted=",".join(n for n, h in how.items() if h == "adopted"),
             started=",".join(n for n, h in how.items() if h != "adopted")))
         for cell_id in restarted:
-            logged, cell = registered.get(cell_id), view.cluster.cells.get(cell_id)
-            if logged is not None and logged.incarnation and cell is not None and not cell.lost:
+            cell = view.cluster.cells.get(cell_id)
+            if cell is not None and cell.incarnation and not cell.lost:
                 info = self.directory.cells[cell_id]
-                info.incarnation = logged.incarnation  # the one the log knows: recorded lost, then replaced
-                self._cell_gone(cell_id, logged.incarnation, "restarted while the controller was down")
+                info.incarnation = cell.incarnation  # the one the log knows: recorded lost, then replaced
+                self._cell_gone(cell_id, cell.incarnation, "restarted while the controller was down")
             self._registered_again(self._hellos[cell_id])
         self.commands.proxy("routing", routing=self.directory.routing())
         for cell_id in adopted:
             cell = view.cluster.cells[cell_id]
-            if cell.switching_to is not None and cell.switching_to != cell.role and cell_id in decisions:
-                self.controller.cells[cell_id].switch(decisions[cell_id])  # under way at the crash: again
+            decision = run.decision(cell_id)
+            if cell.switching_to is not None and cell.switching_to != cell.role and decision is not None:
+                self.controller.cells[cell_id].switch(decision)  # under way at the crash: again
             else:
                 self.controller.cells[cell_id].update_weights("resume")  # its engine's version is unknown
         self.controller.fold_now()

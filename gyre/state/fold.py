@@ -232,6 +232,25 @@ def replay(projection: Projection[S], log_path: str | Path, snapshot: Snapshot |
     return state, max(end, from_seq - 1)
 
 
+def replay_all(projections: list[Projection], log_path: str | Path) -> tuple[list, int]:
+    """The states of several projections over one read of the log (a restarting process folds once);
+    returns (states in the order given, the last seq folded)."""
+    from gyre.log.reader import LogReader
+
+    reader = LogReader(log_path)
+    states = [p.initial() for p in projections]
+    end = reader.last_seq()
+    for batch in reader.read(from_seq=0, to_seq=end, full_schema=False):
+        for projection, state in zip(projections, states, strict=True):
+            projection.apply_batch(state, batch)
+    return states, end
+
+
+def copy_state(projection: Projection[S], state: S) -> S:
+    """An independent copy of ``state`` (through the snapshot codec: whatever a snapshot keeps)."""
+    return projection.load(projection.dump(state))
+
+
 def save_snapshot(snapshot: Snapshot, path: str | Path) -> None:
     """Write a snapshot file atomically (tmp + rename): a reader never sees half a snapshot."""
     target = Path(path)

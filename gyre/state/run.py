@@ -7,11 +7,14 @@ sees, the summary at the end and the figures `gyre log sql` gives are the same n
   and the last finished, their rewards, and what training the step did (`train_step_finished`);
 - per execution outside the steps (held-out evaluations): its outcome, a reward or excluded (an evaluator
   error or a harness error is never a reward), which is what a waiting evaluation resolves on;
-- the latest published weights and checkpoint, the version each cell's engine serves, run start and finish.
+- each cell's last role decision (a resumed run performs one that was under way again);
+- every published version's file and every checkpoint (what a restarted core restores from), the version
+  each cell's engine serves, run start and finish.
 """
 
 from dataclasses import dataclass, field
 
+from gyre.events.models import RoleSwitchRequested
 from gyre.state.fold import Projection, on
 
 EXCLUDED = None
@@ -27,6 +30,8 @@ class StepFacts:
     first_queued_us: int | None = None
     last_finished_us: int | None = None
     trained: bool = False
+    produced_version: int = 0
+    """The version the step's training produced (its own when it made no update)."""
     micro_steps: int = 0
     forwarded_tokens: int = 0
     trained_tokens: int = 0
@@ -53,6 +58,14 @@ class Weights:
 
 
 @dataclass
+class Checkpoint:
+    step: int
+    policy_version: int
+    location: str
+    sha256: str
+
+
+@dataclass
 class RunState:
     run_id: str = ""
     started_us: int | None = None
@@ -63,11 +76,21 @@ class RunState:
     outcomes: dict[str, float | None] = field(default_factory=dict)
     """Executions outside the steps (held-out) that are done: their reward, or None when excluded."""
     unstepped: set[str] = field(default_factory=set)
-    latest: Weights | None = None
-    checkpoint: tuple[int, int] | None = None
-    """(step, policy_version) of the latest checkpoint."""
+    published: dict[int, Weights] = field(default_factory=dict)
+    """Every published version's file (a restarted core checks what it retrains against them)."""
+    checkpoints: list[Checkpoint] = field(default_factory=list)
     engine_versions: dict[str, int] = field(default_factory=dict)
     """The version each cell's engine serves, as `weights_loaded` last said."""
+    decisions: dict[str, dict] = field(default_factory=dict)
+    """Each cell's last `role_switch_requested`, as its fields (a resumed run performs one under way again)."""
+
+    def decision(self, cell_id: str) -> RoleSwitchRequested | None:
+        fields = self.decisions.get(cell_id)
+        return None if fields is None else RoleSwitchRequested.model_validate(fields)
+
+    @property
+    def latest(self) -> Weights | None:
+        return self.published[max(self.published)] if self.published else None
 
 
 class RunView(Projection[RunState]):
@@ -118,20 +141,30 @@ class RunView(Projection[RunState]):
         if execution_id in s.unstepped:
             s.outcomes[execution_id] = EXCLUDED
 
-    @on("train_step_finished", "step", "micro_steps", "tokens", "tokens_trained", "loss", "duration_s", "ts")
-    def _trained(self, s: RunState, step, micro_steps, tokens, tokens_trained, loss, duration_s, ts) -> None:
+    @on("train_step_finished", "step", "policy_version", "micro_steps", "tokens", "tokens_trained", "loss",
+        "duration_s", "ts")
+    def _trained(self, s: RunState, step, policy_version, micro_steps, tokens, tokens_trained, loss, duration_s,
+                 ts) -> None:
         facts = s.steps.setdefault(step, StepFacts())
-        facts.trained, facts.micro_steps, facts.forwarded_tokens = True, micro_steps, tokens
+        facts.trained, facts.produced_version = True, policy_version
+        facts.micro_steps, facts.forwarded_tokens = micro_steps, tokens
         facts.trained_tokens, facts.loss, facts.train_s, facts.trained_us = tokens_trained or 0, loss, duration_s, ts
 
     @on("weights_published", "policy_version", "location", "sha256")
     def _published(self, s: RunState, policy_version, location, sha256) -> None:
-        if s.latest is None or policy_version >= s.latest.version:
-            s.latest = Weights(policy_version, location, sha256)
+        s.published[policy_version] = Weights(policy_version, location, sha256)
 
-    @on("checkpoint_saved", "step", "policy_version")
-    def _checkpoint(self, s: RunState, step, policy_version) -> None:
-        s.checkpoint = (step, policy_version)
+    @on("checkpoint_saved", "step", "policy_version", "location", "sha256")
+    def _checkpoint(self, s: RunState, step, policy_version, location, sha256) -> None:
+        s.checkpoints.append(Checkpoint(step, policy_version, location, sha256))
+
+    @on("role_switch_requested", "cell_id", "from_role", "to_role", "reason", "watermark", "redirects",
+        "decided_at_seq")
+    def _decided(self, s: RunState, cell_id, from_role, to_role, reason, watermark, redirects, decided_at_seq) -> None:
+        s.decisions[cell_id] = {
+            "cell_id": cell_id, "from_role": from_role, "to_role": to_role, "reason": reason, "watermark": watermark,
+            "redirects": [r if isinstance(r, dict) else r.model_dump() for r in redirects],
+            "decided_at_seq": decided_at_seq}
 
     @on("weights_loaded", "cell_id", "policy_version")
     def _loaded(self, s: RunState, cell_id, policy_version) -> None:

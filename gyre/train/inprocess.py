@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from gyre.events.models import CellRegistered, Event, RoleSwitchRequested
+from gyre.events.models import CellRegistered, Event
 from gyre.run.build import engine_config, torch_backend
 from gyre.run.history import reap_orphans, set_aside
 from gyre.run.host import Progress, Queued, RunHost
@@ -59,6 +59,8 @@ class InProcess:
         from gyre.harness.config import HarnessConfig
         from gyre.harness.runner import Gate, HarnessRunner
         from gyre.proxy import Proxy, ProxyConfig, ProxyServer, SamplingOverrides
+        from gyre.state import TrainerView
+        from gyre.state.fold import copy_state
         from gyre.trainer import StepCoordinator
         from gyre.trainer.core import LocalCoreTrainer
         from gyre.trainer.weights import WeightStore
@@ -98,8 +100,9 @@ class InProcess:
                                     root=host.run_dir / "executions", gate=self.gate)
 
         trainer_sink = sink.producer("trainer")
-        self.coordinator = (StepCoordinator.resume(trainer_sink, host.log_path) if host.resumed
-                            else StepCoordinator(trainer_sink))
+        # a resumed run's coordinator starts from the host's fold (its own copy): the log is read once
+        self.coordinator = StepCoordinator(trainer_sink, copy_state(TrainerView(), controller.view.trainer)
+                                           if host.resumed else None)
         self.trainer = LocalCoreTrainer(config, cell_id=CELL, run_id=host.run_id, log_path=host.log_path,
                                         backend=torch_backend(config), coordinator=self.coordinator,
                                         weights=self.weights, published=None,
@@ -154,7 +157,7 @@ class InProcess:
 
         aborted = self.coordinator.abort_open_step("the trainer restarted (resume)")
         view = self.host.controller.view
-        retrained = self.trainer.restore(lambda s: step_groups(view, s))
+        retrained = self.trainer.restore(self.host.state, lambda s: step_groups(view, s))
         self.host.progress("resumed", {"aborted_step": aborted, "retrained_steps": retrained,
                                        "version": self.coordinator.state.policy_version})
         published = self.trainer.published()
@@ -165,13 +168,11 @@ class InProcess:
         return published.version
 
     def _resume_cell(self) -> None:
-        from gyre.log import LogReader
-
         cell = self.host.controller.view.cluster.cells[CELL]
         if cell.switching_to is not None and cell.switching_to != cell.role:  # perform the pending decision again
-            pending = [e for e in LogReader(self.host.log_path).events(kinds=["role_switch_requested"])
-                       if isinstance(e, RoleSwitchRequested) and e.cell_id == CELL]
-            self.cell.switch(pending[-1])
+            decision = self.host.state.decision(CELL)
+            assert decision is not None, "the log has a switch under way but no decision for it"
+            self.cell.switch(decision)
         elif cell.role == "training":
             self.engine.pause("abort")
 

@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gyre.config import TrainConfig
-from gyre.events.models import CheckpointSaved, TrainStepFinished, WeightsPublished
-from gyre.log import LogReader
+from gyre.events.models import CheckpointSaved
 from gyre.trainer import StepCoordinator, TorchBackend
 from gyre.trainer.protocol import StepResult
 from gyre.trainer.weights import Published, WeightsError, WeightStore, file_sha256, fsync_tree
@@ -28,6 +27,7 @@ from gyre.trajectory.source import LiveLogSource
 
 if TYPE_CHECKING:
     from gyre.cluster.trainer_service import TrainerHub
+    from gyre.state.run import RunState, Weights
 
 
 @dataclass
@@ -163,9 +163,10 @@ class LocalCoreTrainer:
 
     # -- resume ---------------------------------------------------------------------------------------------
 
-    def restore(self, step_groups: Callable[[int], tuple[str, ...]], *, exact: bool = True,
+    def restore(self, run: RunState, step_groups: Callable[[int], tuple[str, ...]], *, exact: bool = True,
                 tolerance: float = 1e-3) -> int:
-        """Bring the trainer to the state the log describes; returns the number of steps retrained.
+        """Bring the trainer to the state the log describes (``run``: its fold, `gyre.state.run.RunView`);
+        returns the number of steps retrained.
 
         ``exact``: a retrained step must reproduce the published weights bit for bit (one replica trains in
         a fixed order). With ``exact=False`` (a cluster core whose steps satellites shared: their gradients
@@ -174,37 +175,27 @@ class LocalCoreTrainer:
         then loaded, and the optimizer keeps its retrained state."""
         from gyre.trainer.torch_backend import OPTIMIZER_FILE
 
-        checkpoints: list[CheckpointSaved] = []
-        finished: dict[int, TrainStepFinished] = {}
-        published: dict[int, WeightsPublished] = {}
-        kinds = ["checkpoint_saved", "train_step_finished", "weights_published"]
-        for event in LogReader(self.log_path).events(kinds=kinds):
-            if isinstance(event, CheckpointSaved):
-                checkpoints.append(event)
-            elif isinstance(event, TrainStepFinished):
-                finished[event.step] = event
-            elif isinstance(event, WeightsPublished):
-                published[event.policy_version] = event
-        self._checkpointed = {c.policy_version for c in checkpoints}
+        published = run.published
+        self._checkpointed = {c.policy_version for c in run.checkpoints}
         first = 0
-        if checkpoints:
-            last = checkpoints[-1]
+        if run.checkpoints:
+            last = run.checkpoints[-1]
             path = self.run_dir / last.location
             if not path.is_dir() or file_sha256(path / OPTIMIZER_FILE) != last.sha256:
                 raise WeightsError(f"checkpoint {path} is missing or does not match the checksum in the log")
             self.backend.load_checkpoint(path)
             first = last.step + 1
         retrained = 0
-        for step in sorted(s for s in finished if s >= first):
-            logged = finished[step]
-            if logged.policy_version == self.backend.policy_version:
+        for step in sorted(s for s, facts in run.steps.items() if facts.trained and s >= first):
+            logged_version = run.steps[step].produced_version
+            if logged_version == self.backend.policy_version:
                 continue  # the step had no update
             self._retrain(step, step_groups(step))
             retrained += 1
             version = self.backend.policy_version
-            if version != logged.policy_version:
+            if version != logged_version:
                 raise WeightsError(f"retraining step {step} gave policy version {version}, "
-                                   f"the log recorded {logged.policy_version}")
+                                   f"the log recorded {logged_version}")
             if version not in published:
                 self.publish(version)  # the crash came between the step and its publish
                 continue
@@ -220,13 +211,12 @@ class LocalCoreTrainer:
                 self._adopt_published(step, version, record, tolerance)
                 continue
             scratch_path.replace(self.weights.path(record.location))  # identical bytes: restores a lost file
-        if published:
-            latest = published[max(published)]
-            if latest.policy_version == self.backend.policy_version:
-                self._published = Published(latest.policy_version, latest.location, latest.sha256)
+        latest = run.latest
+        if latest is not None and latest.version == self.backend.policy_version:
+            self._published = Published(latest.version, latest.location, latest.sha256)
         return retrained
 
-    def _adopt_published(self, step: int, version: int, record: WeightsPublished, tolerance: float) -> None:
+    def _adopt_published(self, step: int, version: int, record: Weights, tolerance: float) -> None:
         published = self.weights.load(record.location, record.sha256)
         for name, tensor in self.backend.named_tensors():
             reference = published[name].to(tensor.dtype)
