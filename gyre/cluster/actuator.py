@@ -16,8 +16,11 @@ has completed, with each part's measured seconds and bytes as the processes repo
   places an execution only on a cell holding the version it was queued with (docs/design.md, "the version
   contract").
 
-`ClusterRollouts` queues a step's executions: the controller mints their tokens and the proxy process
-registers them and hands them to its harness runner; `execution_queued` is durable when it returns.
+What an actuator knows of the cluster — each cell's role, incarnation and addresses, the version each
+engine serves, the latest weights — it reads from `gyre.run.live.LiveRun`, the log folded as events are
+recorded; the proxy's routing is built from it too (`routing`). The one fact kept beside the log is where
+the core holds the latest version in its Mooncake memory (`Transfers`, from its Train answer): a runtime
+address, valid only while that core incarnation lives.
 
 A failed command follows one rule (`gyre.cluster.failures`): a transient failure is sent again with
 bounded backoff, or abandoned (``command_abandoned``; an abandoned switch ends there, its cell staying in
@@ -36,7 +39,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gyre import auth
@@ -59,58 +61,62 @@ from gyre.sink import EventSink
 
 if TYPE_CHECKING:
     from gyre.cluster.hub import Hub
+    from gyre.run.live import LiveRun
+    from gyre.state.cluster import Cell
 
 log = logging.getLogger(__name__)
 
 __all__ = ["COMMAND_TIMEOUT_S", "CommandFailed", "wait_done"]  # the rule's names, where callers found them
 
 
-@dataclass
-class CellInfo:
-    """What a cell said when it registered (its hello), and what the controller tracks about it."""
-
-    cell_id: str
-    slots: int
-    is_core: bool
-    engine_url: str
-    trainer_endpoint: str = ""
-    role: str = "rollout"
-    engine_version: int = 0
-    """The weights version its engine holds; -1: unknown (a process a restarted controller adopted)."""
-    incarnation: str = ""
-    lost: bool = False
+def routing(live: LiveRun) -> gyre_pb2.Routing:
+    """Every registered cell's engine and the version it serves; only a cell settled in rollout admits (a
+    lost one admits nothing: its calls move when its engine fails them)."""
+    return gyre_pb2.Routing(cells=[
+        gyre_pb2.CellRoute(cell_id=c.cell_id, engine_url=c.address or "", slots=c.slots,
+                           admitting=c.settled_in("rollout"), weights_version=version)
+        for c, version in live.routes()])
 
 
-@dataclass
-class Directory:
-    """The cells, the proxy's view of them, and the latest published weights (shared by every actuator)."""
+class Transfers:
+    """Where the core holds the latest published version in Mooncake memory (its Train answer): readers pull
+    it from there rather than from the file, while that core incarnation lives."""
 
-    cells: dict[str, CellInfo] = field(default_factory=dict)
-    weights: gyre_pb2.WeightsRef = field(default_factory=lambda: gyre_pb2.WeightsRef(version=0))
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    def __init__(self, live: LiveRun) -> None:
+        self.live = live
+        self._lock = threading.Lock()
+        self._ref: gyre_pb2.WeightsRef | None = None
+        self._incarnation: str | None = None
 
-    @property
-    def core(self) -> CellInfo:
-        return next(c for c in self.cells.values() if c.is_core)
+    def offer(self, ref: gyre_pb2.WeightsRef, incarnation: str | None) -> None:
+        with self._lock:
+            if self._ref is None or ref.version >= self._ref.version:
+                self._ref, self._incarnation = ref, incarnation
 
-    def routing(self) -> gyre_pb2.Routing:
-        """Every cell's engine; a lost cell admits nothing (its calls move when its engine fails them)."""
-        with self.lock:
-            return gyre_pb2.Routing(cells=[
-                gyre_pb2.CellRoute(cell_id=c.cell_id, engine_url=c.engine_url, slots=c.slots,
-                                   admitting=c.role == "rollout" and not c.lost, weights_version=c.engine_version)
-                for c in sorted(self.cells.values(), key=lambda c: c.cell_id)])
+    def latest(self) -> gyre_pb2.WeightsRef:
+        """The latest published weights as the log names them (version 0: the initial weights), with the
+        core's Mooncake copy when the core that published them still serves."""
+        weights, core = self.live.latest(), self.live.core()
+        if weights is None:
+            return gyre_pb2.WeightsRef(version=0)
+        ref = gyre_pb2.WeightsRef(version=weights.version, location=weights.location, sha256=weights.sha256)
+        with self._lock:
+            held = self._ref
+            if (held is not None and held.version == weights.version and core is not None and not core.lost
+                    and core.incarnation == self._incarnation):
+                ref.peer_session, ref.manifest = held.peer_session, held.manifest
+        return ref
 
 
 class Commands:
     """Typed commands to the processes through the hub, each sent under the failed-command rule."""
 
-    def __init__(self, hub: Hub, directory: Directory | None = None, sink: EventSink | None = None, *,
+    def __init__(self, hub: Hub, live: LiveRun | None = None, sink: EventSink | None = None, *,
                  backoff: Backoff = Backoff(), wait: Callable[[float], bool] | None = None) -> None:
-        """``sink``: where abandoned proxy commands are recorded; ``wait(s)``: the backoff's sleep (True when
-        the run began stopping meanwhile; default: ``stopping.wait``)."""
-        self.hub, self.sink, self.backoff = hub, sink, backoff
-        self.directory = directory if directory is not None else Directory()
+        """``live``: the run's cells (commands are fenced to the incarnation the log registered; None: not
+        fenced); ``sink``: where abandoned proxy commands are recorded; ``wait(s)``: the backoff's sleep
+        (True when the run began stopping meanwhile; default: ``stopping.wait``)."""
+        self.hub, self.live, self.sink, self.backoff = hub, live, sink, backoff
         self.stopping = threading.Event()
         """Set when the run stops: retries end, their commands abandoned."""
         self.wait = wait if wait is not None else self.stopping.wait
@@ -121,14 +127,14 @@ class Commands:
         the decision it serves no longer holds besides its cell being lost or replaced (None: it holds)."""
         command = gyre_pb2.CellCommand(**body)
         kind = command.WhichOneof("body") or ""
-        info = self.directory.cells.get(cell_id)
-        incarnation = info.incarnation if info is not None else ""
+        info = self.live.cell(cell_id) if self.live is not None else None
+        incarnation = (info.incarnation or "") if info is not None else ""
 
         def stale() -> str | None:
             if self.stopping.is_set():
                 return "the run is stopping"
-            now = self.directory.cells.get(cell_id)
-            if info is not None and (now is not info or now.lost):
+            now = self.live.cell(cell_id) if self.live is not None else None
+            if info is not None and (now is None or now.incarnation != info.incarnation or now.lost):
                 return f"cell {cell_id} incarnation {incarnation} was lost or replaced"
             return obsolete() if obsolete is not None else None
 
@@ -168,10 +174,11 @@ class Commands:
 class RemoteCell:
     """A cell process's actuator: decisions and train steps as ordered commands, completions as events."""
 
-    def __init__(self, cell_id: str, *, commands: Commands, directory: Directory, sink: EventSink,
+    def __init__(self, cell_id: str, *, commands: Commands, transfers: Transfers, sink: EventSink,
                  fail: Callable[[BaseException], None], upto: Callable[[], int]) -> None:
         self.cell_id = cell_id
-        self.commands, self.directory, self.sink, self.fail = commands, directory, sink, fail
+        self.commands, self.transfers, self.sink, self.fail = commands, transfers, sink, fail
+        self.live: LiveRun = transfers.live
         self.upto = upto
         """The controller's folded seq: a train step's batch is built from that (durable) log prefix."""
         self._actions = OrderedActions(cell_id, fail, tolerate=lambda error: isinstance(error, PeerLost))
@@ -179,8 +186,16 @@ class RemoteCell:
         """Told when a train step reaches this actuator after it was closed (the controller trains it again)."""
 
     @property
-    def info(self) -> CellInfo:
-        return self.directory.cells[self.cell_id]
+    def info(self) -> Cell:
+        """The cell as the log says now (a copy)."""
+        cell = self.live.cell(self.cell_id)
+        if cell is None:
+            raise RuntimeError(f"cell {self.cell_id} is not registered in the log")
+        return cell
+
+    def _route(self) -> None:
+        """Tell the proxy what the log says of every cell now."""
+        self.commands.proxy("routing", routing=routing(self.live))
 
     # -- the actuator interface -----------------------------------------------------------------------------
 
@@ -193,11 +208,18 @@ class RemoteCell:
         if not self._actions.put(self._guarded(lambda: self._train(step, groups))) and self.on_lost_train is not None:
             self.on_lost_train()  # the core was lost as the step was handed over: it is trained again later
 
-    def bring_up(self, role: str, then: Callable[[], None] | None = None) -> None:
+    def bring_up(self, role: str, incarnation: str, then: Callable[[], None] | None = None) -> None:
         """A (re)started process, registered in ``role``: give it that role's state (engine weights and
         admission for rollout; a paused engine, and a satellite replica, for training); then ``then()``
-        (once its first command is done the process is ready: a restarted core has restored its trainer)."""
+        (once its first command is done the process is ready: a restarted core has restored its trainer).
+        Queued before its `cell_registered` is recorded (a decision for the new cell must follow it), it
+        starts once the log holds ``incarnation``."""
         def action() -> None:
+            registered = self.live.wait_for(lambda live: _is(live.cells.cells.get(self.cell_id), incarnation),
+                                            REGISTER_WAIT_S)
+            if not registered:
+                raise PeerLost(f"cell {self.cell_id} incarnation {incarnation} was not registered within "
+                               f"{REGISTER_WAIT_S:.0f}s")
             self._bring_up(role)
             if then is not None:
                 then()
@@ -229,37 +251,64 @@ class RemoteCell:
         return run
 
     def _switch(self, decision: RoleSwitchRequested) -> None:
-        perform_switch(self.cell_id, decision, self.sink, self._leave_rollout, self._return_to_rollout)
+        perform_switch(self.cell_id, decision, self.sink, self)
+        self._route()  # the completion is recorded: the routing says what the cell admits now
 
-    def _leave_rollout(self, decision: RoleSwitchRequested) -> dict:
-        c = self.commands
-        with self.directory.lock:
-            self.info.role = "training"
+    # -- role switches: the steps of `gyre.controller.actuator.CellOps`, as commands ------------------------
+
+    def stop_admitting(self) -> None:
+        self._route()  # the decision is recorded: the cell is no longer settled in rollout
+
+    def redirect(self, decision: RoleSwitchRequested) -> tuple[int, float | None]:
         calls = [gyre_pb2.CallRedirect(call_id=r.call_id, execution_id=r.execution_id, to_cell_id=r.to_cell_id)
                  for r in decision.redirects]
-        redirect = c.proxy("redirect", redirect=gyre_pb2.RedirectCell(from_cell_id=self.cell_id, calls=calls))
-        figures = redirect.figures if redirect is not None else {"redirect_s": 0.0, "redirected_calls": 0}
-        parts: dict = {"redirect_s": figures["redirect_s"], "redirected_calls": int(figures["redirected_calls"]),
-                       "drain_s": 0.0}
-        parts["engine_pause_s"] = c.cell(self.cell_id, "pause", pause=gyre_pb2.Pause(mode="abort")).figures[
-            "engine_pause_s"]
-        c.cell(self.cell_id, "release", release=gyre_pb2.Release())
-        parts["trainer_join_s"] = self._join()
-        return parts
+        done = self.commands.proxy("redirect", redirect=gyre_pb2.RedirectCell(from_cell_id=self.cell_id, calls=calls))
+        if done is None:  # a lost proxy: its restart has no calls in flight
+            return 0, 0.0
+        return int(done.figures["redirected_calls"]), done.figures["redirect_s"]
+
+    def drain(self) -> float:
+        return 0.0  # the redirect moved its executions to other cells: nothing is left to wait for
+
+    def pause(self) -> float:
+        c = self.commands
+        paused = c.cell(self.cell_id, "pause", pause=gyre_pb2.Pause(mode="abort")).figures["engine_pause_s"]
+        return paused + c.cell(self.cell_id, "release", release=gyre_pb2.Release()).figures.get("release_s", 0.0)
+
+    def join_training(self) -> float:
+        return self._join()
+
+    def leave_training(self) -> None:
+        if not self.info.is_core:
+            self.commands.cell(self.cell_id, "leave", leave=gyre_pb2.Leave(reason="returning to rollout"))
+
+    def load_latest(self, cause: str) -> tuple[int, float | None]:
+        loaded = self._load_latest(cause)
+        if loaded is None:
+            return 0, None
+        return int(loaded.figures.get("weights_bytes", 0)), loaded.figures.get("weights_s")
+
+    def serve(self) -> float:
+        return self.commands.cell(self.cell_id, "serve", serve=gyre_pb2.Serve()).figures["engine_resume_s"]
+
+    def admit(self) -> None:
+        """The proxy admits here once the completion is recorded (`_switch` sends the routing after it)."""
 
     def _join(self) -> float:
         """Join the core's step; 0 s when the core is down (its restart makes every training cell rejoin)."""
-        core = self.directory.core
+        core = self.live.core()
+        if core is None:
+            raise RuntimeError("no core is registered in the log")
 
         def core_gone() -> str | None:
-            now = self.directory.core
-            if now.lost or now.incarnation != core.incarnation:
+            now = self.live.core()
+            if now is None or now.lost or now.incarnation != core.incarnation:
                 return f"the core {core.cell_id} incarnation {core.incarnation} was lost or replaced"
             return None
 
         try:
             joined = self.commands.cell(self.cell_id, "join step", obsolete=core_gone, join_step=gyre_pb2.JoinStep(
-                trainer_endpoint=core.trainer_endpoint, weights=self.directory.weights))
+                trainer_endpoint=core.trainer_endpoint or "", weights=self.transfers.latest()))
         except (Abandoned, CommandFailed) as error:
             if core_gone() is None:
                 raise
@@ -271,7 +320,8 @@ class RemoteCell:
         return joined.figures["trainer_join_s"]
 
     def _rejoin(self) -> None:
-        if self.info.is_core or self.info.lost or self.info.role != "training":
+        info = self.info
+        if info.is_core or info.lost or info.role != "training":
             return
         self._join()
 
@@ -285,48 +335,34 @@ class RemoteCell:
         else:
             self._load_latest("bring_up")
             c.cell(self.cell_id, "serve", serve=gyre_pb2.Serve())
-        c.proxy("routing", routing=self.directory.routing())
+        self._route()
 
-    def _load_latest(self, cause: str) -> gyre_pb2.CommandDone | None:
-        """Bring the engine to the latest published version (None when it holds it already) and record
-        `weights_loaded`; the caller sends the proxy the routing that says so."""
-        weights = self.directory.weights
-        if weights.version == self.info.engine_version:
-            return None
-        if not weights.location:  # v0: every engine's initial weights (a cell adopted with its version unknown)
-            self.info.engine_version = weights.version
+    def _load_latest(self, cause: str, *, force: bool = False) -> gyre_pb2.CommandDone | None:
+        """Bring the engine to the latest published version and record `weights_loaded` (None when the log
+        says it holds it already, unless ``force``: an adopted engine whose load may have gone unrecorded);
+        the caller sends the proxy the routing that says so."""
+        weights = self.transfers.latest()
+        held = self.live.engine_version(self.cell_id)
+        if weights.version == held and not force:
             return None
         started = time.perf_counter()
-        loaded = self.commands.cell(self.cell_id, "load weights", load_weights=gyre_pb2.LoadWeights(weights=weights))
-        with self.directory.lock:
-            self.info.engine_version = weights.version
+        loaded = None
+        if weights.location:  # v0 has no file: every engine starts with the initial weights
+            loaded = self.commands.cell(self.cell_id, "load weights",
+                                        load_weights=gyre_pb2.LoadWeights(weights=weights))
+        figures = loaded.figures if loaded is not None else {}
         self.sink.commit(self.sink.record(WeightsLoaded(
             cell_id=self.cell_id, policy_version=weights.version, cause=cause,
-            duration_s=time.perf_counter() - started, drain_s=loaded.figures.get("drain_s", 0.0),
-            weights_bytes=int(loaded.figures.get("weights_bytes", 0)))))
+            duration_s=time.perf_counter() - started, drain_s=figures.get("drain_s", 0.0),
+            weights_bytes=int(figures.get("weights_bytes", 0)))))
         return loaded
 
     def _update_weights(self, cause: str) -> None:
-        if self.info.lost or self.info.role != "rollout":
+        info = self.info
+        if info.lost or info.role != "rollout":
             return  # a training cell loads the latest version when it returns to rollout
-        held = self.info.engine_version
-        self._load_latest(cause)
-        if self.info.engine_version != held:
-            self.commands.proxy("routing", routing=self.directory.routing())
-
-    def _return_to_rollout(self) -> dict:
-        c = self.commands
-        if not self.info.is_core:
-            c.cell(self.cell_id, "leave", leave=gyre_pb2.Leave(reason="returning to rollout"))
-        parts: dict = {"weights_bytes": 0, "weights_s": 0.0}
-        loaded = self._load_latest("return_to_rollout")
-        if loaded is not None:
-            parts = {"weights_bytes": int(loaded.figures["weights_bytes"]), "weights_s": loaded.figures["weights_s"]}
-        parts["engine_resume_s"] = c.cell(self.cell_id, "serve", serve=gyre_pb2.Serve()).figures["engine_resume_s"]
-        with self.directory.lock:
-            self.info.role = "rollout"
-        c.proxy("routing", routing=self.directory.routing())
-        return parts
+        if self._load_latest(cause, force=cause == "resume") is not None or cause == "resume":
+            self._route()
 
     def _train(self, step: int, groups: tuple[str, ...]) -> None:
         upto = self.upto()
@@ -334,10 +370,16 @@ class RemoteCell:
         done = self.commands.cell(self.cell_id, f"train step {step}",
                                   train=gyre_pb2.Train(step=step, groups=list(groups), upto_seq=upto))
         if done.detail:
-            ref = gyre_pb2.WeightsRef.FromString(done.detail)
-            with self.directory.lock:
-                if ref.version >= self.directory.weights.version:
-                    self.directory.weights = ref
+            self.transfers.offer(gyre_pb2.WeightsRef.FromString(done.detail), self.info.incarnation)
+
+
+REGISTER_WAIT_S = 60.0
+"""How long a new incarnation's bring-up waits for its registration to be recorded (the membership thread
+records it right after queueing the bring-up)."""
+
+
+def _is(cell: Cell | None, incarnation: str) -> bool:
+    return cell is not None and not cell.lost and (cell.incarnation or "") == incarnation
 
 
 def execution_spec(execution_id: str, group_id: str, task_id: str, step: int, policy_version: int,

@@ -37,7 +37,7 @@ import sys
 from collections.abc import Callable
 
 from gyre import auth
-from gyre.cluster.actuator import CellInfo, Commands, Directory, RemoteCell, execution_spec, wait_done
+from gyre.cluster.actuator import Commands, RemoteCell, Transfers, execution_spec, routing, wait_done
 from gyre.cluster.auth import SECRET_ENV
 from gyre.cluster.config import ClusterConfig
 from gyre.cluster.proto import gyre_pb2
@@ -69,7 +69,6 @@ class Cluster:
     tick_s = 0.5
 
     def __init__(self) -> None:
-        self.directory = Directory()
         self._closers: list[Callable[[], None]] = []
         self._hellos: dict[str, gyre_pb2.CellHello] = {}
         self._hello_starts: dict[str, int] = {}
@@ -101,7 +100,9 @@ class Cluster:
         self.hub.on_cell_lost = self._on_cell_lost
         self.hub.on_proxy_hello = self._on_proxy_hello
         self.hub.on_proxy_lost = self._on_proxy_lost
-        self.commands = Commands(self.hub, self.directory, host.sink.producer("commands"))
+        self.live = host.live
+        self.transfers = Transfers(host.live)
+        self.commands = Commands(self.hub, host.live, host.sink.producer("commands"))
         self.controller.observe(self._observe)
         self.membership_sink = host.sink.producer("membership")
         self._membership = OrderedActions("membership", self.controller.fail,
@@ -178,9 +179,6 @@ class Cluster:
         self.supervisor.said_hello(hello.cell_id)
         if self._live:
             self._membership.put(lambda: self._registered_again(hello))
-            return
-        with self.directory.lock:
-            self.directory.cells[hello.cell_id] = _info(hello, "rollout")
 
     def _on_cell_lost(self, cell_id: str, reason: str) -> None:
         hello = self._hellos.get(cell_id)
@@ -204,54 +202,46 @@ class Cluster:
     # -- membership (the membership thread: one change at a time, in the order the hub reported them) --------
 
     def _cell_gone(self, cell_id: str, incarnation: str, reason: str) -> None:
-        info = self.directory.cells.get(cell_id)
-        if info is None or info.incarnation != incarnation or info.lost:
+        info = self.live.cell(cell_id)
+        if info is None or (info.incarnation or "") != incarnation or info.lost:
             return
-        with self.directory.lock:
-            info.lost = True
-            if info.is_core:  # the core's Mooncake copies of the weights died with it: the files remain
-                w = self.directory.weights
-                self.directory.weights = gyre_pb2.WeightsRef(version=w.version, location=w.location, sha256=w.sha256)
         self.lost_cells += 1
+        # the log says it is lost (and, a core, that its Mooncake copies died with it: the files remain)
         self.membership_sink.commit(self.membership_sink.record(CellLost(cell_id=cell_id, reason=reason)))
         if info.is_core:
             self.controller.forget_training()
         actuator = self.controller.cells.get(cell_id)
         if actuator is not None:
             actuator.close(wait=False)
-        self.commands.proxy("routing", routing=self.directory.routing())
+        self._route()
         self.progress("lost", {"cell": cell_id, "reason": reason})
 
     def _registered_again(self, hello: gyre_pb2.CellHello) -> None:
         """A restarted cell: registered in the role the policy gives a new cell, then brought up in it."""
         cell_id = hello.cell_id
-        known = self.directory.cells.get(cell_id)
+        known = self.live.cell(cell_id)
         if known is not None and not known.lost and known.incarnation != hello.incarnation:
-            self._cell_gone(cell_id, known.incarnation, f"replaced by incarnation {hello.incarnation}")
+            self._cell_gone(cell_id, known.incarnation or "", f"replaced by incarnation {hello.incarnation}")
         role = self._initial_role(cell_id)
-        info = _info(hello, role)
-        with self.directory.lock:
-            self.directory.cells[cell_id] = info
 
         def rejoin() -> None:  # the satellites' old Trainer service died with the core
-            for other in list(self.directory.cells.values()):
-                if other.cell_id != cell_id and not other.lost and other.role == "training":
+            for other, _ in self.live.routes():
+                if other.cell_id != cell_id and other.settled_in("training"):
                     self.controller.cells[other.cell_id].rejoin()
 
         # The new actuator, with the bring-up first in its queue, before the registration is in the log: the
-        # policy may decide for the cell as soon as it folds it, and that decision must follow the bring-up.
-        self._actuator(cell_id).bring_up(role, then=rejoin if info.is_core else None)
-        self.membership_sink.commit(self.membership_sink.record(CellRegistered(
-            cell_id=cell_id, role=role, is_core=info.is_core, slots=info.slots, address=info.engine_url,
-            incarnation=hello.incarnation)))
+        # policy may decide for the cell as soon as it folds it, and that decision must follow the bring-up
+        # (which itself starts once the registration is recorded).
+        self._actuator(cell_id).bring_up(role, hello.incarnation, then=rejoin if hello.is_core else None)
+        self.membership_sink.commit(self.membership_sink.record(_registered(hello, role)))
         self.progress("registered", {"cell": cell_id, "role": role})
 
     def _initial_role(self, cell_id: str) -> str:
-        cells = [CellSpec(c.cell_id, is_core=c.is_core, slots=c.slots) for c in self.directory.cells.values()]
+        cells = [CellSpec(c.cell_id, is_core=c.is_core, slots=c.slots) for c, _ in self.live.routes()]
         return self.host.policy.initial_roles(cells, self.host.params)[cell_id]
 
     def _actuator(self, cell_id: str) -> RemoteCell:
-        actuator = RemoteCell(cell_id, commands=self.commands, directory=self.directory,
+        actuator = RemoteCell(cell_id, commands=self.commands, transfers=self.transfers,
                               sink=self.host.sink.producer(f"actuator:{cell_id}"), fail=self.controller.fail,
                               upto=lambda: self.controller.folded_seq)
         actuator.on_lost_train = self.controller.forget_training
@@ -259,9 +249,12 @@ class Cluster:
         self._closers.append(actuator.close)
         return actuator
 
+    def _route(self) -> None:
+        self.commands.proxy("routing", routing=routing(self.live))
+
     def _proxy_back(self) -> None:
         """A restarted proxy: it gets the routing, and (on the controller's thread) the executions it lost."""
-        self.commands.proxy("routing", routing=self.directory.routing())
+        self._route()
         self.controller.submit(self._resubmit_rollouts)
 
     def _resubmit_rollouts(self, held: list[str] | None = None) -> None:
@@ -288,21 +281,18 @@ class Cluster:
         """Wait for every process, then record the cells with the policy's initial roles and set them so."""
         cluster = self.config.cluster
         self._wait_connected()
-        cells = [self.directory.cells[c] for c in cluster.cell_ids]
-        cores = [c.cell_id for c in cells if c.is_core]
+        hellos = [self._hellos[c] for c in cluster.cell_ids]
+        cores = [h.cell_id for h in hellos if h.is_core]
         if cores != [cluster.core]:
             raise ConfigError(f"cells {cores} say they are the core; the config names {cluster.core}")
-        specs = [CellSpec(c.cell_id, is_core=c.is_core, slots=c.slots) for c in cells]
+        specs = [CellSpec(h.cell_id, is_core=h.is_core, slots=h.slots) for h in hellos]
         roles = self.host.policy.initial_roles(specs, self.host.params)
-        self.controller.record([CellRegistered(cell_id=c.cell_id, role=roles[c.cell_id], is_core=c.is_core,
-                                               slots=c.slots, address=c.engine_url, incarnation=c.incarnation)
-                                for c in cells])
-        for c in cells:
-            c.role = roles[c.cell_id]
-            if c.role == "training":
-                self.commands.cell(c.cell_id, "pause", pause=gyre_pb2.Pause(mode="abort"))
-            self._actuator(c.cell_id)
-        self.commands.proxy("routing", routing=self.directory.routing())
+        self.controller.record([_registered(h, roles[h.cell_id]) for h in hellos])
+        for h in hellos:
+            if roles[h.cell_id] == "training":
+                self.commands.cell(h.cell_id, "pause", pause=gyre_pb2.Pause(mode="abort"))
+            self._actuator(h.cell_id)
+        self._route()
 
     def _reattach(self, how: dict[str, str]) -> None:
         """A resumed controller: wait for every process, let each finish what it was doing (Sync), fold, and
@@ -317,15 +307,10 @@ class Cluster:
         self.controller.fold_now()
         view = self.controller.view
         run = self.host.state  # folded with the log: the registrations, decisions and weights it holds
-        if run.latest is not None:
-            self.directory.weights = gyre_pb2.WeightsRef(version=run.latest.version, location=run.latest.location,
-                                                         sha256=run.latest.sha256)
         adopted, restarted = [], []
         for cell_id in self.config.cluster.cell_ids:
             hello, cell = self._hellos[cell_id], view.cluster.cells.get(cell_id)
             if cell is not None and not cell.lost and cell.incarnation == hello.incarnation:
-                info = self.directory.cells[cell_id]
-                info.role, info.engine_version = cell.role, -1
                 self._actuator(cell_id)
                 adopted.append(cell_id)
             else:
@@ -336,12 +321,10 @@ class Cluster:
             started=",".join(n for n, h in how.items() if h != "adopted")))
         for cell_id in restarted:
             cell = view.cluster.cells.get(cell_id)
-            if cell is not None and cell.incarnation and not cell.lost:
-                info = self.directory.cells[cell_id]
-                info.incarnation = cell.incarnation  # the one the log knows: recorded lost, then replaced
+            if cell is not None and cell.incarnation and not cell.lost:  # the one the log knows: lost, then replaced
                 self._cell_gone(cell_id, cell.incarnation, "restarted while the controller was down")
             self._registered_again(self._hellos[cell_id])
-        self.commands.proxy("routing", routing=self.directory.routing())
+        self._route()
         for cell_id in adopted:
             cell = view.cluster.cells[cell_id]
             decision = run.decision(cell_id)
@@ -365,10 +348,6 @@ class Cluster:
 
     def _observe(self, seq: int, event: Event) -> None:
         if isinstance(event, WeightsPublished):
-            with self.directory.lock:  # the file, for a cell to load (the core's Train answer adds Mooncake's copy)
-                if event.policy_version > self.directory.weights.version:
-                    self.directory.weights = gyre_pb2.WeightsRef(
-                        version=event.policy_version, location=event.location, sha256=event.sha256)
             for actuator in list(self.controller.cells.values()):  # cells serving rollouts load it now
                 actuator.update_weights()
         elif isinstance(event, RoleSwitchCompleted):
@@ -419,9 +398,11 @@ class Cluster:
             self._closers.pop()()
 
 
-def _info(hello: gyre_pb2.CellHello, role: str) -> CellInfo:
-    return CellInfo(hello.cell_id, hello.slots, hello.is_core, hello.engine_url, hello.trainer_endpoint, role=role,
-                    incarnation=hello.incarnation)
+def _registered(hello: gyre_pb2.CellHello, role: str) -> CellRegistered:
+    """A cell's registration: everything the control plane needs to know of it, in the log."""
+    return CellRegistered(cell_id=hello.cell_id, role=role, is_core=hello.is_core, slots=hello.slots,
+                          address=hello.engine_url, incarnation=hello.incarnation,
+                          trainer_endpoint=hello.trainer_endpoint or None)
 
 
 def ClusterRun(config: ClusterConfig, progress: Progress | None = None, *, resume: bool = False) -> RunHost:

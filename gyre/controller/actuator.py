@@ -96,12 +96,87 @@ class OrderedActions:
                 return
 
 
-def perform_switch(cell_id: str, decision: RoleSwitchRequested, sink: EventSink,
-                   leave_rollout: Callable[[RoleSwitchRequested], dict], return_to_rollout: Callable[[], dict]) -> None:
+class CellOps(Protocol):
+    """The steps of a role switch on one cell. The in-process cell (`gyre.controller.local.LocalCell`) does
+    each in this process; a cluster's `gyre.cluster.actuator.RemoteCell` sends it as a command. A step
+    returns the seconds it took where it ran (a cell process measures its own part), or None to have it
+    timed here."""
+
+    def stop_admitting(self) -> None:
+        """No new execution is placed on the cell."""
+        ...
+
+    def redirect(self, decision: RoleSwitchRequested) -> tuple[int, float | None]:
+        """Move the calls in flight the decision names to the cells it names; returns how many moved."""
+        ...
+
+    def drain(self) -> float | None:
+        """Wait until no execution the cell still holds runs on it."""
+        ...
+
+    def pause(self) -> float | None:
+        """Pause the engine (calls in flight end now) and release its memory (KV cache; weights on a GPU)."""
+        ...
+
+    def join_training(self) -> float | None:
+        """The trainer takes the cell over (a satellite joins the core's step with the current weights)."""
+        ...
+
+    def leave_training(self) -> None:
+        """A satellite leaves the trainer (the core's replica stays resident)."""
+        ...
+
+    def load_latest(self, cause: str) -> tuple[int, float | None]:
+        """The engine serves the latest published weights (0 bytes: it did already); records
+        `weights_loaded` where the run tracks each engine's version."""
+        ...
+
+    def serve(self) -> float | None:
+        """Take the engine's memory back and resume generation."""
+        ...
+
+    def admit(self) -> None:
+        """Executions may be placed on the cell again."""
+        ...
+
+
+def _timed(step: Callable[[], float | None]) -> float:
+    started = time.perf_counter()
+    measured = step()
+    return measured if measured is not None else time.perf_counter() - started
+
+
+def leave_rollout(ops: CellOps, decision: RoleSwitchRequested) -> dict:
+    """rollout -> training, the same steps in one process and in a cluster; returns the measured parts."""
+    ops.stop_admitting()
+    started = time.perf_counter()
+    calls, redirect_s = ops.redirect(decision)
+    parts: dict = {"redirected_calls": calls,
+                   "redirect_s": redirect_s if redirect_s is not None else time.perf_counter() - started}
+    parts["drain_s"] = _timed(ops.drain)
+    parts["engine_pause_s"] = _timed(ops.pause)
+    parts["trainer_join_s"] = _timed(ops.join_training)
+    return parts
+
+
+def return_to_rollout(ops: CellOps) -> dict:
+    """training -> rollout, the same steps in one process and in a cluster; returns the measured parts."""
+    ops.leave_training()
+    started = time.perf_counter()
+    weights_bytes, weights_s = ops.load_latest("return_to_rollout")
+    parts: dict = {"weights_bytes": weights_bytes,
+                   "weights_s": 0.0 if not weights_bytes else
+                   weights_s if weights_s is not None else time.perf_counter() - started}
+    parts["engine_resume_s"] = _timed(ops.serve)
+    ops.admit()
+    return parts
+
+
+def perform_switch(cell_id: str, decision: RoleSwitchRequested, sink: EventSink, ops: CellOps) -> None:
     """Carry out a recorded switch and, only once every part has completed, record `role_switch_completed`
     with the parts' measured seconds and bytes (durable before this returns)."""
     started = time.perf_counter()
-    parts = leave_rollout(decision) if decision.to_role == "training" else return_to_rollout()
+    parts = leave_rollout(ops, decision) if decision.to_role == "training" else return_to_rollout(ops)
     done = RoleSwitchCompleted(cell_id=cell_id, from_role=decision.from_role, to_role=decision.to_role,
                                duration_s=time.perf_counter() - started, **parts)
     sink.commit(sink.record(done))

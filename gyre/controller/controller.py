@@ -67,6 +67,7 @@ class Controller:
         self._decided_at = -2
         """The prefix of the last decision point: a policy decides once per prefix."""
         self._observers: list[Callable[[int, Event], None]] = []
+        self._at_record: list[Callable[[int, Event], None]] = []
         self._calls: list[Callable[[], None]] = []
         sink.on_record = self._recorded
 
@@ -74,10 +75,12 @@ class Controller:
     def view(self) -> SchedulerView:
         return self.fold.view
 
-    def observe(self, observer: Callable[[int, Event], None]) -> None:
+    def observe(self, observer: Callable[[int, Event], None], *, at_record: bool = False) -> None:
         """Also tell ``observer`` of each folded event and its seq (progress, metrics), on the controller's
-        thread (the events handed on by the sink carry no seq of their own)."""
-        self._observers.append(observer)
+        thread (the events handed on by the sink carry no seq of their own). ``at_record``: as each event is
+        recorded instead, on the recording thread under the sink's lock (in seq order): for a state others
+        must read as soon as their event is recorded; such an observer must be quick and record nothing."""
+        (self._at_record if at_record else self._observers).append(observer)
 
     def catch_up(self, log_path) -> int:
         """Fold the log as it stands (a resumed run), before anything new is recorded; returns its last seq."""
@@ -89,7 +92,7 @@ class Controller:
         for event in LogReader(log_path).events():
             assert event.seq is not None
             self.fold.apply(event)
-            for observer in self._observers:
+            for observer in self._at_record + self._observers:
                 observer(event.seq, event)
             self.folded_seq = event.seq
         return self.folded_seq
@@ -97,6 +100,9 @@ class Controller:
     # -- inputs ---------------------------------------------------------------------------------------------
 
     def _recorded(self, first_seq: int, events: list[Event]) -> None:
+        for observer in self._at_record:
+            for seq, event in enumerate(events, start=first_seq):
+                observer(seq, event)
         with self._cond:
             self._inbox.append((first_seq, events))
             self._cond.notify_all()

@@ -4,16 +4,17 @@ Commands run one at a time, in the order given, on the cell's own thread (a trai
 back to rollout never overlap: the switch loads the weights the step published). Every completion is an
 event recorded through the cell's producer; nothing is returned to the controller.
 
-Leaving rollout: close the gate (no execution starts here any more), redirect the in-flight calls the
-decision names, drain (wait until no execution runs here), pause the engine, let the trainer take over.
-Returning: load the latest published weights into the engine from their file (checksum checked first),
-resume the engine, open the gate. Each part is timed and recorded in `role_switch_completed`.
+A role switch runs the steps every cell runs (`gyre.controller.actuator.leave_rollout` and
+`return_to_rollout`), each done here: leaving rollout closes the gate (no execution starts here any more),
+redirects the in-flight calls the decision names, drains (one cell: its executions have nowhere to go, so
+they end first), pauses the engine and releases its memory, and lets the trainer take over. Returning loads
+the latest published weights into the engine from their file (checksum checked first), takes the memory
+back, resumes the engine and opens the gate. Each part is timed and recorded in `role_switch_completed`.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -44,6 +45,8 @@ class CoreTrainer(Protocol):
 class EngineControl(Protocol):
     def pause(self, mode: str = "abort") -> None: ...
     def resume(self) -> None: ...
+    def release_memory_occupation(self) -> None: ...
+    def resume_memory_occupation(self) -> None: ...
     def update_weights_from_disk(self, path: str, version: str | None = None, *,
                                  abort_all_requests: bool = False) -> object: ...
 
@@ -65,8 +68,9 @@ class LocalCell:
                  redirect: Redirect | None = None, engine_version: int = 0) -> None:
         self.cell_id = cell_id
         self.engine, self.admission, self.trainer = engine, admission, trainer
-        self.weights, self.sink, self.fail, self.redirect = weights, sink, fail, redirect
+        self.weights, self.sink, self.fail, self.redirect_calls = weights, sink, fail, redirect
         self.engine_version = engine_version
+        self._released = False
         self._actions = OrderedActions(cell_id, fail)
 
     # -- the actuator interface -----------------------------------------------------------------------------
@@ -81,55 +85,53 @@ class LocalCell:
         """Finish the command under way, drop the rest, stop the thread."""
         self._actions.close()
 
-    # -- role switches --------------------------------------------------------------------------------------
+    # -- role switches: the steps of `gyre.controller.actuator.CellOps`, in this process ----------------------
 
     def _switch(self, decision: RoleSwitchRequested) -> None:
-        perform_switch(self.cell_id, decision, self.sink, self._leave_rollout, self._return_to_rollout)
+        perform_switch(self.cell_id, decision, self.sink, self)
 
-    def _leave_rollout(self, decision: RoleSwitchRequested) -> dict:
-        parts: dict = {}
+    def stop_admitting(self) -> None:
         self.admission.close()
-        redirected = 0
-        if decision.redirects:
-            if self.redirect is None:
-                raise RuntimeError(f"cell {self.cell_id} was told to redirect {len(decision.redirects)} calls "
-                                   "but has no proxy to redirect through")
-            t = time.perf_counter()
-            targets = sorted({r.to_cell_id for r in decision.redirects})
-            redirected = len(self.redirect(self.cell_id, targets))
-            parts["redirect_s"] = time.perf_counter() - t
-        parts["redirected_calls"] = redirected
-        t = time.perf_counter()
-        self.admission.wait_idle()
-        parts["drain_s"] = time.perf_counter() - t
-        t = time.perf_counter()
+
+    def redirect(self, decision: RoleSwitchRequested) -> tuple[int, float | None]:
+        if not decision.redirects:
+            return 0, None
+        if self.redirect_calls is None:
+            raise RuntimeError(f"cell {self.cell_id} was told to redirect {len(decision.redirects)} calls "
+                               "but has no proxy to redirect through")
+        return len(self.redirect_calls(self.cell_id, sorted({r.to_cell_id for r in decision.redirects}))), None
+
+    def drain(self) -> None:
+        self.admission.wait_idle()  # one cell: nowhere to move its executions, so they end here first
+
+    def pause(self) -> None:
         self.engine.pause("abort")
-        parts["engine_pause_s"] = time.perf_counter() - t
-        t = time.perf_counter()
+        self.engine.release_memory_occupation()
+        self._released = True
+
+    def join_training(self) -> None:
         self.trainer.join()
-        parts["trainer_join_s"] = time.perf_counter() - t
-        return parts
 
-    def serve_after_run(self) -> None:
-        """After the run's last step, when the controller no longer decides: load the last published weights
-        and serve them (the final held-out evaluation). Not a role switch: no event claims one."""
-        self._return_to_rollout()
+    def leave_training(self) -> None:
+        """The core's replica stays resident: nothing to leave."""
 
-    def _return_to_rollout(self) -> dict:
-        parts: dict = {"weights_bytes": 0, "weights_s": 0.0}
+    def load_latest(self, cause: str) -> tuple[int, float | None]:
         published = self.trainer.published()
-        if published is not None and published.version != self.engine_version:
-            t = time.perf_counter()
-            path = self.weights.verify(published.location, published.sha256)
-            response = self.engine.update_weights_from_disk(str(path), version=str(published.version))
-            if not getattr(response, "success", True):
-                raise RuntimeError(f"engine of cell {self.cell_id} refused weights v{published.version}: "
-                                   f"{getattr(response, 'message', '')}")
-            parts["weights_bytes"] = path.stat().st_size
-            parts["weights_s"] = time.perf_counter() - t
-            self.engine_version = published.version
-        t = time.perf_counter()
+        if published is None or published.version == self.engine_version:
+            return 0, None
+        path = self.weights.verify(published.location, published.sha256)
+        response = self.engine.update_weights_from_disk(str(path), version=str(published.version))
+        if not getattr(response, "success", True):
+            raise RuntimeError(f"engine of cell {self.cell_id} refused weights v{published.version}: "
+                               f"{getattr(response, 'message', '')}")
+        self.engine_version = published.version
+        return path.stat().st_size, None
+
+    def serve(self) -> None:
+        if self._released:
+            self.engine.resume_memory_occupation()
+            self._released = False
         self.engine.resume()
-        parts["engine_resume_s"] = time.perf_counter() - t
+
+    def admit(self) -> None:
         self.admission.open()
-        return parts

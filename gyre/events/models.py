@@ -129,6 +129,8 @@ class CellRegistered(Event):
     address: str | None = None
     incarnation: str | None = Field(default=None, description="the cell process's start id (cluster runs): a "
                                     "restarted controller tells a reconnecting process from a restarted one")
+    trainer_endpoint: str | None = Field(None, description="the cell's Trainer service (a cluster's core: "
+                                         "satellites join its steps there)")
 
 
 class CellLost(Event):

@@ -38,9 +38,10 @@ from gyre.events.models import Event, RunFinished, RunStarted, TrainStepFinished
 from gyre.log import LogWriter
 from gyre.run.build import PlannedExecution, rollout_tasks, step_plan
 from gyre.run.history import RoleSpan, config_differences, queued_attempts, role_timeline, run_start
+from gyre.run.live import LiveRun
 from gyre.scheduler import SchedulerView, get_policy
 from gyre.sink import LogSink
-from gyre.state.run import RunState, RunView
+from gyre.state.run import RunState
 
 if TYPE_CHECKING:
     from gyre.config import TrainConfig
@@ -165,8 +166,8 @@ class RunHost:
         except ValueError as error:
             raise ConfigError(f"scheduler.params do not fit policy {self.policy.version}: {error}") from error
         self.heldout = self._heldout_plan()
-        self.view = RunView()
-        self.state: RunState = self.view.initial()
+        self.live = LiveRun()
+        """Membership and run state, folded as each event is recorded (`gyre.run.live`)."""
         self._started = time.monotonic()
         self._evaluations: dict[int, _Evaluation] = {}
         """Held-out evaluations queued and not yet recorded, by the steps done before them."""
@@ -177,6 +178,7 @@ class RunHost:
             self.controller = Controller(self.sink, self.policy, self.params,
                                          RunPlan(steps=config.steps, staleness=config.scheduler.staleness),
                                          cells={}, rollouts=self)
+            self.controller.observe(self.live.apply, at_record=True)
             self.controller.observe(self._observe)
             self.heldout_sink = self.sink.producer("heldout")
             topology.open(self)
@@ -223,9 +225,7 @@ class RunHost:
     # -- the log, folded --------------------------------------------------------------------------------
 
     def _observe(self, seq: int, event: Event) -> None:
-        """On the controller's thread: the run view, step records, and held-out evaluations due or done."""
-        with self._lock:
-            self.view.apply(self.state, event)
+        """On the controller's thread: step records, and held-out evaluations due or done."""
         if isinstance(event, TrainStepFinished):
             record = self.step_record(event.step)
             if not record.micro_steps:
@@ -241,22 +241,28 @@ class RunHost:
     _live = False
     """Set once the loop runs: a resumed run's catch-up does not evaluate again what its predecessor did."""
 
+    @property
+    def state(self) -> RunState:
+        """The run view (read it under ``live.read`` where other threads record meanwhile)."""
+        return self.live.run
+
     def rollout_s(self, step: int) -> float | None:
         """A step's rollout phase so far (first queued to last finished), for the trainer's step metrics."""
-        with self._lock:
-            facts = self.state.steps.get(step)
-            return facts.rollout_s if facts is not None and facts.last_finished_us else None
+        facts = self.live.read(lambda live: live.run.steps.get(step))
+        return facts.rollout_s if facts is not None and facts.last_finished_us else None
 
     def step_record(self, step: int) -> StepRecord:
-        with self._lock:
-            facts = self.state.steps[step]
-            started = self.state.started_us
-            wall_s = ((facts.trained_us or 0) - started) / 1e6 if started and facts.trained_us else 0.0
-            return StepRecord(step=step, policy_version=facts.policy_version, executions=len(facts.executions),
-                              scored=len(facts.rewards), reward_mean=facts.reward_mean,
-                              micro_steps=facts.micro_steps, trained_tokens=facts.trained_tokens,
-                              forwarded_tokens=facts.forwarded_tokens, loss=facts.loss, rollout_s=facts.rollout_s,
-                              train_s=facts.train_s, wall_s=wall_s)
+        return self.live.read(lambda live: self._record(live.run, step))
+
+    @staticmethod
+    def _record(run: RunState, step: int) -> StepRecord:
+        facts = run.steps[step]
+        started = run.started_us
+        wall_s = ((facts.trained_us or 0) - started) / 1e6 if started and facts.trained_us else 0.0
+        return StepRecord(step=step, policy_version=facts.policy_version, executions=len(facts.executions),
+                          scored=len(facts.rewards), reward_mean=facts.reward_mean, micro_steps=facts.micro_steps,
+                          trained_tokens=facts.trained_tokens, forwarded_tokens=facts.forwarded_tokens,
+                          loss=facts.loss, rollout_s=facts.rollout_s, train_s=facts.train_s, wall_s=wall_s)
 
     # -- held-out evaluation ------------------------------------------------------------------------------
 
@@ -282,8 +288,8 @@ class RunHost:
     def _record_evaluations(self) -> None:
         from gyre.evaluation import summarize
 
+        outcomes = self.live.read(lambda live: dict(live.run.outcomes))
         with self._lock:
-            outcomes = self.state.outcomes
             done = sorted(n for n, evaluation in self._evaluations.items()
                           if all(e.execution_id in outcomes for e in evaluation.executions))
             finished = [(n, self._evaluations.pop(n)) for n in done]
@@ -348,9 +354,8 @@ class RunHost:
             yield
 
     def records(self) -> list[StepRecord]:
-        with self._lock:
-            trained = sorted(s for s, facts in self.state.steps.items() if facts.trained)
-        return [self.step_record(s) for s in trained]
+        return self.live.read(lambda live: [self._record(live.run, s) for s in sorted(live.run.steps)
+                                            if live.run.steps[s].trained])
 
     def summary(self, status: str) -> RunSummary:
         switches, timeline = role_timeline(self.log_path)

@@ -1,6 +1,10 @@
 """The cluster view: cells, their roles and slots, executions waiting or running, calls in flight.
 
 This is what scheduling policies read. The rollout watermark is ``running + queued`` executions.
+
+Its membership rules (a cell registered, switching, lost, replaced) are `CellsView`'s, which the cluster
+view extends: a cluster run's actuators read that smaller view, folded as events are recorded
+(`gyre.run.live`), so both see one rule.
 """
 
 from dataclasses import dataclass, field
@@ -24,6 +28,23 @@ class Cell:
     lost: bool = False
     incarnation: str | None = None
     """The registered process (cluster runs): a late fact about an earlier one does not apply to it."""
+    address: str | None = None
+    """Its engine's URL (cluster runs)."""
+    trainer_endpoint: str | None = None
+
+    def settled_in(self, role: str) -> bool:
+        """Live, in ``role`` and not leaving it (in rollout: the proxy may place executions here)."""
+        return not self.lost and self.role == role and self.switching_to in (None, role)
+
+
+@dataclass(slots=True)
+class CellsState:
+    cells: dict[str, Cell] = field(default_factory=dict)
+    now_us: int = 0
+
+    @property
+    def core(self) -> Cell | None:
+        return next((c for c in self.cells.values() if c.is_core), None)
 
 
 @dataclass(slots=True)
@@ -45,8 +66,7 @@ class ClusterState:
 
     def cells_in(self, role: str) -> list[Cell]:
         """Live cells whose current role is ``role`` and that are not leaving it."""
-        return [c for c in self.cells.values()
-                if not c.lost and c.role == role and c.switching_to in (None, role)]
+        return [c for c in self.cells.values() if c.settled_in(role)]
 
     @property
     def rollout_capacity(self) -> int:
@@ -57,10 +77,55 @@ class ClusterState:
         return sorted(call for call, cell in self.call_cell.items() if cell == cell_id)
 
 
-class ClusterView(Projection[ClusterState]):
+class CellsView(Projection[CellsState]):
+    """Membership: each cell's role, the switch under way, its incarnation and addresses, lost or not."""
+
+    name = "cells"
+    state_type = CellsState
+
+    @on("cell_registered", "cell_id", "role", "is_core", "slots", "gpus", "incarnation", "address",
+        "trainer_endpoint", "ts")
+    def _registered(self, s: CellsState, cell_id, role, is_core, slots, gpus, incarnation, address,
+                    trainer_endpoint, ts) -> None:
+        s.cells[cell_id] = Cell(cell_id, role, is_core, slots, gpus, incarnation=incarnation, address=address,
+                                trainer_endpoint=trainer_endpoint)
+        s.now_us = ts
+
+    @on("cell_lost", "cell_id", "ts")
+    def _lost(self, s: CellsState, cell_id, ts) -> None:
+        cell = s.cells.get(cell_id)
+        if cell is not None:
+            cell.lost, cell.switching_to = True, None
+        s.now_us = ts
+
+    @on("role_switch_requested", "cell_id", "to_role", "ts")
+    def _switch_requested(self, s: CellsState, cell_id, to_role, ts) -> None:
+        cell = s.cells.get(cell_id)
+        if cell is not None:
+            cell.switching_to = to_role
+        s.now_us = ts
+
+    @on("role_switch_completed", "cell_id", "to_role", "ts")
+    def _switch_completed(self, s: CellsState, cell_id, to_role, ts) -> None:
+        cell = s.cells.get(cell_id)
+        if cell is not None:
+            cell.role, cell.switching_to = to_role, None
+        s.now_us = ts
+
+    @on("command_abandoned", "cell_id", "switch_to", "incarnation", "ts")
+    def _abandoned(self, s: CellsState, cell_id, switch_to, incarnation, ts) -> None:
+        """A switch given up on ends: the cell stays in its role, and the policy may decide for it again (not
+        a switch of a later incarnation, decided after the one the command was for was replaced)."""
+        cell = s.cells.get(cell_id) if cell_id is not None else None
+        if (cell is not None and switch_to is not None and cell.switching_to == switch_to
+                and (incarnation is None or cell.incarnation in (None, incarnation))):
+            cell.switching_to = None
+        s.now_us = ts
+
+class ClusterView(CellsView):
     name = "cluster"
-    version = 2  # cells carry their incarnation; command_abandoned ends a switch
-    state_type = ClusterState
+    version = 3  # cells carry their incarnation and addresses; command_abandoned ends a switch
+    state_type = ClusterState  # type: ignore[assignment]  # a CellsState too: cells and now_us
 
     def apply_batch(self, state: ClusterState, batch: pa.RecordBatch,
                     rows: pa.Array | None = None) -> ClusterState:
@@ -79,42 +144,6 @@ class ClusterView(Projection[ClusterState]):
         relevant = np.flatnonzero(pc.is_in(batch.column("kind"), value_set=self.kind_values).to_numpy(False))
         state.now_us = batch.column("ts")[int(relevant[-1])].value
         return state
-
-    @on("cell_registered", "cell_id", "role", "is_core", "slots", "gpus", "incarnation", "ts")
-    def _registered(self, s: ClusterState, cell_id, role, is_core, slots, gpus, incarnation, ts) -> None:
-        s.cells[cell_id] = Cell(cell_id, role, is_core, slots, gpus, incarnation=incarnation)
-        s.now_us = ts
-
-    @on("cell_lost", "cell_id", "ts")
-    def _lost(self, s: ClusterState, cell_id, ts) -> None:
-        cell = s.cells.get(cell_id)
-        if cell is not None:
-            cell.lost, cell.switching_to = True, None
-        s.now_us = ts
-
-    @on("role_switch_requested", "cell_id", "to_role", "ts")
-    def _switch_requested(self, s: ClusterState, cell_id, to_role, ts) -> None:
-        cell = s.cells.get(cell_id)
-        if cell is not None:
-            cell.switching_to = to_role
-        s.now_us = ts
-
-    @on("role_switch_completed", "cell_id", "to_role", "ts")
-    def _switch_completed(self, s: ClusterState, cell_id, to_role, ts) -> None:
-        cell = s.cells.get(cell_id)
-        if cell is not None:
-            cell.role, cell.switching_to = to_role, None
-        s.now_us = ts
-
-    @on("command_abandoned", "cell_id", "switch_to", "incarnation", "ts")
-    def _abandoned(self, s: ClusterState, cell_id, switch_to, incarnation, ts) -> None:
-        """A switch given up on ends: the cell stays in its role, and the policy may decide for it again (not
-        a switch of a later incarnation, decided after the one the command was for was replaced)."""
-        cell = s.cells.get(cell_id) if cell_id is not None else None
-        if (cell is not None and switch_to is not None and cell.switching_to == switch_to
-                and (incarnation is None or cell.incarnation in (None, incarnation))):
-            cell.switching_to = None
-        s.now_us = ts
 
     @on("execution_queued", "execution_id", "ts")
     def _queued(self, s: ClusterState, execution_id, ts) -> None:

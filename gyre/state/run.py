@@ -170,6 +170,10 @@ class RunView(Projection[RunState]):
     def _loaded(self, s: RunState, cell_id, policy_version) -> None:
         s.engine_versions[cell_id] = policy_version
 
+    @on("cell_registered", "cell_id")
+    def _registered(self, s: RunState, cell_id) -> None:
+        s.engine_versions[cell_id] = 0  # a new incarnation's engine starts with the initial weights
+
     @on("cell_lost", "cell_id")
     def _lost(self, s: RunState, cell_id) -> None:
-        s.engine_versions.pop(cell_id, None)  # a new incarnation loads again
+        s.engine_versions.pop(cell_id, None)  # unknown until its next incarnation registers

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from gyre.cluster.actuator import CellInfo, Commands, Directory, RemoteCell
+from gyre.cluster.actuator import Commands, RemoteCell, Transfers
 from gyre.cluster.errors import PeerLost, Unavailable
 from gyre.cluster.failures import (
     CELL_RULES,
@@ -30,6 +30,7 @@ from gyre.engine.errors import EngineHTTPError, EngineRequestError, EngineTimeou
 from gyre.errors import ConfigError, LogCorruptionError, TransferError
 from gyre.events import encode
 from gyre.events.models import CellRegistered, CommandAbandoned, Event, RoleSwitchCompleted, RoleSwitchRequested
+from gyre.run.live import LiveRun
 from gyre.scheduler import SchedulerFold
 from gyre.state.cluster import ClusterView
 from gyre.state.fold import fold_batches
@@ -236,13 +237,18 @@ FIGURES = {"redirect": {"redirect_s": 0.1, "redirected_calls": 0.0}, "pause": {"
 
 
 class ListSink:
-    def __init__(self) -> None:
+    """Events in a list, folded into ``live`` as they are recorded (as the controller's sink does)."""
+
+    def __init__(self, live: LiveRun | None = None) -> None:
         self.events: list[Event] = []
         self.lock = threading.Lock()
+        self.live = live or LiveRun()
 
     def record(self, events: Event | list[Event]) -> int:
         with self.lock:
-            self.events += [events] if isinstance(events, Event) else list(events)
+            for event in [events] if isinstance(events, Event) else list(events):
+                self.events.append(event)
+                self.live.apply(len(self.events) - 1, event)
             return len(self.events) - 1
 
     def commit(self, position: int | None = None, **options: Any) -> None:
@@ -253,15 +259,17 @@ class ListSink:
 
 
 def _cluster(hub: FakeHub, *, attempts: int = 10, wait: Any = None) -> tuple[RemoteCell, ListSink, list, list]:
-    directory = Directory()
-    directory.cells["c0"] = CellInfo("c0", 2, True, "http://c0", "127.0.0.1:1", role="training", incarnation="core-a")
-    directory.cells["c1"] = CellInfo("c1", 2, False, "http://c1", incarnation="c1-a")
+    sink = ListSink()
+    sink.record([CellRegistered(cell_id="c0", role="training", is_core=True, slots=2, address="http://c0",
+                                incarnation="core-a", trainer_endpoint="127.0.0.1:1"),
+                 CellRegistered(cell_id="c1", role="rollout", slots=2, address="http://c1", incarnation="c1-a")])
+    sink.events.clear()  # the registrations are the fixture, not what the test looks at
     waits: list[float] = []
     failures: list[BaseException] = []
-    sink = ListSink()
-    commands = Commands(hub, directory, sink, backoff=Backoff(attempts=attempts),  # type: ignore[arg-type]
+    commands = Commands(hub, sink.live, sink, backoff=Backoff(attempts=attempts),  # type: ignore[arg-type]
                         wait=wait or (lambda s: waits.append(s) or False))
-    cell = RemoteCell("c1", commands=commands, directory=directory, sink=sink, fail=failures.append, upto=lambda: 0)
+    cell = RemoteCell("c1", commands=commands, transfers=Transfers(sink.live), sink=sink, fail=failures.append,
+                      upto=lambda: 0)
     return cell, sink, waits, failures
 
 
@@ -341,7 +349,8 @@ def test_a_join_whose_core_was_replaced_is_abandoned_and_the_switch_completes() 
 
     def core_restarts(seconds: float) -> bool:  # while the satellite waits, the core is replaced
         assert cell is not None
-        cell.directory.cells["c0"] = CellInfo("c0", 2, True, "http://c0", "127.0.0.1:2", incarnation="core-b")
+        cell.live.apply(99, CellRegistered(cell_id="c0", role="training", is_core=True, slots=2,
+                                           incarnation="core-b", trainer_endpoint="127.0.0.1:2"))
         return False
 
     cell, sink, _, failures = _cluster(hub, wait=core_restarts)
@@ -357,7 +366,7 @@ def test_an_abandoned_train_step_loses_its_core() -> None:
     """A step is never sent twice: its core is declared lost, and the lost-core path trains it again."""
     hub = FakeHub(train=[failed_done(1, NOT_READY)])
     cell, sink, waits, failures = _cluster(hub)
-    core = RemoteCell("c0", commands=cell.commands, directory=cell.directory, sink=sink, fail=failures.append,
+    core = RemoteCell("c0", commands=cell.commands, transfers=cell.transfers, sink=sink, fail=failures.append,
                       upto=lambda: 0)
     core.train(3, ("g0",))
     _finish(core, cell)
@@ -409,9 +418,9 @@ def test_a_join_refused_by_a_restoring_core_is_retried_over_the_real_stream(clus
 
     try:
         cluster.link("c1", handler=handler, incarnation="c1-a")
-        directory = Directory()
-        directory.cells["c1"] = CellInfo("c1", 2, False, "http://c1", incarnation="c1-a")
-        commands = Commands(cluster.hub, directory, ListSink(), wait=lambda s: restored.set() or False)
+        sink = ListSink()
+        sink.record(CellRegistered(cell_id="c1", role="rollout", slots=2, incarnation="c1-a"))
+        commands = Commands(cluster.hub, sink.live, sink, wait=lambda s: restored.set() or False)
         done = commands.cell("c1", "join step", join_step=gyre_pb2.JoinStep(trainer_endpoint=server.address))
         assert done.figures["trainer_join_s"] == pytest.approx(0.2) and restored.is_set()
     finally:
