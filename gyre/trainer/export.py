@@ -12,8 +12,9 @@ from pathlib import Path
 
 from gyre.config import TrainConfig
 from gyre.errors import ConfigError
-from gyre.events.models import RunStarted, WeightsPublished
+from gyre.events.models import RunStarted
 from gyre.log import LogReader
+from gyre.state import RunView, replay
 from gyre.trainer.weights import WeightStore
 
 
@@ -36,8 +37,7 @@ def export_policy(run_dir: str | Path, out: str | Path, version: int | None = No
     if not isinstance(start, RunStarted):
         raise ConfigError(f"{log} does not begin with run_started")
     config = TrainConfig.model_validate_json(start.config)
-    published = {e.policy_version: e for e in LogReader(log).events(kinds=["weights_published"])
-                 if isinstance(e, WeightsPublished)}
+    published = replay(RunView(), log)[0].published
     if version is None:
         version = max(published, default=0)
     model, tokenizer = load_model(LocalEngineConfig(model=config.engine.model, seed=config.seed))

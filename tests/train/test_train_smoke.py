@@ -6,6 +6,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from gyre.config import RolloutSection, SamplingSection, TrainConfig, TrainerSection
 from gyre.errors import ConfigError
@@ -47,6 +48,25 @@ def test_two_steps_end_to_end(trained) -> None:
     assert con.execute("select step, policy_version from train_steps order by step").fetchall() == [(0, 1), (1, 2)]
     ids = [r[0] for r in con.execute("select execution_id from executions_queued").fetchall()]
     assert all(e.startswith(summary.run_id + ".") for e in ids)  # ids are unique per run
+
+
+def test_export_writes_a_published_version_as_a_checkpoint_that_loads(trained, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from gyre.errors import ConfigError
+    from gyre.trainer.export import export_policy
+
+    config, summary = trained
+    written = export_policy(config.run_dir, tmp_path / "v1", version=1)
+    assert (written.run_id, written.version) == (summary.run_id, 1)
+    [published] = [e for e in LogReader(config.run_dir / "log").events(kinds=["weights_published"])
+                   if e.policy_version == 1]
+    exported = load_file(next((tmp_path / "v1").glob("*.safetensors")))
+    logged = load_file(config.run_dir / published.location)
+    assert all(torch.equal(exported[name], tensor) for name, tensor in logged.items() if name in exported)
+    assert export_policy(config.run_dir, tmp_path / "last").version == 2  # the last published by default
+    with pytest.raises(ConfigError, match=r"published no version 7; it has \[1, 2\]"):
+        export_policy(config.run_dir, tmp_path / "v7", version=7)
 
 
 def test_weights_are_durable_files_with_their_checksums(trained) -> None:
