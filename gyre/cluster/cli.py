@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gyre.errors import GyreError
+from gyre.run.console import print_phase
 
 console = Console()
 
@@ -46,9 +47,6 @@ def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g
                           f"{figures['steps']} | policy v{figures['version']}")
         elif phase == "spawned":
             status.update(f"waiting for {', '.join(figures['processes'])} to connect (output in {figures['logs']})")
-        elif phase == "rollout":
-            console.print(f"[dim]step {figures['step']}: {figures['queued']} executions queued on policy "
-                          f"v{figures['version']}[/dim]")
         elif phase == "resumed":
             console.print(f"[yellow]resumed[/yellow]: adopted {', '.join(figures['adopted']) or 'none'}, restarted "
                           f"{', '.join(figures['restarted']) or 'none'}; the proxy holds {figures['held']} executions")
@@ -56,24 +54,10 @@ def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g
             console.print(f"[red]{figures['cell']} lost[/red] ({figures['reason']}); starting it again")
         elif phase == "registered":
             console.print(f"[green]{figures['cell']} registered again[/green] as {figures['role']}")
-        elif phase == "resubmitted":
-            console.print(f"[yellow]{figures['executions']} executions submitted again[/yellow] (their harnesses "
-                          f"were lost)")
         elif phase == "switch":
             console.print(f"[cyan]{figures['cell']} -> {figures['to']}[/cyan] in {figures['seconds']:.2f}s")
-        elif phase == "step":
-            record = figures["record"]
-            reward = "n/a" if record.reward_mean is None else f"{record.reward_mean:.3f}"
-            console.print(f"step {record.step}: reward mean {reward} over {record.scored} scored, "
-                          f"{record.micro_steps} micro-steps, policy v{record.policy_version}, "
-                          f"at {record.wall_s:.0f}s")
-        elif phase == "report":
-            console.print(f"report: {figures['path']}")
-        elif phase == "heldout":
-            event = figures["event"]
-            rate = "n/a" if event.pass_rate is None else f"{event.pass_rate:.0%}"
-            console.print(f"held-out after {event.step} steps: pass rate {rate} ({event.passed}/{event.scored}) on "
-                          f"policy v{event.policy_version}")
+        else:
+            print_phase(console, phase, figures)
 
     try:
         with status:

@@ -8,6 +8,7 @@ from rich.console import Console
 
 from gyre.errors import GyreError
 from gyre.observe.summary import step_rows, summary_table
+from gyre.run.console import print_phase
 
 if TYPE_CHECKING:
     pass
@@ -25,7 +26,6 @@ def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e
     Ctrl-C stops cleanly with the log committed; `--resume` continues a stopped or crashed run.
     """
     from gyre.config import TrainConfig
-    from gyre.run.host import StepRecord
     from gyre.train.inprocess import TrainingRun
 
     try:
@@ -42,33 +42,11 @@ def train(config: Annotated[Path, typer.Argument(help="TOML run configuration, e
                           f"{figures['done']} done on policy v{figures['version']}")
         elif phase == "training":
             status.update(f"step {figures['step']}: training {figures['micro_steps']} micro-steps")
-        elif phase == "step":
-            record: StepRecord = figures["record"]
-            reward = "n/a" if record.reward_mean is None else f"{record.reward_mean:.3f}"
-            tokens_per_s = record.trained_tokens / record.train_s if record.train_s else 0.0
-            console.print(f"step {record.step}: reward mean {reward} over {record.scored}/{record.executions} "
-                          f"scored, {record.micro_steps} micro-steps, {record.forwarded_tokens} forwarded / "
-                          f"{record.trained_tokens} trained tokens "
-                          f"({tokens_per_s:.0f}/s), rollout {record.rollout_s:.1f}s, train {record.train_s:.1f}s, "
-                          f"policy v{record.policy_version} -> v{record.policy_version + int(record.micro_steps > 0)}",
-                          overflow="fold")
-        elif phase == "rollout":
-            console.print(f"[dim]step {figures['step']}: {figures['queued']} executions queued on policy "
-                          f"v{figures['version']}[/dim]")
-        elif phase == "heldout":
-            event = figures["event"]
-            rate = "n/a" if event.pass_rate is None else f"{event.pass_rate:.0%}"
-            console.print(f"held-out after {event.step} steps: pass rate {rate} ({event.passed}/{event.scored}) on "
-                          f"policy v{event.policy_version}")
-        elif phase == "resubmitted":
-            console.print(f"[yellow]{figures['executions']} executions queued again[/yellow] (never scored)")
         elif phase == "resumed":
             console.print(f"[dim]resumed at policy v{figures['version']}: {figures['retrained_steps']} steps "
                           f"retrained from their logged batches, open step aborted: {figures['aborted_step']}[/dim]")
-        elif phase == "report":
-            console.print(f"report: {figures['path']}")
-        elif phase == "skipped":
-            console.print(f"[yellow]step {figures['step']}: not trained: {figures['reason']}[/yellow]")
+        else:
+            print_phase(console, phase, figures)
 
     console.print(f"[bold]gyre train[/bold] {settings.name}: {settings.steps} steps, "
                   f"{settings.rollout.groups_per_step} groups x {settings.rollout.group_size} rollouts per step, "
