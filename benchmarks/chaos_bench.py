@@ -48,6 +48,8 @@ BASE_CONFIG = ROOT / "examples" / "cluster-cpu.toml"
 VICTIM_CLASSES = ("controller", "proxy", "cell", "harness")
 DEFAULT_WEIGHTS = {"controller": 1.0, "proxy": 1.0, "cell": 2.0, "harness": 2.0}
 PROGRESS_KINDS = ("reward_recorded", "train_step_finished")
+BURSTS = ("cells", "core+controller", "proxy+core")
+"""Kill bursts: every cell within a few seconds; the core and the controller together; the proxy and the core."""
 PROCESSES_DIR = "processes"
 
 
@@ -68,8 +70,13 @@ class KillSchedule:
     """Seeded draws of when and whom to kill. The same seed and the same sequence of live processes give the
     same schedule; classes with no live process are left out of a draw (their weight goes to the others)."""
 
-    def __init__(self, seed: int, weights: dict[str, float] | None = None, pace: Pace = Pace()) -> None:
+    def __init__(self, seed: int, weights: dict[str, float] | None = None, pace: Pace = Pace(),
+                 burst_share: float = 0.0, core: str = "cell0") -> None:
+        """``burst_share``: the chance that a kill moment is a burst (`BURSTS`) rather than one kill."""
+        if not 0.0 <= burst_share <= 1.0:
+            raise ValueError(f"burst_share {burst_share} is not in [0, 1]")
         self.rng = random.Random(seed)
+        self.burst_share, self.core = burst_share, core
         self.weights = dict(DEFAULT_WEIGHTS if weights is None else weights)
         unknown = set(self.weights) - set(VICTIM_CLASSES)
         if unknown:
@@ -82,6 +89,23 @@ class KillSchedule:
         """(seconds, new log events) to let pass before the next kill."""
         return (self.rng.uniform(self.pace.min_wait_s, self.pace.max_wait_s),
                 self.rng.randint(self.pace.min_events, self.pace.max_events))
+
+    def burst(self, candidates: dict[str, list[str]]) -> tuple[str, list[tuple[str, str]]] | None:
+        """A burst's kind and victims (class, name) in kill order, the controller last; None: a single kill
+        this time (or no process of the burst is alive)."""
+        if not self.burst_share or self.rng.random() >= self.burst_share:
+            return None
+        kind = self.rng.choice(BURSTS)
+        cells = sorted(candidates.get("cell", []))
+        wanted = {"cells": [("cell", c) for c in cells],
+                  "core+controller": [("cell", self.core), ("controller", "controller")],
+                  "proxy+core": [("proxy", "proxy"), ("cell", self.core)]}[kind]
+        victims = [(c, n) for c, n in wanted if n in candidates.get(c, [])]
+        return (kind, victims) if victims else None
+
+    def burst_gap(self) -> float:
+        """Seconds between two kills of a burst ("within a few seconds")."""
+        return self.rng.uniform(0.0, 2.0)
 
     def victim(self, candidates: dict[str, list[str]]) -> tuple[str, str] | None:
         """(class, name) drawn among ``candidates`` (class -> names of its live processes); None: nobody."""
@@ -250,6 +274,8 @@ class KillRecord:
     """Kill to the next reward_recorded / train_step_finished in the log."""
     restart_s: float | None = None
     """A controller kill: until a peer's event reached the resumed controller."""
+    burst: str = ""
+    """The burst the kill was part of (`BURSTS`), or "" for a single kill."""
 
 
 @dataclass
@@ -258,6 +284,7 @@ class ChaosResult:
     problems: list[str] = field(default_factory=list)
     controller_starts: int = 0
     wall_s: float = 0.0
+    bursts: dict[str, int] = field(default_factory=dict)
     finished: bool = False
 
 
@@ -356,23 +383,35 @@ class Chaos:
             if not self._wait_for(seconds, events):
                 return
             controller_pid = self.controller.pid if self.controller else None
-            drawn = self.schedule.victim(candidates(self.run_dir, controller_pid))
-            if drawn is None:
-                continue
-            victim_class, name = drawn
-            pid = resolve(name, self.run_dir, controller_pid)
-            seq = _last_seq(self.log)
-            if pid is None or not kill(name, pid):
-                continue
-            record = KillRecord(n=len(self.result.kills) + 1, at_s=round(self.elapsed(), 3),
-                                ts=datetime.now(UTC).isoformat(), victim_class=victim_class, victim=name, pid=pid,
-                                log_seq=seq)
-            self.result.kills.append(record)
-            if victim_class == "controller":
-                self.controller.wait()
-                self.start_controller(resume=True)
-                settled = self._settle_controller(_last_seq(self.log))
-                record.restart_s = None if settled is None else round(settled, 3)
+            live = candidates(self.run_dir, controller_pid)
+            burst = self.schedule.burst(live)
+            if burst is not None:
+                kind, victims = burst
+                self.result.bursts[kind] = self.result.bursts.get(kind, 0) + 1
+            else:
+                drawn = self.schedule.victim(live)
+                if drawn is None:
+                    continue
+                kind, victims = "", [drawn]
+            for i, (victim_class, name) in enumerate(victims[:self.target - len(self.result.kills)]):
+                if i:
+                    time.sleep(self.schedule.burst_gap())
+                self._kill(victim_class, name, controller_pid, kind)
+
+    def _kill(self, victim_class: str, name: str, controller_pid: int | None, burst: str) -> None:
+        pid = resolve(name, self.run_dir, controller_pid)
+        seq = _last_seq(self.log)
+        if pid is None or not kill(name, pid):
+            return
+        record = KillRecord(n=len(self.result.kills) + 1, at_s=round(self.elapsed(), 3),
+                            ts=datetime.now(UTC).isoformat(), victim_class=victim_class, victim=name, pid=pid,
+                            log_seq=seq, burst=burst)
+        self.result.kills.append(record)
+        if victim_class == "controller":
+            self.controller.wait()
+            self.start_controller(resume=True)
+            settled = self._settle_controller(_last_seq(self.log))
+            record.restart_s = None if settled is None else round(settled, 3)
 
     def _finish(self) -> None:
         if self.result.problems or self.controller is None:
@@ -431,7 +470,8 @@ def summary(result: ChaosResult, audit, replay: dict | None, baseline_gap_s: flo
     recovery = [r.recovery_s for r in result.kills if r.recovery_s is not None]
     restarts = [r.restart_s for r in result.kills if r.restart_s is not None]
     problems = list(result.problems)
-    out = {"kills": len(result.kills), "kills_by_victim": by_class, "finished": result.finished,
+    out = {"kills": len(result.kills), "kills_by_victim": by_class, "bursts": dict(result.bursts),
+           "finished": result.finished,
            "wall_s": round(result.wall_s, 1), "controller_starts": result.controller_starts,
            "time_lost_per_kill_s": {"median": round(statistics.median(recovery), 3) if recovery else None,
                                     "max": max(recovery) if recovery else None,
@@ -494,14 +534,17 @@ def totals(runs: list[dict]) -> dict:
         return sum(r.get(key) or 0 for r in runs)
 
     by_class = dict.fromkeys(VICTIM_CLASSES, 0)
+    bursts: dict[str, int] = {}
     for r in runs:
         for victim, count in r["kills_by_victim"].items():
             by_class[victim] += count
+        for kind, count in r.get("bursts", {}).items():
+            bursts[kind] = bursts.get(kind, 0) + count
     recovery = [k["recovery_s"] for r in runs for k in r["kill_log"] if k.get("recovery_s") is not None]
     return {"runs": len(runs), "runs_completed": sum(bool(r["finished"]) for r in runs),
             "runs_passed": sum(bool(r["passed"]) for r in runs),
             "failed_seeds": [r["seed"] for r in runs if not r["passed"]],
-            "kills": total("kills"), "kills_by_victim": by_class,
+            "kills": total("kills"), "kills_by_victim": by_class, "bursts": bursts,
             "events_lost": total("events_lost"), "events_doubled": total("events_doubled"),
             "rewards_lost": total("rewards_lost"), "rewards_doubled": total("rewards_doubled"),
             "commands_abandoned": total("commands_abandoned"),
@@ -514,7 +557,8 @@ def totals(runs: list[dict]) -> dict:
 def run_seed(args: argparse.Namespace, seed: int, root: Path, run_name: str = "run") -> dict:
     """One chaos run of ``seed`` under ``root``; its summary (``kill_log`` included)."""
     steps = args.steps or max(4, (args.kills + 1) // 2)
-    schedule = KillSchedule(seed, args.weights, Pace(args.min_wait_s, args.max_wait_s, 1, args.max_events))
+    schedule = KillSchedule(seed, args.weights, Pace(args.min_wait_s, args.max_wait_s, 1, args.max_events),
+                            burst_share=args.bursts)
     run_dir = root / run_name
     config = write_config(run_dir, run_config(run_dir, steps=steps, seed=seed, base=args.config))
     chaos = Chaos(run_dir, config, schedule, args.kills, timeout_s=args.timeout_s, stall_s=args.stall_s)
@@ -541,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="train steps (default: enough for the kills)")
     parser.add_argument("--weights", type=parse_weights, default=None,
                         help="victim class weights, e.g. controller=1,proxy=1,cell=2,harness=2")
+    parser.add_argument("--bursts", type=float, default=0.0,
+                        help="share of kill moments that are bursts: every cell, core+controller, proxy+core")
     parser.add_argument("--min-wait-s", type=float, default=1.0)
     parser.add_argument("--max-wait-s", type=float, default=6.0)
     parser.add_argument("--max-events", type=int, default=20, help="new log events to wait for, drawn 1..this")

@@ -44,6 +44,26 @@ def test_every_class_is_drawn_by_its_weight_and_only_among_live_ones():
     assert all(v[0] != "controller" for _, v in draws(5, n=200, weights=no_controller))
 
 
+def test_bursts_are_seeded_name_their_victims_and_kill_the_controller_last():
+    live = {"controller": ["controller"], "proxy": ["proxy"], "cell": ["cell0", "cell1", "cell2"],
+            "harness": ["harness:9"]}
+    first, second = cb.KillSchedule(3, burst_share=1.0), cb.KillSchedule(3, burst_share=1.0)
+    assert [first.burst(live) for _ in range(5)] == [second.burst(live) for _ in range(5)]  # seeded
+    schedule = cb.KillSchedule(5, burst_share=1.0)
+    seen = {}
+    for _ in range(60):
+        kind, victims = schedule.burst(live)
+        seen[kind] = victims
+    assert seen == {"cells": [("cell", "cell0"), ("cell", "cell1"), ("cell", "cell2")],
+                    "core+controller": [("cell", "cell0"), ("controller", "controller")],
+                    "proxy+core": [("proxy", "proxy"), ("cell", "cell0")]}
+    assert cb.KillSchedule(5).burst(live) is None  # bursts are off unless asked for
+    assert cb.KillSchedule(5, burst_share=1.0).burst({"cell": ["cell1"]}) in (
+        ("cells", [("cell", "cell1")]), None)  # only what lives is killed
+    with pytest.raises(ValueError, match="burst_share 2"):
+        cb.KillSchedule(1, burst_share=2)
+
+
 def test_weights_are_parsed_and_checked():
     assert cb.parse_weights("controller=2, cell=1") == {"controller": 2.0, "proxy": 0.0, "cell": 1.0, "harness": 0.0}
     with pytest.raises(ValueError, match="unknown victim class 'engine'"):
