@@ -189,6 +189,7 @@ class RunHost:
                     run_id=self.run_id, name=config.name, policy=self.policy.name,
                     policy_version=self.policy.version, policy_params=self.params.model_dump_json(),
                     config=config.model_dump_json(), seed=config.seed, decision_points="explicit"))
+            self._caught_up = True
             topology.start(self)
         except BaseException:
             self.close()
@@ -225,21 +226,24 @@ class RunHost:
     # -- the log, folded --------------------------------------------------------------------------------
 
     def _observe(self, seq: int, event: Event) -> None:
-        """On the controller's thread: step records, and held-out evaluations due or done."""
+        """On the controller's thread: step records, and held-out evaluations due or done (not for the events
+        a resumed run folds as it catches up: its predecessor reported and evaluated those)."""
+        if not self._caught_up:
+            return
         if isinstance(event, TrainStepFinished):
             record = self.step_record(event.step)
             if not record.micro_steps:
                 self.progress("skipped", {"step": event.step, "reason": "no group had enough scored executions"})
             self.progress("step", {"record": record})
             steps_done = event.step + 1
-            if self._live and self.heldout.due(steps_done, self.config.steps):
+            if self.heldout.due(steps_done, self.config.steps):
                 version = event.policy_version
                 self.controller.submit(lambda: self._start_evaluation(steps_done, version))
         if self._evaluations:
             self._record_evaluations()
 
-    _live = False
-    """Set once the loop runs: a resumed run's catch-up does not evaluate again what its predecessor did."""
+    _caught_up = False
+    """Set once the log as it stood is folded (a resumed run) or the run has started (a new one)."""
 
     @property
     def state(self) -> RunState:
@@ -316,7 +320,6 @@ class RunHost:
                     if not self.resumed and self.heldout.due(0, self.config.steps):
                         self._start_evaluation(0, 0)
                         self.controller.fold_until(lambda: not self._evaluating())
-                    self._live = True
                     self.controller.run(tick=self.topology.tick, tick_s=self.topology.tick_s,
                                         hold=self._evaluating)
                 except KeyboardInterrupt:
