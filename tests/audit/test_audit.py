@@ -1,4 +1,4 @@
-"""`gyre.log.audit` on synthetic run logs: a clean run passes; each kind of loss or doubling is named."""
+"""`gyre.audit` on synthetic run logs: a clean run passes; each kind of loss or doubling is named."""
 
 import json
 from collections import defaultdict
@@ -28,7 +28,7 @@ from gyre.events.models import (
     WeightsPublished,
 )
 from gyre.log import LogWriter
-from gyre.log.audit import audit
+from gyre.audit import audit
 
 RUN = "run"
 

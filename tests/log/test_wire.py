@@ -4,7 +4,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from gyre.cluster.wire import pack_events, unpack_events
+from gyre.events.wire import pack_events, unpack_events
 from gyre.errors import EventValidationError
 from gyre.events import CellLost, ModelCallFinished
 
