@@ -6,6 +6,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from gyre.audit import audit
 from gyre.cli import app
 from gyre.events.models import (
     CellLost,
@@ -28,7 +29,6 @@ from gyre.events.models import (
     WeightsPublished,
 )
 from gyre.log import LogWriter
-from gyre.audit import audit
 
 RUN = "run"
 

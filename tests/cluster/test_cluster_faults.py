@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.chaos_bench import candidates, kill, resolve
+from gyre.audit import audit
 from gyre.cluster.faults import CRASH_ENV
 from gyre.log import LogReader
-from gyre.audit import audit
 from gyre.replay.exact import replay_decisions
 from tests.cluster.test_cluster_run import cluster_config
 

@@ -14,8 +14,8 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from gyre.log import LogReader
 from gyre.cli import app
+from gyre.log import LogReader
 
 
 def _free_port() -> int:
