@@ -37,10 +37,12 @@ demo-train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check gyre tests benchmarks agents tasks scripts
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 
 lint: $(STAMP)
 	$(BIN)/ruff check gyre tests benchmarks agents tasks scripts
+	$(BIN)/lint-imports --no-cache
 
 # Debian libraries the Mooncake Transfer Engine wheel links against (gyre.transfer); installed only when missing.
 MOONCAKE_DEBS := libibverbs1 librdmacm1 libnuma1
@@ -58,10 +60,12 @@ syslibs:
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-# The fast tier for everyday work: lint plus pure and unit tests (under 90 s on 2 cores). `make test` stays the
-# full suite that CI runs; the integration tier is marked in tests/conftest.py.
+# The fast tier for everyday work: lint, the import contracts (lint-imports; pyproject.toml) plus pure and unit tests
+# (under 90 s on 2 cores). `make test` stays the full suite that CI runs; the integration tier is marked in
+# tests/conftest.py.
 check: $(STAMP)
 	$(BIN)/ruff check gyre tests benchmarks agents tasks scripts
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -m "not integration and not slow" -p no:cacheprovider -n 2
 
 # Debian's chromium, which the report test opens headless (installed once; as root, or through sudo).

@@ -9,7 +9,7 @@ passed, so the run makes progress between kills — a victim class is drawn (wei
 classes with a live process, then a process of it, and SIGKILLed. A killed controller is started again with
 ``gyre run CONFIG --resume``; it is not killed again before one of its peers' events reached the new
 one. The controller respawns cells and the proxy itself. Once ``gyre run`` exits 0 the log is audited
-(`gyre.log.audit`: events lost or doubled, rewards lost or doubled, micro-steps redone) and replayed.
+(`gyre.audit`: events lost or doubled, rewards lost or doubled, micro-steps redone) and replayed.
 
 What it assumes of the controller (the contract `gyre run` keeps for it):
 - ``<run_dir>/processes/controller.pid`` and ``<run_dir>/processes/<name>.pid`` (``cell0``.. and ``proxy``)
@@ -565,7 +565,7 @@ def run_seed(args: argparse.Namespace, seed: int, root: Path, run_name: str = "r
     result = chaos.run()
     report = replayed = gap = None
     if (run_dir / "log").is_dir() and any((run_dir / "log").glob("*.seg")):
-        from gyre.log.audit import audit
+        from gyre.audit import audit
 
         report = audit(run_dir / "log", expected_steps=steps, require_finished=True)
         gap = recovery_times(run_dir / "log", result.kills)

@@ -80,9 +80,7 @@ INTEGRATION = (
     "tests/notebooks/",
     "tests/trainer/test_trainer_megatron.py",
     "tests/trainer/test_trainer_backend_conformance.py",
-    "tests/trainer/test_trainer_replicas.py",  # replica processes
     "tests/cluster/test_satellite.py",  # satellite processes
-    "tests/trainer/test_trainer_cli.py::test_replicas_runs_steps",  # replica processes
     "tests/trainer/test_trainer_cli.py::test_bench_json",  # a benchmark run
     "tests/log/test_recovery.py::test_kill_minus_nine",  # crash torture: 200 killed writer processes
 )

@@ -44,9 +44,9 @@ from gyre.cluster.aio import GRPC_OPTIONS, LoopThread
 from gyre.cluster.auth import SecretInterceptor
 from gyre.cluster.errors import ClusterError, PeerLost
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
-from gyre.cluster.wire import unpack_events
 from gyre.errors import GyreError
 from gyre.events.models import Event
+from gyre.events.wire import unpack_events
 from gyre.sink import LogSink
 
 log = logging.getLogger(__name__)

@@ -48,10 +48,10 @@ from gyre.cluster.errors import ClusterError
 from gyre.cluster.failures import failed_done
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.cluster.spill import Spill
-from gyre.cluster.wire import pack_events
 from gyre.errors import GyreError
 from gyre.events.codec import check_events
 from gyre.events.models import Event
+from gyre.events.wire import pack_events
 from gyre.sink import Producer, SinkError
 
 log = logging.getLogger(__name__)

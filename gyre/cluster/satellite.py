@@ -25,9 +25,10 @@ import grpc
 
 from gyre.cluster.auth import metadata
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
-from gyre.cluster.trainer_service import MESSAGE_OPTIONS, result_to_json
+from gyre.cluster.trainer_service import MESSAGE_OPTIONS
 from gyre.errors import TransferError
 from gyre.trainer.errors import TrainerError
+from gyre.trainer.hub import result_to_json
 from gyre.transfer.tensors import PullStats, SlotDescriptor, WeightsPuller, write_gradients
 
 if TYPE_CHECKING:

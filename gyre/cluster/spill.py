@@ -6,11 +6,8 @@ kill -9 of the process loses nothing that was answered. The controller stays the
 is no log, only a hand-over that the next stream (or the next incarnation of the process) re-sends, the
 producer stamps making the re-send exactly once.
 
-On disk: one directory per process, segment files ``<first record id>.spill`` of frames
-
-    magic (4 bytes) | record id (u64) | payload length (u64) | crc32 of id, length and payload (u32) | payload
-
-whose payload is the record's events in the wire's Arrow IPC encoding (`gyre.cluster.wire`): one schema for
+On disk: one directory per process, segment files of checksummed frames (`gyre.log.spill`, where the audit
+reads them too) whose payload is the record's events in the wire's Arrow IPC encoding: one schema for
 events everywhere. Appends are fsync'd; each `Spill` writes only segments it opened itself, so a torn frame
 (a kill mid-append) can only end a segment: loading stops that segment at its first bad frame, with a warning.
 Whole segments are deleted once acknowledged (`drop_upto`); a segment that was acknowledged only in part comes
@@ -22,23 +19,17 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from gyre.cluster.errors import ClusterError
-from gyre.cluster.wire import pack_events, unpack_events
 from gyre.errors import GyreError
 from gyre.events.models import Event
+from gyre.events.wire import unpack_events
+from gyre.log.spill import SUFFIX, spill_frame, spill_frames
 
 log = logging.getLogger(__name__)
-
-MAGIC = b"GSP1"
-_HEADER = struct.Struct("<4sQQI")
-_CHECKED = struct.Struct("<QQ")  # the header fields the checksum covers with the payload
-SUFFIX = ".spill"
 
 
 @dataclass(frozen=True)
@@ -53,18 +44,6 @@ class _Segment:
     first: int
     last: int  # the last valid record id in it (first - 1: none)
     size: int
-
-
-def spilled_stamps(path: str | Path) -> list[tuple[str, int]]:
-    """The (producer, producer_seq) of every event in one segment file's valid frames, read without taking
-    the spill's lock (an audit of a finished run: a stamp the log holds was handed over, one it lacks is lost)."""
-    path = Path(path)
-    data = path.read_bytes()
-    stamps: list[tuple[str, int]] = []
-    for _, start, end in _frames(data, path):
-        stamps += [(e.producer or "", e.producer_seq if e.producer_seq is not None else -1)
-                   for e in unpack_events(data[start:end])]
-    return stamps
 
 
 def spill_path(run_dir: str | Path, peer_id: str) -> Path:
@@ -117,7 +96,7 @@ class Spill:
         for first, path in sorted(found):
             last = first - 1
             size = 0
-            for record_id, _, end in _frames(path.read_bytes(), path):
+            for record_id, _, end in spill_frames(path.read_bytes(), path):
                 last, size = record_id, end
             segments.append(_Segment(path, first, last, size))
         return segments
@@ -127,7 +106,7 @@ class Spill:
         records: list[SpilledRecord] = []
         for segment in self._segments:
             data = segment.path.read_bytes()
-            for record_id, start, end in _frames(data, segment.path):
+            for record_id, start, end in spill_frames(data, segment.path):
                 if end > segment.size:  # past what the scan found valid (never: only this object appends)
                     break
                 if records and record_id <= records[-1].record_id:
@@ -163,10 +142,7 @@ class Spill:
         for record_id, events in records:
             if record_id <= last:
                 raise ValueError(f"spill record id {record_id} is not after {last}: ids must increase")
-            payload = pack_events(events)
-            length = len(payload)
-            crc = zlib.crc32(payload, zlib.crc32(_CHECKED.pack(record_id, length)))
-            frames.append(_HEADER.pack(MAGIC, record_id, length, crc) + payload)
+            frames.append(spill_frame(record_id, events))
             last = record_id
         if self._active is not None and self._active.size >= self.segment_bytes:
             self._roll()
@@ -217,37 +193,3 @@ class Spill:
         self._closed = True
         self._roll()
         os.close(self._lock_fd)
-
-
-def _frames(data: bytes, path: Path) -> list[tuple[int, int, int]]:
-    """The valid frames of a segment: (record id, payload start, end); stops at the first bad one."""
-    frames = []
-    offset = 0
-    previous = -1
-    while offset < len(data):
-        bad = _bad_frame(data, offset, previous)
-        if bad:
-            log.warning("spill segment %s ends at byte %d of %d: %s (a write cut short by a kill); "
-                        "the rest is ignored", path, offset, len(data), bad)
-            break
-        _, record_id, length, _ = _HEADER.unpack_from(data, offset)
-        start = offset + _HEADER.size
-        frames.append((record_id, start, start + length))
-        offset = start + length
-        previous = record_id
-    return frames
-
-def _bad_frame(data: bytes, offset: int, previous: int) -> str:
-    if len(data) - offset < _HEADER.size:
-        return "a torn frame header"
-    magic, record_id, length, crc = _HEADER.unpack_from(data, offset)
-    if magic != MAGIC:
-        return "no frame magic"
-    start = offset + _HEADER.size
-    if len(data) - start < length:
-        return f"a torn frame ({len(data) - start} of {length} payload bytes)"
-    if zlib.crc32(data[start:start + length], zlib.crc32(_CHECKED.pack(record_id, length))) != crc:
-        return "a frame whose checksum does not match"
-    if record_id <= previous:
-        return f"record id {record_id} after {previous}"
-    return ""

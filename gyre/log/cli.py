@@ -1,4 +1,4 @@
-"""`gyre log ...`: verify, inspect, tail, query, audit and benchmark a log."""
+"""`gyre log ...`: verify, inspect, tail and query a log (`gyre.cli` adds `audit` and `bench` from above)."""
 
 import functools
 import json
@@ -41,7 +41,7 @@ def _reader(path: Path) -> LogReader:
 P = ParamSpec("P")
 
 
-def _clear_errors(command: Callable[P, None]) -> Callable[P, None]:
+def clear_errors(command: Callable[P, None]) -> Callable[P, None]:
     """A damaged log (or any Gyre error) ends a command with one line naming what is wrong and where
     (segment and byte offset), exit status 1, never a traceback."""
 
@@ -58,7 +58,7 @@ def _clear_errors(command: Callable[P, None]) -> Callable[P, None]:
 
 
 @log_app.command()
-@_clear_errors
+@clear_errors
 def verify(path: PathArg, as_json: JsonOpt = False,
            allow_torn_tail: Annotated[bool, typer.Option(
                "--allow-torn-tail", help="exit 0 when the log ends in a proven torn write (a crashed writer "
@@ -131,7 +131,7 @@ def log_stats(path: Path) -> dict:
 
 
 @log_app.command()
-@_clear_errors
+@clear_errors
 def stats(path: PathArg, as_json: JsonOpt = False) -> None:
     """Events per kind, seq and time range, size on disk."""
     out = log_stats(path)
@@ -148,7 +148,7 @@ def stats(path: PathArg, as_json: JsonOpt = False) -> None:
 
 
 @log_app.command()
-@_clear_errors
+@clear_errors
 def tail(path: PathArg,
          n: Annotated[int, typer.Option("-n", help="how many of the last events")] = 20,
          kind: Annotated[list[str] | None, typer.Option("--kind", help="only these kinds")] = None,
@@ -172,7 +172,7 @@ def _json_line(event) -> str:
 
 
 @log_app.command()
-@_clear_errors
+@clear_errors
 def sql(path: PathArg, query: Annotated[str, typer.Argument(help="SQL over the events and per-kind views")],
         as_json: JsonOpt = False,
         limit: Annotated[int, typer.Option(help="rows to show in the table")] = 50) -> None:
@@ -198,77 +198,9 @@ def sql(path: PathArg, query: Annotated[str, typer.Argument(help="SQL over the e
         console.print(f"... {table.num_rows - limit} more rows (use --limit or --json)")
 
 
-@log_app.command()
-@_clear_errors
-def audit(path: PathArg, as_json: JsonOpt = False,
-          steps: Annotated[int | None, typer.Option("--steps", help="the steps the run was to train")] = None,
-          unfinished: Annotated[bool, typer.Option(
-              "--unfinished", help="do not require a run_finished 'completed'")] = False,
-          replay: Annotated[bool, typer.Option("--replay", help="also replay the decisions exactly")] = False,
-          no_versions: Annotated[bool, typer.Option(
-              "--no-versions", help="calls may lack the version that served them (simulator logs, older logs)")]
-          = False) -> None:
-    """Hold a finished run's log to its promises: no event lost or doubled (producer numbering, spill files),
-    every trained execution scored exactly once, steps and versions gapless, every call served by weights at
-    least as new as its execution's and within the run's staleness of the step that trains it. Exit 1 on any
-    problem."""
-    from gyre.log.audit import audit as audit_log
-
-    report = audit_log(path, expected_steps=steps, require_finished=not unfinished, replay=replay,
-                       require_versions=not no_versions)
-    if as_json:
-        print(json.dumps({"ok": report.ok, **report.model_dump(mode="json")}))
-    else:
-        status = "[green]ok[/green]" if report.ok else "[red]problems[/red]"
-        console.print(f"{status}: {report.events} events from {len(report.producers)} producers; "
-                      f"{report.executions} executions ({report.requeued} re-queued), {report.completions} "
-                      f"completed, {report.rewards} rewards; {report.steps_trained} steps trained")
-        table = Table("audit", "value")
-        for name in ("events_lost", "events_doubled", "spill_files", "rewards_lost", "rewards_doubled",
-                     "rewards_unqueued", "micro_steps_redone", "micro_steps_released", "steps_aborted",
-                     "calls_versioned", "calls_unversioned", "calls_stale", "calls_overlagged", "max_version_lag",
-                     "role_switches", "cells_lost", "cells_reregistered", "commands_abandoned", "controller_restarts",
-                     "quiet_gaps", "run_status"):
-            table.add_row(name, str(getattr(report, name)))
-        console.print(table)
-        for problem in report.problems:
-            console.print(f"[yellow]- {problem}[/yellow]")
-    if not report.ok:
-        raise typer.Exit(1)
-
-
 def _cell(value: object) -> str:
     text = str(value)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-@log_app.command()
-def bench(as_json: JsonOpt = False,
-          quick: Annotated[bool, typer.Option("--quick", help="a seconds-long run")] = False,
-          directory: Annotated[Path | None, typer.Option("--dir", help="where to write (default: a temp dir "
-                                                         "under the current directory's disk)")] = None,
-          kill_points: Annotated[int | None, typer.Option(
-              help="kill -9 crash points to run (default: 1000, or 0 with --quick)")] = None,
-          ab: Annotated[bool, typer.Option(
-              "--ab", help="only compare the old writer (frame format v0) with the current one, alternating "
-                           "in one run")] = False,
-          rounds: Annotated[int, typer.Option(min=1, help="rounds per writer with --ab (medians)")] = 10) -> None:
-    """Measure the log's durable throughput, commit latency, replay and recovery speed."""
-    from benchmarks.log_bench import run_ab, run_benchmark
-
-    if ab:
-        results = run_ab(quick=quick, directory=directory, rounds=rounds)
-    else:
-        if kill_points is None:
-            kill_points = 0 if quick else 1000
-        results = run_benchmark(quick=quick, directory=directory, kill_points=kill_points)
-    if as_json:
-        print(json.dumps(results))
-        return
-    table = Table("metric", "value")
-    for key, value in results.items():
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
-    console.print(table)
 
 
 if __name__ == "__main__":  # pragma: no cover

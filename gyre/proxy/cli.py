@@ -1,8 +1,11 @@
-"""`gyre proxy ...` (registered by `gyre.cli` as the `proxy` sub-app): serve the proxy, benchmark it."""
+"""`gyre proxy ...` (registered by `gyre.cli` as the `proxy` sub-app): serve the proxy, mint execution tokens.
+
+`gyre.cli` registers `serve` (adding the cluster's ``--controller``, which runs `gyre.cluster.proxy_node`
+instead) and `bench` (`benchmarks.cli`): the proxy imports neither the cluster nor the benchmarks.
+"""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -33,7 +36,6 @@ def _engines(specs: list[str]) -> dict[str, str]:
     return engines
 
 
-@proxy_app.command()
 def serve(
     engine: Annotated[list[str] | None, typer.Option(
         help="Engine as CELL=URL (or URL); repeat for several cells.")] = None,
@@ -59,19 +61,8 @@ def serve(
     kv_mover: Annotated[
         str, typer.Option(help="Redirected calls: 'recompute' their KV, or move it with 'mooncake'.")
     ] = "recompute",
-    controller: Annotated[str | None, typer.Option(
-        help="Serve a cluster run: the controller's gRPC address (HOST:PORT); the engines, executions and "
-             "log come from it, the run secret from $GYRE_RUN_SECRET.")] = None,
-    config: Annotated[Path | None, typer.Option(help="With --controller: the run's config file.")] = None,
 ) -> None:
     """Serve /v1/messages, /v1/messages/count_tokens, /v1/chat/completions, /v1/responses and /v1/models."""
-    if controller is not None:
-        if config is None:
-            raise typer.BadParameter("--controller needs the run's --config", param_hint="--config")
-        from gyre.cluster.proxy_node import main as serve_cluster
-
-        serve_cluster(config, controller)
-        return
     if not engine:
         raise typer.BadParameter("give at least one --engine (or --controller for a cluster run)",
                                  param_hint="--engine")
@@ -150,29 +141,3 @@ def token(
         raise typer.BadParameter(str(e)) from e
     for value in minted:
         typer.echo(value)
-
-
-@proxy_app.command()
-def bench(
-    as_json: Annotated[bool, typer.Option("--json", help="Print the results as one JSON object.")] = False,
-    quick: Annotated[bool, typer.Option("--quick", help="A run of about a minute.")] = False,
-    directory: Annotated[Path | None, typer.Option("--dir", help="Where the proxy's log goes (a temp dir).")] = None,
-) -> None:
-    """Added latency of the proxy against calling the engine directly (instant stub engine)."""
-    from benchmarks.proxy_bench import run_benchmark
-
-    results = run_benchmark(quick=quick, directory=directory)
-    if as_json:
-        typer.echo(json.dumps(results))
-        return
-    typer.echo(f"engine: {results['engine']}")
-    for sessions, row in results["concurrency"].items():
-        typer.echo(
-            f"{sessions:>4} sessions: p50 +{row['p50_added_ms']:.2f} ms, p99 +{row['p99_added_ms']:.2f} ms, "
-            f"proxy CPU {row['proxy_cpu_ms_per_call']:.2f} ms/call ({row['calls']} calls)"
-        )
-    for size, row in results["long_context"].items():
-        typer.echo(
-            f"{int(size):>7} tokens held: +{row['added_ms']:.2f} ms "
-            f"(proxied {row['proxied_ms']:.2f}, direct {row['direct_ms']:.2f})"
-        )

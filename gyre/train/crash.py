@@ -143,10 +143,10 @@ def logged_kinds(log: Path) -> dict[str, int]:
 
 
 def check(config: TrainConfig, report: CrashReport) -> None:
-    """The run's promises: the config's executions queued, then `gyre.log.audit`'s rules (no event lost or
+    """The run's promises: the config's executions queued, then `gyre.audit`'s rules (no event lost or
     doubled, every execution scored at most once and every trained one scored or excluded, no stray attempt,
     steps and versions gapless, the run completed) and exact replay."""
-    from gyre.log.audit import audit
+    from gyre.audit import audit
 
     log = config.run_dir / "log"
     con = LogReader(log).duckdb()

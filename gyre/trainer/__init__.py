@@ -1,4 +1,4 @@
-"""The GSPO trainer: loss, backends (torch; Megatron-core), streaming micro-steps and replicas.
+"""The GSPO trainer: loss, backends (torch; Megatron-core), streaming micro-steps and the replica loop.
 
 ::
 
@@ -7,8 +7,7 @@
 
 ``loss.py`` is pure (torch only). Backends implement ``TrainerBackend`` (``protocol.py``). The core's
 ``StepCoordinator`` is the one writer of training events and decides claims on the ``TrainerView``
-projection; ``replica.work`` is the loop every replica runs; ``replicas.run_replicas`` runs a core and
-satellites in separate processes. See ``docs/trainer.md``.
+projection; ``replica.work`` is the loop every replica runs. See ``docs/trainer.md``.
 """
 
 from importlib import import_module
@@ -37,10 +36,7 @@ _LAZY = {
     "MicroStepResult": "gyre.trainer.protocol",
     "StepResult": "gyre.trainer.protocol",
     "TrainerBackend": "gyre.trainer.protocol",
-    "RemoteCoordinator": "gyre.trainer.replica",
     "work": "gyre.trainer.replica",
-    "ReplicaRun": "gyre.trainer.replicas",
-    "run_replicas": "gyre.trainer.replicas",
     "TorchBackend": "gyre.trainer.torch_backend",
 }
 
@@ -50,8 +46,7 @@ if TYPE_CHECKING:
     from gyre.trainer.coordinator import StepCoordinator, StepSummary
     from gyre.trainer.loss import LossStats, gspo_loss
     from gyre.trainer.protocol import MicroStepResult, StepResult, TrainerBackend
-    from gyre.trainer.replica import RemoteCoordinator, work
-    from gyre.trainer.replicas import ReplicaRun, run_replicas
+    from gyre.trainer.replica import work
     from gyre.trainer.torch_backend import TorchBackend
 
 
@@ -71,8 +66,6 @@ __all__ = [
     "LossStats",
     "MicroStepResult",
     "OptimizerConfig",
-    "RemoteCoordinator",
-    "ReplicaRun",
     "StepCoordinator",
     "StepProtocolError",
     "StepResult",
@@ -85,6 +78,5 @@ __all__ = [
     "TrainerError",
     "decide",
     "gspo_loss",
-    "run_replicas",
     "work",
 ]

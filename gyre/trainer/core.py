@@ -26,8 +26,8 @@ from gyre.trainer.weights import Published, WeightsError, WeightStore, file_sha2
 from gyre.trajectory.source import LiveLogSource
 
 if TYPE_CHECKING:
-    from gyre.cluster.trainer_service import TrainerHub
     from gyre.state.run import RunState, Weights
+    from gyre.trainer.hub import TrainerHub
 
 
 @dataclass

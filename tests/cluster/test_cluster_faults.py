@@ -7,7 +7,7 @@ controller mid-rollout, and a harness. Moments too short to hit from outside die
 (`gyre.cluster.faults`): the core in the middle of step 1 (its 6th micro-step) and each satellite at its first
 claim. Each test
 then checks one crash's recovery in the log; the first checks the whole run with the audit
-(`gyre.log.audit`: every producer's events gapless and once, every reward once on its execution's last
+(`gyre.audit`: every producer's events gapless and once, every reward once on its execution's last
 attempt) and replay.
 """
 
@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.chaos_bench import candidates, kill, resolve
+from gyre.audit import audit
 from gyre.cluster.faults import CRASH_ENV
 from gyre.log import LogReader
-from gyre.log.audit import audit
 from gyre.replay.exact import replay_decisions
 from tests.cluster.test_cluster_run import cluster_config
 

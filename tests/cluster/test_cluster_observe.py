@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from gyre.audit import audit
 from gyre.cluster.config import ClusterSection
 from gyre.cluster.run import ClusterRun
 from gyre.config import EvaluationSection, ObserveSection
 from gyre.log import LogReader
-from gyre.log.audit import audit
 from tests.cluster.test_cluster_run import QUICK, cluster_config
 
 pytestmark = pytest.mark.integration

@@ -119,7 +119,7 @@ def test_replay_rederives_every_decision(three_cells: tuple[ClusterConfig, Path]
 def test_every_call_runs_on_weights_at_least_as_new_as_its_execution(three_cells: tuple[ClusterConfig, Path]) -> None:
     """The version contract: each call reports the version that served it, never older than its execution's
     (the audit's rule), so at staleness 0 the trainer's log-probs equal the engines' up to float noise."""
-    from gyre.log.audit import audit
+    from gyre.audit import audit
 
     config, log = three_cells
     report = audit(log, expected_steps=config.steps)

@@ -153,6 +153,7 @@ def test_two_satellites_over_grpc_one_leaving_mid_step(data, tmp_path) -> None:
     one leaves in the middle of step 1 once it finished a micro-step (its gradients then land on the way out);
     every step still equals one replica's."""
     from gyre.cluster.satellite import SatelliteReplica
+    from gyre.cluster.trainer_service import weights_ref
 
     model_dir, batches, _ = data
     core = Core.start(tmp_path, model_dir, lease_s=60)
@@ -160,7 +161,7 @@ def test_two_satellites_over_grpc_one_leaving_mid_step(data, tmp_path) -> None:
                              endpoint=TransferEndpoint(), secret=core.secret) for i in range(2)]
     reference = TorchBackend.from_pretrained(model_dir, backend_config())
     try:
-        prepulled = core.hub.weights_ref(core.hub.publisher.manifest())  # as the controller's JoinStep names it
+        prepulled = weights_ref(core.hub, core.hub.publisher.manifest())  # as the controller's JoinStep names it
         for s, weights in zip(sats, (prepulled, None), strict=True):
             assert s.join(core.server.address, weights)["weights_bytes"] > 0
         joins = {e.cell_id: e.transfer_s for e in core.events("satellite_joined")}

@@ -14,8 +14,8 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
+from gyre.cli import app
 from gyre.log import LogReader
-from gyre.proxy.cli import proxy_app
 
 
 def _free_port() -> int:
@@ -26,7 +26,7 @@ def _free_port() -> int:
 
 def test_serve_in_a_subprocess(scripted, tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.toml"
-    minted = CliRunner().invoke(proxy_app, ["token", "exec-cli", "--file", str(tokens)])
+    minted = CliRunner().invoke(app, ["proxy", "token", "exec-cli", "--file", str(tokens)])
     assert minted.exit_code == 0, minted.output
     token = minted.output.strip()
     port = _free_port()
@@ -36,7 +36,8 @@ def test_serve_in_a_subprocess(scripted, tmp_path: Path) -> None:
     command = [
         sys.executable,
         "-c",
-        "from gyre.proxy.cli import proxy_app; proxy_app()",
+        "from gyre.cli import app; app()",
+        "proxy",
         "serve",
         "--engine",
         f"cell0={scripted.url}",
@@ -87,20 +88,20 @@ def test_bench_json_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
     }
     seen = {}
     monkeypatch.setattr(bench, "run_benchmark", lambda **kw: seen.update(kw) or fake)
-    result = CliRunner().invoke(proxy_app, ["bench", "--json", "--quick"])
+    result = CliRunner().invoke(app, ["proxy", "bench", "--json", "--quick"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output) == fake and seen["quick"] is True
-    text = CliRunner().invoke(proxy_app, ["bench"])
+    text = CliRunner().invoke(app, ["proxy", "bench"])
     assert text.exit_code == 0 and "p50 +0.50 ms" in text.output
 
 
 def test_token_command_mints_into_a_private_file(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.toml"
-    result = CliRunner().invoke(proxy_app, ["token", "a", "b", "-f", str(tokens)])
+    result = CliRunner().invoke(app, ["proxy", "token", "a", "b", "-f", str(tokens)])
     assert result.exit_code == 0
     a, b = result.output.split()
     assert a != b and a.startswith("gyre_ex_") and oct(tokens.stat().st_mode & 0o777) == "0o600"
-    again = CliRunner().invoke(proxy_app, ["token", "a", "-f", str(tokens)])
+    again = CliRunner().invoke(app, ["proxy", "token", "a", "-f", str(tokens)])
     assert again.exit_code == 2 and "already has a token" in again.output and "Traceback" not in again.output
 
 
@@ -114,7 +115,7 @@ def test_serve_refuses_a_bad_token_file_cleanly(tmp_path: Path) -> None:
         (["--execution", "exec-1=0123456789abcdef0"], "No such option"),
         (["--tokenizer", str(tmp_path / "nowhere")], "neither 'tiny' nor a local directory"),
     ):
-        result = CliRunner().invoke(proxy_app, ["serve", "--engine", "http://127.0.0.1:9", *args])
+        result = CliRunner().invoke(app, ["proxy", "serve", "--engine", "http://127.0.0.1:9", *args])
         assert result.exit_code == 2 and words in result.output, result.output
         assert isinstance(result.exception, SystemExit)  # a usage error, not a traceback
 
@@ -125,6 +126,6 @@ def test_serve_without_executions_says_so(monkeypatch: pytest.MonkeyPatch) -> No
     served: list[object] = []
     monkeypatch.setattr(gyre.proxy, "serve", lambda proxy, **kw: served.append(proxy))
     monkeypatch.delenv("GYRE_PROXY_EXECUTIONS", raising=False)
-    result = CliRunner().invoke(proxy_app, ["serve", "--engine", "http://127.0.0.1:9"])
+    result = CliRunner().invoke(app, ["proxy", "serve", "--engine", "http://127.0.0.1:9"])
     assert result.exit_code == 0 and len(served) == 1
     assert "no executions registered" in result.output and "gyre proxy token" in result.output

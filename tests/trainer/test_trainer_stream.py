@@ -11,7 +11,7 @@ from gyre.state import TrainerState, TrainerView, fold, replay
 from gyre.trainer import Claim, StepCoordinator, StepProtocolError, decide
 from gyre.trainer.loss import LossStats
 from gyre.trainer.protocol import MicroStepResult, StepResult
-from gyre.trainer.replica import StepGate, work
+from gyre.trainer.replica import work
 
 
 def result(index: int, loss_sum: float = 1.0) -> MicroStepResult:
@@ -156,13 +156,3 @@ def test_the_work_loop_runs_what_it_claims(sink):
     feeder.join()
     assert [r.index for r in done] == [0, 1, 2]
 
-
-def test_satellites_learn_of_steps_through_the_gate():
-    gate = StepGate()
-    seen: list[int | None] = []
-    t = threading.Thread(target=lambda: seen.extend([gate.await_step(-1), gate.await_step(0)]))
-    t.start()
-    gate.open(0)
-    gate.stop()
-    t.join(5)
-    assert seen == [0, None]

@@ -1,4 +1,4 @@
-"""`gyre.log.audit` on synthetic run logs: a clean run passes; each kind of loss or doubling is named."""
+"""`gyre.audit` on synthetic run logs: a clean run passes; each kind of loss or doubling is named."""
 
 import json
 from collections import defaultdict
@@ -6,6 +6,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from gyre.audit import audit
 from gyre.cli import app
 from gyre.events.models import (
     CellLost,
@@ -28,7 +29,6 @@ from gyre.events.models import (
     WeightsPublished,
 )
 from gyre.log import LogWriter
-from gyre.log.audit import audit
 
 RUN = "run"
 

@@ -2,8 +2,8 @@
 
 A pure function of the run directory (the log, and leftover spill files beside it): `audit(log)` returns an
 `AuditReport` whose ``problems`` name each violation (the producer and its missing numbers, the execution and
-its attempt); it is what the chaos benchmark (`benchmarks/chaos_bench.py`) and `gyre log audit RUN_LOG` hold a
-run to after its processes were killed at random. The rules:
+its attempt); it is what the chaos benchmark (`benchmarks/chaos_bench.py`) and `gyre log audit RUN_LOG`
+(`gyre.audit.cli`) hold a run to after its processes were killed at random. The rules:
 
 - **events lost** — every producer's ``producer_seq`` values are gapless from 0 and unique. A producer that
   restarts as a new process continues its numbering from what the log holds, so a gap is an event a process
@@ -37,6 +37,8 @@ from pydantic import BaseModel, Field
 
 from gyre.events.models import EVENT_TYPES
 from gyre.log.reader import LogReader
+from gyre.log.spill import SUFFIX, spilled_stamps
+from gyre.replay.exact import replay_decisions
 
 SPILL_DIR = "spill"
 """Where processes keep events they could not hand over yet: ``<run_dir>/spill/`` beside ``<run_dir>/log``."""
@@ -65,7 +67,7 @@ class AuditReport(BaseModel):
     events_lost: int = Field(0, description="producer_seq gaps plus events left in spill files")
     events_doubled: int = 0
     spill_files: int = Field(0, description="spill files left under <run_dir>/spill at the end")
-    spill_events: int | None = Field(None, description="events in them, when gyre.cluster.spill can read them")
+    spill_events: int | None = Field(None, description="events in them, when gyre.log.spill can read them")
     quarantined: int = Field(0, description="torn tails earlier recoveries moved aside (never acknowledged)")
     # -- executions and rewards --
     executions: int = 0
@@ -136,8 +138,6 @@ def audit(log: str | Path, *, expected_steps: int | None = None, require_finishe
     _versions(con, report, require_versions)
     _cluster(con, report, quiet_gap_s)
     if replay:
-        from gyre.replay.exact import replay_decisions
-
         result = replay_decisions(log)
         report.replay_mismatches = len(result.mismatches)
         if result.mismatches:
@@ -206,8 +206,6 @@ def _spill(directory: Path, report: AuditReport, con) -> None:
     damaged segment counts as one lost event, since its content cannot be told."""
     if not directory.is_dir():
         return
-    from gyre.cluster.spill import SUFFIX, spilled_stamps
-
     files = sorted(directory.rglob(f"*{SUFFIX}"))
     report.spill_files = len(files)
     if not files:

@@ -1,24 +1,77 @@
-"""`gyre trainer ...`: the trainer benchmark and a scripted multi-process training run.
+"""The benchmark commands (`gyre log bench`, `gyre proxy bench`, `gyre trainer bench`).
 
-The lead registers ``trainer_app`` in ``gyre/cli.py`` (``app.add_typer(trainer_app, name="trainer")``).
+`gyre.cli` adds them to the `log`, `proxy` and `trainer` sub-apps: the packages they measure sit below the
+benchmarks and never import them. Each command imports its benchmark when it runs.
 """
 
 import json
-import tempfile
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-trainer_app = typer.Typer(no_args_is_help=True, help="GSPO trainer: benchmark, scripted replica runs.")
 console = Console()
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of a table")]
 
 
-@trainer_app.command()
-def bench(
+def log_bench(
+    as_json: JsonOpt = False,
+    quick: Annotated[bool, typer.Option("--quick", help="a seconds-long run")] = False,
+    directory: Annotated[Path | None, typer.Option("--dir", help="where to write (default: a temp dir "
+                                                   "under the current directory's disk)")] = None,
+    kill_points: Annotated[int | None, typer.Option(
+        help="kill -9 crash points to run (default: 1000, or 0 with --quick)")] = None,
+    ab: Annotated[bool, typer.Option(
+        "--ab", help="only compare the old writer (frame format v0) with the current one, alternating "
+                     "in one run")] = False,
+    rounds: Annotated[int, typer.Option(min=1, help="rounds per writer with --ab (medians)")] = 10,
+) -> None:
+    """Measure the log's durable throughput, commit latency, replay and recovery speed."""
+    from benchmarks.log_bench import run_ab, run_benchmark
+
+    if ab:
+        results = run_ab(quick=quick, directory=directory, rounds=rounds)
+    else:
+        if kill_points is None:
+            kill_points = 0 if quick else 1000
+        results = run_benchmark(quick=quick, directory=directory, kill_points=kill_points)
+    if as_json:
+        print(json.dumps(results))
+        return
+    table = Table("metric", "value")
+    for key, value in results.items():
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    console.print(table)
+
+
+def proxy_bench(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as one JSON object.")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="A run of about a minute.")] = False,
+    directory: Annotated[Path | None, typer.Option("--dir", help="Where the proxy's log goes (a temp dir).")] = None,
+) -> None:
+    """Added latency of the proxy against calling the engine directly (instant stub engine)."""
+    from benchmarks.proxy_bench import run_benchmark
+
+    results = run_benchmark(quick=quick, directory=directory)
+    if as_json:
+        typer.echo(json.dumps(results))
+        return
+    typer.echo(f"engine: {results['engine']}")
+    for sessions, row in results["concurrency"].items():
+        typer.echo(
+            f"{sessions:>4} sessions: p50 +{row['p50_added_ms']:.2f} ms, p99 +{row['p99_added_ms']:.2f} ms, "
+            f"proxy CPU {row['proxy_cpu_ms_per_call']:.2f} ms/call ({row['calls']} calls)"
+        )
+    for size, row in results["long_context"].items():
+        typer.echo(
+            f"{int(size):>7} tokens held: +{row['added_ms']:.2f} ms "
+            f"(proxied {row['proxied_ms']:.2f}, direct {row['direct_ms']:.2f})"
+        )
+
+
+def trainer_bench(
     as_json: JsonOpt = False,
     quick: Annotated[bool, typer.Option("--quick", help="a seconds-long run: tiny runs, one repeat")] = False,
     executions: Annotated[int | None, typer.Option(help="executions per synthetic run (default 8, quick 4)")] = None,
@@ -74,53 +127,3 @@ def bench(
                       f"{big['peak_rss_growth_bytes'] / 2**30:.2f} GiB (bound at budget {m['token_budget']}: "
                       f"{m['bound_bytes_at_budget'] / 2**30:.2f} GiB), {big['cpu_s']:.0f} CPU s")
     console.print(f"settings: {results['settings']}")
-
-
-@trainer_app.command()
-def replicas(
-    as_json: JsonOpt = False,
-    satellites: Annotated[int, typer.Option(help="satellite processes besides the core")] = 1,
-    steps: Annotated[int, typer.Option(help="training steps (each over the same micro-batches)")] = 1,
-    executions: Annotated[int, typer.Option(help="synthetic executions (groups of 4)")] = 8,
-    out: Annotated[Path | None, typer.Option(help="directory for the model, the log and the weights")] = None,
-) -> None:
-    """Run scripted training steps with a core and satellites in separate processes; show who did what."""
-    from gyre.log import LogReader
-    from gyre.model import save_tiny
-    from gyre.model.tokenizer import VOCAB_SIZE
-    from gyre.trainer.config import GSPOConfig, OptimizerConfig, TorchBackendConfig
-    from gyre.trainer.replicas import ReplicaRun, run_replicas
-    from gyre.trajectory import BatchBuilder, TrajectoryConfig
-    from gyre.trajectory.synth import SynthConfig
-    from gyre.trajectory.synth_log import synthesize
-
-    if as_json:  # keep stdout one JSON object: no progress bars from transformers
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    root = out or Path(tempfile.mkdtemp(prefix="gyre-trainer-replicas-"))
-    synthesize(root / "rollouts", SynthConfig(executions=executions, group_size=4, min_tokens=1_000,
-                                              max_tokens=2_000, vocab_size=VOCAB_SIZE))
-    step = tuple(BatchBuilder(TrajectoryConfig(cap=5, token_budget=2_048)).from_log(root / "rollouts"))
-    run = ReplicaRun(
-        model_dir=save_tiny(root / "model"), log_dir=root / "log", out_dir=root / "weights", steps=(step,) * steps,
-        backend=TorchBackendConfig(optimizer=OptimizerConfig(lr=1e-4), loss=GSPOConfig()), ready_interval_s=0.2,
-    )
-    run_replicas(run, satellites=satellites)
-    rows: list[dict[str, Any]] = []
-    for event in LogReader(run.log_dir).events():
-        row = {"kind": event.kind, **{k: v for k, v in event.payload().items() if v is not None and v != ""}}
-        for key in ("step", "cell_id"):
-            if getattr(event, key) is not None:
-                row[key] = getattr(event, key)
-        rows.append(row)
-    if as_json:
-        print(json.dumps({"directory": str(root), "events": rows}, default=str))
-        return
-    table = Table("kind", "step", "cell", "micro-step", "detail")
-    for row in rows:
-        detail = {k: v for k, v in row.items() if k not in ("kind", "step", "cell_id", "micro_step")}
-        table.add_row(row["kind"], str(row.get("step", "")), str(row.get("cell_id", "")),
-                      str(row.get("micro_step", "")), json.dumps(detail, default=str)[:90])
-    console.print(table)
-    console.print(f"log, model and weights under {root}")

@@ -4,9 +4,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from gyre.cluster.wire import pack_events, unpack_events
 from gyre.errors import EventValidationError
 from gyre.events import CellLost, ModelCallFinished
+from gyre.events.wire import pack_events, unpack_events
 
 
 def test_events_round_trip_except_seq() -> None:
