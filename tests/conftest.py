@@ -83,8 +83,22 @@ INTEGRATION = (
     "tests/cluster/test_satellite.py",  # satellite processes
     "tests/trainer/test_trainer_cli.py::test_bench_json",  # a benchmark run
     "tests/log/test_recovery.py::test_kill_minus_nine",  # crash torture: 200 killed writer processes
+    "tests/controller/test_kill_resume.py",  # training loops killed and resumed (the torture alone: ~40 s)
 )
 """Node id prefixes (a directory, a file, or a file and a test name)."""
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The fast tier (`-m "not integration ..."`) does not even import the integration tier's whole modules
+    and directories: collecting them costs seconds (Megatron's import alone ~7 s) for tests it deselects."""
+    if "not integration" not in (config.option.markexpr or ""):
+        return None
+    try:
+        relative = collection_path.relative_to(config.rootpath).as_posix()
+    except ValueError:
+        return None
+    relative += "/" if collection_path.is_dir() else ""
+    return True if any(relative.startswith(p) for p in INTEGRATION if "::" not in p) else None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
