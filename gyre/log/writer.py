@@ -20,6 +20,7 @@ about 0.5 of a raw write + fsync of the same bytes on 2 cores; the pipeline with
 measured 0.86 to 1.3 (docs/benchmarks.md).
 """
 
+import errno
 import fcntl
 import logging
 import os
@@ -89,6 +90,13 @@ class Recovery:
 class WriterStats:
     fsyncs: int = 0
     bytes: int = 0
+    disk_full_s: float = 0.0
+    """Seconds writes waited for space on a full disk."""
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL_POLL_S = 0.5
+"""How often a write that found the disk full tries again (the space comes back from outside: no event)."""
 
 
 @dataclass
@@ -540,7 +548,27 @@ class LogWriter:
                 yield _ReadyFrame(first, batch_frame_parts(part, first, self._schema, self.frame_format))
 
     def _write_parts(self, parts: list, size: int) -> None:
-        _write_all(self._fd, parts, self._offset)
+        """Write at the segment's end; on a full disk, wait for space and write the same bytes again.
+
+        A positional write that failed part-way leaves bytes past the last durable frame that the retry
+        overwrites (or, after a crash, recovery cuts as a torn tail): nothing acknowledged is touched, and
+        nothing is acknowledged while the disk is full, so producers wait (remote ones keep their spill)."""
+        started = None
+        while True:
+            try:
+                _write_all(self._fd, parts, self._offset)
+                break
+            except OSError as error:
+                if error.errno not in DISK_FULL or self._stopping:
+                    raise
+                if started is None:
+                    started = time.monotonic()
+                    log.error("log %s: the disk is full; writes wait for space (nothing is lost)", self.path)
+                time.sleep(DISK_FULL_POLL_S)
+        if started is not None:
+            waited = time.monotonic() - started
+            self.stats.disk_full_s += waited
+            log.warning("log %s: space came back after %.1fs; writing again", self.path, waited)
         self._offset += size
         self.stats.bytes += size
 
