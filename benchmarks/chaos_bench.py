@@ -25,6 +25,7 @@ What it assumes of the controller (the contract `gyre run` keeps for it):
 from __future__ import annotations
 
 import argparse
+import errno
 import itertools
 import json
 import os
@@ -35,8 +36,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -229,6 +232,73 @@ def kill(name: str, pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+# -- a full log disk ------------------------------------------------------------------------------------------
+
+
+class FullDisk:
+    """The run's log directory on a small tmpfs (root: ``mount``), filled to the last byte ``at_s`` seconds
+    into the run and given back ``hold_s`` seconds later: the writer must wait for space, lose nothing
+    acknowledged, and the run go on."""
+
+    FILLER = ".disk-full-filler"
+
+    def __init__(self, log_dir: Path, at_s: float, hold_s: float, size_mb: int = 256) -> None:
+        self.log_dir, self.at_s, self.hold_s, self.size_mb = log_dir, at_s, hold_s, size_mb
+        self.mounted = False
+        self.figures: dict[str, float | int | None] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def mount(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size_mb}m", "tmpfs", str(self.log_dir)],
+                       check=True, capture_output=True)
+        self.mounted = True
+
+    def start(self, elapsed: Callable[[], float]) -> None:
+        self._thread = threading.Thread(target=self._run, args=(elapsed,), name="chaos-full-disk", daemon=True)
+        self._thread.start()
+
+    def _run(self, elapsed: Callable[[], float]) -> None:
+        if self._stop.wait(max(0.0, self.at_s - elapsed())):
+            return
+        filled = self.fill()
+        self.figures.update(at_s=round(elapsed(), 3), filled_bytes=filled, log_seq_full=_last_seq(self.log_dir))
+        self._stop.wait(self.hold_s)
+        (self.log_dir / self.FILLER).unlink(missing_ok=True)
+        self.figures.update(freed_at_s=round(elapsed(), 3), log_seq_freed=_last_seq(self.log_dir))
+
+    def fill(self) -> int:
+        """Write zeros until the disk says it is full; returns the bytes written."""
+        written = 0
+        chunk = b"\0" * (1 << 20)
+        with open(self.log_dir / self.FILLER, "wb", buffering=0) as filler:
+            while True:
+                try:
+                    written += filler.write(chunk)
+                except OSError as error:
+                    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    chunk = chunk[: len(chunk) // 2]
+                    if not chunk:
+                        return written
+
+    def unmount(self) -> None:
+        """Stop, and put the log back on the real disk (copied out of the tmpfs, which goes)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if not self.mounted:
+            return
+        (self.log_dir / self.FILLER).unlink(missing_ok=True)
+        saved = self.log_dir.parent / f"{self.log_dir.name}.tmpfs-copy"
+        shutil.copytree(self.log_dir, saved)
+        subprocess.run(["umount", str(self.log_dir)], check=True, capture_output=True)
+        self.mounted = False
+        shutil.rmtree(self.log_dir)
+        saved.rename(self.log_dir)
 
 
 # -- the run's config -------------------------------------------------------------------------------------------
@@ -562,7 +632,15 @@ def run_seed(args: argparse.Namespace, seed: int, root: Path, run_name: str = "r
     run_dir = root / run_name
     config = write_config(run_dir, run_config(run_dir, steps=steps, seed=seed, base=args.config))
     chaos = Chaos(run_dir, config, schedule, args.kills, timeout_s=args.timeout_s, stall_s=args.stall_s)
-    result = chaos.run()
+    disk = FullDisk(run_dir / "log", args.full_disk_at_s, args.full_disk_s) if args.full_disk_s else None
+    try:
+        if disk is not None:
+            disk.mount()
+            disk.start(chaos.elapsed)
+        result = chaos.run()
+    finally:
+        if disk is not None:
+            disk.unmount()
     report = replayed = gap = None
     if (run_dir / "log").is_dir() and any((run_dir / "log").glob("*.seg")):
         from gyre.audit import audit
@@ -571,6 +649,11 @@ def run_seed(args: argparse.Namespace, seed: int, root: Path, run_name: str = "r
         gap = recovery_times(run_dir / "log", result.kills)
         replayed = replay(run_dir / "log")
     out = {"seed": seed, "steps": steps, **summary(result, report, replayed, gap)}
+    if disk is not None:
+        out["full_disk"] = disk.figures
+        if "freed_at_s" not in disk.figures:
+            out["problems"].append("the run ended before the full disk was given back: start it earlier")
+            out["passed"] = False
     if args.keep is not None:
         out["run_dir"] = str(run_dir)
     return out
@@ -587,6 +670,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="victim class weights, e.g. controller=1,proxy=1,cell=2,harness=2")
     parser.add_argument("--bursts", type=float, default=0.0,
                         help="share of kill moments that are bursts: every cell, core+controller, proxy+core")
+    parser.add_argument("--full-disk-s", type=float, default=0.0,
+                        help="fill the log's disk (a tmpfs; root) for this long, --full-disk-at-s into the run")
+    parser.add_argument("--full-disk-at-s", type=float, default=60.0)
     parser.add_argument("--min-wait-s", type=float, default=1.0)
     parser.add_argument("--max-wait-s", type=float, default=6.0)
     parser.add_argument("--max-events", type=int, default=20, help="new log events to wait for, drawn 1..this")
