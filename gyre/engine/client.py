@@ -317,7 +317,11 @@ class _Call(Generic[T]):
         return headers
 
 
-def _post(path: str, body: Any = None, read: Callable[[_Answer], T] = lambda a: a.ok() and None) -> _Call[T]:
+def _no_content(answer: _Answer) -> None:
+    answer.ok()
+
+
+def _post(path: str, body: Any = None, read: Callable[[_Answer], Any] = _no_content) -> _Call[Any]:
     return _Call("POST", path, read, None if body is None else json.dumps(body).encode())
 
 
