@@ -7,7 +7,7 @@ as slime does - and from `output_ids` otherwise. Every failure surfaces as an `E
 unreachable, timeout, HTTP error (with the body), or a response that breaks the protocol.
 
 One implementation, two faces: `_EngineCalls` builds every request (`_Call`: method, path, body, how to read
-the answer) and reads every answer; `HttpEngineClient` (async: the proxy, the KV mover's peers) and
+the answer) and reads every answer; `HttpEngineClient` (async: the proxy's) and
 `SyncHttpEngineClient` (blocking: cells, scripts, tests) only move bytes. So an endpoint, a field or an
 error rule is written once and both faces have it.
 """
@@ -300,7 +300,7 @@ class _Answer:
 
 @dataclass(frozen=True, slots=True)
 class _Call(Generic[T]):
-    """One request and how to read its answer. `soft`: an engine that is down answers `read(None)`."""
+    """One request and how to read its answer. `soft` (a GET): an engine that is down answers `read(None)`."""
 
     method: str
     path: str
@@ -521,20 +521,17 @@ class HttpEngineClient(_EngineCalls):
 
     async def _run(self, call: _Call[T]) -> T:
         url, timeout_s, start = self.base_url + call.path, self._timeout_s(call), time.perf_counter()
+        if self._wire is not None and call.method == "POST":  # soft calls are GETs: never here
+            headers = {**self.config.headers, **call.headers()}
+            r = await post_or_raise(self._wire, call.path, call.body or b"", headers, timeout_s, url)
+            return call.read(_Answer(url, r.status, r.body, time.perf_counter() - start))
         try:
-            if self._wire is not None and call.method == "POST":
-                headers = {**self.config.headers, **call.headers()}
-                r = await post_or_raise(self._wire, call.path, call.body or b"", headers, timeout_s, url)
-                return call.read(_Answer(url, r.status, r.body, time.perf_counter() - start))
-            try:
-                resp = await self._http.request(call.method, call.path, content=call.body, headers=call.headers(),
-                                                timeout=self._httpx_timeout(call))
-            except httpx.TransportError as e:
-                raise _transport_error(e, url, timeout_s) from e
-        except (EngineUnreachableError, EngineTimeoutError):
+            resp = await self._http.request(call.method, call.path, content=call.body, headers=call.headers(),
+                                            timeout=self._httpx_timeout(call))
+        except httpx.TransportError as e:
             if call.soft:
                 return call.read(None)
-            raise
+            raise _transport_error(e, url, timeout_s) from e
         return call.read(_Answer(url, resp.status_code, resp.content, time.perf_counter() - start))
 
     async def _stream(self, call: _Call[T]) -> AsyncIterator[T]:
