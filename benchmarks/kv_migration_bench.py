@@ -19,7 +19,7 @@ and medians are kept.
 `/gyre/stats` (`kv_pool.allocations` and `kv_pool.fallbacks`) over the size's rounds, both paths.
 Engines A and B are `gyre engine serve` processes; the benchmark process plays the proxy, with the proxy's
 own pieces: the moved prefix is an `array("i")` (as a call record holds it) and `/generate` goes through
-`EngineLink` with the prompt's JSON built once (as the proxy keeps recorded calls' JSON), so neither the
+`engine_link` with the prompt's JSON built once (as the proxy keeps recorded calls' JSON), so neither the
 move nor the continuation pays a per-id conversion the proxy does not.
 Goals (issue 13): the redirect's cost (`migrate - stay`, paired by round) <= transfer + 20 ms at every size
 (`migrate_minus_transfer_ms` is reported too: it also holds the continuation's own first step, which
@@ -48,7 +48,7 @@ import httpx
 from gyre.engine import HttpEngineClient, SamplingParams
 from gyre.proxy.kv_mover import MooncakeKvMover
 from gyre.proxy.routing import KvMove
-from gyre.proxy.transport import EngineLink, Prompt
+from gyre.proxy.transport import Prompt, engine_link
 
 SIZES = (8192, 32000, 100000)  # the tiny model's context is 131072 positions
 FULL_RECOMPUTE_MAX = 32768
@@ -130,7 +130,7 @@ class RawTcp:
 GREEDY_ONE = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
 
 
-async def _first_token(link: EngineLink, prompt: Prompt, rid: str) -> tuple[float, int]:
+async def _first_token(link: HttpEngineClient, prompt: Prompt, rid: str) -> tuple[float, int]:
     start = time.perf_counter()
     result = await link.generate(prompt, GREEDY_ONE, rid)
     return time.perf_counter() - start, result.cached_tokens
@@ -142,7 +142,7 @@ async def _pool_counts(url: str) -> tuple[int, int]:
     return (pool["allocations"], pool["fallbacks"]) if pool else (0, 0)
 
 
-async def _size(a: HttpEngineClient, b: HttpEngineClient, links: tuple[EngineLink, EngineLink],
+async def _size(a: HttpEngineClient, b: HttpEngineClient, links: tuple[HttpEngineClient, HttpEngineClient],
                 mover: MooncakeKvMover, pusher: MooncakeKvMover, raw: RawTcp, n: int, rounds: int,
                 b_url: str) -> dict[str, Any]:
     before = await _pool_counts(b_url)
@@ -244,7 +244,7 @@ async def run(quick: bool = False, rounds: int | None = None, sizes: tuple[int, 
         mover = MooncakeKvMover({"a": urls[0], "b": urls[1]})
         pusher = MooncakeKvMover({"a": urls[0], "b": urls[1]}, path="push")
         results: dict[str, Any] = {}
-        links = (EngineLink(urls[0]), EngineLink(urls[1]))
+        links = (engine_link(urls[0]), engine_link(urls[1]))
         async with HttpEngineClient(urls[0]) as a, HttpEngineClient(urls[1]) as b:
             warm = [1 + i % 200 for i in range(300)]  # endpoints start and connect once, outside the figures
             await a.generate(warm, {"max_new_tokens": 2})

@@ -170,10 +170,10 @@ class ProxyNode:
         router: Router = self.parts.proxy.router
         for route in routing.cells:
             if self._urls.get(route.cell_id) != route.engine_url:  # a new cell, or one restarted at a new address
-                from gyre.proxy.transport import EngineLink
+                from gyre.proxy.transport import engine_link
 
-                router.add_cell(route.cell_id, EngineLink(route.engine_url,
-                                                          timeout_s=self.parts.proxy.config.engine_timeout_s))
+                router.add_cell(route.cell_id, engine_link(route.engine_url,
+                                                           timeout_s=self.parts.proxy.config.engine_timeout_s))
             self._urls[route.cell_id] = route.engine_url
             router.set_route(route.cell_id, route.slots, route.admitting, route.weights_version)
         self.parts.gate.interrupt()

@@ -12,13 +12,12 @@ from gyre.proxy.errors import ApiError, ProxyError, UnknownCellError, UnknownExe
 from gyre.proxy.registry import Registration
 from gyre.proxy.routing import KvMove, KvMover, KvMoveResult, RecomputeKv
 from gyre.proxy.server import ProxyServer, serve
-from gyre.proxy.transport import EngineLink, GenerateEngine, Prompt
+from gyre.proxy.transport import GenerateEngine, Prompt, engine_link
 
 __all__ = [
     "ActiveCall",
     "ApiError",
     "CallSettings",
-    "EngineLink",
     "GenerateEngine",
     "KvMove",
     "KvMoveResult",
@@ -34,6 +33,7 @@ __all__ = [
     "SamplingOverrides",
     "UnknownCellError",
     "UnknownExecutionError",
+    "engine_link",
     "harness_env",
     "serve",
 ]

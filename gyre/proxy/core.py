@@ -48,7 +48,7 @@ from gyre.proxy.routing import UNPLACED, Flight, KvMove, KvMover, RecomputeKv, R
 from gyre.proxy.template_render import renderer_for
 from gyre.proxy.tito import CallRecord, Plan
 from gyre.proxy.tokens import TokenCodec
-from gyre.proxy.transport import EngineLink, GenerateEngine, Prompt, prompt_of
+from gyre.proxy.transport import GenerateEngine, Prompt, engine_link, prompt_of
 from gyre.sink import EventSink, MemorySink
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,8 @@ class Proxy:
             renderer = renderer_for(self.codec.tokenizer, self.codec.stop_texts)
         self.renderer: ChatRenderer = renderer
         if engines is None:
-            engines = {cell: EngineLink(url, timeout_s=config.engine_timeout_s) for cell, url in config.engines.items()}
+            engines = {cell: engine_link(url, timeout_s=config.engine_timeout_s)
+                       for cell, url in config.engines.items()}
         self.router = Router(engines)
         if kv_mover is None and config.kv_mover == "mooncake":
             kv_mover = MooncakeKvMover(lambda cell: self.router.engine(cell).base_url)

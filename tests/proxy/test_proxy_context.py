@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from gyre.model.tokenizer import build_tokenizer
-from gyre.proxy.transport import EngineLink
+from gyre.proxy.transport import engine_link
 from tests.proxy.proxy_helpers import TOKEN
 
 
@@ -77,7 +77,7 @@ def test_overlong_prompt_openai_shapes(scripted, start_proxy, api: str) -> None:
 
 def test_context_length_is_learned_from_the_local_engine(engine_server) -> None:
     async def ask() -> int | None:
-        link = EngineLink(engine_server.url)
+        link = engine_link(engine_server.url)
         try:
             return await link.context_length()
         finally:
@@ -88,7 +88,7 @@ def test_context_length_is_learned_from_the_local_engine(engine_server) -> None:
 
 def test_scripted_engine_without_model_info_means_no_check(scripted) -> None:
     async def ask() -> int | None:
-        link = EngineLink(scripted.url)
+        link = engine_link(scripted.url)
         try:
             return await link.context_length()
         finally:

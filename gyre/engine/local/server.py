@@ -12,7 +12,8 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future
 from typing import Any, TypeVar, cast
 
 import uvicorn
@@ -266,12 +267,13 @@ def build_app(engine: LocalEngine) -> FastAPI:
         await asyncio.wrap_future(engine.scheduler.resume())
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request) -> JSONResponse:
-        req = await _parse(request, UpdateWeightsFromDiskRequest)
-        pending = await asyncio.to_thread(engine.update_weights_from_disk, req)  # reads files off the loop
-        result = await asyncio.wrap_future(pending)
-        return JSONResponse(result.model_dump())
+    # The two weight loads: decoding files or tensors may be large, so it runs off the loop; the engine then
+    # swaps the weights between scheduler steps.
+    for path, model, load in (
+        ("/update_weights_from_disk", UpdateWeightsFromDiskRequest, engine.update_weights_from_disk),
+        ("/update_weights_from_tensor", UpdateWeightsFromTensorRequest, engine.update_weights_from_tensor),
+    ):
+        app.add_api_route(path, _weights_route(model, load), methods=["POST"], name=path[1:])
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
@@ -280,13 +282,6 @@ def build_app(engine: LocalEngine) -> FastAPI:
             await asyncio.wrap_future(engine.scheduler.abort("", abort_all=True))
         await asyncio.to_thread(engine.set_weight_version, req.new_version)
         return JSONResponse({"success": True, "message": f"weight version is {req.new_version}"})
-
-    @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(request: Request) -> JSONResponse:
-        req = await _parse(request, UpdateWeightsFromTensorRequest)
-        pending = await asyncio.to_thread(engine.update_weights_from_tensor, req)  # decoding may be large
-        result = await asyncio.wrap_future(pending)
-        return JSONResponse(result.model_dump())
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
@@ -319,46 +314,21 @@ def build_app(engine: LocalEngine) -> FastAPI:
         return JSONResponse(engine.model_info().model_dump())
 
     # Gyre-only: KV migration (gyre.engine.kv_protocol). Transfers block, so they run off the event loop.
-    @app.get("/gyre/kv/layout")
-    async def kv_layout() -> JSONResponse:
-        return JSONResponse(engine.kv.layout().model_dump())
-
-    @app.post("/gyre/kv/offer")
-    async def kv_offer(request: Request) -> JSONResponse:
-        req = await _parse(request, KvOfferRequest)
-        return JSONResponse((await asyncio.to_thread(engine.kv.offer, req)).model_dump())
-
-    @app.post("/gyre/kv/import")
-    async def kv_import(request: Request) -> JSONResponse:
-        req = await _parse(request, KvImportRequest)
-        return JSONResponse((await asyncio.to_thread(engine.kv.import_, req)).model_dump())
-
-    @app.post("/gyre/kv/release")
-    async def kv_release(request: Request) -> JSONResponse:
-        req = await _parse(request, KvReleaseRequest)
-        await asyncio.to_thread(engine.kv.release, req.offer_id)
-        return JSONResponse({"success": True})
-
-    @app.post("/gyre/kv/reserve")
-    async def kv_reserve(request: Request) -> JSONResponse:
-        req = await _parse(request, KvReserveRequest)
-        return JSONResponse((await asyncio.to_thread(engine.kv.reserve, req)).model_dump())
-
-    @app.post("/gyre/kv/export")
-    async def kv_export(request: Request) -> JSONResponse:
-        req = await _parse(request, KvExportRequest)
-        return JSONResponse((await asyncio.to_thread(engine.kv.export, req)).model_dump())
-
-    @app.post("/gyre/kv/commit")
-    async def kv_commit(request: Request) -> JSONResponse:
-        req = await _parse(request, KvCommitRequest)
-        return JSONResponse((await asyncio.to_thread(engine.kv.commit, req)).model_dump())
-
-    @app.post("/gyre/kv/cancel")
-    async def kv_cancel(request: Request) -> JSONResponse:
-        req = await _parse(request, KvCancelRequest)
-        await asyncio.to_thread(engine.kv.cancel, req.reservation_id)
-        return JSONResponse({"success": True})
+    # One route per port operation: parse its request, run it, answer its result (`{"success": true}` for
+    # the operations that return nothing).
+    kv_routes: dict[str, tuple[type[BaseModel] | None, Callable[[Any], BaseModel | None]]] = {
+        "layout": (None, lambda _: engine.kv.layout()),
+        "offer": (KvOfferRequest, lambda req: engine.kv.offer(req)),
+        "import": (KvImportRequest, lambda req: engine.kv.import_(req)),
+        "release": (KvReleaseRequest, lambda req: engine.kv.release(req.offer_id)),
+        "reserve": (KvReserveRequest, lambda req: engine.kv.reserve(req)),
+        "export": (KvExportRequest, lambda req: engine.kv.export(req)),
+        "commit": (KvCommitRequest, lambda req: engine.kv.commit(req)),
+        "cancel": (KvCancelRequest, lambda req: engine.kv.cancel(req.reservation_id)),
+    }
+    for name, (model, operation) in kv_routes.items():
+        app.add_api_route(f"/gyre/kv/{name}", _kv_route(model, operation), methods=["POST" if model else "GET"],
+                          name=f"kv_{name}")
 
     @app.get("/gyre/stats")
     async def stats() -> JSONResponse:
@@ -381,6 +351,26 @@ async def _sse(
     finally:
         if not finished:
             engine.scheduler.abort(rid)
+
+
+def _weights_route(model: type[M], load: Callable[[M], Future[Any]]) -> Callable[[Request], Awaitable[JSONResponse]]:
+    async def route(request: Request) -> JSONResponse:
+        req = await _parse(request, model)
+        pending = await asyncio.to_thread(load, req)
+        return JSONResponse((await asyncio.wrap_future(pending)).model_dump())
+
+    return route
+
+
+def _kv_route(
+    model: type[BaseModel] | None, operation: Callable[[Any], BaseModel | None]
+) -> Callable[[Request], Awaitable[JSONResponse]]:
+    async def route(request: Request) -> JSONResponse:
+        req = None if model is None else await _parse(request, model)
+        result = await asyncio.to_thread(operation, req)
+        return JSONResponse({"success": True} if result is None else result.model_dump())
+
+    return route
 
 
 MEMORY_TAGS = frozenset({"weights", "kv_cache"})
