@@ -265,10 +265,10 @@ class FullDisk:
         if self._stop.wait(max(0.0, self.at_s - elapsed())):
             return
         filled = self.fill()
-        self.figures.update(at_s=round(elapsed(), 3), filled_bytes=filled, log_seq_full=_last_seq(self.log_dir))
+        self.figures.update(at_s=round(elapsed(), 3), filled_bytes=filled)
         self._stop.wait(self.hold_s)
         (self.log_dir / self.FILLER).unlink(missing_ok=True)
-        self.figures.update(freed_at_s=round(elapsed(), 3), log_seq_freed=_last_seq(self.log_dir))
+        self.figures.update(freed_at_s=round(elapsed(), 3))
 
     def fill(self) -> int:
         """Write zeros until the disk says it is full; returns the bytes written."""
