@@ -171,16 +171,17 @@ def plan_calls(scenario: Scenario, spec: ExecutionSpec, seed: int, timing: CallT
     waits = _split_float(wait_total, _weights(rng, n, c.call_sigma))
     deltas = _split_int(delta_total, _weights(rng, n, c.call_sigma))
     outs = [1 + x for x in _split_int(o - n, _weights(rng, n, c.call_sigma))]
-    calls, context = [], 0
-    for i in range(n):
-        delta, compaction = deltas[i], False
-        if c.compact_at_tokens is not None and i > 0 and context + delta + outs[i] > c.compact_at_tokens:
-            delta, compaction, context = c.summary_tokens + delta, True, 0
-        context += delta + outs[i]
-        calls.append(Call(round(waits[i], 3), delta, outs[i], compaction))
     timeout = scenario.rollout.timeout_s
+    raw = [(round(waits[i], 3), deltas[i], outs[i], False) for i in range(n)]
     if spec.status == "timed_out":
-        calls.append(Call(timeout, 0, 1, stall=True))
+        raw.append((timeout, 0, 1, True))
+    calls, context = [], 0
+    for i, (wait, delta, out, stall) in enumerate(raw):
+        compaction = False
+        if c.compact_at_tokens is not None and i > 0 and context + delta + out > c.compact_at_tokens:
+            delta, compaction, context = c.summary_tokens + delta, True, 0
+        context += delta + out
+        calls.append(Call(wait, delta, out, compaction, stall))
     match = _INDICES.search(spec.execution_id)
     group, rollout = (int(match[2]), int(match[3])) if match else (None, None)
     return CallPlan(spec.execution_id, spec.task_id, spec.group_id, spec.step, group, rollout, spec.status,
