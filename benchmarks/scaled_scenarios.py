@@ -4,8 +4,8 @@ original's policy ranking and speedups within 5% (issue #26, deliverable 5).
     .venv/bin/python benchmarks/scaled_scenarios.py [--pair seed-2.4t] [--seed 0] [--per-call] [--json]
 
 Each pair is simulated in full (``compare``: elastic, colocate and async on the same work, every cost on).
-``--per-call`` times both scenarios call by call (``calls.simulate``). JSON out: one object per pair with
-both runs' hours and speedups, the scaled/original ratio of each speedup and the verdict.
+``--per-call`` times both scenarios call by call (``calls.simulate``). JSON out: ``{"tolerance", "pairs"}``, a
+pair with both runs' hours, speedups and rankings, the scaled/original ratio of each speedup and the verdict.
 """
 
 import argparse
@@ -57,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     out = [side_by_side(o, PAIRS[o], args.seed, args.per_call) for o in (args.pair or sorted(PAIRS))]
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps({"tolerance": TOLERANCE, "pairs": out}))
         return
     for row in out:
         o, s = row["original"], row["scaled"]
