@@ -19,16 +19,12 @@ keeps the aggregate:
 Pure and seeded (the workload seed, the step and the execution id): the same plan for the same execution,
 whoever asks. ``CallPlan.to_json`` is the plain description a scenario harness runs
 (``agents/scenario_agent``), and ``CallPlan.from_json`` reads it back, so a live run and ``gyre sim`` face
-the same executions. ``python -m gyre.sim.calls SCENARIO --steps N --out FILE`` writes a workload's.
+the same executions. ``python -m gyre.sim.describe SCENARIO --steps N --out FILE`` writes a workload's.
 """
 
-import argparse
-import json
 import re
-import sys
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -211,40 +207,3 @@ def _split_int(total: int, weights: np.ndarray) -> list[int]:
 
 def _split_float(total: float, weights: np.ndarray) -> list[float]:
     return [float(x) for x in total * weights / weights.sum()]
-
-
-def main(argv: list[str] | None = None) -> int:
-    from gyre.errors import ConfigError
-    from gyre.sim.scenario import load_scenario
-    from gyre.sim.workload import sample_workload
-
-    parser = argparse.ArgumentParser(prog="python -m gyre.sim.calls", description="Write a scenario's per-call "
-                                     "workload description (JSON) for a scenario harness.")
-    parser.add_argument("scenario", help="scenario name or file")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--time-scale", type=float, default=1.0, help="the harness sleeps wait_s / time_scale")
-    parser.add_argument("--token-scale", type=float, default=1.0,
-                        help="the harness asks for output_tokens / token_scale tokens")
-    parser.add_argument("--chars-per-token", type=float, default=1.0, help="filler characters per prompt token")
-    parser.add_argument("--out", type=Path, default=None, help="file to write (default: stdout)")
-    args = parser.parse_args(argv)
-    try:
-        scenario = load_scenario(args.scenario)
-        seed = scenario.seed if args.seed is None else args.seed
-        out = describe_workload(scenario, sample_workload(scenario, seed, args.steps), seed,
-                                time_scale=args.time_scale, token_scale=args.token_scale,
-                                chars_per_token=args.chars_per_token)
-    except (ConfigError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    text = json.dumps(out)
-    if args.out is None:
-        print(text)
-    else:
-        args.out.write_text(text)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

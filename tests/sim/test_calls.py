@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from gyre.errors import ConfigError
 from gyre.scheduler import get_policy
 from gyre.sim.calls import CallPlan, CallTiming, describe_workload, plan_calls
+from gyre.sim.describe import main as describe_main
 from gyre.sim.runner import policy_params, simulate
 from gyre.sim.scenario import load_scenario, with_values
 from gyre.sim.workload import ExecutionSpec, Workload, sample_workload
@@ -138,3 +139,12 @@ def test_per_call_runs_are_deterministic_and_off_by_default():
 def test_per_call_needs_a_decode_curve():
     with pytest.raises(ConfigError, match=r"calls\.simulate needs decode\.share"):
         with_values(load_scenario("tiny"), {"calls.simulate": True})
+
+
+def test_describe_writes_a_workloads_descriptions(tmp_path, capsys):
+    out = tmp_path / "workload.json"
+    assert describe_main(["terminal-bench-like-scaled", "--steps", "1", "--token-scale", "50", "--out", str(out)]) == 0
+    document = json.loads(out.read_text())
+    assert document["format"] == "gyre-workload-set/1" and len(document["executions"]) == 32
+    assert {d["token_scale"] for d in document["executions"]} == {50}
+    assert describe_main(["tiny"]) == 2 and "no decode curve" in capsys.readouterr().err
