@@ -8,13 +8,16 @@ published ``publish_s`` later. Switching costs and slot limits are ignored, so n
 With load-dependent decode an execution can run faster than its sampled (full-cell) duration: the work
 term divides by the fastest rate a full cell reaches (empty contexts), the critical path by the fastest
 rate of a lone request, and the optimizer is counted without the all-reduce (one contributing cell).
+In per-call mode (``[calls] simulate``) an execution is no faster than its calls' waits and prefill plus its
+output decoded alone with no context, or its timeout (``CallTiming.fastest_s``), on any cell.
 With partial rollouts a step need not wait for its own batch: every group of batch ``s`` is trained by
 step ``s + 1`` at the latest (the due rule) and was queued no earlier than version ``s - 1 - staleness``
 (over-sampled with the batch before), so the critical path makes step ``s + 1`` wait for batch ``s``.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from gyre.sim.calls import CallTiming, plan_calls
 from gyre.sim.rollouts import DecodeCurve
 from gyre.sim.scenario import Scenario
 from gyre.sim.workload import ExecutionSpec, Workload
@@ -30,10 +33,19 @@ class Bound:
         return max(self.work_s, self.critical_path_s)
 
 
-def lower_bound(scenario: Scenario, workload: Workload, staleness: int, partial: bool = False) -> Bound:
+def lower_bound(scenario: Scenario, workload: Workload, staleness: int, partial: bool = False,
+                seed: int = 0) -> Bound:
+    """``seed``: the workload's, which per-call plans are drawn with."""
     cluster, training = scenario.cluster, scenario.training
     curve = DecodeCurve(scenario)
     full_rate, lone_rate = curve.rate(cluster.slots_per_cell, 0), curve.rate(1, 0)
+    if scenario.calls.simulate:
+        timing = CallTiming(scenario)
+        fastest = {e.execution_id: timing.fastest_s(plan_calls(scenario, e, seed, timing))
+                   for e in workload.executions()}
+        full_rate = lone_rate = 1.0
+        workload = Workload(tuple(tuple(replace(e, duration_s=fastest[e.execution_id]) for e in batch)
+                                  for batch in workload.batches))
     s_per_mtoken = training.cell_s_per_mtoken(cluster.gpus_per_cell)
     work = 0.0
     published = [0.0]  # time version v is on the rollout engines

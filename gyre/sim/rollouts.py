@@ -18,6 +18,14 @@ that moment. Its work is kept, not redone, but resuming costs a re-prefill of it
 ``rollout.resume_s_per_mtoken`` seconds per million context tokens, during which it holds its slot and
 decodes nothing (as a redirected call waits for its KV).
 
+Per-call mode (``[calls] simulate = true``, ``gyre.sim.calls``): an execution runs its ``CallPlan`` call by
+call. A call waits on its tools (wall time, off the cell's clock), prefills its prompt delta (wall time),
+then decodes its output tokens on the cell's clock, which then runs at ``token_ms / t(n, C)`` for the ``n``
+requests decoding on the cell with ``C`` tokens of context among them (requests waiting on tools are not in
+the batch). Each call's record spans its wait, prefill and decode, so an execution still always has one call
+in flight (a redirect moves it; a KV migration overlaps a tool wait). A run that reaches ``timeout_s`` of
+time on cells is cut there, its call aborted, and finishes ``timed_out``.
+
 Every call records the published version it started under, so a run can say how many trained
 trajectories mix versions (``mixed``) and how old its oldest trained token is (``first_version``).
 """
@@ -26,7 +34,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from gyre.events.models import (
@@ -40,6 +48,7 @@ from gyre.events.models import (
     Redirect,
     RewardRecorded,
 )
+from gyre.sim.calls import CallPlan, CallTiming, plan_calls
 from gyre.sim.clock import US, to_us
 from gyre.sim.scenario import Scenario
 from gyre.sim.workload import ExecutionSpec
@@ -71,6 +80,19 @@ class Running:
     """Times the execution was cut and continued (partial rollouts): its later calls get new ids."""
     parent: str | None = None
     """The last call that finished: the parent of the next one."""
+    plan: CallPlan | None = None
+    """Per-call mode: the execution's calls (else it runs ``spec.calls`` blocks of ``call_us``)."""
+    waiting: bool = False
+    """Per-call mode: the call in flight is in its tool wait or prefill, until ``wait_end_us``."""
+    wait_end_us: int = 0
+    wait_left_us: int = 0
+    """A cut execution's wait and prefill still to go when it resumes."""
+    stint_us: int = 0
+    """Per-call mode: when its current stretch on cells began (a cut ends one), for the timeout."""
+    elapsed_us: int = 0
+    """Per-call mode: time on cells before the current stretch."""
+    timer: int = 0
+    """Per-call mode: bumped when a stretch ends, so its timeout no longer applies."""
 
     def call_id(self) -> str:
         suffix = f"-r{self.resumes}" if self.resumes else ""
@@ -78,12 +100,20 @@ class Running:
 
     @property
     def context(self) -> int:
-        """Context tokens of the call in flight (the trajectory grows evenly over its calls)."""
+        """Context tokens of the call in flight (aggregate: the trajectory grows evenly over its calls)."""
+        if self.plan is not None:
+            return self.plan.contexts[self.call]
         return self.spec.tokens * (self.call + 1) // self.spec.calls
 
     @property
+    def prompt(self) -> int:
+        if self.plan is not None:
+            return self.plan.prompt_tokens(self.call)
+        return self.spec.tokens * self.call // self.spec.calls
+
+    @property
     def last_call(self) -> bool:
-        return self.call == self.spec.calls - 1
+        return self.call == (len(self.plan.calls) if self.plan is not None else self.spec.calls) - 1
 
 
 @dataclass(slots=True)
@@ -104,7 +134,11 @@ class CellClock:
 
 
 class DecodeCurve:
-    """Progress rate of an execution on a cell as a function of the cell's batch (``DecodeSpec``)."""
+    """Progress rate of an execution on a cell as a function of the cell's batch (``DecodeSpec``).
+
+    Aggregate mode: the whole execution progresses at ``1 / ((1 - share) + share * t(n, C) / t_ref)``.
+    Per-call mode: only decoding requests are on the clock, at ``token_ms / t(n, C)`` (``CallTiming``).
+    """
 
     def __init__(self, scenario: Scenario) -> None:
         d = scenario.decode
@@ -112,6 +146,9 @@ class DecodeCurve:
         self.spec = d
         n = scenario.cluster.slots_per_cell
         self.reference_ms = self.step_ms(n, n * d.reference_context_tokens)  # > 0 when share > 0 (validated)
+        self.per_call = scenario.calls.simulate
+        if self.per_call:
+            self.share, self.reference_ms = 1.0, CallTiming(scenario).token_ms
 
     def step_ms(self, requests: int, context_tokens: int) -> float:
         d = self.spec
@@ -155,6 +192,10 @@ class Rollouts:
         """Execution -> the policy version its first call started under (its oldest tokens)."""
         self.mixed: set[str] = set()
         """Executions whose calls started under more than one policy version."""
+        self.timing = CallTiming(sim.scenario) if sim.scenario.calls.simulate else None
+        """Per-call mode (``[calls] simulate``): executions run their ``CallPlan``s."""
+        self.timed_out = 0
+        """Per-call mode: executions cut at their timeout."""
 
     def enqueue(self, batch: tuple[ExecutionSpec, ...], policy_version: int) -> None:
         sim = self.sim
@@ -191,12 +232,24 @@ class Rollouts:
             self._call_started(run)
             pause_s = run.context / 1e6 * sim.scenario.rollout.resume_s_per_mtoken
             pause = to_us(pause_s)
+            if run.plan is not None:
+                run.wait_end_us = now + pause + run.wait_left_us  # re-prefill, then the rest of its wait
+                self._arm_timeout(run)
             if pause:  # re-prefill its context before it decodes again
                 self.resume_s += pause_s
                 epoch = run.epoch
                 sim.agenda.at(now + pause, lambda: self._arrive(run, epoch))
             else:
-                self._activate(run, cell, run.remaining, retime=False)
+                self._continue(run, retime=False)
+            return
+        if self.timing is not None:
+            plan = plan_calls(sim.scenario, spec, sim.seed, self.timing)
+            run = Running(spec, cell, now, 0, since_us=now, plan=plan, stint_us=now)
+            self.running[spec.execution_id] = run
+            sim.emit(ExecutionStarted(ts=sim.ts, execution_id=spec.execution_id, cell_id=cell))
+            self._call_started(run)
+            self._arm_timeout(run)
+            self._begin_call(run, retime=False)
             return
         call_us = max(1, to_us(spec.duration_s) // spec.calls)
         run = Running(spec, cell, now, call_us, since_us=now)
@@ -204,6 +257,48 @@ class Rollouts:
         sim.emit(ExecutionStarted(ts=sim.ts, execution_id=spec.execution_id, cell_id=cell))
         self._call_started(run)
         self._activate(run, cell, call_us, retime=False)
+
+    # -- per-call mode -----------------------------------------------------------------------------------
+
+    def _begin_call(self, run: Running, retime: bool = True) -> None:
+        """The call in flight waits on its tools and prefills its prompt delta, then decodes."""
+        assert run.plan is not None and self.timing is not None
+        call = run.plan.calls[run.call]
+        run.waiting, run.wait_end_us = True, self.sim.now + to_us(call.wait_s + self.timing.prefill_s(call))
+        self._continue(run, retime)
+
+    def _continue(self, run: Running, retime: bool = True) -> None:
+        """Go on with the call in flight on ``run.cell``: the rest of its wait, or its decode."""
+        if run.waiting:
+            left = run.wait_end_us - self.sim.now
+            if left > 0:
+                epoch = run.epoch
+                self.sim.agenda.at(self.sim.now + left, lambda: self._ready(run, epoch))
+                return
+            assert run.plan is not None and self.timing is not None
+            run.waiting = False
+            run.remaining = run.plan.calls[run.call].output_tokens * self.timing.token_ms * 1e3
+        self._activate(run, run.cell, run.remaining, retime)
+
+    def _ready(self, run: Running, epoch: int) -> None:
+        if epoch == run.epoch and self.running.get(run.spec.execution_id) is run:
+            self._continue(run)
+
+    def _arm_timeout(self, run: Running) -> None:
+        sim = self.sim
+        run.stint_us = sim.now
+        timer = run.timer
+        left = max(1, to_us(run.plan.timeout_s) - run.elapsed_us) if run.plan is not None else 0
+        sim.agenda.at(sim.now + left, lambda: self._timeout(run, timer))
+
+    def _timeout(self, run: Running, timer: int) -> None:
+        """The run reached its timeout on cells: its call in flight is aborted and it ends ``timed_out``."""
+        if timer != run.timer or self.running.get(run.spec.execution_id) is not run:
+            return
+        self._deactivate(run)
+        self._call_finished(run, aborted=True)
+        self.timed_out += 1
+        self._end(run, "timed_out")
 
     # -- the cells' decode clocks ------------------------------------------------------------------------
 
@@ -221,7 +316,7 @@ class Rollouts:
         """Take ``run`` off its cell's clock; return the reference microseconds left in its call."""
         run.epoch += 1
         if not run.active:
-            return run.remaining  # still migrating: its pending arrival is now stale
+            return run.remaining  # migrating or waiting on tools: its pending arrival or wait is now stale
         clock = self.clocks[run.cell]
         clock.advance(self.sim.now)
         run.active = False
@@ -258,11 +353,16 @@ class Rollouts:
 
     def _advance(self, run: Running, clock: CellClock) -> None:
         self._call_finished(run)
-        if run.last_call:
+        if run.last_call or run.plan is not None:  # per-call: the next call first waits on its tools
             run.active = False
             clock.active -= 1
             clock.context -= run.context
-            self._end(run)
+            if run.last_call:
+                self._end(run)
+            else:
+                run.call += 1
+                self._call_started(run)
+                self._begin_call(run, retime=False)  # _wake re-rates the cell
             return
         before = run.context
         run.call += 1
@@ -276,7 +376,7 @@ class Rollouts:
     def _call_started(self, run: Running) -> None:
         sim = self.sim
         run.call_started_us = sim.now
-        prompt = run.spec.tokens * run.call // run.spec.calls
+        prompt = run.prompt
         version = sim.trainer.published
         first = self.first_version.setdefault(run.spec.execution_id, version)
         if first != version:
@@ -295,8 +395,13 @@ class Rollouts:
         if not aborted:
             run.parent = run.call_id()
 
-    def _end(self, run: Running) -> None:
+    def _end(self, run: Running, status: str | None = None) -> None:
         sim, spec = self.sim, run.spec
+        if run.plan is not None:  # per-call: the run, not the sample, says whether it timed out
+            run.timer += 1
+            status = status or ("harness_error" if run.plan.crash else "completed")
+            if status != spec.status:
+                spec = replace(spec, status=status)
         del self.running[spec.execution_id]
         sim.stats.rollout_busy(run.cell, sim.now - run.since_us)
         duration = (sim.now - run.start_us) / US
@@ -347,14 +452,15 @@ class Rollouts:
                 epoch = run.epoch
                 sim.agenda.at(sim.now + pause, lambda r=run, e=epoch: self._arrive(r, e))
             else:
-                self._activate(run, run.cell, remaining, retime=False)
+                run.remaining = remaining
+                self._continue(run, retime=False)
                 targets.add(run.cell)
         for cell in sorted(targets):
             self._retime(cell)
 
     def _arrive(self, run: Running, epoch: int) -> None:
         if epoch == run.epoch and run.spec.execution_id in self.running:
-            self._activate(run, run.cell, run.remaining)
+            self._continue(run)
 
     # -- partial rollouts --------------------------------------------------------------------------------
 
@@ -365,6 +471,10 @@ class Rollouts:
         for execution_id in self.on_cell(cell):
             run = self.running.pop(execution_id)
             run.remaining = self._deactivate(run)
+            if run.plan is not None:  # its timeout pauses with it; its wait goes on when it resumes
+                run.timer += 1
+                run.elapsed_us += sim.now - run.stint_us
+                run.wait_left_us = max(0, run.wait_end_us - sim.now) if run.waiting else 0
             sim.stats.rollout_busy(run.cell, sim.now - run.since_us)
             self._call_finished(run, aborted=True)
             spec = run.spec

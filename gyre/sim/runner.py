@@ -94,7 +94,7 @@ def simulate(scenario: Scenario, policy_name: str, *, seed: int | None = None, s
 def summarise(sim: Simulation, makespan_us: int, log_dir: str | Path | None) -> SimResult:
     sc, workload = sim.scenario, sim.workload
     seconds = makespan_us / 1e6
-    bound = lower_bound(sc, workload, sim.params.staleness, sim.params.partial_rollouts)
+    bound = lower_bound(sc, workload, sim.params.staleness, sim.params.partial_rollouts, sim.seed)
     busy_s = sum(sim.stats.busy_us.values()) / 1e6
     cells = sc.cluster.cells
     executions = workload.executions()
@@ -106,7 +106,8 @@ def summarise(sim: Simulation, makespan_us: int, log_dir: str | Path | None) -> 
         utilization=busy_s / (cells * seconds),
         idle_gpu_hours=(cells * seconds - busy_s) * sc.cluster.gpus_per_cell / 3600,
         role_switches=sim.stats.switches, redirects=sim.stats.redirects, executions=len(executions),
-        timed_out_share=sum(e.status == "timed_out" for e in executions) / max(1, len(executions)),
+        timed_out_share=(sim.rollouts.timed_out if sim.rollouts.timing is not None else
+                         sum(e.status == "timed_out" for e in executions)) / max(1, len(executions)),
         log=str(log_dir) if log_dir is not None else None, partial_rollouts=sim.params.partial_rollouts,
         cut_executions=sim.rollouts.cuts, resume_hours=sim.rollouts.resume_s / 3600, **_lags(sim))
 

@@ -91,6 +91,29 @@ class DecodeSpec(_Section):
         100_000, description="context of one request at which the sampled durations hold")
 
 
+class CallsSpec(_Section):
+    """Per-call structure of an execution (``gyre.sim.calls``): how its sampled time and tokens split into
+    model calls, tool waits, compactions and a stall. ``simulate = false`` (the default) keeps the
+    simulator's aggregate model (blocks of ``sim_call_s``); the structure can still be materialised for a
+    scenario harness. Every default reproduces the aggregate execution: the same duration on a full cell,
+    the same tokens, the same number of calls."""
+
+    simulate: bool = Field(False, description="time executions call by call (decode per token, waits, prefill)")
+    s_per_call: PositiveFloat | None = Field(
+        None, description="agent time one model call stands for on a full cell (None: the aggregate's "
+                          "ceil(duration / sim_call_s) calls, at most max_sim_calls)")
+    max_calls: PositiveInt = Field(1000, description="at most this many calls per execution (with s_per_call)")
+    call_sigma: NonNegativeFloat = Field(
+        0.5, description="log-sd of the lognormal weights that split a run's waits, prompt growth and output "
+                         "tokens over its calls (0: even)")
+    compact_at_tokens: PositiveInt | None = Field(
+        None, description="a call whose context would exceed this many tokens compacts first: it starts a new "
+                          "root whose prompt is a summary (None: never)")
+    summary_tokens: PositiveInt = Field(20_000, description="the prompt of the root a compaction starts")
+    prefill_s_per_mtoken: NonNegativeFloat | None = Field(
+        None, description="seconds to prefill a million new prompt tokens (None: rollout.resume_s_per_mtoken)")
+
+
 class EvaluationSpec(_Section):
     median_s: NonNegativeFloat
     sigma: NonNegativeFloat = 0.3
@@ -166,6 +189,7 @@ class Scenario(_Section):
     evaluation: EvaluationSpec
     training: TrainingSpec
     decode: DecodeSpec = DecodeSpec()
+    calls: CallsSpec = CallsSpec()
     switch: SwitchSpec = SwitchSpec()
     policy: PolicySection = PolicySection()
     reward: RewardSpec = RewardSpec()
@@ -191,6 +215,9 @@ class Scenario(_Section):
         d = self.decode
         if d.share and not (d.step_ms or d.per_request_ms or d.per_mtoken_ms):
             raise ValueError("decode.share > 0 needs a decode step cost (step_ms, per_request_ms or per_mtoken_ms)")
+        if self.calls.simulate and not d.share:
+            raise ValueError("calls.simulate needs decode.share > 0: a call's output tokens are its share of the "
+                             "execution's time at the decode curve's speed")
         if self.rollout.median_s > self.rollout.timeout_s:
             raise ValueError("rollout.median_s exceeds rollout.timeout_s")
         return self

@@ -12,8 +12,10 @@ from gyre.sink import MemorySink
 CASES = [("elastic", 0, False), ("elastic", 1, False), ("colocate", 0, False), ("async", 0, False),
          ("async", 1, False), ("elastic", 0, True), ("elastic", 1, True), ("colocate", 0, True), ("async", 1, True),
          ("elastic", 0, False, True), ("elastic", 1, True, True), ("colocate", 0, False, True),
-         ("colocate", 0, True, True), ("async", 0, False, True), ("async", 1, True, True)]
-"""(policy, staleness, every cost on, partial rollouts with one group over-sampled)"""
+         ("colocate", 0, True, True), ("async", 0, False, True), ("async", 1, True, True),
+         ("elastic", 0, True, False, True), ("elastic", 1, True, True, True), ("colocate", 0, True, True, True),
+         ("async", 1, True, True, True)]
+"""(policy, staleness, every cost on, partial rollouts with one group over-sampled, per-call workloads)"""
 MECHANISMS = {
     "decode.share": 0.6, "decode.step_ms": 5.0, "decode.per_request_ms": 1.0, "decode.per_mtoken_ms": 20.0,
     "rollout.kv_cell_gb_per_s": 2.0, "training.gradient_sync_s": 7.0, "training.share_core_link": True,
@@ -21,13 +23,18 @@ MECHANISMS = {
     "policy.async": {"stream_micro_steps": True, "training_cells": 1},
 }
 """Every load- and layout-dependent cost switched on, streaming for every policy."""
+PER_CALL = {"calls.simulate": True, "calls.s_per_call": 20.0, "calls.compact_at_tokens": 20_000,
+            "calls.summary_tokens": 4_000, "calls.prefill_s_per_mtoken": 50.0, "rollout.resume_s_per_mtoken": 50.0}
+"""Executions run call by call (about a dozen calls each), with compactions, prefill and re-prefill."""
 
 
 def run(policy: str, staleness: int, seed: int = 0, steps: int | None = None, mechanisms: bool = False,
-        partial: bool = False):
+        partial: bool = False, per_call: bool = False):
     scenario = load_scenario("tiny")
     if mechanisms:
         scenario = with_values(scenario, MECHANISMS)
+    if per_call:
+        scenario = with_values(scenario, PER_CALL)
     overrides: dict = {} if policy == "colocate" else {"staleness": staleness}
     if partial:
         overrides.update(partial_rollouts=True, oversample_groups=1)
@@ -38,10 +45,12 @@ def run(policy: str, staleness: int, seed: int = 0, steps: int | None = None, me
 
 
 @pytest.fixture(scope="module", params=CASES,
-                ids=[f"{c[0]}-k{c[1]}{'-costs' if c[2] else ''}{'-partial' if c[3:] else ''}" for c in CASES])
+                ids=[f"{c[0]}-k{c[1]}{'-costs' if c[2] else ''}{'-partial' if c[3:4] == (True,) else ''}"
+                     f"{'-calls' if c[4:] else ''}" for c in CASES])
 def simulated(request):
-    policy, staleness, mechanisms, *partial = request.param  # (keyword: the costs cases once ran as seed 1)
-    return run(policy, staleness, mechanisms=mechanisms, partial=bool(partial))
+    policy, staleness, mechanisms, *rest = request.param  # (keyword: the costs cases once ran as seed 1)
+    partial, per_call = (bool(rest[0]) if rest else False), (bool(rest[1]) if rest[1:] else False)
+    return run(policy, staleness, mechanisms=mechanisms, partial=partial, per_call=per_call)
 
 
 def test_time_never_goes_back(simulated):

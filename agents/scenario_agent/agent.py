@@ -1,0 +1,234 @@
+#!/usr/bin/env python3
+"""The scenario agent: a black-box harness that replays one execution of a per-call workload description.
+
+It knows nothing of Gyre: it reads a JSON description (format ``gyre-workload/1``, one execution's calls;
+or ``gyre-workload-set/1``, a list of them), and makes exactly the described model calls against the
+OpenAI Chat Completions API at ``$OPENAI_BASE_URL`` with ``$OPENAI_API_KEY``, over plain HTTP (stdlib only).
+
+For each call, in order:
+1. it sleeps the call's tool/environment wait, ``wait_s / time_scale`` (a stall's wait is the whole
+   timeout: the harness runner's timeout, set to ``timeout_s / time_scale``, ends the run in it);
+2. it appends the call's prompt growth to the conversation as filler text of about
+   ``prompt_delta_tokens / token_scale`` tokens (``chars_per_token`` characters each; 1 for a byte-level
+   tokenizer): the first call's as the task, the others' as a tool output after the previous reply. A
+   ``compaction`` call starts a fresh conversation instead (system prompt + a summary of that size): a new
+   root of the trajectory tree;
+3. it asks for ``max_tokens = ceil(output_tokens / token_scale)`` (at least 1) and keeps the reply, verbatim,
+   as the assistant message the next call extends.
+Then it writes the last reply to the answer file and exits 0; a description with ``crash`` exits 3 after its
+calls, without an answer (a harness error). Which execution: ``--execution-id`` (or ``$GYRE_EXECUTION_ID``)
+matched exactly, else by the step, group and rollout numbers at its end (``s0-g1-e2``, ``s000-g001-r02``).
+
+Output: progress lines on stderr; one JSON object on stdout at the end. Exit status: 0 done, 1 model
+unreachable (after retries), 2 bad usage or description, 3 the described crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+FORMAT = "gyre-workload/1"
+SET_FORMAT = "gyre-workload-set/1"
+SYSTEM_PROMPT = "You are a coding agent. Read the tool outputs and continue the task."
+CONTINUATION = (
+    "This session is being continued from a previous conversation that ran out of context. "
+    "The conversation is summarized below:\n"
+)
+WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima",
+         "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey",
+         "xray", "yankee", "zulu")
+_INDICES = re.compile(r"s0*(\d+)-g0*(\d+)-[re]0*(\d+)$")
+
+
+class UsageError(Exception):
+    """The description or the arguments are wrong (exit 2)."""
+
+
+class ModelUnavailable(Exception):
+    """The model could not be reached after every retry, or refused the request (exit 1)."""
+
+
+def filler(chars: int, seed: int) -> str:
+    """About ``chars`` characters of word-like text, different for every ``seed``."""
+    if chars <= 0:
+        return ""
+    out, i, size = [], seed, 0
+    while size < chars:
+        word = WORDS[i % len(WORDS)]
+        out.append(word)
+        size += len(word) + 1
+        i = i * 7 + 3
+    return " ".join(out)[:chars]
+
+
+def select(document: dict[str, Any], execution_id: str | None) -> dict[str, Any]:
+    """The execution's description from a single description or a set of them."""
+    if document.get("format") == FORMAT:
+        return document
+    if document.get("format") != SET_FORMAT:
+        raise UsageError(f"not a workload description (format {document.get('format')!r}; expected {FORMAT!r} "
+                         f"or {SET_FORMAT!r})")
+    executions = document.get("executions") or []
+    if not execution_id:
+        if len(executions) == 1:
+            return executions[0]
+        raise UsageError(f"the workload holds {len(executions)} executions: give --execution-id")
+    for description in executions:
+        if description.get("execution_id") == execution_id:
+            return description
+    match = _INDICES.search(execution_id)
+    if match:
+        key = tuple(int(x) for x in match.groups())
+        for description in executions:
+            if (description.get("step"), description.get("group"), description.get("rollout")) == key:
+                return description
+    raise UsageError(f"no execution {execution_id!r} in the workload (matched by id, then by step, group and "
+                     "rollout numbers)")
+
+
+class Client:
+    """Chat Completions over plain HTTP, with the agent's own retries (connection errors, 429, 5xx)."""
+
+    def __init__(self, base_url: str, api_key: str, model: str, *, max_retries: int, backoff_s: float,
+                 timeout_s: float, ignore_eos: bool, log: Any) -> None:
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.api_key, self.model = api_key, model
+        self.max_retries, self.backoff_s, self.timeout_s = max_retries, backoff_s, timeout_s
+        self.ignore_eos, self.log = ignore_eos, log
+        self.retries = 0
+
+    def complete(self, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": max_tokens}
+        if self.ignore_eos:
+            body["ignore_eos"] = True  # SGLang's and vLLM's extension: decode exactly max_tokens
+        data = json.dumps(body).encode()
+        attempt = 0
+        while True:
+            request = urllib.request.Request(self.url, data=data, method="POST", headers={
+                "Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    reply = json.loads(response.read())
+                if not reply.get("choices"):
+                    raise ModelUnavailable("the reply has no choices")
+                return reply
+            except urllib.error.HTTPError as e:
+                if e.code != 429 and e.code < 500:
+                    raise ModelUnavailable(f"HTTP {e.code}: {e.read()[:200]!r}") from e
+                error: Exception = e
+            except (urllib.error.URLError, TimeoutError, ConnectionError, ModelUnavailable,
+                    json.JSONDecodeError) as e:
+                error = e
+            if attempt >= self.max_retries:
+                raise ModelUnavailable(f"model call failed after {attempt + 1} attempts: {error}") from error
+            delay = self.backoff_s * 2**attempt
+            attempt += 1
+            self.retries += 1
+            self.log("retry", attempt=attempt, delay_s=delay, error=str(error)[:200])
+            time.sleep(delay)
+
+
+def run(description: dict[str, Any], client: Client, log: Any) -> dict[str, Any]:
+    """Make the described calls; return what happened (for the report)."""
+    time_scale = float(description.get("time_scale", 1.0))
+    token_scale = float(description.get("token_scale", 1.0))
+    chars_per_token = float(description.get("chars_per_token", 1.0))
+    if time_scale <= 0 or token_scale <= 0 or chars_per_token <= 0:
+        raise UsageError("time_scale, token_scale and chars_per_token must be positive")
+    system = {"role": "system", "content": SYSTEM_PROMPT}
+    messages: list[dict[str, Any]] = [system]
+    made: list[dict[str, Any]] = []
+    waited, last = 0.0, ""
+    for i, call in enumerate(description["calls"]):
+        wait = float(call["wait_s"]) / time_scale
+        time.sleep(wait)
+        waited += wait
+        if call.get("stall"):  # a hung tool: the runner's timeout ends the run in it
+            log("stall", call=i, waited_s=round(wait, 3))
+            break
+        chars = round(int(call["prompt_delta_tokens"]) / token_scale * chars_per_token)
+        if call.get("compaction"):
+            messages = [system, {"role": "user", "content": CONTINUATION + filler(chars - len(CONTINUATION), i)}]
+        elif i == 0:
+            messages.append({"role": "user", "content": filler(chars, i)})
+        else:
+            messages.append({"role": "user", "content": f"Tool output {i}:\n" + filler(chars - 15, i)})
+        max_tokens = max(1, math.ceil(int(call["output_tokens"]) / token_scale))
+        reply = client.complete(messages, max_tokens)
+        message = reply["choices"][0].get("message") or {}
+        last = message.get("content") or ""
+        messages.append({"role": "assistant", "content": last})
+        usage = reply.get("usage") or {}
+        made.append({"max_tokens": max_tokens, "prompt_chars": chars, "compaction": bool(call.get("compaction")),
+                     "completion_tokens": usage.get("completion_tokens")})
+        log("call", call=i, max_tokens=max_tokens, prompt_chars=chars, waited_s=round(wait, 3),
+            finish_reason=reply["choices"][0].get("finish_reason"))
+    return {"calls": made, "waited_s": round(waited, 3), "answer": last}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", type=Path, required=True, help="the description (or set of them), JSON")
+    parser.add_argument("--execution-id", default=os.environ.get("GYRE_EXECUTION_ID"),
+                        help="which execution of a set (default: $GYRE_EXECUTION_ID)")
+    parser.add_argument("--answer-file", default="answer.txt", help="where the last reply is written")
+    parser.add_argument("--model", default=os.environ.get("OPENAI_MODEL", "gyre-policy"))
+    parser.add_argument("--max-retries", type=int, default=3)
+    parser.add_argument("--retry-backoff-s", type=float, default=0.5)
+    parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument("--ignore-eos", action="store_true", help="ask the engine to decode exactly max_tokens")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+
+    def log(event: str, **fields: Any) -> None:
+        print(json.dumps({"event": event, **fields}, default=str), file=sys.stderr, flush=True)
+
+    api_key, base_url = os.environ.get("OPENAI_API_KEY"), os.environ.get("OPENAI_BASE_URL")
+    try:
+        if not api_key or not base_url:
+            raise UsageError("OPENAI_BASE_URL and OPENAI_API_KEY must be set")
+        description = select(json.loads(args.workload.read_text()), args.execution_id)
+        client = Client(base_url, api_key, args.model, max_retries=args.max_retries, backoff_s=args.retry_backoff_s,
+                        timeout_s=args.request_timeout_s, ignore_eos=args.ignore_eos, log=log)
+        outcome = run(description, client, log)
+    except (UsageError, OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        print(f"scenario-agent: {e}", file=sys.stderr)
+        return 2
+    except ModelUnavailable as e:
+        log("error", error=str(e))
+        print(json.dumps({"type": "result", "is_error": True, "error": str(e)}), flush=True)
+        return 1
+    crash = bool(description.get("crash"))
+    if not crash:
+        answer = Path(args.answer_file)
+        answer.parent.mkdir(parents=True, exist_ok=True)
+        answer.write_text(outcome["answer"] or "done", encoding="utf-8", errors="replace")
+    print(json.dumps({"type": "result", "is_error": crash, "execution_id": description.get("execution_id"),
+                      "model_calls": len(outcome["calls"]), "api_retries": client.retries,
+                      "max_tokens": [c["max_tokens"] for c in outcome["calls"]],
+                      "completion_tokens": sum(c["completion_tokens"] or 0 for c in outcome["calls"]),
+                      "compactions": sum(c["compaction"] for c in outcome["calls"]),
+                      "waited_s": outcome["waited_s"], "duration_s": round(time.monotonic() - started, 3)}),
+          flush=True)
+    if crash:
+        log("crash", message="the description says this run crashes (harness_error)")
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,182 @@
+"""The scenario agent against a tiny fake OpenAI server: it makes exactly the described calls (max_tokens,
+prompt growth, compaction roots, waits), picks its execution out of a set, retries, crashes when told, and
+imports nothing of Gyre."""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gyre.harness import HarnessConfig
+from gyre.sim.calls import describe_workload, plan_calls
+from gyre.sim.scenario import load_scenario, with_values
+from gyre.sim.workload import Workload, sample_workload
+
+REPO = Path(__file__).resolve().parents[2]
+AGENT_DIR = REPO / "agents" / "scenario_agent"
+KEY = "exec-token-scenario"
+
+
+class FakeOpenAI:
+    """Chat Completions on a local port: records every request; the first ``fail`` answer 500."""
+
+    def __init__(self, fail: int = 0) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.fail = fail
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if fake.fail:
+                    fake.fail -= 1
+                    self.send_response(500)
+                    self.end_headers()
+                    return
+                fake.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), **body})
+                n, content = body["max_tokens"], f"r{len(fake.requests)} " + "y" * body["max_tokens"]
+                reply = {"id": f"c{len(fake.requests)}", "object": "chat.completion", "model": body["model"],
+                         "choices": [{"index": 0, "finish_reason": "length",
+                                      "message": {"role": "assistant", "content": content}}],
+                         "usage": {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n}}
+                data = json.dumps(reply).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> FakeOpenAI:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeOpenAI]:
+    with FakeOpenAI() as server:
+        yield server
+
+
+def agent(url: str, workload: Path, cwd: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "GYRE_"))}
+    env.update(OPENAI_BASE_URL=url, OPENAI_API_KEY=KEY)
+    return subprocess.run([sys.executable, str(AGENT_DIR / "agent.py"), "--workload", str(workload),
+                           "--retry-backoff-s", "0.01", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+SCENARIO = {"calls.s_per_call": 5.0, "calls.compact_at_tokens": 8_000, "calls.summary_tokens": 2_000}
+
+
+def workload_file(tmp_path: Path, *, crash: bool = False, **scales: float) -> tuple[Path, dict[str, Any]]:
+    """A set of descriptions of one step of a per-call terminal-bench-like run; returns it and the one the
+    tests replay (a completed run with compactions, or a crashed one)."""
+    sc = with_values(load_scenario("terminal-bench-like"), SCENARIO)
+    batch = sample_workload(sc, 0, 1).batches[0]
+    document = describe_workload(sc, Workload((batch,)), 0, **scales)
+    status = "harness_error" if crash else "completed"
+    chosen = next(d for d in document["executions"] if d["status"] == status and (crash or d["totals"]["compactions"]))
+    path = tmp_path / "workload.json"
+    path.write_text(json.dumps(document))
+    return path, chosen
+
+
+def test_the_agent_imports_only_the_standard_library() -> None:
+    for path in AGENT_DIR.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                top = name.split(".")[0]
+                assert top in sys.stdlib_module_names or top == "__future__", f"{path.name} imports {name}"
+
+
+def test_it_makes_exactly_the_described_calls_with_growing_messages(fake: FakeOpenAI, tmp_path: Path) -> None:
+    path, d = workload_file(tmp_path, time_scale=1e4, token_scale=20)
+    live_id = f"run-7.s{d['step']}-g{d['group']}-e{d['rollout']}"  # a live run's id: matched by its numbers
+    done = agent(fake.url, path, tmp_path, "--execution-id", live_id, "--model", "policy")
+    assert done.returncode == 0, done.stderr
+    calls, requests = d["calls"], fake.requests
+    assert len(requests) == len(calls) > 3
+    assert all(r["path"] == "/v1/chat/completions" and r["auth"] == f"Bearer {KEY}" and r["model"] == "policy"
+               for r in requests)
+    assert [r["max_tokens"] for r in requests] == [max(1, math.ceil(c["output_tokens"] / 20)) for c in calls]
+    for i, (call, request) in enumerate(zip(calls, requests, strict=True)):
+        messages, new = request["messages"], request["messages"][-1]
+        chars = round(call["prompt_delta_tokens"] / 20)
+        assert new["role"] == "user" and chars - 1 <= len(new["content"]) <= max(chars, 150) + 1  # + its header
+        if call["compaction"] or i == 0:  # a new root: system + the summary (or the task)
+            assert len(messages) == 2 and messages[0]["role"] == "system"
+            assert not call["compaction"] or new["content"].startswith("This session is being continued")
+        else:  # extends the previous call's messages with its reply, verbatim, then the tool output
+            previous = requests[i - 1]
+            reply = {"role": "assistant", "content": f"r{i} " + "y" * previous["max_tokens"]}
+            assert messages[:-1] == [*previous["messages"], reply]
+    assert sum(c["compaction"] for c in calls) == d["totals"]["compactions"] > 0
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["model_calls"] == len(calls) and report["is_error"] is False
+    assert report["waited_s"] == pytest.approx(sum(c["wait_s"] for c in calls) / 1e4, abs=1e-3)
+    assert (tmp_path / "answer.txt").read_text().startswith(f"r{len(calls)} ")
+
+
+def test_a_crash_a_stall_and_retries(tmp_path: Path) -> None:
+    path, d = workload_file(tmp_path, crash=True, time_scale=1e4, token_scale=50)
+    with FakeOpenAI(fail=1) as server:
+        done = agent(server.url, path, tmp_path, "--execution-id", d["execution_id"])
+        assert done.returncode == 3, done.stderr  # every call made, then the described crash
+        assert len(server.requests) == len(d["calls"])
+        assert json.loads(done.stdout.strip().splitlines()[-1])["api_retries"] == 1
+        assert not (tmp_path / "answer.txt").exists()
+    stalled = {**d, "crash": False, "time_scale": 100.0,
+               "calls": [*d["calls"][:2], {"wait_s": 5.0, "prompt_delta_tokens": 0, "output_tokens": 1,
+                                           "compaction": False, "stall": True}]}
+    single = tmp_path / "one.json"
+    single.write_text(json.dumps(stalled))
+    with FakeOpenAI() as server:
+        done = agent(server.url, single, tmp_path)
+        assert done.returncode == 0 and len(server.requests) == 2  # the stall's call is never sent
+        assert json.loads(done.stdout.strip().splitlines()[-1])["waited_s"] >= 0.05
+
+
+def test_bad_usage_is_exit_2(fake: FakeOpenAI, tmp_path: Path) -> None:
+    path, _ = workload_file(tmp_path)
+    assert agent(fake.url, path, tmp_path).returncode == 2  # a set needs an execution id
+    assert agent(fake.url, path, tmp_path, "--execution-id", "nope").returncode == 2
+    (tmp_path / "x.json").write_text('{"format": "other"}')
+    assert agent(fake.url, tmp_path / "x.json", tmp_path, "--execution-id", "a").returncode == 2
+    assert fake.requests == []
+
+
+def test_the_harness_config_loads_and_names_the_description_and_the_execution() -> None:
+    config = HarnessConfig.load(AGENT_DIR / "harness.toml")
+    assert "{task_file}" in config.command and "{execution_id}" in config.command
+
+
+def test_a_plan_and_its_description_agree_on_every_call() -> None:
+    sc = with_values(load_scenario("terminal-bench-like"), SCENARIO)
+    e = sample_workload(sc, 0, 1).executions()[0]
+    plan, described = plan_calls(sc, e, 0), describe_workload(sc, Workload(((e,),)), 0)["executions"][0]
+    assert [(c.wait_s, c.prompt_delta_tokens, c.output_tokens, c.compaction) for c in plan.calls] == \
+        [(c["wait_s"], c["prompt_delta_tokens"], c["output_tokens"], c["compaction"]) for c in described["calls"]]
