@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -303,6 +304,10 @@ class HarnessRunner:
         sandbox = None
         if self.sandboxed:
             assert self._relay is not None
+            program = argv[0] if "/" in argv[0] else shutil.which(argv[0], path=env.get("PATH"))
+            if program is None or not os.access(program, os.X_OK):
+                # Inside, a missing program would only be exit code 127 after a sandbox start: say it here.
+                return not_started(f"cannot start harness {argv[0]!r}: no such executable file")
             try:
                 give_to(uid, dirs.workspace, dirs.home)
                 relay_socket = self._relay.open(uid)
