@@ -28,7 +28,6 @@ and the end of a PID namespace's init kills everything in it, double-forked daem
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
 import subprocess
@@ -132,9 +131,12 @@ def bwrap_prefix(spec: SandboxSpec) -> list[str]:
 
 
 def init_command(spec: SandboxSpec, command: Sequence[str]) -> list[str]:
-    setup = {"limits": spec.limits.as_dict(), "uid": spec.uid, "gid": spec.uid, "port": spec.proxy_port,
-             "relay": RELAY_PATH if spec.relay_socket is not None else None}
-    return [sys.executable, "-I", "-S", INIT_PATH, json.dumps(setup, separators=(",", ":")), "--", *command]
+    setup = [f"{name}={value}" for name, value in spec.limits.as_dict().items()]
+    if spec.uid is not None:
+        setup.append(f"uid={spec.uid}")
+    if spec.relay_socket is not None and spec.proxy_port is not None:
+        setup += [f"port={spec.proxy_port}", f"relay={RELAY_PATH}"]
+    return [sys.executable, "-I", "-S", INIT_PATH, *setup, "--", *command]
 
 
 def interpreter_paths() -> list[Path]:

@@ -1,27 +1,25 @@
 """The first process inside an execution's sandbox: listen for the proxy, limit, drop privileges, run the harness.
 
-    python -I -S /run/gyre/init.py SETUP_JSON -- HARNESS_ARGV...
-
-SETUP_JSON: {"limits": {"nproc"|"fsize"|"as"|"nofile": n}, "uid": int|null, "gid": int|null,
-             "port": int|null, "relay": "/run/gyre/proxy.sock"|null}
+    python -I -S /run/gyre/init.py [nproc=N] [fsize=N] [as=N] [nofile=N] [uid=N] [port=N relay=PATH] -- ARGV...
 
 In order, each step before the next because it needs what the previous one still has:
 1. bind 127.0.0.1:port (and ::1:port) in the sandbox's network namespace, as root (a port below 1024 works);
 2. set the rlimits (hard and soft: the harness cannot raise them again);
-3. drop to uid/gid with no supplementary groups (bwrap has set no_new_privs: no setuid binary regains them);
+3. drop to uid (gid the same) with no supplementary groups (bwrap has set no_new_privs: no setuid binary
+   regains them);
 4. fork and exec the harness (before any thread exists: forking a threaded process is unsafe);
 5. relay every connection to the listener over the Unix socket, until the harness exits; exit with its
    status (128 + signal when it was killed).
-The relay runs as the harness's uid in one thread with a selector, so it takes one process slot of the
-harness's `nproc`, however many connections there are. It imports only the standard library (the gyre
-package is not mounted in the sandbox) and must start fast: every execution pays for it.
+The relay runs as the harness's uid in this one process with epoll, so it takes one slot of the harness's
+`nproc` however many connections there are. It imports only builtin modules (the gyre package is not mounted
+in the sandbox; `socket`, `json` and `selectors` would cost more start-up than all the rest: every
+execution pays for it), hence `_socket` and plain key=value arguments.
 """
 
-import json
+import _socket
 import os
 import resource
-import selectors
-import socket
+import select
 import sys
 
 LIMITS = {"nproc": resource.RLIMIT_NPROC, "fsize": resource.RLIMIT_FSIZE, "as": resource.RLIMIT_AS,
@@ -29,18 +27,19 @@ LIMITS = {"nproc": resource.RLIMIT_NPROC, "fsize": resource.RLIMIT_FSIZE, "as": 
 CHUNK = 1 << 16
 HIGH_WATER = 1 << 20
 """Bytes buffered toward one side before the other is no longer read (backpressure)."""
+READ, WRITE = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLHUP, select.EPOLLOUT
 
 
 def listen(port):
     listeners = []
-    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+    for family, host in ((_socket.AF_INET, "127.0.0.1"), (_socket.AF_INET6, "::1")):
         try:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock = _socket.socket(family, _socket.SOCK_STREAM)
+            sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
             sock.listen(128)
         except OSError:
-            if family == socket.AF_INET:
+            if family == _socket.AF_INET:
                 raise
             continue  # no IPv6 loopback in this kernel: 127.0.0.1 is what base URLs name
         sock.setblocking(False)
@@ -53,11 +52,11 @@ def limit(limits):
         resource.setrlimit(LIMITS[name], (value, value))
 
 
-def drop(uid, gid):
+def drop(uid):
     if uid is None:
         return
     os.setgroups([])
-    os.setgid(gid)
+    os.setgid(uid)
     os.setuid(uid)
     if os.getuid() != uid or os.geteuid() != uid:
         raise OSError(f"could not drop to uid {uid}")
@@ -79,31 +78,35 @@ class Relay:
 
     def __init__(self, listeners, path):
         self.path = path
-        self.selector = selectors.DefaultSelector()
+        self.poll = select.epoll()
+        self.listeners = {sock.fileno(): sock for sock in listeners}
+        self.sock = {}      # fd -> socket
         self.peer = {}      # socket -> its partner
         self.outbox = {}    # socket -> bytes waiting to be written to it
         self.eof = set()    # sockets that have reached EOF when read
-        for sock in listeners:
-            self.selector.register(sock, selectors.EVENT_READ, "listen")
+        self.events = {}    # socket -> the events it is registered for (absent: not registered)
+        for fd in self.listeners:
+            self.poll.register(fd, select.EPOLLIN)
 
     def run_until(self, pidfd):
-        self.selector.register(pidfd, selectors.EVENT_READ, "child")
+        self.poll.register(pidfd, select.EPOLLIN)
         while True:
-            for key, _ in self.selector.select():
-                if key.data == "child":
+            for fd, _ in self.poll.poll():
+                if fd == pidfd:
                     return
-                if key.data == "listen":
-                    self.accept(key.fileobj)
-                elif key.fileobj in self.peer:
-                    self.pump(key.fileobj)
+                if fd in self.listeners:
+                    self.accept(self.listeners[fd])
+                elif fd in self.sock:
+                    self.pump(self.sock[fd])
 
     def accept(self, listener):
         try:
-            conn, _ = listener.accept()
-        except OSError:  # out of file descriptors (nofile): the caller's connect fails, nothing else
+            fd, _ = listener._accept()
+        except OSError:  # out of file descriptors (nofile), or gone: that caller's connect fails, nothing else
             return
+        conn = _socket.socket(fileno=fd)
         try:
-            up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            up = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         except OSError:
             conn.close()
             return
@@ -116,9 +119,11 @@ class Relay:
             return
         for sock, other in ((conn, up), (up, conn)):
             sock.setblocking(False)
+            self.sock[sock.fileno()] = sock
             self.peer[sock] = other
             self.outbox[sock] = b""
-            self.selector.register(sock, selectors.EVENT_READ)
+        self.interest(conn)
+        self.interest(up)
 
     def pump(self, sock):
         other = self.peer[sock]
@@ -127,7 +132,7 @@ class Relay:
                 sent = sock.send(self.outbox[sock])
                 self.outbox[sock] = self.outbox[sock][sent:]
                 if not self.outbox[sock] and other in self.eof:
-                    sock.shutdown(socket.SHUT_WR)
+                    sock.shutdown(_socket.SHUT_WR)
             if sock not in self.eof and len(self.outbox[other]) < HIGH_WATER:
                 data = sock.recv(CHUNK)
                 if data:
@@ -135,7 +140,7 @@ class Relay:
                 else:
                     self.eof.add(sock)
                     if not self.outbox[other]:
-                        other.shutdown(socket.SHUT_WR)
+                        other.shutdown(_socket.SHUT_WR)
         except BlockingIOError:
             pass
         except OSError:
@@ -144,47 +149,48 @@ class Relay:
         if sock in self.eof and other in self.eof and not self.outbox[sock] and not self.outbox[other]:
             self.close(sock)
             return
-        for s in (sock, other):
-            self.interest(s)
+        self.interest(sock)
+        self.interest(other)
 
     def interest(self, sock):
-        if sock not in self.peer:
-            return
         events = 0
         if sock not in self.eof and len(self.outbox[self.peer[sock]]) < HIGH_WATER:
-            events |= selectors.EVENT_READ
+            events |= READ
         if self.outbox[sock]:
-            events |= selectors.EVENT_WRITE
-        key = self.selector.get_map().get(sock)
-        if key is None:
+            events |= WRITE
+        registered = self.events.get(sock)
+        if registered is None:
             if events:
-                self.selector.register(sock, events)
+                self.poll.register(sock.fileno(), events)
+                self.events[sock] = events
         elif not events:
-            self.selector.unregister(sock)  # its partner's progress re-registers it
-        elif key.events != events:
-            self.selector.modify(sock, events)
+            self.poll.unregister(sock.fileno())  # its partner's progress registers it again
+            del self.events[sock]
+        elif registered != events:
+            self.poll.modify(sock.fileno(), events)
+            self.events[sock] = events
 
     def close(self, sock):
         for s in (sock, self.peer.get(sock)):
             if s is None or s not in self.peer:
                 continue
-            if s in self.selector.get_map():
-                self.selector.unregister(s)
-            del self.peer[s], self.outbox[s]
+            if self.events.pop(s, None) is not None:
+                self.poll.unregister(s.fileno())
+            del self.sock[s.fileno()], self.peer[s], self.outbox[s]
             self.eof.discard(s)
             s.close()
 
 
 def main(argv):
-    setup = json.loads(argv[1])
-    command = argv[3:]
-    listeners = listen(setup["port"]) if setup.get("relay") and setup.get("port") else []
-    limit(setup.get("limits", {}))
-    drop(setup.get("uid"), setup.get("gid"))
+    split = argv.index("--")
+    setup = dict(arg.split("=", 1) for arg in argv[1:split])
+    command = argv[split + 1:]
+    listeners = listen(int(setup["port"])) if "relay" in setup else []
+    limit({name: int(setup[name]) for name in LIMITS if name in setup})
+    drop(int(setup["uid"]) if "uid" in setup else None)
     pid = start(command)
-    pidfd = os.pidfd_open(pid)
     if listeners:
-        Relay(listeners, setup["relay"]).run_until(pidfd)
+        Relay(listeners, setup["relay"]).run_until(os.pidfd_open(pid))
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
     return code if code >= 0 else 128 - code
