@@ -1,0 +1,75 @@
+"""The sandbox's way out: the relay carries large bodies both ways, closes cleanly, and reaches only the proxy."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from gyre.harness.bwrap import SandboxSpec, UidPool, check_available, give_to
+from gyre.harness.relay import ProxyRelay
+
+CLIENT = """
+import hashlib, os, sys, urllib.request
+body = os.urandom({size})
+for _ in range(3):  # several connections, one after another
+    reply = urllib.request.urlopen(urllib.request.Request(sys.argv[1], data=body, method="POST"), timeout=60).read()
+    assert reply[:64].decode() == hashlib.sha256(body).hexdigest() and reply[64:] == body[::-1], "corrupted"
+print("ok", len(body))
+"""
+
+
+class Echo(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:  # answers the body's digest, then the body reversed
+        body = self.rfile.read(int(self.headers["content-length"]))
+        reply = hashlib.sha256(body).hexdigest().encode() + body[::-1]
+        self.send_response(200)
+        self.send_header("content-length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def echo() -> Iterator[int]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_large_bodies_cross_the_relay_intact(tmp_path: Path, echo: int) -> None:
+    check_available()
+    uid = UidPool().acquire() if os.geteuid() == 0 else None
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    (workspace / "client.py").write_text(CLIENT.format(size=3 << 20))  # above the relay's 1 MiB high water
+    give_to(uid, workspace)
+    relay = ProxyRelay("127.0.0.1", echo)
+    try:
+        socket_path = relay.open(uid)
+        spec = SandboxSpec(workspace=workspace, uid=uid, relay_socket=socket_path, proxy_port=echo)
+        done = subprocess.run(spec.argv([sys.executable, "client.py", f"http://127.0.0.1:{echo}/"]),
+                              capture_output=True, text=True, timeout=120, cwd=workspace)
+    finally:
+        relay.stop()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"ok {3 << 20}"
+
+
+def test_without_a_relay_there_is_no_way_out(tmp_path: Path, echo: int) -> None:
+    check_available()
+    code = f"import socket; socket.create_connection(('127.0.0.1', {echo}), timeout=5)"
+    done = subprocess.run(SandboxSpec(workspace=tmp_path).argv([sys.executable, "-c", code]), capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode != 0 and "ConnectionRefusedError" in done.stderr
