@@ -8,7 +8,8 @@ What it measures:
   (`GroupProcess`, as with sandbox = "none") is reported beside it as the floor of any process start;
 - a toy-agent step: one execution of the bundled toy agent on the `hello` task through the real proxy to the
   local CPU engine (random init, seed 0), scored by the toy grader, run alternately with sandbox = "bwrap"
-  and "none" (the evaluator is sandboxed or not along with it).
+  and "none" (the evaluator is sandboxed or not along with it); `added_median_ms` is the median of the
+  paired differences (the i-th executions of both modes generate the same tokens).
 """
 
 from __future__ import annotations
@@ -78,36 +79,44 @@ def start_up(runs: int, base: Path) -> dict[str, object]:
 
 
 def toy_steps(runs: int, base: Path) -> dict[str, object]:
+    """Each mode has its own engine (seed 0) and proxy, so both see the same sequence of request seeds: the
+    i-th execution of each mode generates the same tokens and does the same work, and the modes alternate so
+    that both share the machine's load alike."""
     from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
     from gyre.proxy import Proxy, ProxyConfig, ProxyServer
 
-    engine = LocalEngineServer(LocalEngine(LocalEngineConfig(seed=0)))
-    engine.start()
-    server = ProxyServer(Proxy(ProxyConfig(engines={"cell0": engine.url}), sink=MemorySink()))
-    server.start()
     task = TaskSet.load(TOY_TASKS)["hello"]
     harness = HarnessConfig.load(TOY_HARNESS)
-    times: dict[str, list[float]] = {"bwrap": [], "none": []}
-    statuses: dict[str, list[str]] = {"bwrap": [], "none": []}
-    runners = {mode: HarnessRunner(harness.model_copy(update={"sandbox": mode}), sink=MemorySink(),
-                                   proxy_url=server.url, root=base / mode) for mode in times}
+    modes = ("bwrap", "none")
+    engines = {m: LocalEngineServer(LocalEngine(LocalEngineConfig(seed=0, num_threads=1))) for m in modes}
+    servers = {}
+    for mode in modes:
+        engines[mode].start()
+        servers[mode] = ProxyServer(Proxy(ProxyConfig(engines={"cell0": engines[mode].url}), sink=MemorySink()))
+        servers[mode].start()
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    statuses: dict[str, list[str]] = {m: [] for m in modes}
+    runners = {m: HarnessRunner(harness.model_copy(update={"sandbox": m}), sink=MemorySink(),
+                                proxy_url=servers[m].url, root=base / m) for m in modes}
     try:
         for i in range(-1, runs):  # one warm-up round, not counted
             for mode, runner in runners.items():
                 eid = f"{mode}-{i + 1}"
+                token = servers[mode].register_execution(eid, None).token
                 began = time.perf_counter()
-                result = runner.run(Execution(eid, task, "g", token=server.register_execution(eid, None).token,
-                                              cell_id="cell0"))
+                result = runner.run(Execution(eid, task, "g", token=token, cell_id="cell0"))
                 if i >= 0:
                     times[mode].append(time.perf_counter() - began)
                     statuses[mode].append(result.status)
     finally:
         for runner in runners.values():
             runner.close()
-        server.stop()
-        engine.stop()
-    return {mode: summary_ms(times[mode]) | {"statuses": sorted(set(statuses[mode]))} for mode in times} | {
-        "added_median_ms": round((statistics.median(times["bwrap"]) - statistics.median(times["none"])) * 1000, 1)}
+        for mode in modes:
+            servers[mode].stop()
+            engines[mode].stop()
+    paired = [a - b for a, b in zip(times["bwrap"], times["none"], strict=True)]
+    return {m: summary_ms(times[m]) | {"statuses": sorted(set(statuses[m]))} for m in modes} | {
+        "added_median_ms": round(statistics.median(paired) * 1000, 1)}
 
 
 def main() -> None:
