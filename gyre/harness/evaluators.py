@@ -110,7 +110,7 @@ class CommandEvaluator:
             memory_bytes = None  # set inside, with the other limits
         try:
             process = GroupProcess(argv, cwd=context.workspace, env=env, stdout=stdout, stderr=stderr,
-                                   memory_bytes=memory_bytes)
+                                   memory_bytes=memory_bytes, sandboxed=context.sandbox is not None)
         except OSError as e:
             return failed("infrastructure", f"cannot start evaluator command {argv[0]!r}: {e}")
         ended = process.wait(self.config.timeout_s, grace_s=self.config.kill_grace_s)

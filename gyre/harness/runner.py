@@ -320,7 +320,8 @@ class HarnessRunner:
             env["TMPDIR"] = "/tmp"
         try:
             try:
-                process = GroupProcess(argv, cwd=dirs.workspace, env=env, stdout=dirs.stdout, stderr=dirs.stderr)
+                process = GroupProcess(argv, cwd=dirs.workspace, env=env, stdout=dirs.stdout, stderr=dirs.stderr,
+                                       sandboxed=self.sandboxed)
             except OSError as e:
                 return not_started(f"cannot start harness {argv[0]!r}: {e}")
             self.sink.record(ExecutionStarted(execution_id=execution.execution_id, cell_id=execution.cell_id,

@@ -16,6 +16,7 @@ in the sandbox; `socket`, `json` and `selectors` would cost more start-up than a
 execution pays for it), hence `_socket` and plain key=value arguments.
 """
 
+import _signal
 import _socket
 import os
 import resource
@@ -65,6 +66,8 @@ def drop(uid):
 def start(command):
     pid = os.fork()
     if pid == 0:
+        for sig in (_signal.SIGTERM, _signal.SIGINT):  # an ignored signal would stay ignored across exec
+            _signal.signal(sig, _signal.SIG_DFL)
         try:
             os.execvp(command[0], command)
         except OSError as e:
@@ -188,6 +191,8 @@ def main(argv):
     listeners = listen(int(setup["port"])) if "relay" in setup else []
     limit({name: int(setup[name]) for name in LIMITS if name in setup})
     drop(int(setup["uid"]) if "uid" in setup else None)
+    for sig in (_signal.SIGTERM, _signal.SIGINT):  # a timeout's SIGTERM is for the harness, not for this relay
+        _signal.signal(sig, _signal.SIG_IGN)
     pid = start(command)
     if listeners:
         Relay(listeners, setup["relay"]).run_until(os.pidfd_open(pid))

@@ -1,4 +1,4 @@
-"""The sandbox's way out: the relay carries large bodies both ways, closes cleanly, and reaches only the proxy."""
+"""The sandbox's way out (the relay carries large bodies both ways; nothing else is reachable) and its timeout."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from gyre.harness import HarnessRunner
 from gyre.harness.bwrap import SandboxSpec, UidPool, check_available, give_to
 from gyre.harness.relay import ProxyRelay
+from gyre.sink import MemorySink
+from tests.harness.harness_helpers import execution, make_task, shell
 
 CLIENT = """
 import hashlib, os, sys, urllib.request
@@ -73,3 +76,14 @@ def test_without_a_relay_there_is_no_way_out(tmp_path: Path, echo: int) -> None:
     done = subprocess.run(SandboxSpec(workspace=tmp_path).argv([sys.executable, "-c", code]), capture_output=True,
                           text=True, timeout=60, cwd=tmp_path)
     assert done.returncode != 0 and "ConnectionRefusedError" in done.stderr
+
+
+def test_a_sandboxed_harness_gets_its_grace_on_timeout(tmp_path: Path) -> None:
+    """The timeout's SIGTERM reaches the harness inside (a SIGTERM to bwrap would kill the namespace at once)."""
+    script = "trap 'echo term > got-term; exit 0' TERM; touch ready; while :; do sleep 0.05; done"
+    with HarnessRunner(shell(script, timeout_s=3, kill_grace_s=60), sink=MemorySink(), proxy_url="http://127.0.0.1:9",
+                       root=tmp_path) as runner:
+        result = runner.run(execution(make_task()))
+    assert result.status == "timed_out" and (result.workspace / "ready").exists()
+    assert (result.workspace / "got-term").read_text() == "term\n"
+    assert result.duration_s < 60  # it ended on the SIGTERM, not at the SIGKILL after the grace
