@@ -87,3 +87,37 @@ def test_a_sandboxed_harness_gets_its_grace_on_timeout(tmp_path: Path) -> None:
     assert result.status == "timed_out" and (result.workspace / "ready").exists()
     assert (result.workspace / "got-term").read_text() == "term\n"
     assert result.duration_s < 60  # it ended on the SIGTERM, not at the SIGKILL after the grace
+
+
+def libraries(program: str) -> list[Path]:
+    """The shared libraries `program` loads (ldd), the dynamic loader included."""
+    found = []
+    for line in subprocess.run(["ldd", program], capture_output=True, text=True, check=True).stdout.splitlines():
+        path = line.split("=>")[-1].split("(")[0].strip()
+        if path.startswith("/"):
+            found.append(Path(path))
+    return found
+
+
+def test_a_task_runs_on_its_own_root_filesystem(tmp_path: Path) -> None:
+    """A rootfs (here a two-file "image": /bin/sh and its C library) replaces the host's system; the workspace
+    and the interpreter of `sandbox_init` are bound into it, and it stays read-only."""
+    image = tmp_path / "image"
+    for path in [Path("/bin/sh"), *libraries("/bin/sh"), *libraries(os.path.realpath(sys.executable))]:
+        if str(path).startswith(sys.base_prefix):
+            continue  # the interpreter's own files are bound from the host
+        target = image / path.relative_to("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(path.read_bytes())
+        target.chmod(0o755)
+    (image / "etc").mkdir()
+    (image / "etc" / "os-release").write_text("NAME=gyre-test-image\n")
+    task = make_task(tmp=tmp_path, rootfs="image")
+    script = ("while read line; do echo $line; done < /etc/os-release > answer.txt; echo /usr/* > usr.txt; "
+              "echo planted > /planted.txt || echo read-only > ro.txt")
+    with HarnessRunner(shell(script), sink=MemorySink(), proxy_url="http://127.0.0.1:9", root=tmp_path / "runs") as r:
+        result = r.run(execution(task))
+    assert result.status == "completed", result.message
+    assert (result.workspace / "answer.txt").read_text() == "NAME=gyre-test-image\n"
+    assert (result.workspace / "usr.txt").read_text() == "/usr/*\n"  # the image has no /usr; the host's is not there
+    assert (result.workspace / "ro.txt").exists() and not (image / "planted.txt").exists()
