@@ -148,6 +148,7 @@ def hostile():
     attempt("read-task-set", lambda: read(ENV["H_TASKSET"]))
     attempt("read-grader", lambda: read(ENV["H_GRADER"]))
     attempt("read-checkout", lambda: os.listdir(ENV["H_CHECKOUT"]))
+    attempt("list-run-dir", lambda: os.listdir(ENV["H_RUN_DIR"]))
     attempt("connect-controller", lambda: connect("127.0.0.1", ENV["H_PORT"]))
     attempt("connect-controller-external", lambda: connect(ENV["H_HOST_IP"], ENV["H_PORT"]))
     attempt("write-execution-dir", lambda: write("../escape.txt"))
