@@ -55,6 +55,20 @@ def other_tokens():
     raise PermissionError(f"no other execution's token in /proc ({seen} processes visible)")
 
 
+def list_run_dir():
+    """Each directory from the run directory down to the workspace: anything but the path itself is a leak."""
+    here, seen = Path(ENV["H_RUN_DIR"]), []
+    parts = Path.cwd().relative_to(here).parts
+    for i, part in enumerate(parts):
+        own = {part} | ({"home", "task.md"} if i == len(parts) - 1 else set())  # its own home and prompt
+        others = set(os.listdir(here)) - own
+        if others:
+            return f"{here}: {sorted(others)}"
+        seen.append(part)
+        here = here / part
+    raise PermissionError(f"only the path to its own workspace ({'/'.join(seen)}) exists above it")
+
+
 def connect(host, port):
     with socket.create_connection((host, int(port)), timeout=5):
         return f"connected to {host}:{port}"
@@ -148,7 +162,7 @@ def hostile():
     attempt("read-task-set", lambda: read(ENV["H_TASKSET"]))
     attempt("read-grader", lambda: read(ENV["H_GRADER"]))
     attempt("read-checkout", lambda: os.listdir(ENV["H_CHECKOUT"]))
-    attempt("list-run-dir", lambda: os.listdir(ENV["H_RUN_DIR"]))
+    attempt("list-run-dir", list_run_dir)
     attempt("connect-controller", lambda: connect("127.0.0.1", ENV["H_PORT"]))
     attempt("connect-controller-external", lambda: connect(ENV["H_HOST_IP"], ENV["H_PORT"]))
     attempt("write-execution-dir", lambda: write("../escape.txt"))
