@@ -50,7 +50,7 @@ def summary_ms(values: list[float]) -> dict[str, float]:
 def start_up(runs: int, base: Path) -> dict[str, object]:
     check_available()
     relay = ProxyRelay("127.0.0.1", 9)
-    uids = UidPool() if os.geteuid() == 0 else None
+    uids = UidPool.shared() if os.geteuid() == 0 else None
     sandboxed, plain = [], []
     try:
         for i in range(runs):

@@ -214,8 +214,19 @@ class UidPool:
 
     BASE = 1_500_000_000
     BLOCK = 1024
+    _shared: UidPool | None = None
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> UidPool:
+        """The process's pool: runners in one process (a benchmark's two) must not hand out the same uid."""
+        with cls._shared_lock:
+            if cls._shared is None or cls._shared.pid != os.getpid():  # a forked child takes its own block
+                cls._shared = cls()
+            return cls._shared
 
     def __init__(self) -> None:
+        self.pid = os.getpid()
         self.first = self.BASE + (os.getpid() % 400_000) * self.BLOCK
         self._free = list(range(self.BLOCK))
         self._lock = threading.Lock()

@@ -174,7 +174,7 @@ class HarnessRunner:
             check_available()  # one clear error now rather than a harness_error per execution
             parts = urlsplit(self.proxy_url)
             self._relay = ProxyRelay(parts.hostname or "127.0.0.1", parts.port or 80)
-            self._uids = UidPool() if os.geteuid() == 0 else None
+            self._uids = UidPool.shared() if os.geteuid() == 0 else None
             # Inside, the relay listens on loopback: a base URL naming another host is rewritten to it.
             self.harness_url = urlunsplit(parts._replace(netloc=f"127.0.0.1:{parts.port or 80}")).rstrip("/")
         else:

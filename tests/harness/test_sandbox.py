@@ -53,7 +53,7 @@ def echo() -> Iterator[int]:
 
 def test_large_bodies_cross_the_relay_intact(tmp_path: Path, echo: int) -> None:
     check_available()
-    uid = UidPool().acquire() if os.geteuid() == 0 else None
+    uid = UidPool.shared().acquire() if os.geteuid() == 0 else None
     workspace = tmp_path / "workspace"
     workspace.mkdir()
     (workspace / "client.py").write_text(CLIENT.format(size=3 << 20))  # above the relay's 1 MiB high water
@@ -66,6 +66,8 @@ def test_large_bodies_cross_the_relay_intact(tmp_path: Path, echo: int) -> None:
                               capture_output=True, text=True, timeout=120, cwd=workspace)
     finally:
         relay.stop()
+        if uid is not None:
+            UidPool.shared().release(uid)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"ok {3 << 20}"
 
