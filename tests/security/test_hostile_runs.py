@@ -1,9 +1,10 @@
-"""The hostile harness on the cluster: `gyre run` with cells and the proxy as processes, every rollout hostile.
+"""The hostile harness as every rollout of a real run: `gyre train` (one process) and `gyre run` (the cluster).
 
-The controller runs in this test's process, so an attempt to kill or ptrace it (`H_HOST_PID`) or to reach its
-gRPC port (`H_PORT`, fixed for the run) aims at the real thing; the harnesses run concurrently, so each one
-looks for its neighbours' workspaces and tokens while they run. The run must complete, every attempt in
-every execution must fail, and each execution must still reach the proxy and be scored.
+The controller runs in this test's process, so an attempt to kill or ptrace it (`H_HOST_PID`) aims at the real
+thing; on the cluster `H_PORT` is its gRPC port (fixed for the run), in one process a listener that stands for
+an engine or Mooncake port. The harnesses run concurrently, so each one looks for its neighbours' workspaces
+and tokens while they run. The run must complete, every attempt in every execution must fail, and each
+execution must still reach the proxy and be scored.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from gyre.cluster.config import ClusterConfig, ClusterSchedulerSection, ClusterS
 from gyre.cluster.run import ClusterRun
 from gyre.events.models import ExecutionFinished, RewardRecorded
 from gyre.log import LogReader
-from gyre.train.config import RolloutSection, SamplingSection, TrainerSection, TrajectorySection
+from gyre.train.config import RolloutSection, SamplingSection, TrainConfig, TrainerSection, TrajectorySection
+from gyre.train.loop import TrainingRun
 from tests.harness.harness_helpers import REPO
 from tests.security.test_hostile_harness import ATTEMPTS, HOSTILE, lines
 
@@ -74,7 +76,32 @@ def test_a_cluster_run_of_hostile_harnesses_completes_with_every_attempt_failed(
     )
     summary = ClusterRun(config).run()
     assert summary.status == "completed"
-    secret = (run_dir / "secrets.toml").read_text()
+    check_every_execution(run_dir, summary.log)
+
+
+def test_a_training_run_of_hostile_harnesses_completes_with_every_attempt_failed(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with socket.socket() as listener:
+        listener.bind(("0.0.0.0", 0))
+        listener.listen(8)
+        listener.setblocking(False)
+        tasks, harness = hostile_setup(tmp_path, run_dir, listener.getsockname()[1])
+        config = TrainConfig(
+            name="hostile", run_dir=run_dir, seed=5, steps=1,
+            rollout=RolloutSection(tasks=tasks, harness=harness, task_ids=("hello",), groups_per_step=1,
+                                   group_size=4, max_concurrency=4, timeout_s=120),
+            sampling=SamplingSection(max_tokens=8),
+            trainer=TrainerSection(lr=1e-3, eps_low=0.2, eps_high=0.28),
+        )
+        summary = TrainingRun(config).run()
+        assert summary.status == "completed"
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing reached the port
+    check_every_execution(run_dir, run_dir / "log")
+
+
+def check_every_execution(run_dir: Path, log: Path) -> None:
+    secret = (run_dir / "secrets.toml").read_text() if (run_dir / "secrets.toml").exists() else None
     outputs = sorted((run_dir / "executions").glob("*/harness.stdout"))
     assert len(outputs) >= 4
     for stdout in outputs:
@@ -82,10 +109,10 @@ def test_a_cluster_run_of_hostile_harnesses_completes_with_every_attempt_failed(
         assert lines(stdout, "ESCAPED") == {}, said
         assert set(lines(stdout, "BLOCKED")) == set(ATTEMPTS), said
         assert lines(stdout, "REACHED")["proxy"].startswith("200"), said
-        assert said.rstrip().endswith("DONE") and secret not in said
+        assert said.rstrip().endswith("DONE") and (secret is None or secret not in said)
         assert not (stdout.parent / "escape.txt").exists()
     assert not (run_dir / "planted.txt").exists()
-    finished = list(LogReader(summary.log).events(kinds=["execution_finished"]))
+    finished = list(LogReader(log).events(kinds=["execution_finished"]))
     assert finished and all(isinstance(e, ExecutionFinished) and e.status == "completed" for e in finished)
-    rewards = list(LogReader(summary.log).events(kinds=["reward_recorded"]))
+    rewards = list(LogReader(log).events(kinds=["reward_recorded"]))
     assert len(rewards) == len(finished) and all(isinstance(e, RewardRecorded) and e.reward == 1.0 for e in rewards)
