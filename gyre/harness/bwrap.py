@@ -109,6 +109,7 @@ def bwrap_prefix(spec: SandboxSpec) -> list[str]:
                 args += ["--symlink", os.readlink(path), path]
             elif os.path.isdir(path):
                 args += ["--ro-bind", path, path]
+        args += ["--perms", "0755", "--dir", "/etc"]  # made by bwrap otherwise, mode 0700 (see _parents)
         for name in ETC_FILES:
             args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(spec.tmp_bytes), "--tmpfs", "/tmp"]

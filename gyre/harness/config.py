@@ -16,6 +16,7 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeFloat,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     ValidationError,
@@ -80,13 +81,14 @@ class SandboxLimits(_Frozen):
 
     `nproc` counts the processes and threads of the execution's own uid (one per running execution), so a
     fork bomb stops there; `memory_mb` is address space (RLIMIT_AS), which runtimes that reserve large
-    arenas (V8, a JVM) exceed long before they use that much memory.
+    arenas exceed long before they use that much memory: Node (Claude Code, Codex) reserves ~10 GiB per
+    WebAssembly memory, and 32 GiB already fails at four. 0 (TOML has no null) means no limit.
     """
 
-    nproc: PositiveInt | None = Field(1024, description="processes and threads (RLIMIT_NPROC)")
-    fsize_mb: PositiveInt | None = Field(2048, description="largest file it may write, MiB (RLIMIT_FSIZE)")
-    memory_mb: PositiveInt | None = Field(32768, description="address space of each process, MiB (RLIMIT_AS)")
-    nofile: PositiveInt | None = Field(4096, description="open files per process (RLIMIT_NOFILE)")
+    nproc: NonNegativeInt | None = Field(1024, description="processes and threads (RLIMIT_NPROC)")
+    fsize_mb: NonNegativeInt | None = Field(2048, description="largest file it may write, MiB (RLIMIT_FSIZE)")
+    memory_mb: NonNegativeInt | None = Field(65536, description="address space of each process, MiB (RLIMIT_AS)")
+    nofile: NonNegativeInt | None = Field(4096, description="open files per process (RLIMIT_NOFILE)")
     tmp_mb: PositiveInt = Field(512, description="size of the sandbox's /tmp (a tmpfs, so it is memory)")
 
 

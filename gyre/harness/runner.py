@@ -347,9 +347,9 @@ class HarnessRunner:
         return SandboxSpec(
             workspace=dirs.workspace, uid=uid, rootfs=rootfs,
             readable=tuple(base / p for p in self.config.ro_mounts),
-            limits=Limits(nproc=limits.nproc, nofile=limits.nofile,
-                          fsize_bytes=None if limits.fsize_mb is None else limits.fsize_mb << 20,
-                          memory_bytes=None if limits.memory_mb is None else limits.memory_mb << 20),
+            limits=Limits(nproc=limits.nproc or None, nofile=limits.nofile or None,
+                          fsize_bytes=(limits.fsize_mb or 0) << 20 or None,
+                          memory_bytes=(limits.memory_mb or 0) << 20 or None),
             tmp_bytes=limits.tmp_mb << 20)
 
     def _harness_readable(self, dirs: ExecutionDirs) -> list[Path]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -123,3 +124,14 @@ def test_a_task_runs_on_its_own_root_filesystem(tmp_path: Path) -> None:
     assert (result.workspace / "answer.txt").read_text() == "NAME=gyre-test-image\n"
     assert (result.workspace / "usr.txt").read_text() == "/usr/*\n"  # the image has no /usr; the host's is not there
     assert (result.workspace / "ro.txt").exists() and not (image / "planted.txt").exists()
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="no Node.js here")
+def test_a_node_harness_runs_with_the_default_limits(tmp_path: Path) -> None:
+    """Node (what Claude Code and Codex run on) needs /etc/ssl and reserves ~10 GiB per WebAssembly memory."""
+    script = ("node -e \"const m = []; for (let i = 0; i < 4; i++) m.push(new WebAssembly.Memory({{initial: 1}})); "
+              "require('fs').writeFileSync('answer.txt', 'hello')\"")
+    with HarnessRunner(shell(script), sink=MemorySink(), proxy_url="http://127.0.0.1:9", root=tmp_path) as runner:
+        result = runner.run(execution(make_task()))
+    assert result.status == "completed", result.message
+    assert result.reward == 1.0
