@@ -308,12 +308,12 @@ class HarnessRunner:
             if program is None or not os.access(program, os.X_OK):
                 # Inside, a missing program would only be exit code 127 after a sandbox start: say it here.
                 return not_started(f"cannot start harness {argv[0]!r}: no such executable file")
+            sandbox = self._sandbox(execution, dirs, uid)
             try:
                 give_to(uid, dirs.workspace, dirs.home)
-                relay_socket = self._relay.open(uid)
+                relay_socket = self._relay.open(uid)  # closed below, once the harness has ended
             except OSError as e:
                 return not_started(f"cannot prepare the sandbox of {dirs.root}: {e}")
-            sandbox = self._sandbox(execution, dirs, uid)
             argv = replace(sandbox, relay_socket=relay_socket, proxy_port=urlsplit(self.harness_url).port,
                            writable=(dirs.home,),
                            readable=(*sandbox.readable, *self._harness_readable(dirs))).argv(argv)
