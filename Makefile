@@ -44,12 +44,15 @@ lint: $(STAMP)
 	$(BIN)/ruff check gyre tests benchmarks agents tasks scripts
 	$(BIN)/lint-imports --no-cache
 
-# Debian libraries the Mooncake Transfer Engine wheel links against (gyre.transfer); installed only when missing.
+# Debian libraries the Mooncake Transfer Engine wheel links against (gyre.transfer), and bubblewrap, which
+# sandboxes every execution (gyre.harness.bwrap); installed only when missing.
 MOONCAKE_DEBS := libibverbs1 librdmacm1 libnuma1
+SANDBOX_DEBS := bubblewrap
+SYSTEM_DEBS := $(MOONCAKE_DEBS) $(SANDBOX_DEBS)
 .PHONY: syslibs
 syslibs:
-	@command -v dpkg-query >/dev/null || { echo "syslibs: not Debian; install $(MOONCAKE_DEBS) by hand"; exit 0; }; \
-	missing=$$(for p in $(MOONCAKE_DEBS); do \
+	@command -v dpkg-query >/dev/null || { echo "syslibs: not Debian; install $(SYSTEM_DEBS) by hand"; exit 0; }; \
+	missing=$$(for p in $(SYSTEM_DEBS); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "installing $$missing"; \

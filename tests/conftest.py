@@ -76,6 +76,7 @@ INTEGRATION = (
     "tests/engine/",
     "tests/proxy/",
     "tests/harness/",
+    "tests/security/",
     "tests/train/",
     "tests/notebooks/",
     "tests/trainer/test_trainer_megatron.py",

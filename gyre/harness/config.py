@@ -16,6 +16,7 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeFloat,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     ValidationError,
@@ -75,6 +76,22 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class SandboxLimits(_Frozen):
+    """rlimits of a sandboxed execution (and its evaluator), set before the harness starts; None: no limit.
+
+    `nproc` counts the processes and threads of the execution's own uid (one per running execution), so a
+    fork bomb stops there; `memory_mb` is address space (RLIMIT_AS), which runtimes that reserve large
+    arenas exceed long before they use that much memory: Node (Claude Code, Codex) reserves ~10 GiB per
+    WebAssembly memory, and 32 GiB already fails at four. 0 (TOML has no null) means no limit.
+    """
+
+    nproc: NonNegativeInt | None = Field(1024, description="processes and threads (RLIMIT_NPROC)")
+    fsize_mb: NonNegativeInt | None = Field(2048, description="largest file it may write, MiB (RLIMIT_FSIZE)")
+    memory_mb: NonNegativeInt | None = Field(65536, description="address space of each process, MiB (RLIMIT_AS)")
+    nofile: NonNegativeInt | None = Field(4096, description="open files per process (RLIMIT_NOFILE)")
+    tmp_mb: PositiveInt = Field(512, description="size of the sandbox's /tmp (a tmpfs, so it is memory)")
+
+
 class HarnessConfig(_Frozen):
     """How to run one harness process: its command line, environment, limits and the runner's concurrency."""
 
@@ -95,6 +112,16 @@ class HarnessConfig(_Frozen):
         False, description="score executions that crashed too (off: a crashed harness is excluded, like an "
                            "evaluator failure, since its workspace says more about the crash than the policy)")
     config_dir: str | None = Field(None, description="what {config_dir} expands to; `load` sets it")
+    sandbox: Literal["bwrap", "none"] = Field(
+        "bwrap", description="bwrap: each execution in its own bubblewrap sandbox (see docs/design.md, "
+                             "\"Sandboxed executions\"); none: the host's files, processes and network, "
+                             "only by explicit choice (a warning says so)")
+    ro_mounts: tuple[str, ...] = Field((), description="extra paths the sandbox sees read-only at the same "
+                                                       "path (a toolchain, a Node install); relative ones "
+                                                       "start at config_dir")
+    rootfs: str | None = Field(None, description="a directory used as the sandbox's / (an unpacked container "
+                                                 "image) instead of the host's system; a task may name its own")
+    limits: SandboxLimits = Field(default_factory=SandboxLimits)
 
     @model_validator(mode="after")
     def _check_placeholders(self) -> Self:

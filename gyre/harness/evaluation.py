@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from gyre.events.fields import EvaluationFailure, ExecutionStatus
 from gyre.events.models import EvaluationFailed, RewardRecorded
+from gyre.harness.bwrap import SandboxSpec
 
 if TYPE_CHECKING:
     from gyre.harness.tasks import TaskSpec
@@ -38,6 +39,9 @@ class EvaluationContext:
     workspace: Path
     scratch_dir: Path
     status: ExecutionStatus = "completed"
+    sandbox: SandboxSpec | None = None
+    """The sandbox a command evaluator runs in (the workspace and scratch directory writable, its uid and
+    limits); the evaluator adds its task set's directory read-only. None: unsandboxed."""
 
     @property
     def partial(self) -> bool:

@@ -20,6 +20,7 @@ from typing import cast, get_args
 
 from gyre.errors import ConfigError
 from gyre.events.fields import EvaluationFailure
+from gyre.harness.bwrap import give_to
 from gyre.harness.config import (
     DEFAULT_EVALUATOR_MEMORY_MB,
     DEFAULT_INHERITED_ENV,
@@ -53,7 +54,10 @@ def grading_document(context: EvaluationContext) -> dict[str, object]:
 class CommandEvaluator:
     """Runs a program in the workspace with its own timeout; reads a JSON result from its last stdout line.
 
-    The program runs in its own process group, so a test it starts that hangs is killed with it.
+    The program runs in its own process group, so a test it starts that hangs is killed with it. Given a
+    sandbox (`EvaluationContext.sandbox`), it runs in it: the preserved workspace and its scratch directory
+    writable, the task set's directory (its grader, the grading files) read-only and seen by it alone, no
+    network, the execution's uid and limits, `memory_mb` as its address-space limit.
     """
 
     def __init__(self, config: CommandEvaluatorConfig, taskset_dir: Path) -> None:
@@ -90,9 +94,23 @@ class CommandEvaluator:
         env |= dict(zip(self.config.env, expand_all(list(self.config.env.values()), values, where=where + " env"),
                         strict=True))
         stdout, stderr = scratch / "evaluator.stdout", scratch / "evaluator.stderr"
+        memory_bytes = None if self.config.memory_mb is None else self.config.memory_mb << 20
+        if context.sandbox is not None:
+            sandbox = context.sandbox
+            sandbox = dataclasses.replace(
+                sandbox, readable=(*sandbox.readable, self.taskset_dir),
+                writable=tuple(dict.fromkeys((*sandbox.writable, scratch))),
+                limits=dataclasses.replace(sandbox.limits, memory_bytes=memory_bytes))
+            try:
+                give_to(sandbox.uid, scratch)
+            except OSError as e:
+                return failed("infrastructure", f"cannot hand the scratch directory {scratch} to the sandbox: {e}")
+            argv = sandbox.argv(argv)
+            env["TMPDIR"] = "/tmp"
+            memory_bytes = None  # set inside, with the other limits
         try:
             process = GroupProcess(argv, cwd=context.workspace, env=env, stdout=stdout, stderr=stderr,
-                                   memory_bytes=None if self.config.memory_mb is None else self.config.memory_mb << 20)
+                                   memory_bytes=memory_bytes, sandboxed=context.sandbox is not None)
         except OSError as e:
             return failed("infrastructure", f"cannot start evaluator command {argv[0]!r}: {e}")
         ended = process.wait(self.config.timeout_s, grace_s=self.config.kill_grace_s)

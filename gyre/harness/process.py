@@ -144,14 +144,21 @@ class GroupProcess:
     """Start `argv` as a session leader; `wait` enforces the limit and cleans up the group."""
 
     def __init__(self, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], stdout: Path,
-                 stderr: Path, memory_bytes: int | None = None) -> None:
+                 stderr: Path, memory_bytes: int | None = None, sandboxed: bool = False) -> None:
         """Raises `OSError` when the program cannot be started (not found, not executable).
+
+        `sandboxed`: `argv` starts a bubblewrap sandbox. A SIGTERM to bwrap itself would end it at once and
+        its namespace with it (SIGKILL to everything inside): the harness would get no grace. So the
+        SIGTERM of a timeout goes to bwrap's descendants instead (the harness and what it started;
+        `sandbox_init` ignores it, and the namespace's own init only takes signals it handles), and only
+        the SIGKILL after the grace goes to bwrap.
 
         `memory_bytes` limits the address space (RLIMIT_AS) of the program and what it starts afterwards.
         Trap: it is set right after `exec` (`prlimit`: a `preexec_fn` is unsafe in a threaded process), so
         the program's first instants run unlimited; it bounds runaway growth, not the first allocation.
         """
         self.tag = new_tag()
+        self.sandboxed = sandboxed
         with open(stdout, "wb") as out, open(stderr, "wb") as err:
             self._popen = subprocess.Popen(list(argv), cwd=cwd, env={**env, TAG_VAR: self.tag},
                                            stdin=subprocess.DEVNULL, stdout=out, stderr=err,
@@ -178,7 +185,12 @@ class GroupProcess:
         if not self._poll_until(deadline, cancel):
             cancelled = cancel is not None and cancel.is_set()
             timed_out = not cancelled
-            self._signal_group(signal.SIGTERM)
+            if self.sandboxed:
+                for pid in _descendants(self.pid, _process_table()):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGTERM)
+            else:
+                self._signal_group(signal.SIGTERM)
             self._poll_until(time.monotonic() + grace_s, None)
             self._signal_group(signal.SIGKILL)
             kill_tagged(self.tag, self.pid)

@@ -7,6 +7,10 @@ One execution, start to end:
     reward_recorded     the evaluator's score (`partial` after a timeout), or
     evaluation_failed   the evaluator crashed / timed out / lacked infrastructure: excluded, never reward 0
 
+Each harness runs in its own bubblewrap sandbox unless its configuration says `sandbox = "none"` (see
+`gyre.harness.bwrap`): it sees its workspace, a fresh home, the system and the interpreter, and reaches
+only the proxy, through a relay that keeps its base URL unchanged.
+
 The runner is thread-based: `submit` returns a `concurrent.futures.Future`, `arun` awaits the same from
 asyncio, `run_group` runs a GSPO group and returns its results in order. Nothing here knows the proxy: the
 harness reaches it through the environment (base URL and the execution's token), like any real harness.
@@ -15,8 +19,10 @@ harness reaches it through the environment (base URL and the execution's token),
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -25,19 +31,26 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from gyre.events.fields import ExecutionStatus
 from gyre.events.models import ExecutionFinished, ExecutionQueued, ExecutionStarted
+from gyre.harness.bwrap import Limits, SandboxSpec, UidPool, check_available, give_to
 from gyre.harness.config import HarnessConfig
 from gyre.harness.errors import HarnessError, WorkspaceError
 from gyre.harness.evaluation import EvaluationContext, EvaluationOutcome, RewardOutcome
 from gyre.harness.process import GroupProcess, ProcessOutcome, become_subreaper, tail
+from gyre.harness.relay import ProxyRelay
 from gyre.harness.tasks import ID_PATTERN, Task
 from gyre.harness.template import expand_all
 from gyre.harness.workspace import ExecutionDirs, prepare
 from gyre.sink import EventSink
 
 _ID = re.compile(ID_PATTERN)
+log = logging.getLogger(__name__)
+UNSANDBOXED_WARNING = ("harness {name!r} runs unsandboxed (sandbox = \"none\"): its executions see the host's "
+                       "files (the run's secret, other workspaces, task sets with their answers), processes and "
+                       "network")
 
 
 @dataclass(frozen=True)
@@ -154,6 +167,21 @@ class HarnessRunner:
         self.gate = gate
         self.proxy_url = proxy_url.rstrip("/")
         self.root = Path(root).resolve()
+        self.sandboxed = config.sandbox == "bwrap"
+        self._relay: ProxyRelay | None = None
+        self._uids: UidPool | None = None
+        if self.sandboxed:
+            check_available()  # one clear error now rather than a harness_error per execution
+            parts = urlsplit(self.proxy_url)
+            self._relay = ProxyRelay(parts.hostname or "127.0.0.1", parts.port or 80)
+            self._uids = UidPool.shared() if os.geteuid() == 0 else None
+            # Inside, the relay listens on loopback: a base URL naming another host is rewritten to it.
+            self.harness_url = urlunsplit(parts._replace(netloc=f"127.0.0.1:{parts.port or 80}")).rstrip("/")
+        else:
+            self.harness_url = self.proxy_url
+            warning = UNSANDBOXED_WARNING.format(name=config.name)
+            log.warning(warning)
+            print(f"warning: {warning}", file=sys.stderr)
         self.subreaper = become_subreaper()  # harness children that leave their session come back here to die
         self._pool = ThreadPoolExecutor(max_workers=config.max_concurrency, thread_name_prefix="gyre-harness")
         self._cancel = threading.Event()
@@ -206,12 +234,14 @@ class HarnessRunner:
         without starting; both finish as `harness_error` "cancelled" and are not evaluated (Ctrl-C).
         """
         with self._lock:
-            self._closed = True
+            was_closed, self._closed = self._closed, True
         if kill_running:
             self._cancel.set()
         if self.gate is not None:
             self.gate.interrupt()  # executions held at a closed gate end without starting
         self._pool.shutdown(wait=True)
+        if self._relay is not None and not was_closed:
+            self._relay.stop()
 
     def __enter__(self) -> HarnessRunner:
         return self
@@ -246,6 +276,14 @@ class HarnessRunner:
                 self._running -= 1
 
     def _execute_counted(self, execution: Execution) -> ExecutionResult:
+        uid = self._uids.acquire() if self._uids is not None else None
+        try:
+            return self._execute_as(execution, uid)
+        finally:
+            if self._uids is not None and uid is not None:
+                self._uids.release(uid)
+
+    def _execute_as(self, execution: Execution, uid: int | None) -> ExecutionResult:
         began = time.monotonic()
         dirs = ExecutionDirs.for_execution(self.root, execution.execution_id, execution.attempt)
 
@@ -261,27 +299,81 @@ class HarnessRunner:
         timeout_s = min(self.config.timeout_s, execution.task.spec.timeout_s or self.config.timeout_s)
         values = self._values(execution, dirs, timeout_s)
         argv = expand_all(self.config.command, values, where=f"harness {self.config.name!r} command")
+        env = self._env(execution, dirs, values)
+        relay_socket = None
+        sandbox = None
+        if self.sandboxed:
+            assert self._relay is not None
+            program = argv[0] if "/" in argv[0] else shutil.which(argv[0], path=env.get("PATH"))
+            if program is None or not os.access(program, os.X_OK):
+                # Inside, a missing program would only be exit code 127 after a sandbox start: say it here.
+                return not_started(f"cannot start harness {argv[0]!r}: no such executable file")
+            sandbox = self._sandbox(execution, dirs, uid)
+            try:
+                give_to(uid, dirs.workspace, dirs.home)
+                relay_socket = self._relay.open(uid)  # closed below, once the harness has ended
+            except OSError as e:
+                return not_started(f"cannot prepare the sandbox of {dirs.root}: {e}")
+            argv = replace(sandbox, relay_socket=relay_socket, proxy_port=urlsplit(self.harness_url).port,
+                           writable=(dirs.home,),
+                           readable=(*sandbox.readable, *self._harness_readable(dirs))).argv(argv)
+            env["TMPDIR"] = "/tmp"
         try:
-            process = GroupProcess(argv, cwd=dirs.workspace, env=self._env(execution, dirs, values),
-                                   stdout=dirs.stdout, stderr=dirs.stderr)
-        except OSError as e:
-            return not_started(f"cannot start harness {argv[0]!r}: {e}")
-        self.sink.record(ExecutionStarted(execution_id=execution.execution_id, cell_id=execution.cell_id,
-                                          workspace=str(dirs.workspace), pid=process.pid))
-        ended = process.wait(timeout_s, grace_s=self.config.kill_grace_s, cancel=self._cancel)
+            try:
+                process = GroupProcess(argv, cwd=dirs.workspace, env=env, stdout=dirs.stdout, stderr=dirs.stderr,
+                                       sandboxed=self.sandboxed)
+            except OSError as e:
+                return not_started(f"cannot start harness {argv[0]!r}: {e}")
+            self.sink.record(ExecutionStarted(execution_id=execution.execution_id, cell_id=execution.cell_id,
+                                              workspace=str(dirs.workspace), pid=process.pid))
+            ended = process.wait(timeout_s, grace_s=self.config.kill_grace_s, cancel=self._cancel)
+        finally:
+            if relay_socket is not None:
+                assert self._relay is not None
+                self._relay.close(relay_socket)
         status, message = self._status(ended, timeout_s, tail(dirs.stderr, self.config.message_chars))
         evaluate = status != "harness_error" or (self.config.evaluate_harness_errors and not ended.cancelled)
-        return self._finish(execution, dirs, status, ended.returncode, ended.duration_s, message, evaluate)
+        return self._finish(execution, dirs, status, ended.returncode, ended.duration_s, message, evaluate, sandbox)
+
+    def _sandbox(self, execution: Execution, dirs: ExecutionDirs, uid: int | None) -> SandboxSpec:
+        """The sandbox both the harness and the evaluator get: the workspace and the configured mounts."""
+        base = Path(self.config.config_dir or os.getcwd())
+        limits = self.config.limits
+        rootfs = None
+        if execution.task.spec.rootfs is not None:
+            rootfs = execution.task.base_dir / execution.task.spec.rootfs
+        elif self.config.rootfs is not None:
+            rootfs = base / self.config.rootfs
+        return SandboxSpec(
+            workspace=dirs.workspace, uid=uid, rootfs=rootfs,
+            readable=tuple(base / p for p in self.config.ro_mounts),
+            limits=Limits(nproc=limits.nproc or None, nofile=limits.nofile or None,
+                          fsize_bytes=(limits.fsize_mb or 0) << 20 or None,
+                          memory_bytes=(limits.memory_mb or 0) << 20 or None),
+            tmp_bytes=limits.tmp_mb << 20)
+
+    def _harness_readable(self, dirs: ExecutionDirs) -> list[Path]:
+        """What the harness alone sees besides its workspace: its home, its task file, its own program."""
+        paths = [dirs.task_file]
+        templates = [*self.config.command, *self.config.env.values()]
+        if self.config.config_dir is not None and any("{config_dir}" in t for t in templates):
+            paths.append(Path(self.config.config_dir))  # the harness's own files, bound only when named
+        if self.config.home == "inherit" and "HOME" in os.environ:
+            paths.append(Path(os.environ["HOME"]))
+        return paths
 
     def _finish(self, execution: Execution, dirs: ExecutionDirs, status: ExecutionStatus, exit_code: int | None,
-                duration_s: float, message: str, evaluate: bool) -> ExecutionResult:
+                duration_s: float, message: str, evaluate: bool,
+                sandbox: SandboxSpec | None = None) -> ExecutionResult:
         message = message[-self.config.message_chars:]
         position = self.sink.record(ExecutionFinished(execution_id=execution.execution_id, status=status,
                                                       duration_s=duration_s, exit_code=exit_code, message=message))
         outcome = None
         if evaluate:
+            scoring = None if sandbox is None else replace(sandbox, writable=(dirs.evaluation,))
             context = EvaluationContext(execution_id=execution.execution_id, task=execution.task.spec,
-                                        workspace=dirs.workspace, scratch_dir=dirs.evaluation, status=status)
+                                        workspace=dirs.workspace, scratch_dir=dirs.evaluation, status=status,
+                                        sandbox=scoring)
             outcome = execution.task.evaluator.evaluate(context)
             position = self.sink.record(outcome.event(execution.execution_id))
         self.sink.commit(position)  # an execution's end and score are durable before its future resolves
@@ -316,8 +408,8 @@ class HarnessRunner:
             "attempt": str(execution.attempt),
             "policy_version": str(execution.policy_version),
             "model": self.config.model,
-            "proxy_url": self.proxy_url,
-            "openai_base_url": f"{self.proxy_url}/v1",
+            "proxy_url": self.harness_url,
+            "openai_base_url": f"{self.harness_url}/v1",
             "home": self._home(dirs),
             "python": sys.executable,
             "config_dir": self.config.config_dir or os.getcwd(),
@@ -336,7 +428,7 @@ class HarnessRunner:
         env["HOME"] = values["home"]
         token, model = execution.token, self.config.model
         env |= {
-            "ANTHROPIC_BASE_URL": self.proxy_url,
+            "ANTHROPIC_BASE_URL": self.harness_url,
             "ANTHROPIC_AUTH_TOKEN": token,
             "ANTHROPIC_API_KEY": token,
             "ANTHROPIC_MODEL": model,

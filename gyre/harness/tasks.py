@@ -73,6 +73,8 @@ class TaskSpec(_Frozen):
                                                     "the workspace before `files` are written")
     timeout_s: PositiveFloat | None = Field(None, description="lower wall-clock limit than the harness's")
     evaluator: EvaluatorConfig | None = Field(None, description="overrides the task set's evaluator")
+    rootfs: str | None = Field(None, description="a directory (relative to the task set file) used as the "
+                                                 "sandbox's / for this task: an unpacked container image")
     grading: dict[str, JsonValue] = Field(default_factory=dict, description="evaluator-owned; opaque to Gyre")
 
     @field_validator("answer_file")

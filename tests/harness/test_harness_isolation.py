@@ -1,5 +1,8 @@
 """Isolation of what the runner starts: evaluators that die or hang, and harness children that escape.
 
+The harnesses here run unsandboxed (`sandbox = "none"`): they test the process-group and subreaper machinery
+that stands alone there, with pid files on the host; tests/security holds the sandboxed counterparts.
+
 Every wait here is on an event (a pid file, a process leaving /proc), never on a guess at how long
 something takes.
 """
@@ -67,7 +70,7 @@ def test_a_timeout_kills_a_grandchild_that_left_the_session(tmp_path: Path) -> N
 def test_after_a_harness_timeout_no_process_of_the_execution_is_left(tmp_path: Path) -> None:
     """Whenever the timeout falls (before or after the grandchild escaped), nothing of the execution runs on."""
     pid_file = tmp_path / "escaped.pid"
-    with HarnessRunner(shell(escaping_harness(pid_file, "sleep 300"), timeout_s=1.0), sink=MemorySink(),
+    with HarnessRunner(shell(escaping_harness(pid_file, "sleep 300"), timeout_s=1.0, sandbox="none"), sink=MemorySink(),
                        proxy_url=URL, root=tmp_path / "runs") as r:
         result = r.run(execution(make_task()))
     assert result.status == "timed_out"
@@ -79,14 +82,15 @@ def test_after_a_harness_timeout_no_process_of_the_execution_is_left(tmp_path: P
 def test_the_runner_reaps_escaped_children_after_an_exit_and_a_cancel(tmp_path: Path) -> None:
     sink = MemorySink()
     done, hung = tmp_path / "done.pid", tmp_path / "hung.pid"
-    with HarnessRunner(shell(escaping_harness(done, "printf hello > answer.txt")), sink=sink, proxy_url=URL,
-                       root=tmp_path / "a") as r:
+    with HarnessRunner(shell(escaping_harness(done, "printf hello > answer.txt"), sandbox="none"), sink=sink,
+                       proxy_url=URL, root=tmp_path / "a") as r:
         assert r.subreaper
         result = r.run(execution(make_task()))
     assert result.status == "completed" and result.reward == 1.0
     assert not Path(f"/proc/{int(done.read_text())}").exists()
 
-    r = HarnessRunner(shell(escaping_harness(hung, "sleep 300")), sink=sink, proxy_url=URL, root=tmp_path / "b")
+    r = HarnessRunner(shell(escaping_harness(hung, "sleep 300"), sandbox="none"), sink=sink, proxy_url=URL,
+                      root=tmp_path / "b")
     running = r.submit(execution(make_task(), 1))
     wait_for(hung.exists, timeout_s=60, what="the grandchild's pid file")
     closer = threading.Thread(target=r.close, kwargs={"kill_running": True})

@@ -82,7 +82,7 @@ def test_timeout_kills_the_process_group_keeps_the_workspace_and_scores_partiall
     sink = MemorySink()
     script = "printf hel > answer.txt; sleep 300 & echo $! > child.pid; echo working >&2; wait"
     began = time.monotonic()
-    with runner(shell(script, timeout_s=0.5), tmp_path, sink) as r:
+    with runner(shell(script, timeout_s=0.5, sandbox="none"), tmp_path, sink) as r:  # host pids: unsandboxed
         result = r.run(execution(make_task()))
     assert time.monotonic() - began < 5
     assert result.status == "timed_out"
@@ -96,7 +96,7 @@ def test_timeout_kills_the_process_group_keeps_the_workspace_and_scores_partiall
 
 def test_a_harness_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path) -> None:
     script = "trap '' TERM; sleep 300 & echo $! > child.pid; while :; do sleep 0.05; done"
-    with runner(shell(script, timeout_s=0.3, kill_grace_s=0.2), tmp_path) as r:
+    with runner(shell(script, timeout_s=0.3, kill_grace_s=0.2, sandbox="none"), tmp_path) as r:
         result = r.run(execution(make_task()))
     assert result.status == "timed_out" and result.exit_code == -9
     child = int((result.workspace / "child.pid").read_text())
@@ -104,7 +104,7 @@ def test_a_harness_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path
 
 
 def test_leftover_background_processes_are_killed_after_a_normal_exit(tmp_path: Path) -> None:
-    with runner(shell("sleep 300 > /dev/null 2>&1 & echo $! > child.pid"), tmp_path) as r:
+    with runner(shell("sleep 300 > /dev/null 2>&1 & echo $! > child.pid", sandbox="none"), tmp_path) as r:
         result = r.run(execution(make_task()))
     assert result.status == "completed"
     child = int((result.workspace / "child.pid").read_text())
