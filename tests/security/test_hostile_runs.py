@@ -19,10 +19,10 @@ import pytest
 
 from gyre.cluster.config import ClusterConfig, ClusterSchedulerSection, ClusterSection
 from gyre.cluster.run import ClusterRun
+from gyre.config import RolloutSection, SamplingSection, TrainConfig, TrainerSection, TrajectorySection
 from gyre.events.models import ExecutionFinished, RewardRecorded
 from gyre.log import LogReader
-from gyre.train.config import RolloutSection, SamplingSection, TrainConfig, TrainerSection, TrajectorySection
-from gyre.train.loop import TrainingRun
+from gyre.train.inprocess import TrainingRun
 from tests.harness.harness_helpers import REPO
 from tests.security.test_hostile_harness import ATTEMPTS, HOSTILE, lines
 
