@@ -55,6 +55,18 @@ def other_tokens():
     raise PermissionError(f"no other execution's token in /proc ({seen} processes visible)")
 
 
+def list_checkout():
+    """The checkout the run started from: only the interpreter's own directory (the venv, bound read-only so
+    the harness can run at all) may be there; the package, the task sets, .git are leaks."""
+    checkout = Path(ENV["H_CHECKOUT"])
+    prefix = Path(sys.prefix)
+    own = {prefix.relative_to(checkout).parts[0]} if prefix.is_relative_to(checkout) else set()
+    others = sorted(set(os.listdir(checkout)) - own)
+    if others:
+        return others
+    raise PermissionError(f"only the interpreter's directory {sorted(own)} is visible there")
+
+
 def list_run_dir():
     """Each directory from the run directory down to the workspace: anything but the path itself is a leak."""
     here, seen = Path(ENV["H_RUN_DIR"]), []
@@ -161,7 +173,7 @@ def hostile():
     attempt("read-other-token-by-scan", other_tokens)
     attempt("read-task-set", lambda: read(ENV["H_TASKSET"]))
     attempt("read-grader", lambda: read(ENV["H_GRADER"]))
-    attempt("read-checkout", lambda: os.listdir(ENV["H_CHECKOUT"]))
+    attempt("read-checkout", list_checkout)
     attempt("list-run-dir", list_run_dir)
     attempt("connect-controller", lambda: connect("127.0.0.1", ENV["H_PORT"]))
     attempt("connect-controller-external", lambda: connect(ENV["H_HOST_IP"], ENV["H_PORT"]))
