@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,6 +15,7 @@ from rich.table import Table
 
 from gyre.events.fields import ExecutionStatus
 from gyre.events.models import Event
+from gyre.harness.bwrap import SandboxSpec, UidPool, check_available, give_to
 from gyre.harness.config import HarnessConfig
 from gyre.harness.evaluation import EvaluationContext, RewardOutcome
 from gyre.harness.runner import Execution, HarnessRunner
@@ -75,6 +77,8 @@ def evaluate(
     task_id: Annotated[str, typer.Argument(help="task id")],
     workspace: Annotated[Path, typer.Argument(help="workspace directory to score")],
     status: Annotated[str, typer.Option(help="completed | timed_out | harness_error")] = "completed",
+    sandbox: Annotated[bool, typer.Option(help="run a command evaluator in a bubblewrap sandbox, as a run does "
+                                               "(as root, the workspace is handed to an unprivileged uid)")] = True,
 ) -> None:
     """Score a workspace with the task's evaluator (scratch files go next to the workspace)."""
     if status not in ("completed", "timed_out", "harness_error"):
@@ -82,8 +86,18 @@ def evaluate(
     task = TaskSet.load(taskset)[task_id]
     workspace = workspace.resolve()
     status_value = cast(ExecutionStatus, status)  # checked above
+    scratch = workspace.parent / "evaluation"
+    spec = None
+    if sandbox:
+        check_available()
+        uid = UidPool.shared().acquire() if os.geteuid() == 0 else None
+        give_to(uid, workspace)
+        spec = SandboxSpec(workspace=workspace, uid=uid, writable=(scratch,))
+    else:
+        console.print("[yellow]warning:[/yellow] the evaluator runs unsandboxed (--no-sandbox): code in the "
+                      "workspace that it runs sees the host")
     context = EvaluationContext(execution_id="manual", task=task.spec, workspace=workspace,
-                                scratch_dir=workspace.parent / "evaluation", status=status_value)
+                                scratch_dir=scratch, status=status_value, sandbox=spec)
     outcome = task.evaluator.evaluate(context)
     console.print(outcome.event("manual").model_dump_json(exclude_none=True))
     if not isinstance(outcome, RewardOutcome):

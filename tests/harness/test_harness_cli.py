@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from collections import deque
@@ -30,6 +31,10 @@ def test_evaluate_scores_a_workspace(tmp_path: Path) -> None:
     result = cli.invoke(harness_app, ["evaluate", str(TOY_TASKS), "hello", str(workspace), "--status", "timed_out"])
     assert result.exit_code == 0, result.output
     assert '"reward":1.0' in result.output and '"partial":true' in result.output
+    if os.geteuid() == 0:  # sandboxed by default: the workspace was handed to an unprivileged uid
+        assert workspace.stat().st_uid != 0
+    plain = cli.invoke(harness_app, ["evaluate", str(TOY_TASKS), "hello", str(workspace), "--no-sandbox"])
+    assert plain.exit_code == 0 and '"reward":1.0' in plain.output and "unsandboxed" in plain.output
     bad = cli.invoke(harness_app, ["evaluate", str(TOY_TASKS), "hello", str(workspace), "--status", "done"])
     assert bad.exit_code != 0
 
