@@ -169,13 +169,23 @@ class Proxy:
         engine = self.router.engine(from_cell)
         flights = self.router.flights_on(from_cell)
         for flight in flights:
-            flight.redirect_to = target(flight) or self.router.cell_of(flight.execution_id)
+            flight.redirect_to = target(flight) or self._continuation(flight.execution_id)
         for flight in flights:
             try:
                 await engine.abort(flight.rid)
             except EngineError as e:  # a dead cell: the request fails by itself and the call moves on
                 log.warning("redirect: aborting %s on %s failed: %s", flight.rid, from_cell, e)
         return len(flights)
+
+    def _continuation(self, execution_id: str) -> str | None:
+        """Where a call moved off a leaving cell continues when the plan does not say: its execution's pin;
+        for an execution this proxy holds no pin for (a restarted proxy that has not placed it again, while
+        the decision was made on the log's older view), the admitting cell that `Router.place` picks, pinned
+        there. None when no cell admits: the aborted call then ends as any engine abort does."""
+        pinned = self.router.pin_of(execution_id)
+        if pinned is not None:
+            return pinned
+        return self.router.place(execution_id, self.router.need(execution_id))
 
     async def redirect_plan(self, from_cell: str, planned: Mapping[str, str],
                             executions: Mapping[str, str] | None = None) -> tuple[int, dict[str, str]]:

@@ -122,3 +122,35 @@ def test_redirect_of_a_waiting_call(two_engines: Engines, start_proxy: StartProx
 
 async def _flights(proxy: Proxy, cell: str) -> int:
     return len(proxy.router.flights_on(cell))
+
+
+def test_a_planned_redirect_moves_a_call_whose_execution_the_proxy_holds_no_pin_for(
+    two_engines: Engines, start_proxy: StartProxy
+) -> None:
+    """Chaos seed 8 with bursts: the policy planned a redirect on the log's view while a restarted proxy held
+    no pin for one execution in flight there. Its call continues on a cell that admits (pinned there), not a
+    fatal 'not placed on any cell' that ended the run."""
+    a, b, _ = two_engines
+    p = start_proxy({"a": a.url, "b": b.url})
+    client = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+    result: dict[str, ChatCompletion] = {}
+    with SyncHttpEngineClient(a.url) as old:
+        old.pause("in_place")
+        worker = threading.Thread(
+            target=lambda: result.update(
+                reply=client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=8, seed=1)
+            )
+        )
+        worker.start()
+        _wait(lambda: p.server.call(_flights(p.proxy, "a")) > 0)
+        p.proxy.router._pins.pop("exec-1")  # the proxy's pin is gone (as after its restart)
+        p.proxy.router.set_route("b", 2, admitting=True)  # the cluster's routing: b admits
+        calls, moved = p.server.call(p.proxy.redirect_plan("a", {}, {}))
+        worker.join(30)
+        old.resume()
+    assert calls == 1 and moved == {}
+    assert result["reply"].choices[0].finish_reason in ("stop", "length")
+    (redirected,) = p.events("call_redirected")
+    (call,) = p.events("model_call_finished")
+    assert (redirected.from_cell_id, redirected.to_cell_id, call.cell_id) == ("a", "b", "b")
+    assert p.proxy.router.pin_of("exec-1") == "b"
