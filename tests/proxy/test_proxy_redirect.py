@@ -96,12 +96,12 @@ def test_redirect_mid_stream_continues_on_the_new_engine(
     assert p.proxy.router.cell_of("exec-1") == "b"
 
 
-def test_redirect_of_a_waiting_call(two_engines: Engines, start_proxy: StartProxy) -> None:
-    a, b, seen = two_engines
-    p = start_proxy({"a": a.url, "b": b.url})
+def _redirect_while_waiting(p: Any, engine_url: str, redirect: Callable[[], object]) -> tuple[ChatCompletion, object]:
+    """A call waiting on a paused engine (its flight registered on cell ``a``) when ``redirect()`` runs; the
+    harness's reply and what ``redirect`` returned."""
     client = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)
     result: dict[str, ChatCompletion] = {}
-    with SyncHttpEngineClient(a.url) as old:
+    with SyncHttpEngineClient(engine_url) as old:
         old.pause("in_place")
         worker = threading.Thread(
             target=lambda: result.update(
@@ -110,10 +110,17 @@ def test_redirect_of_a_waiting_call(two_engines: Engines, start_proxy: StartProx
         )
         worker.start()
         _wait(lambda: p.server.call(_flights(p.proxy, "a")) > 0)
-        p.server.redirect("a", ["b"])
+        answer = redirect()
         worker.join(30)
         old.resume()
-    assert result["reply"].choices[0].finish_reason in ("stop", "length")
+    return result["reply"], answer
+
+
+def test_redirect_of_a_waiting_call(two_engines: Engines, start_proxy: StartProxy) -> None:
+    a, b, seen = two_engines
+    p = start_proxy({"a": a.url, "b": b.url})
+    reply, _ = _redirect_while_waiting(p, a.url, lambda: p.server.redirect("a", ["b"]))
+    assert reply.choices[0].finish_reason in ("stop", "length")
     (moved,) = p.events("call_redirected")
     (call,) = p.events("model_call_finished")
     assert moved.tokens_done == 0 and call.cell_id == "b"
@@ -132,24 +139,15 @@ def test_a_planned_redirect_moves_a_call_whose_execution_the_proxy_holds_no_pin_
     fatal 'not placed on any cell' that ended the run."""
     a, b, _ = two_engines
     p = start_proxy({"a": a.url, "b": b.url})
-    client = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)
-    result: dict[str, ChatCompletion] = {}
-    with SyncHttpEngineClient(a.url) as old:
-        old.pause("in_place")
-        worker = threading.Thread(
-            target=lambda: result.update(
-                reply=client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=8, seed=1)
-            )
-        )
-        worker.start()
-        _wait(lambda: p.server.call(_flights(p.proxy, "a")) > 0)
+
+    def planned_redirect() -> object:
         p.proxy.router._pins.pop("exec-1")  # the proxy's pin is gone (as after its restart)
         p.proxy.router.set_route("b", 2, admitting=True)  # the cluster's routing: b admits
-        calls, moved = p.server.call(p.proxy.redirect_plan("a", {}, {}))
-        worker.join(30)
-        old.resume()
+        return p.server.call(p.proxy.redirect_plan("a", {}, {}))
+
+    reply, (calls, moved) = _redirect_while_waiting(p, a.url, planned_redirect)
     assert calls == 1 and moved == {}
-    assert result["reply"].choices[0].finish_reason in ("stop", "length")
+    assert reply.choices[0].finish_reason in ("stop", "length")
     (redirected,) = p.events("call_redirected")
     (call,) = p.events("model_call_finished")
     assert (redirected.from_cell_id, redirected.to_cell_id, call.cell_id) == ("a", "b", "b")
