@@ -53,7 +53,7 @@ class LocalEngineHost:
         from gyre.run.build import engine_config
 
         self.config, self.endpoint = config, endpoint
-        self.local_engine = LocalEngine(engine_config(config, config.cluster.cell_threads))
+        self.local_engine = LocalEngine(engine_config(config, config.cluster.cell_threads, config.emulation()))
         self._server = LocalEngineServer(self.local_engine, host=config.cluster.host)
         self.url = self._server.start()
         self.local_engine.set_weight_version(INITIAL_WEIGHT_VERSION)  # before the proxy knows the engine
