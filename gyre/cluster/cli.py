@@ -71,6 +71,12 @@ def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g
         raise typer.Exit(1) from None
     console.print(summary_table(summary))
     console.print(timeline_table(summary))
+    if summary.emulation is not None:
+        e = summary.emulation
+        verdict = "[green]valid[/green]" if e.get("valid", 1.0) else "[red]INVALID: real compute overran it[/red]"
+        console.print(f"emulated accelerators: {e['emulated_s']:.0f} s of accelerator time in {e['holds']:.0f} holds; "
+                      f"real compute over its emulated time {e['overrun_s']:.1f} s ({e['overrun_share']:.1%}, "
+                      f"{e['overruns']:.0f} holds): figures {verdict}")
     console.print(f"log: {summary.log} (run {summary.run_id}); `gyre replay {summary.log}` re-derives every decision")
 
 

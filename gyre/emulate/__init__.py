@@ -3,5 +3,6 @@ log-probs from the tiny model, the real proxy, log, trainer and transfers — an
 accelerator would (`Emulation`, `Pacer`)."""
 
 from gyre.emulate.clock import Accelerator, Emulation, EmulationStats, Pacer
+from gyre.emulate.trainer import PacedBackend
 
-__all__ = ["Accelerator", "Emulation", "EmulationStats", "Pacer"]
+__all__ = ["Accelerator", "Emulation", "EmulationStats", "PacedBackend", "Pacer"]

@@ -90,3 +90,23 @@ def test_an_emulated_cluster_names_an_unknown_scenario(tmp_path: Path) -> None:
     emulation = config.emulation()
     assert emulation is not None and emulation.source == "seed-2.4t-scaled" and emulation.token_scale == 100
 
+
+
+def test_the_run_view_sums_each_incarnations_last_report() -> None:
+    """Reports are cumulative per incarnation: the last one counts; a restarted cell's add to its
+    predecessor's; the overrun share is over the wall time the held work should have taken."""
+    from gyre.events.models import EmulationReported
+    from gyre.state.run import RunView
+
+    def report(incarnation: str, emulated: float, real: float, waited: float, overrun: float) -> EmulationReported:
+        return EmulationReported(cell_id="cell1", incarnation=incarnation, holds=10, emulated_s=emulated,
+                                 real_s=real, waited_s=waited, overrun_s=overrun, overruns=int(overrun > 0))
+
+    view = RunView()
+    state = view.initial()
+    assert state.emulation_totals() is None
+    for event in [report("a", 10, 0.2, 0.8, 0.0), report("a", 20, 1.0, 1.0, 0.0), report("b", 10, 1.5, 0.0, 0.5)]:
+        state = view.apply(state, event)
+    totals = state.emulation_totals()
+    assert totals is not None and totals["emulated_s"] == 30 and totals["holds"] == 20
+    assert totals["overrun_share"] == pytest.approx(0.5 / (2.5 + 1.0 - 0.5))
