@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ def scenario_overrides(config: ClusterConfig, scenario_name: str, *, time_scale:
     out.mkdir(parents=True, exist_ok=True)
     eval_timeout = 30 + max(r["eval_s"] for _, _, g in tasks for r in g["rollouts"]) / time_scale
     (out / "tasks.toml").write_text(_task_set(scenario.name, seed, tasks, eval_timeout))
+    shutil.copy(AGENT_DIR / "grade.py", out / "grade.py")  # a sandboxed evaluator reads only its task set's dir
     policy = config.scheduler.policy
     params = {**scenario.policy.values(policy), **config.scheduler.params,
               "switch_to_training_s": scenario.switch.to_training_s / time_scale,
@@ -78,8 +80,7 @@ def _task_set(name: str, seed: int, tasks: list[tuple[str, str, dict[str, Any]]]
     lines = [f"# written by `gyre run --emulate {name}` (seed {seed}): one task per group of the workload",
              f"name = {json.dumps(f'scenario-{name}')}",
              "", "[evaluator]", 'type = "command"', 'name = "scenario-grader"',
-             f"command = [\"{{python}}\", {json.dumps(str(AGENT_DIR / 'grade.py'))}, \"{{grading_file}}\", "
-             "\"{execution_id}\"]",
+             'command = ["{python}", "{taskset_dir}/grade.py", "{grading_file}", "{execution_id}"]',
              f"timeout_s = {eval_timeout_s:.3f}"]
     for task_id, prompt, grading in tasks:
         rollouts = ", ".join(f"{{ reward = {r['reward']}, eval_s = {r['eval_s']}, eval_failed = "
