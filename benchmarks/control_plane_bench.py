@@ -447,10 +447,19 @@ class _Stream:
         self.batch_ids = 0
         self.acks: dict[int, asyncio.Future[gyre_pb2.EventAck]] = {}
         self.ack_s: list[float] = []
+        self.closed = False
 
     async def write(self, message: Any) -> None:
         async with self.write_lock:
-            await self.call.write(message)
+            if not self.closed:
+                await self.call.write(message)
+
+    async def close(self) -> None:
+        """No more writes (after a Stop's done): the hub sees the stream end, as a process's exit."""
+        async with self.write_lock:
+            if not self.closed:
+                self.closed = True
+                await self.call.done_writing()
 
     def welcomed(self, welcome: gyre_pb2.Welcome) -> None:
         self.run_id = welcome.run_id
@@ -509,7 +518,7 @@ async def _cell(channel: grpc.aio.Channel, secret: str, cell_id: str, core: bool
                 done.detail = (await _train(stream, command.train, scenario)).SerializeToString()
             await stream.write(gyre_pb2.CellUp(done=done))
             if kind == "stop":
-                await stream.call.done_writing()
+                await stream.close()
                 return
 
     beating, working = asyncio.create_task(beat()), asyncio.create_task(work())
@@ -712,6 +721,7 @@ async def _proxy(channel: grpc.aio.Channel, secret: str, scenario: Scenario, sta
         await stream.write(up(done=done))
         if command.WhichOneof("body") == "stop":
             stopping.set()
+            await stream.close()
 
     async def play() -> None:
         next_at = time.perf_counter()
@@ -725,7 +735,7 @@ async def _proxy(channel: grpc.aio.Channel, secret: str, scenario: Scenario, sta
             else:
                 await stream.write(up(heartbeat=gyre_pb2.Heartbeat(sent_us=time.time_ns() // 1000)))
 
-    playing, closed = None, False
+    playing = None
     answers: list[asyncio.Task[None]] = []
     try:
         while (message := await stream.call.read()) is not grpc.aio.EOF:
@@ -737,9 +747,6 @@ async def _proxy(channel: grpc.aio.Channel, secret: str, scenario: Scenario, sta
                 stream.acked(message.ack)
             elif body == "command":
                 answers.append(asyncio.create_task(answer(message.command)))
-            if stopping.is_set() and not closed:
-                closed = True
-                await stream.call.done_writing()
     except grpc.aio.AioRpcError:
         pass
     finally:
