@@ -90,7 +90,7 @@ class Scenario:
     slots: int = 8
     call_interval_s: float = 2.0
     call_s: float = 1.0
-    calls_mean: float = 8.0
+    calls_mean: float = 4.0
     prompt_delta_tokens: int = 1800
     output_tokens: int = 500
     heartbeat_s: float = 1.0
