@@ -7,9 +7,8 @@ import pytest
 
 from benchmarks import control_plane_bench as cpb
 
-pytestmark = pytest.mark.integration
 
-
+@pytest.mark.integration  # a controller and two stand-in processes over gRPC, ~10 s
 def test_a_tiny_run_measures_every_figure() -> None:
     scenario = cpb.Scenario(cells=3, slots=2, call_interval_s=0.4, call_s=0.1, calls_mean=2, prompt_delta_tokens=50,
                             output_tokens=20, heartbeat_s=0.5, train_s=0.05, warmup_s=1.5, duration_s=3.0)
