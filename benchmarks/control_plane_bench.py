@@ -84,7 +84,7 @@ class Scenario:
     ``call_interval_s`` (decode ``call_s`` of it, tool time the rest) with ~2.3K new tokens per call (~700K
     tokens over ~300 calls, the brief's rollout). Executions are shortened to a heavy-tailed ~``calls_mean``
     calls so that steps, tails, role switches and publishes happen within the window; that makes the lifecycle
-    events (queued, started, finished, reward) ~30x more frequent than in the brief, which only adds load."""
+    events (queued, started, finished, reward) ~75x more frequent than in the brief, which only adds load."""
 
     cells: int = 64
     slots: int = 8
