@@ -2,18 +2,18 @@
 
 `python -m benchmarks.control_plane_bench --cells 64,256 [--duration-s 40] [--profile DIR]` prints JSON.
 
-The controller is the real one — `gyre.run.host.RunHost` over the cluster topology (`gyre.cluster.run.Cluster`):
-the hub, the durable log (`LogSink` over `LogWriter`, fsync'd), the live folds, the elastic policy, one
-`RemoteCell` actuator per cell and the plan — with one change: instead of launching `gyre cell` and `gyre proxy`
-processes (a real cell holds an engine and a trainer replica: ~400 MB each, 100 GB at 256 cells), it launches
-*stand-ins* that speak the same protocol (`schemas/gyre.proto`): a cell stand-in says hello, heartbeats, and
-answers every command at once (so a command's round trip is the control plane's own, with no engine work in it);
-the core's stand-in answers Train by recording the step's trainer events and publishing a version. The proxy
-stand-in plays the workload: it places each queued execution on an admitting cell holding its version, and
-each execution makes model calls — ``model_call_started``, then ``model_call_finished`` with real-sized token
-payloads — every ``call_interval_s``, finishes after a heavy-tailed number of calls and is rewarded; it follows
-Routing and RedirectCell as the real proxy does. Every event is stamped and packed as Arrow (`pack_events`), so
-the hub does exactly the work it does in a live run.
+The controller is the real one — `gyre.run.host.RunHost` over the cluster topology (`gyre.cluster.run.Cluster`): the
+hub, the durable log (`LogSink` over `LogWriter`, fsync'd), the live folds, the elastic policy, one `RemoteCell`
+actuator per cell and the plan — with one change: instead of launching `gyre cell` and `gyre proxy` processes (a
+real cell process is over 300 MB with its imports alone, before its engine and trainer replica: 19 GB at 64 cells,
+77 GB at 256, on a 24 GB machine), it launches *stand-ins* that speak the same protocol (`schemas/gyre.proto`): a
+cell stand-in says hello, heartbeats, and answers every command at once (so a command's round trip is the control
+plane's own, with no engine work in it); the core's stand-in answers Train by recording the step's trainer events
+and publishing a version. The proxy stand-in plays the workload: it places each queued execution on an admitting
+cell holding its version, and each execution makes model calls — ``model_call_started``, then
+``model_call_finished`` with real-sized token payloads — every ``call_interval_s``, finishes after a heavy-tailed
+number of calls and is rewarded; it follows Routing and RedirectCell as the real proxy does. Every event is stamped
+and packed as Arrow (`pack_events`), so the hub does exactly the work it does in a live run.
 
 Each cell count runs in its own controller process (so RSS and CPU are that run's); the stand-ins are two more
 processes (all cells in one asyncio loop; the proxy in another). What is measured over the window after every
