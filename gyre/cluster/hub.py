@@ -7,7 +7,10 @@ event loop, so the controller's synchronous code keeps its threads. Per stream:
   stands in the log (``held``), so a restarted process continues at held + 1;
 - event batches are recorded into the sink in arrival order (only stamped events: exactly once needs the
   stamps) and acknowledged once durable — each wait on its own task, so one fsync never stalls the stream;
-  a refused batch (a gap, a closed log) is acknowledged with its error and ends the stream;
+  a refused batch (a gap, a closed log) is acknowledged with its error and ends the stream. A batch is
+  decoded and recorded on the hub's one ingest thread, not on the loop: a stream's next message waits for
+  its batch (order within a stream holds), while every other stream's commands, acks and heartbeats go on
+  (decoding a proxy's batch of model calls takes milliseconds; on the loop, every stream waited for it);
 - commands go down with a ``command_id``; the caller's future resolves with the process's `CommandDone`.
   Commands not yet done are sent again when the same incarnation reconnects (the process runs each id once
   and answers a repeat with its recorded `CommandDone`).
@@ -101,6 +104,7 @@ class _Peer:
     pending: dict[int, tuple[Command, concurrent.futures.Future[gyre_pb2.CommandDone]]] = field(default_factory=dict)
     lost: str | None = None
     stopped: bool = False  # it has done a Stop command: its stream's end is its exit, not a loss
+    ingest: asyncio.Future[int] | None = None  # its last batch handed to the ingest thread
 
     @property
     def name(self) -> str:
@@ -129,6 +133,7 @@ class Hub:
         self.on_proxy_lost: Callable[[str], None] | None = None
         self._interceptor = SecretInterceptor(secret)
         self._thread = LoopThread("gyre-hub")
+        self._ingest = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gyre-hub-ingest")
         self._server: grpc.aio.Server | None = None
         self._peers: dict[Key, _Peer] = {}
         self._lost: dict[tuple[Key, str], str] = {}
@@ -190,6 +195,7 @@ class Hub:
             await self._server.stop(grace=0.5)
         for task in list(self._tasks):
             task.cancel()
+        self._ingest.shutdown(wait=False)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -334,7 +340,10 @@ class Hub:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"{kind} {peer_id!r} incarnation {hello.incarnation!r} was declared lost ({lost}); "
                                 "a lost process does not come back: restart it")
-        stream = _Stream()
+        previous = self._peers.get(key)
+        while previous is not None and previous.ingest is not None and not previous.ingest.done():
+            await asyncio.wait([previous.ingest])  # the Welcome's positions must follow what it sent
+        stream = _Stream()  # (no await from here to the attach: the old stream sends nothing in between)
         peer = self._attach(key, kind, peer_id, hello, stream)
         reader = asyncio.get_running_loop().create_task(self._read(peer, stream, context))
         try:
@@ -408,7 +417,7 @@ class Hub:
                 if body == "heartbeat":
                     continue
                 if body == "events":
-                    self._on_events(peer, stream, message.events)
+                    await self._on_events(peer, stream, message.events)
                 elif body == "done":
                     self._on_done(peer, message.done)
                 else:
@@ -424,11 +433,14 @@ class Hub:
             log.exception("reading %s's stream failed", peer.name)
             stream.end(grpc.StatusCode.INTERNAL, f"the hub failed on {peer.name}'s stream: {e!r}")
 
-    def _on_events(self, peer: _Peer, stream: _Stream, batch: gyre_pb2.EventBatch) -> None:
+    async def _on_events(self, peer: _Peer, stream: _Stream, batch: gyre_pb2.EventBatch) -> None:
         try:
-            events = unpack_events(batch.arrow_ipc)
-            self._check_stamps(peer, events)
-            position = self.sink.record(events)
+            peer.ingest = asyncio.get_running_loop().run_in_executor(self._ingest, self._record, peer, batch)
+            position = await peer.ingest
+        except RuntimeError:  # the ingest thread was shut down: the hub is stopping
+            if self._stopping:
+                return
+            raise
         except (GyreError, ValueError) as e:  # a gap, unstamped events, a closed log, a bad batch
             self._refuse(peer, stream, batch.batch_id, f"{type(e).__name__}: {e}")
             return
@@ -436,6 +448,15 @@ class Hub:
             self._spawn(self._ack_durable(peer, stream, batch.batch_id, position))
         else:
             stream.send(_down(peer.kind, ack=gyre_pb2.EventAck(batch_id=batch.batch_id, position=position)))
+
+    def _record(self, peer: _Peer, batch: gyre_pb2.EventBatch) -> int:
+        """Decode, check and record one batch (on the ingest thread); its position in the log. A peer declared
+        lost meanwhile is refused, as it would have been on the loop."""
+        events = unpack_events(batch.arrow_ipc)
+        if peer.lost is not None:
+            raise GyreError(f"{peer.name} was declared lost ({peer.lost})")
+        self._check_stamps(peer, events)
+        return self.sink.record(events)
 
     def _check_stamps(self, peer: _Peer, events: list[Event]) -> None:
         named = set(peer.hello.producers)

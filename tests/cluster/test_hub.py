@@ -493,3 +493,26 @@ def test_a_stopped_cell_leaves_without_being_lost(cluster) -> None:
     with pytest.raises(ClusterError, match=r"c0 was lost \(it stopped"):
         cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())).result(5)
     assert lost == [] and not cluster.hub.connected("c0")
+
+
+def test_a_batch_being_recorded_holds_no_other_stream(cluster) -> None:
+    """Decoding and recording a batch happen off the hub's loop: while one cell's batch is being recorded,
+    another cell's command is sent, done and answered."""
+    entered, release = threading.Event(), threading.Event()
+    recorded = cluster.sink.on_record
+
+    def slow(first: int, events: list[Any]) -> None:
+        if any(e.producer == "c0" for e in events):
+            entered.set()
+            assert release.wait(10), "the test never released the batch"
+        recorded(first, events)
+
+    cluster.sink.on_record = slow
+    c0, _ = cluster.link("c0"), cluster.link("c1")
+    position = c0.producer("c0").record(_lost(2))
+    assert entered.wait(5)
+    done = cluster.hub.command_cell("c1", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())).result(5)
+    assert done.ok
+    release.set()
+    c0.sink.commit(position)
+    assert _stamps(cluster.events()) == [("c0", 0), ("c0", 1)]
