@@ -28,10 +28,11 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from gyre.cluster.address import NodeAddress
 from gyre.cluster.config import ClusterConfig
 from gyre.cluster.proto import gyre_pb2
 from gyre.engine.protocol import INITIAL_WEIGHT_VERSION
-from gyre.errors import ConfigError
+from gyre.errors import ConfigError, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -48,20 +49,27 @@ class EngineHost(Protocol):
 
 
 class LocalEngineHost:
-    def __init__(self, config: ClusterConfig, endpoint: Any) -> None:
+    def __init__(self, config: ClusterConfig, endpoint: Any, address: NodeAddress) -> None:
+        import dataclasses
+
         from gyre.engine.local import LocalEngine, LocalEngineServer
         from gyre.run.build import engine_config
+        from gyre.transfer import EndpointConfig
 
         self.config, self.endpoint = config, endpoint
-        self.local_engine = LocalEngine(engine_config(config, config.cluster.cell_threads))
-        self._server = LocalEngineServer(self.local_engine, host=config.cluster.host)
-        self.url = self._server.start()
+        engine = engine_config(config, config.cluster.cell_threads)  # its KV port's endpoint: peers dial it
+        engine = dataclasses.replace(engine, transfer=EndpointConfig(hostname=address.advertise))
+        self.local_engine = LocalEngine(engine)
+        self._server = LocalEngineServer(self.local_engine, host=address.bind)
+        self._server.start()
+        self.url = f"http://{address.endpoint(self._server.port)}"
         self.local_engine.set_weight_version(INITIAL_WEIGHT_VERSION)  # before the proxy knows the engine
         self._puller: Any = None
 
     def load_weights(self, ref: gyre_pb2.WeightsRef) -> dict[str, float]:
         started = time.perf_counter()
         tensors = None
+        pulled: TransferError | None = None
         if ref.peer_session and ref.manifest:
             from gyre.transfer.tensors import WeightsPuller
 
@@ -69,17 +77,29 @@ class LocalEngineHost:
                 self._puller = WeightsPuller(self.endpoint)  # one registered buffer for every version served
             try:
                 tensors = self._puller.pull(ref.peer_session, ref.manifest)  # the engine copies them in
-            except Exception as error:  # the core that offered them is gone: the durable file has the same bytes
-                log.warning("pulling weights v%d from %s failed (%s); reading %s", ref.version, ref.peer_session,
-                            error, ref.location)
+            except TransferError as error:
+                pulled = error
         if tensors is None:
-            from gyre.trainer.weights import WeightStore
-
-            tensors = WeightStore(Path(self.config.run_dir)).load(ref.location, ref.sha256)
+            tensors = self._from_file(ref, pulled)
         installed = self.local_engine.load_weights(tensors, version=str(ref.version), drain=True)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return {"weights_bytes": float(nbytes), "weights_s": time.perf_counter() - started,
                 "drain_s": installed.drain_s}
+
+    def _from_file(self, ref: gyre_pb2.WeightsRef, pulled: TransferError | None) -> dict[str, Any]:
+        """The durable file, when this host has it (the core's host: the core wrote it). On another host there
+        is no such file to fall back on: the pull's failure is the error (the command fails, and the
+        controller's fault handling takes over)."""
+        from gyre.trainer.weights import WeightStore
+
+        store = WeightStore(Path(self.config.run_dir))
+        if not (store.run_dir / ref.location).exists():
+            why = f"pulling it from {ref.peer_session} failed: {pulled}" if pulled else "no Mooncake copy was offered"
+            raise TransferError(f"weights v{ref.version}: {why}, and {ref.location} is on the core's host, not here")
+        if pulled is not None:
+            log.warning("pulling weights v%d from %s failed (%s); reading %s", ref.version, ref.peer_session,
+                        pulled, ref.location)
+        return store.load(ref.location, ref.sha256)
 
     def stop(self) -> None:
         self._server.stop()
@@ -88,16 +108,16 @@ class LocalEngineHost:
 class SglangEngineHost:
     """An SGLang server launched by the cell (``python -m sglang.launch_server``), token ids in and out."""
 
-    def __init__(self, config: ClusterConfig, *, port: int, log_path: Path, timeout_s: float = 600.0) -> None:
+    def __init__(self, config: ClusterConfig, *, address: NodeAddress, port: int, log_path: Path,
+                 timeout_s: float = 600.0) -> None:
         import httpx
 
         self.config = config
         self.local_engine = None
         self.run_dir = Path(config.run_dir)
         model = self._model_dir()
-        host = config.cluster.host
-        self.url = f"http://{host}:{port}"
-        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", host,
+        self.url = f"http://{address.endpoint(port)}"
+        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", address.bind,
                 "--port", str(port), "--skip-tokenizer-init", "--enable-memory-saver",
                 *config.cluster.sglang_args]
         with open(log_path, "ab") as out:

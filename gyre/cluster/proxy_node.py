@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gyre.cluster.address import NodeAddress, resolve
 from gyre.cluster.config import ClusterConfig
 from gyre.cluster.proto import gyre_pb2
 from gyre.harness.runner import Gate
@@ -95,16 +96,17 @@ class _Components:
 class ProxyNode:
     """Builds the proxy and the runner on the first routing update (it names the engines) and serves commands."""
 
-    def __init__(self, config: ClusterConfig, controller: str, secret: str, *, host: str | None = None) -> None:
+    def __init__(self, config: ClusterConfig, controller: str, secret: str, *,
+                 address: NodeAddress | None = None) -> None:
         from gyre.cluster.link import ControllerLink
         from gyre.cluster.spill import spill_path
 
         self.config = config
-        self.host = host or config.cluster.host
+        self.address = address or resolve(config.cluster.bind, config.cluster.advertise, controller=controller)
         self.hello = gyre_pb2.ProxyHello(proxy_id="proxy", incarnation=uuid.uuid4().hex,
                                          producers=list(PROXY_PRODUCERS))
         self.link = ControllerLink(controller, secret=secret, hello=self.hello, handler=self.handle,
-                                   spill_dir=spill_path(Path(config.run_dir), "proxy"))
+                                   spill_dir=spill_path(Path(config.run_dir), "proxy"), tls=config.cluster.tls)
         self.parts: _Components | None = None
         self.stopped = False
         self._held: set[str] = set()
@@ -148,8 +150,9 @@ class ProxyNode:
                                   sampling=SamplingOverrides(temperature=config.sampling.temperature,
                                                              top_p=1.0, top_k=-1)),
                       sink=self.link.producer("proxy"))
-        server = ProxyServer(proxy, host=self.host)
-        url = server.start()
+        server = ProxyServer(proxy, host=self.address.bind)
+        server.start()
+        url = f"http://{self.address.endpoint(server.port)}"  # where the harnesses (on this host) call it
         harness = HarnessConfig.load(config.rollout.harness)
         slots = config.cluster.cells * config.cluster.slots
         overrides = {"max_concurrency": slots}
