@@ -100,7 +100,8 @@ class Hosts:
         self.kill(name)
 
     def kill(self, name: str) -> None:
-        for process in self.hosts[name].processes:
+        processes, self.hosts[name].processes = self.hosts[name].processes, []
+        for process in processes:
             if process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)

@@ -5,13 +5,16 @@ Host a: the controller and the proxy (with the harnesses). Host b: cell0 (the co
 cell3. Every process binds 0.0.0.0; the controller advertises 10.77.0.1 (its config says so), each cell
 advertises the address the kernel routes toward the controller (its config says nothing). No process can read
 another host's files: the core reads the log through the controller, engines pull weights from the core over
-Mooncake, KV moves engine to engine. After the first trained step, host c loses its link and then its
+Mooncake, KV moves engine to engine (checked first on its own, between engines on b and c: a run's redirects
+depend on timing). Once a cell on c holds weights pulled from b, host c loses its link and then its
 processes; the controller declares its cells lost (missed heartbeats) and finishes with cells 0 and 1.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,7 +26,7 @@ from gyre.audit.rules import audit
 from gyre.cluster.auth import SECRET_ENV
 from gyre.cluster.config import ClusterConfig
 from gyre.cluster.run import process_argv
-from gyre.events.models import CellLost, CellRegistered, MicroStepFinished, RunFinished
+from gyre.events.models import CellLost, CellRegistered, RunFinished
 from gyre.log import LogReader
 from gyre.replay.exact import replay_decisions
 from tests.cluster.hosts import Hosts, available
@@ -44,14 +47,39 @@ def _config(run_dir: Path, **cluster: object) -> ClusterConfig:
                                    "cluster": base.cluster.model_copy(update=settings)})
 
 
-def _wait_for_step(log: Path, controller, deadline: float) -> None:
-    """Until the controller's log holds a finished train step (the test reads host a's disk from outside)."""
+CROSSED = "SELECT count(*) FROM events WHERE cell_id IN ('cell2', 'cell3') AND (kind = 'micro_step_finished' " \
+          "OR (kind = 'weights_loaded' AND weights_loaded.weights_bytes > 0))"
+"""Facts that prove weights crossed hosts: a satellite on c computes a micro-step only on weights it pulled from
+the core on b over Mooncake (and the core counts it once the gradients are in its slot); an engine on c loads
+a published version by pulling it from the core the same way (c's disk has no weights file to fall back on)."""
+
+
+def _wait_until_weights_crossed(log: Path, controller: subprocess.Popen, deadline: float) -> None:
+    """Until the controller's log (read from host a's disk, outside) shows a cell on host c holding weights it
+    pulled from host b: then host c is cut."""
     while time.monotonic() < deadline:
-        assert controller.poll() is None, "the controller exited before the first step was trained"
-        if any(log.glob("*.seg")) and any(True for _ in LogReader(log).read(kinds=["train_step_finished"])):
+        assert controller.poll() is None, "the controller exited before weights crossed hosts"
+        if any(log.glob("*.seg")) and LogReader(log).duckdb().execute(CROSSED).fetchone()[0] > 0:
             return
         time.sleep(0.2)
-    raise AssertionError("no train step finished in time")
+    raise AssertionError("no cell on host c pulled weights from the core on host b in time")
+
+
+def _kv_across_hosts(hosts: Hosts, env: dict[str, str]) -> dict:
+    """A call's KV moves from an engine on host b to one on host c the way the proxy's mover moves it (the
+    proxy, on host a, drives it), then both engines are stopped."""
+    urls = {}
+    for name in ("b", "c"):
+        address = hosts[name].address
+        hosts.spawn(name, [sys.executable, "-m", "gyre", "engine", "serve", "--host", "0.0.0.0", "--advertise",
+                           address, "--port", "30000"], env=env, log="engine.out")
+        urls[name] = f"http://{address}:30000"
+    mover = hosts.spawn("a", [sys.executable, "-m", "tests.cluster.kv_across", urls["b"], urls["c"]], env=env,
+                        log="kv.out")
+    assert mover.wait(timeout=180) == 0, (hosts["a"].disk / "kv.out").read_text()[-3000:]
+    hosts.kill("b")
+    hosts.kill("c")
+    return json.loads((hosts["a"].disk / "kv.out").read_text().strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(available() is not None, reason=f"{available()}")
@@ -65,6 +93,10 @@ def test_a_run_across_three_hosts_survives_losing_one(tmp_path: Path) -> None:
             cluster = {"advertise": hosts["a"].address} if name == "a" else {}
             (hosts[name].disk / "run.json").write_text(_config(run_dir, **cluster).model_dump_json())
         config = str(hosts.root / "run.json")
+        moved = _kv_across_hosts(hosts, env)
+        assert moved["equal"] and moved["pages"] > 0 and moved["bytes"] > 0, moved
+        assert moved["source_session"].startswith(f"{hosts['b'].address}:")  # c read b's pages over Mooncake
+        assert moved["target_cached"] >= moved["cached_tokens"] > 0  # c continued from the moved pages
         controller = hosts.spawn("a", [sys.executable, "-m", "gyre", "run", config], env=env, log="controller.out")
         for name, processes in HOSTS.items():
             for process in processes:
@@ -72,7 +104,7 @@ def test_a_run_across_three_hosts_survives_losing_one(tmp_path: Path) -> None:
                     hosts.spawn(name, process_argv(process, controller_address, config), env=env,
                                 log=f"{process}.out")
         log = hosts["a"].disk / "run" / "log"
-        _wait_for_step(log, controller, time.monotonic() + 120)
+        _wait_until_weights_crossed(log, controller, time.monotonic() + 150)
         hosts.cut("c")
         try:
             assert controller.wait(timeout=180) == 0, (hosts["a"].disk / "controller.out").read_text()[-3000:]
@@ -86,10 +118,7 @@ def test_a_run_across_three_hosts_survives_losing_one(tmp_path: Path) -> None:
     host_of = {e.cell_id: e.address for e in events if isinstance(e, CellRegistered)}
     assert host_of["cell0"].startswith("http://10.77.0.2:") and host_of["cell2"].startswith("http://10.77.0.3:")
     assert {e.cell_id for e in events if isinstance(e, CellLost)} == {"cell2", "cell3"}
-    # weights and gradients crossed hosts: a satellite on c computes a micro-step only on weights it pulled from
-    # the core on b over Mooncake, and the core counts it only once its gradients were written into its slot
-    remote = {e.cell_id for e in events if isinstance(e, MicroStepFinished)} & {"cell2", "cell3"}
-    assert remote, "no satellite on host c trained a micro-step of the core on host b"
+    assert LogReader(log).duckdb().execute(CROSSED).fetchone()[0] > 0
     report = audit(log, expected_steps=STEPS)
     assert report.ok, report.problems
     replayed = replay_decisions(log)
