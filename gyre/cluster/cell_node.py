@@ -126,7 +126,8 @@ class CellNode:
             port = probe.getsockname()[1]
         log_path = self.run_dir / "processes" / f"{self.cell_id}.sglang.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        return SglangEngineHost(self.config, address=self.address, port=port, log_path=log_path)
+        return SglangEngineHost(self.config, address=self.address, port=port, log_path=log_path,
+                                endpoint=self.endpoint)
 
     def start(self) -> None:
         welcome = self.link.start()

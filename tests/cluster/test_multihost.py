@@ -98,3 +98,14 @@ def test_over_tls_the_controller_answers_only_tls_clients(make_cluster, tmp_path
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     plain.close()
     assert link.connections == 1
+
+
+def test_a_cell_off_the_cores_host_has_no_weight_file_to_fall_back_on(tmp_path: Path) -> None:
+    from gyre.cluster.engine_host import WeightsFetch
+    from gyre.cluster.proto import gyre_pb2
+    from gyre.errors import TransferError
+
+    fetch = WeightsFetch(ClusterConfig(run_dir=tmp_path / "run"), endpoint=None)
+    ref = gyre_pb2.WeightsRef(version=3, location="weights/v000003.safetensors", sha256="0" * 64)
+    with pytest.raises(TransferError, match=r"no Mooncake copy was offered.*on the core's host, not here"):
+        fetch(ref)
