@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gyre.cluster.address import NodeAddress, resolve
 from gyre.cluster.config import ClusterConfig
 from gyre.cluster.proto import gyre_pb2
 from gyre.harness.runner import Gate
@@ -44,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROXY_PRODUCERS = ("proxy", "harness")
+HARNESS_API_HOST = "127.0.0.1"
 LINK_CLOSE_S = 30.0
 """How long a stopping process waits for its last events to be acknowledged (the controller may be gone)."""
 
@@ -96,13 +96,11 @@ class _Components:
 class ProxyNode:
     """Builds the proxy and the runner on the first routing update (it names the engines) and serves commands."""
 
-    def __init__(self, config: ClusterConfig, controller: str, secret: str, *,
-                 address: NodeAddress | None = None) -> None:
+    def __init__(self, config: ClusterConfig, controller: str, secret: str) -> None:
         from gyre.cluster.link import ControllerLink
         from gyre.cluster.spill import spill_path
 
         self.config = config
-        self.address = address or resolve(config.cluster.bind, config.cluster.advertise, controller=controller)
         self.hello = gyre_pb2.ProxyHello(proxy_id="proxy", incarnation=uuid.uuid4().hex,
                                          producers=list(PROXY_PRODUCERS))
         self.link = ControllerLink(controller, secret=secret, hello=self.hello, handler=self.handle,
@@ -150,9 +148,10 @@ class ProxyNode:
                                   sampling=SamplingOverrides(temperature=config.sampling.temperature,
                                                              top_p=1.0, top_k=-1)),
                       sink=self.link.producer("proxy"))
-        server = ProxyServer(proxy, host=self.address.bind)
-        server.start()
-        url = f"http://{self.address.endpoint(server.port)}"  # where the harnesses (on this host) call it
+        # its only clients are the harnesses it runs on this host: the execution tokens they present never
+        # cross the network, whatever [cluster] bind opens for the run's peers
+        server = ProxyServer(proxy, host=HARNESS_API_HOST)
+        url = server.start()
         harness = HarnessConfig.load(config.rollout.harness)
         slots = config.cluster.cells * config.cluster.slots
         overrides = {"max_concurrency": slots}
