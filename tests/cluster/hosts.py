@@ -52,10 +52,11 @@ class Host:
 class Hosts:
     """``Hosts(tmp, ["a", "b", "c"])``: host ``a`` at 10.77.0.1, ``b`` at .2, ...; a context manager."""
 
-    def __init__(self, tmp: Path, names: Sequence[str], subnet: str = "10.77.0") -> None:
+    def __init__(self, tmp: Path, names: Sequence[str], subnet: str = "10.77.0", root: Path | None = None) -> None:
+        """``root``: the mount point (default ``tmp/root``; Ray wants a short one: its socket paths live there)."""
         self.tag = f"g{os.getpid() % 100000}"
         self.disks = tmp / "disks"
-        self.root = tmp / "root"
+        self.root = root or tmp / "root"
         """Where each host's processes see their own disk (the same path on every host)."""
         self.switch = f"{self.tag}-sw"
         self.hosts = {name: Host(name, f"{self.tag}-{name}", f"{subnet}.{i + 1}", self.disks / name)
@@ -100,11 +101,18 @@ class Hosts:
         self.kill(name)
 
     def kill(self, name: str) -> None:
+        """Every process of the host: those it started, and any other in its network namespace (daemons that
+        left the process group)."""
         processes, self.hosts[name].processes = self.hosts[name].processes, []
         for process in processes:
             if process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
+        listed = subprocess.run(["ip", "netns", "pids", self.hosts[name].netns], capture_output=True, text=True)
+        for pid in listed.stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        for process in processes:
             process.wait()
 
     def __exit__(self, *exc: object) -> None:
