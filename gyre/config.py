@@ -35,6 +35,8 @@ class SamplingSection(_Section):
 
     temperature: PositiveFloat = 1.0
     max_tokens: PositiveInt = Field(128, description="cap on every call's max_tokens")
+    ignore_eos: bool = Field(False, description="every call generates its whole max_tokens, whatever the model "
+                                                "samples (an emulated run: the scenario's output counts hold)")
 
 
 class TrajectorySection(_Section):

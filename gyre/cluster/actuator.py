@@ -161,6 +161,7 @@ class Commands:
     def abandon(self, abandoned: Abandoned, sink: EventSink | None, switch_to: str | None = None) -> None:
         """Record ``command_abandoned``; a target still alive (its attempts ran out) is declared lost, so
         the lost-peer path restarts it clean and redoes what the command was for."""
+        self._await_recorded_loss(abandoned)
         if sink is not None:
             try:
                 sink.commit(sink.record(abandoned.event(switch_to)))
@@ -169,6 +170,25 @@ class Commands:
         if not abandoned.stale:
             kind, peer = ("cell", abandoned.cell_id) if abandoned.cell_id else ("proxy", "")
             self.hub.lose(kind, peer, f"{abandoned.what} was abandoned: {abandoned.reason}", abandoned.incarnation)
+
+    def _await_recorded_loss(self, abandoned: Abandoned) -> None:
+        """A command abandoned because the hub declared its cell's incarnation lost is recorded only once the
+        log says so too. Recorded earlier, it would end the switch on a log that still shows the cell alive,
+        and the policy would decide the same switch again at once (chaos seed 8: 1,108 pauses in 23 s while
+        the loss waited to be recorded)."""
+        cell_id, incarnation = abandoned.cell_id, abandoned.incarnation
+        if self.live is None or not cell_id or not incarnation or not self.hub.is_lost("cell", cell_id, incarnation):
+            return
+        live, deadline = self.live, time.monotonic() + LOSS_RECORD_WAIT_S
+        while not live.wait_for(lambda live: not _is(live.cells.cells.get(cell_id), incarnation), 0.5):
+            if self.stopping.is_set():
+                return
+            if time.monotonic() < deadline:
+                continue
+            log.warning("cell %s incarnation %s: the hub declared it lost %.0f s ago and the log does not say so "
+                        "yet; its abandoned %s is recorded now", cell_id, incarnation, LOSS_RECORD_WAIT_S,
+                        abandoned.command)
+            return
 
 
 class RemoteCell:
@@ -373,6 +393,9 @@ class RemoteCell:
             self.transfers.offer(gyre_pb2.WeightsRef.FromString(done.detail), self.info.incarnation)
 
 
+LOSS_RECORD_WAIT_S = 60.0
+"""How long an abandoned command waits for its cell's loss, declared by the hub, to be recorded (the
+membership thread records it; a loss reported while the run starts is recorded once it has started)."""
 REGISTER_WAIT_S = 60.0
 """How long a new incarnation's bring-up waits for its registration to be recorded (the membership thread
 records it right after queueing the bring-up)."""

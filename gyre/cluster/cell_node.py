@@ -34,6 +34,7 @@ from gyre.cluster.config import ClusterConfig
 from gyre.cluster.log_client import RemoteLog
 from gyre.cluster.proto import gyre_pb2
 from gyre.cluster.proxy_node import LINK_CLOSE_S
+from gyre.emulate import PacedBackend, Pacer
 from gyre.run.build import torch_backend, trainer_settings
 
 if TYPE_CHECKING:
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
     from gyre.trainer.protocol import TrainerBackend
 
 log = logging.getLogger(__name__)
+
+EMULATION_REPORT_S = 5.0
+"""How often an emulated cell records what its accelerator held (`EmulationReported`)."""
 
 
 def trainer_backend(config: ClusterConfig) -> TrainerBackend:
@@ -110,6 +114,11 @@ class CellNode:
                                         incarnation=uuid.uuid4().hex, producers=producers)
         self.link = ControllerLink(controller, secret=secret, hello=self.hello, handler=self.handle,
                                    spill_dir=spill_path(self.run_dir, cell_id), tls=config.cluster.tls)
+        emulation = config.emulation()
+        self.pacer = Pacer(emulation) if emulation is not None else None
+        """The emulated accelerator's clock for the cell's own work (training, switches; the engine has its
+        own for decode and prefill): `gyre.emulate`."""
+        self._reporter: threading.Thread | None = None
         self.core: LocalCoreTrainer | None = None
         self.ready = threading.Event()
         self.satellite: Any = None
@@ -134,7 +143,49 @@ class CellNode:
         self.run_id = welcome.run_id
         if self.is_core:
             self._build_core()
+        if self.pacer is not None:
+            self._reporter = threading.Thread(target=self._report_emulation, name="gyre-emulation-report",
+                                              daemon=True)
+            self._reporter.start()
         self.ready.set()
+
+    def _backend(self) -> TrainerBackend:
+        """A trainer replica (the core's or a satellite's), on the emulated accelerator where there is one."""
+        backend = trainer_backend(self.config)
+        return PacedBackend(backend, self.pacer) if self.pacer is not None else backend  # type: ignore[return-value]
+
+    def _hold(self, started: float, emulated_s: float) -> None:
+        if self.pacer is not None:
+            self.pacer.hold(started, emulated_s)
+
+    def emulation_stats(self) -> dict[str, float]:
+        """The engine's and the cell's own pacers together (empty: no emulated accelerator)."""
+        if self.pacer is None:
+            return {}
+        parts = [self.pacer.snapshot()]
+        engine_pacer = getattr(self.engine.local_engine, "pacer", None)
+        if engine_pacer is not None:
+            parts.append(engine_pacer.snapshot())
+        return {key: sum(p[key] for p in parts) for key in ("holds", "emulated_s", "real_s", "waited_s",
+                                                               "overrun_s", "overruns")}
+
+    def _report_emulation(self) -> None:
+        """Every `EMULATION_REPORT_S` (and when the cell stops), what its accelerator held so far, as an event."""
+        from gyre.events.models import EmulationReported
+
+        producer = self.link.producer(f"cell:{self.cell_id}")
+        last = -1.0
+        while True:
+            stopping = self.stopped.wait(EMULATION_REPORT_S)
+            stats = self.emulation_stats()
+            if stats["holds"] != last:
+                last = stats["holds"]
+                producer.record(EmulationReported(cell_id=self.cell_id, incarnation=self.hello.incarnation,
+                                                  holds=int(stats["holds"]), overruns=int(stats["overruns"]),
+                                                  **{k: stats[k] for k in ("emulated_s", "real_s", "waited_s",
+                                                                           "overrun_s")}))
+            if stopping:
+                return
 
     def _build_core(self) -> None:
         from gyre.cluster.faults import CrashingProducer, crash_points
@@ -152,12 +203,12 @@ class CellNode:
         self._closers.append(self.log.close)
         folded = self._fold() if restarted else None
         coordinator = StepCoordinator(producer, folded[0] if folded else None)
-        self.backend = trainer_backend(self.config)
+        self.backend = self._backend()
         self.weights = WeightStore(self.run_dir, keep=self.config.checkpoint.keep_weights)
         self.core = LocalCoreTrainer(self.config, cell_id=self.cell_id, run_id=self.run_id,
                                      log_path=log_path, backend=self.backend, coordinator=coordinator,
                                      weights=self.weights, published=None, on_trained=self._on_trained,
-                                     durable_seq=lambda: self._upto,
+                                     durable_seq=lambda: self._upto, pacer=self.pacer,
                                      follow=lambda seq, poll_s, stop: self.log.follow(seq, poll_s, stop))
         if folded is not None:
             self._restore(coordinator, *folded[1:])
@@ -214,11 +265,15 @@ class CellNode:
             return {"engine_pause_s": time.perf_counter() - started}
         if body == "release":  # SGLang frees GPU weights and KV; the CPU engine its KV cache
             self.engine_client.release_memory_occupation()
+            self._hold(started, self.pacer.emulation.accelerator.to_training_s if self.pacer else 0.0)
             return {"release_s": time.perf_counter() - started}
         if body == "serve":
-            if self.engine.local_engine is None or self.engine.local_engine.released:
+            released = self.engine.local_engine is None or bool(self.engine.local_engine.released)
+            if released:
                 self.engine_client.resume_memory_occupation()
             self.engine_client.resume()
+            if released:  # back from training: the accelerator's switch to rollout
+                self._hold(started, self.pacer.emulation.accelerator.to_rollout_s if self.pacer else 0.0)
             return {"engine_resume_s": time.perf_counter() - started}
         if body == "load_weights":
             return self._load_weights(command.load_weights.weights)
@@ -252,11 +307,12 @@ class CellNode:
             if "claim" in crash_points(self.cell_id):  # fault injection (tests)
                 def on_claim(step: int, micro_step: int) -> None:
                     crash_once(self.run_dir, self.cell_id, "claim")
-            self.satellite = SatelliteReplica(cell_id=self.cell_id, backend=trainer_backend(self.config),
+            self.satellite = SatelliteReplica(cell_id=self.cell_id, backend=self._backend(),
                                               endpoint=self.endpoint, secret=self.secret, on_claim=on_claim,
                                               tls=self.config.cluster.tls)
         weights = join.weights if join.HasField("weights") and join.weights.manifest else None
         figures = dict(self.satellite.join(join.trainer_endpoint, weights) or {})
+        self._hold(started, self.pacer.emulation.accelerator.satellite_join_s if self.pacer else 0.0)
         figures["trainer_join_s"] = time.perf_counter() - started
         return figures
 
@@ -300,6 +356,8 @@ class CellNode:
 
     def close(self) -> None:
         self.stopped.set()
+        if self._reporter is not None:  # its last report goes up before the link closes
+            self._reporter.join(LINK_CLOSE_S)
         try:
             self.link.close(timeout_s=LINK_CLOSE_S)
         finally:

@@ -25,6 +25,12 @@ def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g
         resume: Annotated[bool, typer.Option(
             "--resume", help="restart the controller of the run in run_dir (same config): its cells and proxy "
                              "keep running and reconnect; those that are gone are started again")] = False,
+        emulate: Annotated[str | None, typer.Option(
+            help="face a scenario's emulated cluster and workload (replay/scenarios name or file): its cells, "
+                 "steps, batch, policy parameters, accelerator and executions (the scenario agent)")] = None,
+        time_scale: Annotated[float, typer.Option(help="with --emulate: emulated seconds per wall second")] = 1.0,
+        token_scale: Annotated[float, typer.Option(
+            help="with --emulate: scenario tokens one real token stands for")] = 1.0,
         ) -> None:
     """Run RL on a cluster of cell processes: controller here, each cell and the proxy its own process."""
     from gyre.cluster.config import ClusterConfig
@@ -35,7 +41,12 @@ def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g
                                                ("cluster.advertise", advertise)) if value is not None}
     try:
         settings = ClusterConfig.load(config, overrides)  # an override is checked as a key in the file is
-    except GyreError as error:
+        if emulate is not None:
+            from gyre.cluster.emulated import scenario_overrides
+
+            scenario = scenario_overrides(settings, emulate, time_scale=time_scale, token_scale=token_scale)
+            settings = ClusterConfig.load(config, {**scenario, **overrides})  # the command line wins
+    except (GyreError, ValueError) as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from None
     cluster = settings.cluster
@@ -80,6 +91,12 @@ def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g
         raise typer.Exit(1) from None
     console.print(summary_table(summary))
     console.print(timeline_table(summary))
+    if summary.emulation is not None:
+        e = summary.emulation
+        verdict = "[green]valid[/green]" if e.get("valid", 1.0) else "[red]INVALID: real compute overran it[/red]"
+        console.print(f"emulated accelerators: {e['emulated_s']:.0f} s of accelerator time in {e['holds']:.0f} holds; "
+                      f"real compute over its emulated time {e['overrun_s']:.1f} s ({e['overrun_share']:.1%}, "
+                      f"{e['overruns']:.0f} holds): figures {verdict}")
     console.print(f"log: {summary.log} (run {summary.run_id}); `gyre replay {summary.log}` re-derives every decision")
 
 

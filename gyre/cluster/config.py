@@ -15,6 +15,7 @@ from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_va
 from gyre.cluster.address import WILDCARDS
 from gyre.cluster.tls import TlsSection
 from gyre.config import TrainConfig, _Section
+from gyre.emulate import Emulation
 from gyre.errors import ConfigError
 
 
@@ -87,14 +88,43 @@ class ClusterSchedulerSection(_Section):
         return value
 
 
+class EmulateSection(_Section):
+    """``[emulate]``: every cell takes the time one cell of ``scenario``'s cluster would (`gyre.emulate`)."""
+
+    scenario: str = Field(description="a scenario name (replay/scenarios) or file whose accelerator cells emulate")
+    time_scale: PositiveFloat = Field(1.0, description="emulated seconds per wall second")
+    token_scale: PositiveFloat = Field(1.0, description="scenario tokens one real token stands for")
+    max_overrun_share: float = Field(0.05, ge=0.0, le=1.0, description=(
+        "real compute over its emulated time, as a share of that time, beyond which the run's figures are "
+        "marked invalid"))
+
+    def emulation(self) -> Emulation:
+        from gyre.sim.emulation import accelerator
+        from gyre.sim.scenario import load_scenario
+
+        scenario = load_scenario(self.scenario)
+        return Emulation(accelerator=accelerator(scenario), time_scale=self.time_scale, token_scale=self.token_scale,
+                         source=scenario.name)
+
+
 class ClusterConfig(TrainConfig):
     cluster: ClusterSection = ClusterSection()
     scheduler: ClusterSchedulerSection = ClusterSchedulerSection()  # type: ignore[assignment]
+    emulate: EmulateSection | None = None
+
+    def emulation(self) -> Emulation | None:
+        """The accelerator every cell emulates (None: cells run at the host's speed)."""
+        return self.emulate.emulation() if self.emulate is not None else None
 
     @model_validator(mode="after")
     def _check(self) -> Self:
         if self.scheduler.policy == "async" and self.cluster.cells < 2:
             raise ValueError("scheduler.policy async needs at least two cells (a rollout and a training pool)")
+        if self.emulate is not None:
+            try:
+                self.emulate.emulation()
+            except ConfigError as error:
+                raise ValueError(f"emulate.scenario: {error}") from None
         return self
 
     def policy_params(self) -> dict[str, Any]:

@@ -89,7 +89,7 @@ class LocalEngineHost:
         from gyre.transfer import EndpointConfig
 
         self.config, self.endpoint = config, endpoint
-        engine = engine_config(config, config.cluster.cell_threads)  # its KV port's endpoint: peers dial it
+        engine = engine_config(config, config.cluster.cell_threads, config.emulation())  # its KV port: peers dial it
         engine = dataclasses.replace(engine, transfer=EndpointConfig(hostname=address.advertise))
         self.local_engine = LocalEngine(engine)
         self._server = LocalEngineServer(self.local_engine, host=address.bind)

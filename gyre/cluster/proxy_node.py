@@ -146,7 +146,8 @@ class ProxyNode:
         proxy = Proxy(ProxyConfig(engines={r.cell_id: r.engine_url for r in routing.cells},
                                   tokenizer=config.engine.model, max_tokens_cap=config.sampling.max_tokens,
                                   sampling=SamplingOverrides(temperature=config.sampling.temperature,
-                                                             top_p=1.0, top_k=-1)),
+                                                             top_p=1.0, top_k=-1,
+                                                             ignore_eos=config.sampling.ignore_eos)),
                       sink=self.link.producer("proxy"))
         # its only clients are the harnesses it runs on this host: the execution tokens they present never
         # cross the network, whatever [cluster] bind opens for the run's peers

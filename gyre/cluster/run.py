@@ -14,7 +14,8 @@ is declared lost at once: ``cell_lost`` is recorded, the proxy stops placing exe
 in-flight calls move when its engine fails them), the process is started again, and its new incarnation is
 registered (``cell_registered``) in the role the policy gives a new cell and brought up in it (weights
 loaded, or a paused engine joining training; a restarted core restores its trainer from the last
-checkpoint plus the log, and the step it died in is trained again). A restarted proxy lost its harnesses:
+checkpoint plus the log, and the step it died in is trained again). A loss or restart the hub reports while
+the run starts or resumes is applied, in order, once it has. A restarted proxy lost its harnesses:
 their executions run again as new attempts (`gyre.controller.plan.rollouts_to_resubmit`).
 
 `gyre run CONFIG --resume` restarts a controller that was killed: it reads the run secret
@@ -34,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from collections.abc import Callable
 
 from gyre import auth
@@ -74,7 +76,10 @@ class Cluster:
         self._closers: list[Callable[[], None]] = []
         self._hellos: dict[str, gyre_pb2.CellHello] = {}
         self._hello_starts: dict[str, int] = {}
-        self._live = False  # registered: from now on a hello or a loss is a membership change
+        self._started = threading.Event()
+        """Set once the cells are registered (or reattached): membership changes the hub reported before
+        wait until then, in order, and are applied against what the start recorded."""
+        self._proxy_incarnation = self._proxy_at_start = ""
         self._stopping = False
         self.lost_cells = 0
         self.supervisor: Launcher | None = None
@@ -112,9 +117,17 @@ class Cluster:
         self.commands = Commands(self.hub, host.live, host.sink.producer("commands"))
         self.controller.observe(self._observe)
         self.membership_sink = host.sink.producer("membership")
+        self._open_membership()
+
+    def _open_membership(self) -> None:
+        """The membership thread: what the hub reports (hellos, losses) applied one at a time, in order —
+        those reported while the run starts once it has started, against what the start recorded (a core
+        killed then and never recorded lost would be paused again and again)."""
         self._membership = OrderedActions("membership", self.controller.fail,
                                           tolerate=lambda error: self._stopping)  # the run ends meanwhile
+        self._membership.put(self._started.wait)
         self._closers.append(self._membership.close)
+        self._closers.append(self._started.set)  # closed before it started: the gate opens, the queue is dropped
 
     def start(self, host: RunHost) -> None:
         """Listen, start (or adopt) the processes, then register the cells, or reattach to them."""
@@ -132,7 +145,7 @@ class Cluster:
             self._reattach(how)
         else:
             self._register()
-        self._live = True
+        self._started.set()
 
     def _resumable(self, secrets: auth.TokenFile) -> tuple[str, int]:
         """The secret and port of the run to resume (its processes dial the same address again)."""
@@ -192,8 +205,7 @@ class Cluster:
         self._hellos[hello.cell_id] = hello
         self._hello_starts[hello.cell_id] = self.supervisor.starts(hello.cell_id)
         self.supervisor.said_hello(hello.cell_id)
-        if self._live:
-            self._membership.put(lambda: self._registered_again(hello))
+        self._membership.put(lambda: self._registered_again(hello))
 
     def _on_cell_lost(self, cell_id: str, reason: str) -> None:
         hello = self._hellos.get(cell_id)
@@ -201,14 +213,13 @@ class Cluster:
             return
         if self.supervisor.starts(cell_id) == self._hello_starts.get(cell_id):
             self.supervisor.kill(cell_id)  # the lost incarnation still runs (it hung): it is started again
-        if self._live:
-            self._membership.put(lambda: self._cell_gone(cell_id, hello.incarnation, reason))
+        self._membership.put(lambda: self._cell_gone(cell_id, hello.incarnation, reason))
 
     def _on_proxy_hello(self, hello: gyre_pb2.ProxyHello) -> None:
         self._hello_starts["proxy"] = self.supervisor.starts("proxy")
         self.supervisor.said_hello("proxy")
-        if self._live:
-            self._membership.put(self._proxy_back)
+        self._proxy_incarnation = hello.incarnation
+        self._membership.put(lambda: self._proxy_back(hello.incarnation))
 
     def _on_proxy_lost(self, proxy_id: str) -> None:
         if self.supervisor.starts("proxy") == self._hello_starts.get("proxy"):
@@ -232,9 +243,15 @@ class Cluster:
         self.progress("lost", {"cell": cell_id, "reason": reason})
 
     def _registered_again(self, hello: gyre_pb2.CellHello) -> None:
-        """A restarted cell: registered in the role the policy gives a new cell, then brought up in it."""
+        """A restarted cell: registered in the role the policy gives a new cell, then brought up in it. A
+        hello already registered (by the start) or overtaken by a newer incarnation's is passed over."""
         cell_id = hello.cell_id
         known = self.live.cell(cell_id)
+        latest = self._hellos.get(cell_id)
+        if latest is not None and latest.incarnation != hello.incarnation:
+            return  # that process is gone already: the newer hello that follows registers its successor
+        if known is not None and not known.lost and known.incarnation == hello.incarnation:
+            return
         if known is not None and not known.lost and known.incarnation != hello.incarnation:
             self._cell_gone(cell_id, known.incarnation or "", f"replaced by incarnation {hello.incarnation}")
         role = self._initial_role(cell_id)
@@ -267,8 +284,11 @@ class Cluster:
     def _route(self) -> None:
         self.commands.proxy("routing", routing=routing(self.live))
 
-    def _proxy_back(self) -> None:
-        """A restarted proxy: it gets the routing, and (on the controller's thread) the executions it lost."""
+    def _proxy_back(self, incarnation: str) -> None:
+        """A restarted proxy: it gets the routing, and (on the controller's thread) the executions it lost
+        (not the proxy the start already gave both)."""
+        if incarnation == self._proxy_at_start:
+            return
         self._route()
         self.controller.submit(self._resubmit_rollouts)
 
@@ -291,6 +311,7 @@ class Cluster:
         except TimeoutError as error:
             raise ConfigError(f"the cluster did not come up: {error} (the processes' output is in "
                               f"{self.run_dir / 'processes'})") from error
+        self._proxy_at_start = self._proxy_incarnation  # the start routes to (and syncs with) this one
 
     def _register(self) -> None:
         """Wait for every process, then record the cells with the policy's initial roles and set them so."""

@@ -420,6 +420,23 @@ class WeightsPublished(Event):
     sha256: str = Field("", description="checksum of the weights file")
 
 
+class EmulationReported(Event):
+    """What a cell's emulated accelerator (`gyre.emulate`) held so far, cumulative for its incarnation: the
+    emulated seconds of its work (scenario time), the wall seconds it computed and waited, and the wall
+    seconds real compute overran its emulated time (the run's figures are valid only while that is small)."""
+
+    kind: ClassVar[str] = "emulation_reported"
+    view: ClassVar[str] = "emulation_reports"
+    cell_id: str
+    incarnation: str
+    holds: NonNegativeInt
+    emulated_s: NonNegativeFloat
+    real_s: NonNegativeFloat
+    waited_s: NonNegativeFloat
+    overrun_s: NonNegativeFloat
+    overruns: NonNegativeInt
+
+
 class WeightsLoaded(Event):
     """A cell's engine now serves ``policy_version`` (a cluster run): loaded when it was brought up, when it
     returned to rollout, or because a version was published while it served. Until this event a cell admits

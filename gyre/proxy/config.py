@@ -23,6 +23,8 @@ class SamplingOverrides:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    ignore_eos: bool = False
+    """Every call generates its whole ``max_tokens`` (an emulated run: the scenario's output counts hold)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -385,6 +385,7 @@ class Proxy:
             "top_k": over.top_k if over.top_k is not None else settings.top_k,
             "stop": list(settings.stop) or None,
             "sampling_seed": settings.seed,
+            "ignore_eos": True if over.ignore_eos else None,
         }
         try:
             return SamplingParams(

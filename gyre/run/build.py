@@ -15,6 +15,7 @@ from gyre.config import RolloutSection, TrainConfig
 from gyre.errors import ConfigError
 
 if TYPE_CHECKING:
+    from gyre.emulate import Emulation
     from gyre.engine.local import LocalEngineConfig
     from gyre.harness.tasks import TaskSet
     from gyre.trainer import TorchBackend
@@ -50,13 +51,15 @@ def step_plan(run_id: str, rollout: RolloutSection, task_ids: list[str], step: i
     return out
 
 
-def engine_config(config: TrainConfig, threads: int | None = None) -> LocalEngineConfig:
+def engine_config(config: TrainConfig, threads: int | None = None, emulation: Emulation | None = None
+                  ) -> LocalEngineConfig:
+    """``emulation``: the accelerator the engine emulates (a cluster's ``[emulate]``), or None."""
     from gyre.engine.local import LocalEngineConfig
     from gyre.engine.local.scheduler import SchedulerConfig
 
     return LocalEngineConfig(
         model=config.engine.model, seed=config.seed,
-        num_threads=config.engine.threads if threads is None else threads,
+        num_threads=config.engine.threads if threads is None else threads, emulation=emulation,
         scheduler=SchedulerConfig(max_running_requests=config.engine.max_running_requests,
                                   max_step_tokens=max(2048, config.engine.max_running_requests), seed=config.seed))
 

@@ -100,6 +100,9 @@ class RunSummary:
     steps: list[StepRecord] = field(default_factory=list)
     switches: int = 0
     timeline: list[RoleSpan] = field(default_factory=list)
+    emulation: dict[str, float] | None = None
+    """The emulated accelerators together (`RunState.emulation_totals`, with ``valid``: real compute overran
+    its emulated time by at most the config's ``max_overrun_share``); None: nothing was emulated."""
 
 
 class Topology(Protocol):
@@ -362,8 +365,12 @@ class RunHost:
 
     def summary(self, status: str) -> RunSummary:
         switches, timeline = role_timeline(self.log_path)
+        emulation = self.live.read(lambda live: live.run.emulation_totals())
+        emulate = getattr(self.config, "emulate", None)
+        if emulation is not None and emulate is not None:
+            emulation["valid"] = float(emulation["overrun_share"] <= emulate.max_overrun_share)
         return RunSummary(self.run_id, self.log_path, status, self.policy.version, self.policy_version,
-                          time.monotonic() - self._started, self.records(), switches, timeline)
+                          time.monotonic() - self._started, self.records(), switches, timeline, emulation)
 
     def close(self) -> None:
         """Stop everything the topology started, then commit and close the log. Idempotent."""

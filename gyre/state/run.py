@@ -83,6 +83,19 @@ class RunState:
     """The version each cell's engine serves, as `weights_loaded` last said."""
     decisions: dict[str, dict] = field(default_factory=dict)
     """Each cell's last `role_switch_requested`, as its fields (a resumed run performs one under way again)."""
+    emulation: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+    """Each cell incarnation's last `emulation_reported` (cumulative figures of its emulated accelerator)."""
+
+    def emulation_totals(self) -> dict[str, float] | None:
+        """Every cell incarnation's emulated accelerator together, with the share of the wall time its work
+        should have taken by which real compute overran it (None: nothing was emulated)."""
+        if not self.emulation:
+            return None
+        keys = ("holds", "emulated_s", "real_s", "waited_s", "overrun_s", "overruns")
+        totals = {k: sum(r[k] for r in self.emulation.values()) for k in keys}
+        due = totals["real_s"] + totals["waited_s"] - totals["overrun_s"]
+        totals["overrun_share"] = totals["overrun_s"] / due if due > 0 else 0.0
+        return totals
 
     def decision(self, cell_id: str) -> RoleSwitchRequested | None:
         fields = self.decisions.get(cell_id)
@@ -95,6 +108,7 @@ class RunState:
 
 class RunView(Projection[RunState]):
     name = "run"
+    version = 2  # emulation reports
     state_type = RunState
 
     @on("run_started", "run_id", "ts")
@@ -169,6 +183,13 @@ class RunView(Projection[RunState]):
     @on("weights_loaded", "cell_id", "policy_version")
     def _loaded(self, s: RunState, cell_id, policy_version) -> None:
         s.engine_versions[cell_id] = policy_version
+
+    @on("emulation_reported", "cell_id", "incarnation", "holds", "emulated_s", "real_s", "waited_s", "overrun_s",
+        "overruns")
+    def _emulated(self, s: RunState, cell_id, incarnation, holds, emulated_s, real_s, waited_s, overrun_s,
+                  overruns) -> None:
+        s.emulation[(cell_id, incarnation)] = {"holds": holds, "emulated_s": emulated_s, "real_s": real_s,
+                                               "waited_s": waited_s, "overrun_s": overrun_s, "overruns": overruns}
 
     @on("cell_registered", "cell_id")
     def _registered(self, s: RunState, cell_id) -> None:

@@ -89,7 +89,8 @@ class InProcess:
         proxy = Proxy(ProxyConfig(engines={CELL: engine_url}, tokenizer=config.engine.model,
                                   max_tokens_cap=config.sampling.max_tokens,
                                   sampling=SamplingOverrides(temperature=config.sampling.temperature,
-                                                             top_p=1.0, top_k=-1)),
+                                                             top_p=1.0, top_k=-1,
+                                                             ignore_eos=config.sampling.ignore_eos)),
                       sink=sink.producer("proxy"))
         self.proxy = ProxyServer(proxy)
         proxy_url = self.proxy.start()

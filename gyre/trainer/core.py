@@ -26,6 +26,7 @@ from gyre.trainer.weights import Published, WeightsError, WeightStore, file_sha2
 from gyre.trajectory.source import Follow, LiveLogSource
 
 if TYPE_CHECKING:
+    from gyre.emulate import Pacer
     from gyre.state.run import RunState, Weights
     from gyre.trainer.hub import TrainerHub
 
@@ -48,9 +49,12 @@ class LocalCoreTrainer:
     def __init__(self, config: TrainConfig, *, cell_id: str, run_id: str, log_path: Path, backend: TorchBackend,
                  coordinator: StepCoordinator, weights: WeightStore, published: Published | None,
                  durable_seq: Callable[[], int], on_trained: Callable[[StepTraining], None] = lambda f: None,
-                 rollout_s: Callable[[int], float | None] = lambda step: None, follow: Follow | None = None) -> None:
-        """``follow``: how the log is tailed when it is not on this host (`LiveLogSource`); None: its files."""
+                 rollout_s: Callable[[int], float | None] = lambda step: None, pacer: Pacer | None = None,
+                 follow: Follow | None = None) -> None:
+        """``pacer``: an emulated accelerator (`gyre.emulate`); a publish then takes its ``publish_s``.
+        ``follow``: how the log is tailed when it is not on this host (`LiveLogSource`); None: its files."""
         self.config, self.cell_id, self.run_id, self.log_path = config, cell_id, run_id, log_path
+        self.pacer = pacer
         self.backend, self.coordinator, self.weights = backend, coordinator, weights
         self._published = published
         self.on_trained = on_trained
@@ -137,10 +141,13 @@ class LocalCoreTrainer:
             self._source = None
 
     def publish(self, version: int) -> None:
+        started = time.perf_counter()
         named = dict(self.backend.named_tensors())
         stored = self.weights.save(version, named)
         if self.satellites is not None:  # the same bytes, registered for satellites' and engines' Mooncake pulls
             self.satellites.publish(version, named, location=stored.location, sha256=stored.sha256)
+        if self.pacer is not None:  # published (and recorded) once the emulated publish is over
+            self.pacer.hold(started, self.pacer.emulation.accelerator.publish_s)
         self.coordinator.publish(version, tensors=stored.tensors, nbytes=stored.bytes, location=stored.location,
                                  duration_s=stored.duration_s, sha256=stored.sha256)
         self._published = Published(version, stored.location, stored.sha256)

@@ -29,7 +29,14 @@ from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.engine.errors import EngineHTTPError, EngineRequestError, EngineTimeoutError, EngineUnreachableError
 from gyre.errors import ConfigError, LogCorruptionError, TransferError
 from gyre.events import encode
-from gyre.events.models import CellRegistered, CommandAbandoned, Event, RoleSwitchCompleted, RoleSwitchRequested
+from gyre.events.models import (
+    CellLost,
+    CellRegistered,
+    CommandAbandoned,
+    Event,
+    RoleSwitchCompleted,
+    RoleSwitchRequested,
+)
 from gyre.run.live import LiveRun
 from gyre.scheduler import SchedulerFold
 from gyre.state.cluster import ClusterView
@@ -207,6 +214,9 @@ class FakeHub:
         self.sent: list[tuple[str, str, str]] = []
         self.lost: list[tuple[str, str, str]] = []
         self.on_send: dict[str, Any] = {}
+        self.declared: set[tuple[str, str, str]] = set()
+        """Incarnations the hub declared lost (its own knowledge, ahead of the log)."""
+        self.asked = threading.Event()
 
     def _answer(self, target: str, kind: str, incarnation: str) -> Future[gyre_pb2.CommandDone]:
         self.sent.append((target, kind, incarnation))
@@ -230,6 +240,10 @@ class FakeHub:
 
     def lose(self, kind: str, peer_id: str, reason: str, incarnation: str = "") -> None:
         self.lost.append((kind, peer_id, incarnation))
+
+    def is_lost(self, kind: str, peer_id: str, incarnation: str) -> bool:
+        self.asked.set()
+        return (kind, peer_id, incarnation) in self.declared
 
 
 FIGURES = {"redirect": {"redirect_s": 0.1, "redirected_calls": 0.0}, "pause": {"engine_pause_s": 0.1},
@@ -373,6 +387,21 @@ def test_an_abandoned_train_step_loses_its_core() -> None:
     [abandoned] = sink.of(CommandAbandoned)
     assert (abandoned.command, abandoned.attempts, abandoned.incarnation) == ("train", 1, "core-a")
     assert hub.lost == [("cell", "c0", "core-a")] and waits == [] and failures == []
+
+
+def test_a_switch_abandoned_for_a_loss_the_log_does_not_hold_yet_ends_after_it() -> None:
+    """Chaos seed 8: the hub declared the core lost; the log did not say so yet. Ended at once, the abandoned
+    switch would be decided again on the same view, over and over: it ends once the loss is recorded."""
+    hub = FakeHub(pause=[PeerLost("cell c1 was lost (its process exited with status -9)")])
+    hub.declared.add(("cell", "c1", "c1-a"))
+    cell, sink, _, failures = _cluster(hub)
+    cell.switch(TO_TRAINING)
+    assert hub.asked.wait(10), "the abandon did not ask the hub whether the cell is lost"
+    assert sink.of(CommandAbandoned) == []  # waits for the membership thread's record
+    sink.record(CellLost(cell_id="c1", reason="its process exited with status -9"))
+    _finish(cell)
+    kinds = [type(e).__name__ for e in sink.events if isinstance(e, (CellLost, CommandAbandoned))]
+    assert kinds == ["CellLost", "CommandAbandoned"] and failures == [] and hub.lost == []
 
 
 def test_proxy_commands_follow_the_rule() -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gyre.emulate import Emulation, Pacer
 from gyre.engine.errors import EngineRequestError
 from gyre.engine.local.forward import RaggedQwen2
 from gyre.engine.local.kv import KvPool
@@ -60,6 +61,8 @@ class LocalEngineConfig:
     cannot hold, even after evicting older imports, falls back to fresh memory."""
     transfer: EndpointConfig = field(default_factory=EndpointConfig)
     """The Mooncake endpoint KV pages move through (started on the first migration)."""
+    emulation: Emulation | None = None
+    """An emulated accelerator (`gyre.emulate`): every step takes the time it would take there."""
 
     def __post_init__(self) -> None:
         if self.num_threads < 1:
@@ -97,8 +100,9 @@ class LocalEngine:
         if pool_tokens is None:
             pool_tokens = self.runner.max_positions
         self.kv_pool = KvPool(self.runner.kv_shape, self.config.kv_page_size, pool_tokens) if pool_tokens else None
+        self.pacer = Pacer(self.config.emulation) if self.config.emulation is not None else None
         self.scheduler = Scheduler(self.runner, self.decode_all, self._eos_ids(), self.config.scheduler,
-                                   pool=self.kv_pool)
+                                   pool=self.kv_pool, pacer=self.pacer)
         self.kv = KvPort(self.scheduler, self.runner.kv_shape, self.config.kv_page_size, self.config.transfer,
                          self.kv_pool)
 

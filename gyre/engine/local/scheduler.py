@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from gyre.emulate import Pacer
 from gyre.engine.errors import EngineError, EngineRequestError
 from gyre.engine.local.forward import RaggedQwen2, StepInput
 from gyre.engine.local.kv import KvPool, SequenceBuffers, SequenceKV
@@ -136,8 +137,11 @@ class Scheduler:
         eos_ids: frozenset[int],
         config: SchedulerConfig | None = None,
         pool: KvPool | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         self.runner = runner
+        self.pacer = pacer
+        """An emulated accelerator (`gyre.emulate`): each step then lasts what it would take there."""
         self.pool = pool
         """The engine's KV page pool (imported KV lives there; its counters go into `snapshot`)."""
         self.config = config or SchedulerConfig()
@@ -261,6 +265,7 @@ class Scheduler:
             "cache_lookups": self.cache.stats.lookups,
             "kv_buffers": self.kv_buffers.snapshot(),
             **({"kv_pool": self.pool.snapshot()} if self.pool is not None else {}),
+            **({"emulation": self.pacer.snapshot()} if self.pacer is not None else {}),
         }
 
     # ---- scheduler thread ------------------------------------------------------------------------------
@@ -385,9 +390,15 @@ class Scheduler:
         return plan
 
     def _step(self) -> None:
+        started = time.perf_counter()
         plan = self._plan()
         inputs = [StepInput(seq.kv, seq.pending[:take], take == len(seq.pending)) for seq, take in plan]
+        decoding = [seq for seq, _ in plan if seq.output_ids]  # a token each; the others compute their prompt
         logits = self.runner.step(inputs)
+        if self.pacer is not None:
+            context = sum(seq.kv.length for seq in decoding)
+            prefill = sum(take for seq, take in plan if not seq.output_ids)
+            self.pacer.hold(started, self.pacer.emulation.engine_step_s(len(decoding), context, prefill))
         self.stats.steps += 1
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(plan))
         self.stats.forward_tokens += sum(take for _, take in plan)

@@ -1,0 +1,90 @@
+"""`gyre run CONFIG --emulate SCENARIO`: a live run facing a scenario's emulated cluster and workload.
+
+The run keeps ``CONFIG``'s model, engine, trainer, trajectory and cluster settings, and takes from the
+scenario what `gyre sim` simulates: its cells and slots, steps, groups and group size, timeout, the policy's
+parameters (switch costs in wall seconds), every cell's accelerator (``[emulate]``, `gyre.emulate`) and the
+workload itself. Each group of each step is one task whose prompt is the per-call description of its
+rollouts (`gyre.sim.calls`): the scenario agent (``agents/scenario_agent``), a black-box OpenAI-API
+harness, makes exactly those calls; the task set's grader gives each execution the reward the workload drew
+for it after its evaluation time, and fails the evaluations the workload says fail. The simulator and the
+live run therefore face the same executions (the same seed).
+
+Everything is written to ``RUN_DIR/scenario`` (``tasks.toml``, the grading tables there and nowhere the
+harness can read them), then applied as overrides, checked as keys in the file would be.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+from gyre.cluster.config import ClusterConfig
+from gyre.sim.calls import SET_FORMAT, CallTiming, plan_calls
+from gyre.sim.scenario import load_scenario
+from gyre.sim.workload import sample_workload
+
+REPO = Path(__file__).resolve().parents[2]
+AGENT_DIR = REPO / "agents" / "scenario_agent"
+
+
+def scenario_overrides(config: ClusterConfig, scenario_name: str, *, time_scale: float, token_scale: float,
+                       seed: int | None = None) -> dict[str, Any]:
+    """Write the scenario's task set under ``config.run_dir`` and return the overrides that make ``config``
+    run it (module docstring)."""
+    if time_scale <= 0 or token_scale <= 0:
+        raise ValueError(f"--time-scale and --token-scale must be positive (given {time_scale} and {token_scale})")
+    scenario = load_scenario(scenario_name)
+    seed = scenario.seed if seed is None else seed
+    workload, timing = sample_workload(scenario, seed), CallTiming(scenario)
+    size, groups = scenario.batch.group_size, scenario.batch.groups
+    tasks, longest = [], 1
+    for batch in workload.batches:
+        for g in range(groups):
+            members = batch[g * size:(g + 1) * size]
+            plans = [plan_calls(scenario, e, seed, timing) for e in members]
+            longest = max([longest, *(math.ceil(c.output_tokens / token_scale) for p in plans for c in p.calls)])
+            description = {"format": SET_FORMAT, "scenario": scenario.name, "seed": seed, "steps": workload.steps,
+                           "executions": [p.to_json(time_scale=time_scale, token_scale=token_scale) for p in plans]}
+            grading = {"time_scale": time_scale, "rollouts": [
+                {"reward": e.reward, "eval_s": e.eval_s, "eval_failed": e.eval_failed} for e in members]}
+            tasks.append((members[0].task_id, json.dumps(description), grading))
+    out = Path(config.run_dir) / "scenario"
+    out.mkdir(parents=True, exist_ok=True)
+    eval_timeout = 30 + max(r["eval_s"] for _, _, g in tasks for r in g["rollouts"]) / time_scale
+    (out / "tasks.toml").write_text(_task_set(scenario.name, seed, tasks, eval_timeout))
+    shutil.copy(AGENT_DIR / "grade.py", out / "grade.py")  # a sandboxed evaluator reads only its task set's dir
+    policy = config.scheduler.policy
+    params = {**scenario.policy.values(policy), **config.scheduler.params,
+              "switch_to_training_s": scenario.switch.to_training_s / time_scale,
+              "switch_to_rollout_s": scenario.switch.to_rollout_s / time_scale,
+              "satellite_join_s": scenario.training.satellite_join_s / time_scale}
+    params.pop("staleness", None)
+    cluster = scenario.cluster
+    return {
+        "steps": scenario.steps, "cluster.cells": cluster.cells, "cluster.slots": cluster.slots_per_cell,
+        "scheduler.staleness": scenario.policy.staleness, "scheduler.params": params,
+        "rollout.tasks": str(out / "tasks.toml"), "rollout.task_ids": [task_id for task_id, _, _ in tasks],
+        "rollout.harness": str(AGENT_DIR / "harness.toml"), "rollout.groups_per_step": groups,
+        "rollout.group_size": size, "rollout.timeout_s": scenario.rollout.timeout_s / time_scale,
+        "rollout.max_concurrency": cluster.cells * cluster.slots_per_cell,
+        "sampling.ignore_eos": True, "sampling.max_tokens": longest,
+        "emulate": {"scenario": scenario_name, "time_scale": time_scale, "token_scale": token_scale},
+    }
+
+
+def _task_set(name: str, seed: int, tasks: list[tuple[str, str, dict[str, Any]]], eval_timeout_s: float) -> str:
+    """The task set as TOML (JSON's string, number and boolean literals are TOML's too)."""
+    lines = [f"# written by `gyre run --emulate {name}` (seed {seed}): one task per group of the workload",
+             f"name = {json.dumps(f'scenario-{name}')}",
+             "", "[evaluator]", 'type = "command"', 'name = "scenario-grader"',
+             'command = ["{python}", "{taskset_dir}/grade.py", "{grading_file}", "{execution_id}"]',
+             f"timeout_s = {eval_timeout_s:.3f}"]
+    for task_id, prompt, grading in tasks:
+        rollouts = ", ".join(f"{{ reward = {r['reward']}, eval_s = {r['eval_s']}, eval_failed = "
+                             f"{json.dumps(r['eval_failed'])} }}" for r in grading["rollouts"])
+        lines += ["", "[[tasks]]", f"id = {json.dumps(task_id)}", f"prompt = {json.dumps(prompt)}",
+                  "[tasks.grading]", f"time_scale = {grading['time_scale']}", f"rollouts = [{rollouts}]"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,83 @@
+"""The cluster's membership thread (`gyre.cluster.run.Cluster`): what the hub reports while the run starts is
+applied, in order, once it has started, against what the start recorded — over a fake hub and supervisor."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+from gyre.cluster.actuator import Commands
+from gyre.cluster.proto import gyre_pb2
+from gyre.cluster.run import Cluster
+from gyre.events.models import CellLost, CellRegistered
+from tests.cluster.test_failures import FakeHub, ListSink
+
+
+class Supervisor:
+    def __init__(self) -> None:
+        self.killed: list[str] = []
+
+    def starts(self, name: str) -> int:
+        return 1
+
+    def said_hello(self, name: str) -> None:
+        pass
+
+    def kill(self, name: str) -> None:
+        self.killed.append(name)
+
+
+def _started_cluster(registered: dict[str, str]) -> tuple[Cluster, ListSink, list[str]]:
+    """A cluster whose start recorded ``registered`` (cell -> incarnation; c0 the core), not started yet."""
+    sink = ListSink()
+    sink.record([CellRegistered(cell_id=c, role="rollout", is_core=c == "c0", slots=2, incarnation=inc)
+                 for c, inc in registered.items()])
+    sink.events.clear()
+    forgotten: list[str] = []
+    cluster = Cluster()
+    cluster.live, cluster.membership_sink, cluster.supervisor = sink.live, sink, Supervisor()  # type: ignore[assignment]
+    cluster.controller = SimpleNamespace(cells={}, fail=lambda error: forgotten.append(f"failed: {error}"),  # type: ignore[assignment]
+                                         forget_training=lambda: forgotten.append("training"))
+    cluster.progress = lambda *args: None  # type: ignore[assignment]
+    cluster.commands = Commands(FakeHub(), sink.live, sink)  # type: ignore[arg-type]
+    cluster._open_membership()
+    return cluster, sink, forgotten
+
+
+def _drain(cluster: Cluster) -> None:
+    done = threading.Event()
+    cluster._membership.put(done.set)
+    assert done.wait(10), "the membership thread did not finish"
+    cluster.close()
+
+
+def _hello(cell_id: str, incarnation: str) -> gyre_pb2.CellHello:
+    return gyre_pb2.CellHello(cell_id=cell_id, incarnation=incarnation, is_core=cell_id == "c0", slots=2)
+
+
+def test_a_core_lost_while_the_run_starts_is_recorded_lost_once_it_has() -> None:
+    """Chaos seed 8: the core died while a resumed controller reattached; the loss the hub reported then was
+    dropped, and the policy paused the dead core 1,108 times until its successor said hello."""
+    cluster, sink, forgotten = _started_cluster({"c0": "core-a", "c1": "c1-a"})
+    cluster._on_cell_hello(_hello("c0", "core-a"))
+    cluster._on_cell_hello(_hello("c1", "c1-a"))
+    cluster._on_cell_lost("c0", "its process exited with status -9")
+    assert sink.events == []  # held until the start is over
+    cluster._started.set()
+    _drain(cluster)
+    [lost] = sink.events
+    assert isinstance(lost, CellLost) and lost.cell_id == "c0" and forgotten == ["training"]
+    assert sink.live.cell("c0").lost and not sink.live.cell("c1").lost  # type: ignore[union-attr]
+    assert cluster.supervisor.killed == ["c0"]  # type: ignore[union-attr]
+
+
+def test_a_hello_overtaken_while_the_run_starts_does_not_lose_its_successor() -> None:
+    """c1 restarted while the run started, which registered its second incarnation: the first one's hello,
+    applied late, neither registers it again nor declares the second one replaced."""
+    cluster, sink, forgotten = _started_cluster({"c0": "core-a", "c1": "c1-b"})
+    cluster._on_cell_hello(_hello("c1", "c1-a"))
+    cluster._on_cell_hello(_hello("c1", "c1-b"))
+    cluster._started.set()
+    _drain(cluster)
+    assert sink.events == [] and forgotten == []
+    assert sink.live.cell("c1").incarnation == "c1-b" and not sink.live.cell("c1").lost  # type: ignore[union-attr]
