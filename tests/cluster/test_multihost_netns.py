@@ -202,7 +202,9 @@ def test_a_ray_run_across_three_hosts_survives_losing_one(tmp_path: Path) -> Non
             log = hosts["a"].disk / "run" / "log"
             placed = _placement(log, controller, time.monotonic() + 240)
             core_host = placed["cell0"]  # the core's disk holds its checkpoints: the host cut is another
-            victim = next(n for n in ("c", "b") if n != core_host and n in placed.values())
+            candidates = [n for n in ("c", "b") if n != core_host and n in placed.values()]
+            assert candidates, f"SPREAD put no cell on a worker host without the core: {placed}"
+            victim = candidates[0]
             victim_address = hosts[victim].address
             on_victim = {cell for cell, name in placed.items() if name == victim}
             _wait_until_weights_crossed(log, controller, time.monotonic() + 240, cells=on_victim)
@@ -217,7 +219,6 @@ def test_a_ray_run_across_three_hosts_survives_losing_one(tmp_path: Path) -> Non
 
     events = list(LogReader(log).events())
     assert [e.status for e in events if isinstance(e, RunFinished)] == ["completed"]
-    assert set(placed.values()) == set(HOSTS), f"SPREAD left a host without a cell: {placed}"
     assert {e.cell_id for e in events if isinstance(e, CellLost)} == on_victim
     again = [e for e in events if isinstance(e, CellRegistered) and e.cell_id in on_victim][len(on_victim):]
     assert {e.cell_id for e in again} == on_victim  # new actors, in the bundles Ray moved off the lost node
