@@ -44,11 +44,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check gyre tests benchmarks agents tasks scripts
 	$(BIN)/lint-imports --no-cache
 
-# Debian libraries the Mooncake Transfer Engine wheel links against (gyre.transfer), and bubblewrap, which
-# sandboxes every execution (gyre.harness.bwrap); installed only when missing.
+# Debian libraries the Mooncake Transfer Engine wheel links against (gyre.transfer), bubblewrap, which
+# sandboxes every execution (gyre.harness.bwrap), and iproute2, whose `ip netns` makes the hosts of the
+# multi-host test (tests/cluster/hosts.py); installed only when missing.
 MOONCAKE_DEBS := libibverbs1 librdmacm1 libnuma1
 SANDBOX_DEBS := bubblewrap
-SYSTEM_DEBS := $(MOONCAKE_DEBS) $(SANDBOX_DEBS)
+NETNS_DEBS := iproute2
+SYSTEM_DEBS := $(MOONCAKE_DEBS) $(SANDBOX_DEBS) $(NETNS_DEBS)
 .PHONY: syslibs
 syslibs:
 	@command -v dpkg-query >/dev/null || { echo "syslibs: not Debian; install $(SYSTEM_DEBS) by hand"; exit 0; }; \

@@ -6,7 +6,10 @@ way `gyre train` builds it — `LiveLogSource.refresh()` then the step's groups 
 the old way (a fresh `LogSource` over the whole log, filtered in Python). The figure is the ratio of the
 median build time of the last three steps to that of steps 1-3 (goal: <= 1.5).
 
-    python benchmarks/batch_build_bench.py --steps 50 --json
+``--remote``: also build each step from the log served by a controller's hub over gRPC (`RemoteLog`, as a
+cluster's core reads it, possibly from another host) and report its median time over the file-tailing one.
+
+    python benchmarks/batch_build_bench.py --steps 50 --json [--remote]
 """
 
 import argparse
@@ -50,15 +53,33 @@ def build(source, groups: set[str], builder: BatchBuilder) -> int:
     return sum(mb.tokens for mb in builder.batches(source.groups(group_ids=sorted(groups))))
 
 
-def run(steps: int, executions: int, root: Path) -> dict:
+def _hub(root: Path):
+    """A controller's hub serving the benchmark's log (its own sink writes elsewhere: one writer per log)."""
+    from gyre import auth
+    from gyre.cluster.hub import Hub
+    from gyre.cluster.log_client import RemoteLog
+    from gyre.sink import LogSink
+
+    sink = LogSink.create(root / "hub-log", RUN)
+    secret = auth.mint(auth.RUN_PREFIX)
+    hub = Hub(sink, run_id=RUN, secret=secret, log_path=root / "log")
+    address = hub.start()
+    return hub, sink, RemoteLog(address, secret=secret)
+
+
+def run(steps: int, executions: int, root: Path, remote: bool = False) -> dict:
     template = generate(SynthConfig(executions=executions, group_size=4, seed=1, min_tokens=4_000,
                                     max_tokens=16_000, timeout_rate=0.0, harness_error_rate=0.0,
                                     eval_failure_rate=0.0, concurrency=executions))
     config = TrajectoryConfig(cap=5, min_valid_per_group=2)
-    live_times, fresh_times = [], []
+    live_times, fresh_times, remote_times = [], [], []
     with LogWriter(root / "log", run_id=RUN) as writer:
         writer.append(RunStarted(run_id=RUN, name="bench", policy="elastic", policy_version="elastic/1"))
+        writer.commit()
         live = LiveLogSource(root / "log", run_id=RUN)
+        if remote:
+            hub, sink, log = _hub(root)
+            served = LiveLogSource(root / "log", run_id=RUN, follow=log.follow)
         for step in range(steps):
             batch = step_executions(template, step)
             write_step(writer, batch, step)
@@ -71,7 +92,17 @@ def run(steps: int, executions: int, root: Path) -> dict:
             fresh = LogSource(root / "log", run_id=RUN)
             assert build(fresh, groups, BatchBuilder(config)) == tokens
             fresh_times.append(time.perf_counter() - started)
+            if remote:
+                started = time.perf_counter()
+                served.refresh(writer.durable_seq)
+                assert build(served, groups, BatchBuilder(config)) == tokens
+                remote_times.append(time.perf_counter() - started)
         live.close()
+        if remote:
+            served.close()
+            log.close()
+            hub.stop()
+            sink.close()
     first = statistics.median(live_times[1:4])
     last = statistics.median(live_times[-3:])
     return {
@@ -80,6 +111,10 @@ def run(steps: int, executions: int, root: Path) -> dict:
         "fresh_step1_s": round(statistics.median(fresh_times[1:4]), 4),
         "fresh_last_s": round(statistics.median(fresh_times[-3:]), 4),
         "fresh_ratio": round(statistics.median(fresh_times[-3:]) / statistics.median(fresh_times[1:4]), 3),
+        **({"remote_median_s": round(statistics.median(remote_times), 4),
+            "live_median_s": round(statistics.median(live_times), 4),
+            "remote_over_file": round(statistics.median(remote_times) / statistics.median(live_times), 3)}
+           if remote else {}),
         "passed": last / first <= 1.5,
     }
 
@@ -89,9 +124,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--executions", type=int, default=8)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--remote", action="store_true", help="also read the log through a controller's hub")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="gyre-batch-bench-") as root:
-        result = run(args.steps, args.executions, Path(root))
+        result = run(args.steps, args.executions, Path(root), remote=args.remote)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 
 

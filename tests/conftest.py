@@ -82,6 +82,8 @@ INTEGRATION = (
     "tests/trainer/test_trainer_megatron.py",
     "tests/trainer/test_trainer_backend_conformance.py",
     "tests/cluster/test_satellite.py",  # satellite processes
+    "tests/cluster/test_multihost_netns.py",  # runs across network namespaces (it probes them when imported)
+    "tests/cluster/test_ray_launcher.py",  # a Ray head
     "tests/trainer/test_trainer_cli.py::test_bench_json",  # a benchmark run
     "tests/log/test_recovery.py::test_kill_minus_nine",  # crash torture: 200 killed writer processes
     "tests/controller/test_kill_resume.py",  # training loops killed and resumed (the torture alone: ~40 s)

@@ -25,17 +25,21 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gyre.cluster.address import NodeAddress, resolve
 from gyre.cluster.config import ClusterConfig
+from gyre.cluster.log_client import RemoteLog
 from gyre.cluster.proto import gyre_pb2
 from gyre.cluster.proxy_node import LINK_CLOSE_S
 from gyre.emulate import PacedBackend, Pacer
 from gyre.run.build import torch_backend, trainer_settings
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from gyre.cluster.engine_host import EngineHost
     from gyre.scheduler import SchedulerView
     from gyre.state import RunState, TrainerState
@@ -65,7 +69,10 @@ def trainer_backend(config: ClusterConfig) -> TrainerBackend:
 
 
 class CellNode:
-    def __init__(self, config: ClusterConfig, cell_id: str, controller: str, secret: str) -> None:
+    def __init__(self, config: ClusterConfig, cell_id: str, controller: str, secret: str,
+                 address: NodeAddress | None = None) -> None:
+        """``address``: where this process's servers bind and what it advertises (default: from ``[cluster]``,
+        `gyre.cluster.address`)."""
         import torch
 
         from gyre.cluster.link import ControllerLink
@@ -78,10 +85,12 @@ class CellNode:
         torch.set_num_threads(config.cluster.cell_threads)  # this process is the cell: its threads are its own
         self.config, self.cell_id, self.secret = config, cell_id, secret
         self.is_core = cell_id == config.cluster.core
-        self.run_dir = Path(config.run_dir)
+        self.run_dir = Path(config.run_dir)  # this host's own: spill, and (the core) weights and checkpoints
+        self.controller = controller
+        self.address = address or resolve(config.cluster.bind, config.cluster.advertise, controller=controller)
         self.stopped = threading.Event()
         self._closers: list = []
-        self.endpoint = TransferEndpoint(EndpointConfig(hostname=config.cluster.host))
+        self.endpoint = TransferEndpoint(EndpointConfig(hostname=self.address.advertise))
         self._closers.append(self.endpoint.close)
         self.engine = self._host_engine()
         self.engine_url = self.engine.url
@@ -93,8 +102,9 @@ class CellNode:
         if self.is_core:
             from gyre.cluster.trainer_service import TrainerServer
 
-            self.trainer_service = TrainerServer(secret=secret, host=config.cluster.host, endpoint=self.endpoint,
-                                                 lease_s=config.cluster.lease_s)
+            self.trainer_service = TrainerServer(secret=secret, host=self.address.bind, endpoint=self.endpoint,
+                                                 lease_s=config.cluster.lease_s, advertise=self.address.advertise,
+                                                 tls=config.cluster.tls)
             trainer_endpoint = self.trainer_service.start()
             self._closers.append(self.trainer_service.stop)
         producers = [f"cell:{cell_id}"] + (["trainer"] if self.is_core else [])
@@ -103,7 +113,7 @@ class CellNode:
                                         transfer_session=self.endpoint.session_id,
                                         incarnation=uuid.uuid4().hex, producers=producers)
         self.link = ControllerLink(controller, secret=secret, hello=self.hello, handler=self.handle,
-                                   spill_dir=spill_path(self.run_dir, cell_id))
+                                   spill_dir=spill_path(self.run_dir, cell_id), tls=config.cluster.tls)
         emulation = config.emulation()
         self.pacer = Pacer(emulation) if emulation is not None else None
         """The emulated accelerator's clock for the cell's own work (training, switches; the engine has its
@@ -119,12 +129,14 @@ class CellNode:
         from gyre.cluster.engine_host import LocalEngineHost, SglangEngineHost
 
         if self.config.cluster.engine == "local":
-            return LocalEngineHost(self.config, self.endpoint)
+            return LocalEngineHost(self.config, self.endpoint, self.address)
         with socket.socket() as probe:  # a free port for the server this cell launches
-            probe.bind((self.config.cluster.host, 0))
+            probe.bind((self.address.bind, 0))
             port = probe.getsockname()[1]
         log_path = self.run_dir / "processes" / f"{self.cell_id}.sglang.log"
-        return SglangEngineHost(self.config, port=port, log_path=log_path)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        return SglangEngineHost(self.config, address=self.address, port=port, log_path=log_path,
+                                endpoint=self.endpoint)
 
     def start(self) -> None:
         welcome = self.link.start()
@@ -181,20 +193,23 @@ class CellNode:
         from gyre.trainer.core import LocalCoreTrainer
         from gyre.trainer.weights import WeightStore
 
-        log_path = self.run_dir / "log"
+        log_path = self.run_dir / "log"  # names the log in errors only: it is read through the controller
         producer: Any = self.link.producer("trainer")
         crash_at = crash_points(self.cell_id) - {"claim"}
         if crash_at:  # fault injection (tests): die at a moment too short to hit from outside
             producer = CrashingProducer(producer, crash_at, self.run_dir, self.cell_id)
         restarted = producer.next_seq > 0  # the log holds a predecessor's trainer events
-        folded = self._fold(log_path) if restarted else None
+        self.log = RemoteLog(self.controller, secret=self.secret, tls=self.config.cluster.tls)
+        self._closers.append(self.log.close)
+        folded = self._fold() if restarted else None
         coordinator = StepCoordinator(producer, folded[0] if folded else None)
         self.backend = self._backend()
         self.weights = WeightStore(self.run_dir, keep=self.config.checkpoint.keep_weights)
         self.core = LocalCoreTrainer(self.config, cell_id=self.cell_id, run_id=self.run_id,
                                      log_path=log_path, backend=self.backend, coordinator=coordinator,
                                      weights=self.weights, published=None, on_trained=self._on_trained,
-                                     durable_seq=lambda: self._upto, pacer=self.pacer)
+                                     durable_seq=lambda: self._upto, pacer=self.pacer,
+                                     follow=lambda seq, poll_s, stop: self.log.follow(seq, poll_s, stop))
         if folded is not None:
             self._restore(coordinator, *folded[1:])
         hub = self.trainer_service.attach(coordinator, self.core)
@@ -202,17 +217,26 @@ class CellNode:
         hub.publish(self.backend.policy_version, dict(self.backend.named_tensors()))
         self._closers.append(self.core.close)
 
-    def _fold(self, log_path: Path) -> tuple[TrainerState, SchedulerView, RunState]:
-        """The log, read once by a restarted core: its coordinator's state (a copy of its own), the scheduler
-        view (each step's groups in the order they completed) and the run view (checkpoints, publishes)."""
+    def _fold(self) -> tuple[TrainerState, SchedulerView, RunState]:
+        """The log, read once by a restarted core through the controller (it is on the controller's host): its
+        coordinator's state (a copy of its own), the scheduler view (each step's groups in the order they
+        completed) and the run view (checkpoints, publishes)."""
         from gyre.scheduler import SchedulerView
         from gyre.scheduler.view import WorkView
         from gyre.state import ClusterView, RunView, TrainerView
-        from gyre.state.fold import replay_all
+        from gyre.state.fold import fold_all_batches
 
         self.link.sink.commit(remote=True)  # what it spilled is in the log before the log is folded
-        (trainer, cluster, work, run, ours), self._upto = replay_all(
-            [TrainerView(), ClusterView(), WorkView(), RunView(), TrainerView()], log_path)
+        last = [-1]
+
+        def batches() -> Iterator[pa.RecordBatch]:
+            for batch in self.log.read(0):
+                last[0] = batch.column("seq")[-1].as_py()
+                yield batch
+
+        trainer, cluster, work, run, ours = fold_all_batches(
+            [TrainerView(), ClusterView(), WorkView(), RunView(), TrainerView()], batches())
+        self._upto = last[0]
         return ours, SchedulerView(cluster, trainer, work), run
 
     def _restore(self, coordinator: Any, view: SchedulerView, run: RunState) -> None:
@@ -284,7 +308,8 @@ class CellNode:
                 def on_claim(step: int, micro_step: int) -> None:
                     crash_once(self.run_dir, self.cell_id, "claim")
             self.satellite = SatelliteReplica(cell_id=self.cell_id, backend=self._backend(),
-                                              endpoint=self.endpoint, secret=self.secret, on_claim=on_claim)
+                                              endpoint=self.endpoint, secret=self.secret, on_claim=on_claim,
+                                              tls=self.config.cluster.tls)
         weights = join.weights if join.HasField("weights") and join.weights.manifest else None
         figures = dict(self.satellite.join(join.trainer_endpoint, weights) or {})
         self._hold(started, self.pacer.emulation.accelerator.satellite_join_s if self.pacer else 0.0)
@@ -344,9 +369,12 @@ class CellNode:
                     log.exception("cell %s: stopping a component failed", self.cell_id)
 
 
-def main(config_path: Path, controller: str, cell_id: str) -> None:
+def main(config_path: Path, controller: str, cell_id: str, bind: str | None = None,
+         advertise: str | None = None) -> None:
     from gyre.cluster.auth import secret_from_env
     from gyre.cluster.node import serve_until_stopped
 
-    node = CellNode(ClusterConfig.load(config_path), cell_id, controller, secret_from_env())
+    config = ClusterConfig.load(config_path)
+    address = resolve(bind or config.cluster.bind, advertise or config.cluster.advertise, controller=controller)
+    node = CellNode(config, cell_id, controller, secret_from_env(), address)
     serve_until_stopped(node)

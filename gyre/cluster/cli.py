@@ -19,6 +19,9 @@ def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g
         steps: Annotated[int | None, typer.Option(help="override the number of steps")] = None,
         policy: Annotated[str | None, typer.Option(help="override scheduler.policy (elastic|colocate|async)")] = None,
         run_dir: Annotated[Path | None, typer.Option(help="override run_dir")] = None,
+        bind: Annotated[str | None, typer.Option(help="override cluster.bind (the interface to listen on)")] = None,
+        advertise: Annotated[str | None, typer.Option(
+            help="override cluster.advertise (the address the cells and the proxy dial)")] = None,
         resume: Annotated[bool, typer.Option(
             "--resume", help="restart the controller of the run in run_dir (same config): its cells and proxy "
                              "keep running and reconnect; those that are gone are started again")] = False,
@@ -34,7 +37,8 @@ def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g
     from gyre.cluster.run import ClusterRun
 
     overrides = {key: value for key, value in (("steps", steps), ("run_dir", run_dir and str(run_dir)),
-                                               ("scheduler.policy", policy)) if value is not None}
+                                               ("scheduler.policy", policy), ("cluster.bind", bind),
+                                               ("cluster.advertise", advertise)) if value is not None}
     try:
         settings = ClusterConfig.load(config, overrides)  # an override is checked as a key in the file is
         if emulate is not None:
@@ -56,6 +60,11 @@ def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g
             roles = " ".join(f"{c}:{r}" for c, r in figures["cells"].items())
             status.update(f"watermark {figures['watermark']} | {roles} | trained {figures['trained']}/"
                           f"{figures['steps']} | policy v{figures['version']}")
+        elif phase == "spawned" and figures["launcher"] == "manual":
+            console.print(f"controller at [bold]{figures['controller']}[/bold]: start each process with `gyre cell "
+                          f"--controller {figures['controller']} --cell-id ID --config CONFIG` (and `gyre proxy serve "
+                          "--controller ... --config CONFIG`), GYRE_RUN_SECRET in its environment")
+            status.update(f"waiting for {', '.join(figures['processes'])} to connect")
         elif phase == "spawned":
             status.update(f"waiting for {', '.join(figures['processes'])} to connect (output in {figures['logs']})")
         elif phase == "resumed":
@@ -117,8 +126,11 @@ def timeline_table(summary) -> Table:
 def cell(controller: Annotated[str, typer.Option(help="the controller's gRPC address, HOST:PORT")],
          cell_id: Annotated[str, typer.Option(help="this cell's id (cell0 .. cellN-1)")],
          config: Annotated[Path, typer.Option(help="the run's config file")],
+         bind: Annotated[str | None, typer.Option(help="override cluster.bind on this host")] = None,
+         advertise: Annotated[str | None, typer.Option(
+             help="override cluster.advertise: the address peers reach this cell at")] = None,
          ) -> None:
     """One cell of a cluster run: engine + trainer replica + transfer endpoint (secret from $GYRE_RUN_SECRET)."""
     from gyre.cluster.cell_node import main
 
-    main(config, controller, cell_id)
+    main(config, controller, cell_id, bind=bind, advertise=advertise)

@@ -12,9 +12,23 @@ from typing import Any, ClassVar, Literal, Self
 
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
+from gyre.cluster.address import WILDCARDS
+from gyre.cluster.tls import TlsSection
 from gyre.config import TrainConfig, _Section
 from gyre.emulate import Emulation
 from gyre.errors import ConfigError
+
+
+class RaySection(_Section):
+    """``launcher = "ray"``: where the Ray cluster is and what each cell's bundle reserves."""
+
+    address: str = Field("", description="Ray head to join (\"auto\", or HOST:PORT); empty: start a local one")
+    cpus_per_cell: PositiveFloat = Field(1.0, description="CPUs each cell's placement-group bundle reserves")
+    gpus_per_cell: NonNegativeInt = Field(0, description="GPUs each cell's bundle reserves (GPU nodes)")
+    proxy_cpus: PositiveFloat = Field(1.0, description="CPUs the proxy's bundle reserves (it runs the harnesses)")
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "SPREAD", description="placement-group strategy: SPREAD puts cells on different nodes where it can")
+    namespace: str = Field("gyre", description="Ray namespace of the run's detached actors (`--resume` finds them)")
 
 
 class ClusterSection(_Section):
@@ -23,8 +37,16 @@ class ClusterSection(_Section):
     cells: PositiveInt = Field(4, description="cell processes (cell0 .. cellN-1)")
     slots: PositiveInt = Field(4, description="concurrent executions a rollout cell serves")
     core: str = Field("cell0", description="the cell that owns weights and optimizer")
-    host: str = Field("127.0.0.1", description="interface every server of the run binds (loopback by default)")
+    bind: str = Field("127.0.0.1", description="interface every server of a process binds (loopback by default; "
+                      "0.0.0.0: every interface); `--bind` overrides it per process")
+    advertise: str = Field("", description="address peers reach a process at (default: bind; with a wildcard "
+                           "bind, the address routed toward the controller); `--advertise` per process")
     port: NonNegativeInt = Field(0, description="the controller's gRPC port (0: any free port)")
+    launcher: Literal["local", "ray", "manual"] = Field(
+        "local", description="who starts the cells and the proxy: local subprocesses, Ray actors placed by a "
+                             "placement group, or nobody (started by hand: `gyre cell --controller HOST:PORT`)")
+    ray: RaySection = RaySection()
+    tls: TlsSection | None = Field(None, description="gRPC over TLS (ca, cert, key PEM paths on every host)")
     heartbeat_s: PositiveFloat = Field(1.0, description="how often a process tells the controller it lives")
     dead_after_s: PositiveFloat = Field(30.0, description="silence after which a cell counts as lost")
     start_timeout_s: PositiveFloat = Field(180.0, description="how long the processes may take to connect")
@@ -45,6 +67,10 @@ class ClusterSection(_Section):
     def _core_is_a_cell(self) -> Self:
         if self.core not in self.cell_ids:
             raise ValueError(f"cluster.core {self.core!r} is not one of the cells {self.cell_ids}")
+        if self.advertise and self.advertise in WILDCARDS:
+            raise ValueError(f"cluster.advertise {self.advertise!r} is a wildcard: name an address peers can reach")
+        if self.launcher == "manual" and self.port == 0:
+            raise ValueError("cluster.launcher = 'manual' needs cluster.port: processes started by hand dial it")
         return self
 
 

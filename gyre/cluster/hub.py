@@ -33,23 +33,28 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
 
+from gyre.cluster.address import bracket
 from gyre.cluster.aio import GRPC_OPTIONS, LoopThread
 from gyre.cluster.auth import SecretInterceptor
 from gyre.cluster.errors import ClusterError, PeerLost
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
+from gyre.cluster.tls import TlsSection, add_port
 from gyre.errors import GyreError
 from gyre.events.models import Event
-from gyre.events.wire import unpack_events
+from gyre.events.wire import batch_to_ipc, unpack_events
+from gyre.log import LogReader
 from gyre.sink import LogSink
 
 log = logging.getLogger(__name__)
@@ -116,14 +121,20 @@ class Hub:
 
     def __init__(self, sink: LogSink, *, run_id: str, secret: str, host: str = "127.0.0.1", port: int = 0,
                  heartbeat_s: float = 1.0, dead_after_s: float = 10.0,
-                 status: Callable[[], gyre_pb2.StatusReply] | None = None) -> None:
+                 status: Callable[[], gyre_pb2.StatusReply] | None = None, advertise: str = "",
+                 log_path: Path | None = None, tls: TlsSection | None = None) -> None:
+        """``host`` is bound; ``advertise`` (default ``host``) is what `start` returns for peers to dial;
+        ``log_path``: the run's log, served to processes on other hosts (the Log service)."""
         if dead_after_s <= heartbeat_s:
             raise ValueError(f"dead_after_s ({dead_after_s}) must exceed heartbeat_s ({heartbeat_s}): "
                              "a peer would be declared lost between two heartbeats")
         self.sink = sink
         self.run_id = run_id
         self.host = host
+        self.advertise = advertise or host
         self.port = port
+        self.log_path = log_path
+        self.tls = tls
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self.status = status
@@ -164,8 +175,9 @@ class Hub:
         gyre_pb2_grpc.add_CellServicer_to_server(_CellService(self), server)
         gyre_pb2_grpc.add_ProxyServicer_to_server(_ProxyService(self), server)
         gyre_pb2_grpc.add_AdminServicer_to_server(_AdminService(self), server)
+        gyre_pb2_grpc.add_LogServicer_to_server(_LogService(self), server)
         try:
-            port = server.add_insecure_port(f"{self.host}:{self.port}")
+            port = add_port(server, f"{bracket(self.host)}:{self.port}", self.tls)
         except RuntimeError as e:
             raise ClusterError(f"the hub cannot listen on {self.host}:{self.port}: {e}") from e
         if port == 0:
@@ -173,7 +185,7 @@ class Hub:
         await server.start()
         self._server = server
         self._spawn(self._monitor())
-        return f"{self.host}:{port}"
+        return f"{bracket(self.advertise)}:{port}"
 
     def stop(self) -> None:
         """Stop serving; commands not yet done fail with `ClusterError`. Does not close the sink. Idempotent."""
@@ -208,6 +220,10 @@ class Hub:
     def connected(self, cell_id: str) -> bool:
         with self._cond:
             return self._live(("cell", cell_id))
+
+    def proxy_connected(self) -> bool:
+        with self._cond:
+            return self._live(("proxy", ""))
 
     def is_lost(self, kind: str, peer_id: str, incarnation: str) -> bool:
         """Whether that incarnation of a peer was declared lost (a command to it failed for that reason)."""
@@ -600,3 +616,44 @@ class _AdminService(gyre_pb2_grpc.AdminServicer):
     async def Status(self, request: gyre_pb2.StatusRequest,
                      context: grpc.aio.ServicerContext) -> gyre_pb2.StatusReply:
         return await self.hub._status(context)
+
+
+class _LogService(gyre_pb2_grpc.LogServicer):
+    """The run's log, batch by batch, for a process that cannot read the controller's disk (the core builds
+    its batches from it; a restarted core folds it). A reader thread per call feeds the stream, so a long read
+    never stalls the hub's loop; with ``follow`` it tails the log (reading only new bytes) until the call ends."""
+
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+
+    async def Read(self, request: gyre_pb2.LogRead, context: grpc.aio.ServicerContext) -> Any:
+        if self.hub.log_path is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this controller serves no log")
+        reader = LogReader(self.hub.log_path)
+        stop = threading.Event()
+        batches = (reader.follow(request.from_seq, stop=stop) if request.follow
+                   else reader.read(request.from_seq, None if request.to_seq < 0 else request.to_seq))
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+
+        def pump() -> None:
+            item: BaseException | None = None
+            try:
+                for batch in batches:
+                    if stop.is_set():
+                        return
+                    loop.call_soon_threadsafe(queue.put_nowait, batch_to_ipc(batch))
+            except BaseException as error:  # handed to the caller as INTERNAL
+                item = error
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody reads
+                    loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        threading.Thread(target=pump, name="gyre-log-read", daemon=True).start()
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    await context.abort(grpc.StatusCode.INTERNAL, f"reading the log failed: {item}")
+                yield gyre_pb2.LogChunk(ipc=item)
+        finally:
+            stop.set()

@@ -48,6 +48,7 @@ from gyre.cluster.errors import ClusterError
 from gyre.cluster.failures import failed_done
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.cluster.spill import Spill
+from gyre.cluster.tls import TlsSection, aio_channel
 from gyre.errors import GyreError
 from gyre.events.codec import check_events
 from gyre.events.models import Event
@@ -408,7 +409,8 @@ class ControllerLink:
 
     def __init__(self, address: str, *, secret: str, hello: gyre_pb2.CellHello | gyre_pb2.ProxyHello,
                  handler: Handler, backoff_s: tuple[float, float] = (0.05, 2.0),
-                 connect_timeout_s: float = 30.0, spill_dir: str | Path | None = None) -> None:
+                 connect_timeout_s: float = 30.0, spill_dir: str | Path | None = None,
+                 tls: TlsSection | None = None) -> None:
         if isinstance(hello, gyre_pb2.CellHello):
             self.kind, copy = "cell", gyre_pb2.CellHello()
         elif isinstance(hello, gyre_pb2.ProxyHello):
@@ -419,6 +421,7 @@ class ControllerLink:
         if not copy.incarnation:
             copy.incarnation = uuid.uuid4().hex
         self.address = address
+        self.tls = tls
         self.hello = copy
         self.handler = handler
         self.backoff_s = backoff_s
@@ -595,7 +598,7 @@ class ControllerLink:
 
     async def _session(self) -> None:
         """One call: hello, Welcome, then serve until it ends (`_Ended` unless the link closed it)."""
-        async with grpc.aio.insecure_channel(self.address, options=CLIENT_OPTIONS) as channel:
+        async with aio_channel(self.address, self.tls, CLIENT_OPTIONS) as channel:
             stub = gyre_pb2_grpc.CellStub(channel) if self.kind == "cell" else gyre_pb2_grpc.ProxyStub(channel)
             call = stub.Connect(metadata=self._metadata)
             conn: _Conn | None = None

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROXY_PRODUCERS = ("proxy", "harness")
+HARNESS_API_HOST = "127.0.0.1"
 LINK_CLOSE_S = 30.0
 """How long a stopping process waits for its last events to be acknowledged (the controller may be gone)."""
 
@@ -95,16 +96,15 @@ class _Components:
 class ProxyNode:
     """Builds the proxy and the runner on the first routing update (it names the engines) and serves commands."""
 
-    def __init__(self, config: ClusterConfig, controller: str, secret: str, *, host: str | None = None) -> None:
+    def __init__(self, config: ClusterConfig, controller: str, secret: str) -> None:
         from gyre.cluster.link import ControllerLink
         from gyre.cluster.spill import spill_path
 
         self.config = config
-        self.host = host or config.cluster.host
         self.hello = gyre_pb2.ProxyHello(proxy_id="proxy", incarnation=uuid.uuid4().hex,
                                          producers=list(PROXY_PRODUCERS))
         self.link = ControllerLink(controller, secret=secret, hello=self.hello, handler=self.handle,
-                                   spill_dir=spill_path(Path(config.run_dir), "proxy"))
+                                   spill_dir=spill_path(Path(config.run_dir), "proxy"), tls=config.cluster.tls)
         self.parts: _Components | None = None
         self.stopped = False
         self._held: set[str] = set()
@@ -149,7 +149,9 @@ class ProxyNode:
                                                              top_p=1.0, top_k=-1,
                                                              ignore_eos=config.sampling.ignore_eos)),
                       sink=self.link.producer("proxy"))
-        server = ProxyServer(proxy, host=self.host)
+        # its only clients are the harnesses it runs on this host: the execution tokens they present never
+        # cross the network, whatever [cluster] bind opens for the run's peers
+        server = ProxyServer(proxy, host=HARNESS_API_HOST)
         url = server.start()
         harness = HarnessConfig.load(config.rollout.harness)
         slots = config.cluster.cells * config.cluster.slots

@@ -40,12 +40,14 @@ from collections.abc import Callable
 
 from gyre import auth
 from gyre.cluster.actuator import Commands, RemoteCell, Transfers, execution_spec, routing, wait_done
-from gyre.cluster.auth import SECRET_ENV
+from gyre.cluster.address import resolve, split_host_port
+from gyre.cluster.auth import SECRET_ENV, secret_from_env
 from gyre.cluster.config import ClusterConfig
+from gyre.cluster.launcher import Launcher, ManualLauncher
 from gyre.cluster.proto import gyre_pb2
 from gyre.cluster.supervisor import Supervisor
 from gyre.controller.actuator import OrderedActions
-from gyre.errors import ConfigError
+from gyre.errors import ConfigError, GyreError
 from gyre.events.models import (
     CellLost,
     CellRegistered,
@@ -80,7 +82,7 @@ class Cluster:
         self._proxy_incarnation = self._proxy_at_start = ""
         self._stopping = False
         self.lost_cells = 0
-        self.supervisor: Supervisor | None = None
+        self.supervisor: Launcher | None = None
 
     def open(self, host: RunHost) -> None:
         """The run secret and the hub (not listening yet: a resumed run folds its log first)."""
@@ -91,16 +93,21 @@ class Cluster:
         self.controller = host.controller
         self.progress = host.progress
         self.run_dir = host.run_dir
+        cluster = self.config.cluster
+        self.node = resolve(cluster.bind, cluster.advertise)  # where the hub listens, and the address it gives
         secrets = auth.TokenFile(self.run_dir / SECRETS)
-        listen = self.config.cluster.host, self.config.cluster.port
+        port = cluster.port
         if host.resumed:
-            self.secret, listen = self._resumable(secrets)
+            self.secret, port = self._resumable(secrets)
+        elif cluster.launcher == "manual":  # the processes started by hand hold it already
+            self.secret = secret_from_env()
+            secrets.write({"run": self.secret})
         else:
             self.secret = auth.mint(auth.RUN_PREFIX)
             secrets.write({"run": self.secret})
-        self.hub = Hub(host.sink, run_id=host.run_id, secret=self.secret, host=listen[0], port=listen[1],
-                       heartbeat_s=self.config.cluster.heartbeat_s, dead_after_s=self.config.cluster.dead_after_s,
-                       status=self.status)
+        self.hub = Hub(host.sink, run_id=host.run_id, secret=self.secret, host=self.node.bind, port=port,
+                       heartbeat_s=cluster.heartbeat_s, dead_after_s=cluster.dead_after_s, status=self.status,
+                       advertise=self.node.advertise, log_path=host.log_path, tls=cluster.tls)
         self.hub.on_cell_hello = self._on_cell_hello
         self.hub.on_cell_lost = self._on_cell_lost
         self.hub.on_proxy_hello = self._on_proxy_hello
@@ -140,40 +147,48 @@ class Cluster:
             self._register()
         self._started.set()
 
-    def _resumable(self, secrets: auth.TokenFile) -> tuple[str, tuple[str, int]]:
-        """The secret and address of the run to resume."""
+    def _resumable(self, secrets: auth.TokenFile) -> tuple[str, int]:
+        """The secret and port of the run to resume (its processes dial the same address again)."""
         secret = secrets.read().get("run")
         if secret is None:
             raise ConfigError(f"--resume: {secrets.path} holds no run secret (a cluster run writes it when it starts)")
         try:
-            address, port = (self.run_dir / ADDRESS).read_text().strip().rsplit(":", 1)
-            return secret, (address, int(port))
-        except (OSError, ValueError) as error:
+            return secret, split_host_port((self.run_dir / ADDRESS).read_text().strip())[1]
+        except (OSError, GyreError) as error:
             raise ConfigError(f"--resume: cannot read the controller's address from {self.run_dir / ADDRESS}: "
                               f"{error}") from error
 
     # -- processes -------------------------------------------------------------------------------------------
 
     def _spawn(self, adopt: bool) -> dict[str, str]:
-        """Start every cell and the proxy (or adopt those still running); the secret travels in the
-        environment, never on argv."""
-        config_file = self.run_dir / "cluster-config.json"
-        if not adopt:
-            config_file.write_text(self.config.model_dump_json(indent=2))
-        gyre = [sys.executable, "-m", "gyre"]
-        commands = {cell: [*gyre, "cell", "--controller", self.address, "--cell-id", cell, "--config", str(config_file)]
-                    for cell in self.config.cluster.cell_ids}
-        commands["proxy"] = [*gyre, "proxy", "serve", "--controller", self.address, "--config", str(config_file)]
-
-        def identity(name: str) -> list[str]:
-            return [str(config_file), name] if name != "proxy" else [str(config_file), "proxy", "serve"]
-
+        """Start every cell and the proxy through the configured launcher (or adopt those still running); the
+        secret travels in the environment, never on argv."""
+        cluster = self.config.cluster
+        names = [*cluster.cell_ids, "proxy"]
         logs = self.run_dir / "processes"
-        self.supervisor = Supervisor(logs, commands, {**os.environ, SECRET_ENV: self.secret}, identity=identity,
-                                     on_exit=self._on_exit, on_give_up=self._on_give_up)
+        if cluster.launcher == "manual":
+            self.supervisor = ManualLauncher(
+                names, lambda name: self.hub.proxy_connected() if name == "proxy" else self.hub.connected(name))
+        elif cluster.launcher == "ray":
+            from gyre.cluster.ray_launcher import RayLauncher
+
+            self.supervisor = RayLauncher(self.config, run_id=self.host.run_id, controller=self.address,
+                                          secret=self.secret, on_exit=self._on_exit, on_give_up=self._on_give_up)
+        else:
+            config_file = self.run_dir / "cluster-config.json"
+            if not adopt:
+                config_file.write_text(self.config.model_dump_json(indent=2))
+            commands = {name: process_argv(name, self.address, str(config_file)) for name in names}
+
+            def identity(name: str) -> list[str]:
+                return [str(config_file), name] if name != "proxy" else [str(config_file), "proxy", "serve"]
+
+            self.supervisor = Supervisor(logs, commands, {**os.environ, SECRET_ENV: self.secret}, identity=identity,
+                                         on_exit=self._on_exit, on_give_up=self._on_give_up)
         how = self.supervisor.start(adopt=adopt)
         self._closers.append(self.supervisor.reap)
-        self.progress("spawned", {"processes": sorted(commands), "logs": str(logs), "how": how})
+        self.progress("spawned", {"processes": sorted(names), "logs": str(logs), "how": how,
+                                  "launcher": cluster.launcher, "controller": self.address})
         return how
 
     def _on_exit(self, name: str, reason: str) -> None:
@@ -419,6 +434,15 @@ class Cluster:
             self._closers.pop()()
 
 
+def process_argv(name: str, controller: str, config: str, python: str = sys.executable) -> list[str]:
+    """The command line of one process of a run: ``gyre cell`` for a cell, ``gyre proxy serve`` for the proxy
+    (the same for every launcher)."""
+    gyre = [python, "-m", "gyre"]
+    if name == "proxy":
+        return [*gyre, "proxy", "serve", "--controller", controller, "--config", config]
+    return [*gyre, "cell", "--controller", controller, "--cell-id", name, "--config", config]
+
+
 def _registered(hello: gyre_pb2.CellHello, role: str) -> CellRegistered:
     """A cell's registration: everything the control plane needs to know of it, in the log."""
     return CellRegistered(cell_id=hello.cell_id, role=role, is_core=hello.is_core, slots=hello.slots,
@@ -431,4 +455,4 @@ def ClusterRun(config: ClusterConfig, progress: Progress | None = None, *, resum
     return RunHost(config, Cluster(), progress, resume=resume)
 
 
-__all__ = ["ADDRESS", "SECRETS", "Cluster", "ClusterRun"]
+__all__ = ["ADDRESS", "SECRETS", "Cluster", "ClusterRun", "process_argv"]

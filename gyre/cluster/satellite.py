@@ -25,6 +25,7 @@ import grpc
 
 from gyre.cluster.auth import metadata
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
+from gyre.cluster.tls import TlsSection, channel
 from gyre.cluster.trainer_service import MESSAGE_OPTIONS
 from gyre.errors import TransferError
 from gyre.trainer.errors import TrainerError
@@ -48,11 +49,12 @@ class SatelliteReplica:
     """One cell's trainer replica while it is lent to training (see the module docstring)."""
 
     def __init__(self, *, cell_id: str, backend: TorchBackend, endpoint: TransferEndpoint, secret: str,
-                 on_claim: Callable[[int, int], None] | None = None) -> None:
+                 on_claim: Callable[[int, int], None] | None = None, tls: TlsSection | None = None) -> None:
         """``on_claim(step, micro_step)`` runs after each claim, before the work (tests order events with it)."""
         self.cell_id, self.backend, self.endpoint = cell_id, backend, endpoint
         self._metadata = metadata(secret)
         self.on_claim = on_claim
+        self.tls = tls
         self._puller = WeightsPuller(endpoint)  # one registered buffer for every version it pulls
         self._channel: grpc.Channel | None = None
         self._stub: gyre_pb2_grpc.TrainerStub | None = None
@@ -81,7 +83,7 @@ class SatelliteReplica:
         the open step trains from, pulled too if it differs."""
         if self._thread is not None and self._thread.is_alive():
             return {"weights_bytes": 0.0, "weights_pull_s": 0.0}
-        self._channel = grpc.insecure_channel(trainer_endpoint, options=MESSAGE_OPTIONS)
+        self._channel = channel(trainer_endpoint, self.tls, MESSAGE_OPTIONS)
         self._stub = gyre_pb2_grpc.TrainerStub(self._channel)
         self._stop.clear()
         self.error = None

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from gyre.cluster.address import bracket
 from gyre.cluster.auth import SecretInterceptor
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
+from gyre.cluster.tls import TlsSection, add_port
 from gyre.errors import TransferError
 from gyre.trainer.errors import StepProtocolError
 from gyre.trainer.hub import DEFAULT_LEASE_S, Granted, Joined, TrainerHub, result_from_json
@@ -114,8 +116,10 @@ class TrainerServer:
     (``core.satellites``), so its ``train_step`` waits for satellites' gradients; ``stop()`` ends it."""
 
     def __init__(self, *, secret: str, endpoint: TransferEndpoint, host: str = "127.0.0.1", port: int = 0,
-                 lease_s: float = DEFAULT_LEASE_S) -> None:
+                 lease_s: float = DEFAULT_LEASE_S, advertise: str = "", tls: TlsSection | None = None) -> None:
+        """Binds ``host``; satellites dial ``advertise`` (default ``host``)."""
         self.secret, self.endpoint, self.host, self.port, self.lease_s = secret, endpoint, host, port, lease_s
+        self.advertise, self.tls = advertise or host, tls
         self.hub: TrainerHub | None = None
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="gyre-trainer-rpc")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -131,11 +135,11 @@ class TrainerServer:
             self._stopping = asyncio.Event()
             server = grpc.aio.server(interceptors=[SecretInterceptor(self.secret)], options=MESSAGE_OPTIONS)
             gyre_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(lambda: self.hub, self._pool), server)
-            port = server.add_insecure_port(f"{self.host}:{self.port}")
+            port = add_port(server, f"{bracket(self.host)}:{self.port}", self.tls)
             if port == 0:
                 raise OSError(f"the Trainer service cannot bind {self.host}:{self.port}")
             await server.start()
-            self.address = f"{self.host}:{port}"
+            self.address = f"{bracket(self.advertise)}:{port}"
             ready.set()
             await self._stopping.wait()
             await server.stop(grace=1.0)

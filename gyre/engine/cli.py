@@ -16,6 +16,8 @@ def _engine() -> None:
 def serve(
     model: str = typer.Option("tiny", help='"tiny" (built in code from --seed) or a Qwen2 checkpoint directory.'),
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
+    advertise: str = typer.Option("", help="Address other engines reach this one's KV transfer endpoint at "
+                                  "(default: --host; required when --host is a wildcard)."),
     port: int = typer.Option(30000, help="TCP port."),
     seed: int = typer.Option(0, help="Seed of the tiny model's weights and of unseeded sampling."),
     threads: int = typer.Option(1, help="torch CPU threads."),
@@ -30,8 +32,14 @@ def serve(
     """Serve /generate and the admin endpoints until interrupted."""
     from gyre.engine.local import LocalEngine, LocalEngineConfig, SchedulerConfig
     from gyre.engine.local import serve as run_server
+    from gyre.transfer import EndpointConfig
 
+    reachable = advertise or host
+    if reachable in ("0.0.0.0", "::"):
+        raise typer.BadParameter("--host is a wildcard: give --advertise, the address peers reach this engine at",
+                                 param_hint="--advertise")
     config = LocalEngineConfig(
+        transfer=EndpointConfig(hostname=reachable),
         model=model,
         seed=seed,
         num_threads=threads,

@@ -39,3 +39,19 @@ def unpack_events(data: bytes) -> list[Event]:
     except (pa.ArrowInvalid, OSError) as e:
         raise EventValidationError(f"an event batch of {len(data)} bytes is not an Arrow IPC stream: {e}") from e
     return [event.model_copy(update={"seq": None}) for batch in batches for event in decode(batch)]
+
+
+def batch_to_ipc(batch: pa.RecordBatch) -> bytes:
+    """A log record batch (seqs kept) as one Arrow IPC stream: how the controller serves its log."""
+    out = pa.BufferOutputStream()
+    with pa.ipc.new_stream(out, batch.schema) as writer:
+        writer.write_batch(batch)
+    return out.getvalue().to_pybytes()
+
+
+def ipc_to_batch(data: bytes) -> pa.RecordBatch:
+    """The record batch of `batch_to_ipc`'s bytes."""
+    try:
+        return pa.ipc.open_stream(pa.py_buffer(data)).read_next_batch()
+    except (pa.ArrowInvalid, OSError, StopIteration) as e:
+        raise EventValidationError(f"a log batch of {len(data)} bytes is not an Arrow IPC stream: {e}") from e

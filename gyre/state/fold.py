@@ -238,12 +238,18 @@ def replay_all(projections: list[Projection], log_path: str | Path) -> tuple[lis
     from gyre.log.reader import LogReader
 
     reader = LogReader(log_path)
-    states = [p.initial() for p in projections]
     end = reader.last_seq()
-    for batch in reader.read(from_seq=0, to_seq=end, full_schema=False):
+    return fold_all_batches(projections, reader.read(from_seq=0, to_seq=end, full_schema=False)), end
+
+
+def fold_all_batches(projections: list[Projection], batches: Iterable[pa.RecordBatch]) -> list:
+    """The states of several projections over the log's batches, however they were read (its files, or the
+    controller's Log service from another host)."""
+    states = [p.initial() for p in projections]
+    for batch in batches:
         for projection, state in zip(projections, states, strict=True):
             projection.apply_batch(state, batch)
-    return states, end
+    return states
 
 
 def copy_state(projection: Projection[S], state: S) -> S:

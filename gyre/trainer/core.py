@@ -23,7 +23,7 @@ from gyre.events.models import CheckpointSaved
 from gyre.trainer import StepCoordinator, TorchBackend
 from gyre.trainer.protocol import StepResult
 from gyre.trainer.weights import Published, WeightsError, WeightStore, file_sha256, fsync_tree
-from gyre.trajectory.source import LiveLogSource
+from gyre.trajectory.source import Follow, LiveLogSource
 
 if TYPE_CHECKING:
     from gyre.emulate import Pacer
@@ -49,8 +49,10 @@ class LocalCoreTrainer:
     def __init__(self, config: TrainConfig, *, cell_id: str, run_id: str, log_path: Path, backend: TorchBackend,
                  coordinator: StepCoordinator, weights: WeightStore, published: Published | None,
                  durable_seq: Callable[[], int], on_trained: Callable[[StepTraining], None] = lambda f: None,
-                 rollout_s: Callable[[int], float | None] = lambda step: None, pacer: Pacer | None = None) -> None:
-        """``pacer``: an emulated accelerator (`gyre.emulate`); a publish then takes its ``publish_s``."""
+                 rollout_s: Callable[[int], float | None] = lambda step: None, pacer: Pacer | None = None,
+                 follow: Follow | None = None) -> None:
+        """``pacer``: an emulated accelerator (`gyre.emulate`); a publish then takes its ``publish_s``.
+        ``follow``: how the log is tailed when it is not on this host (`LiveLogSource`); None: its files."""
         self.config, self.cell_id, self.run_id, self.log_path = config, cell_id, run_id, log_path
         self.pacer = pacer
         self.backend, self.coordinator, self.weights = backend, coordinator, weights
@@ -58,6 +60,7 @@ class LocalCoreTrainer:
         self.on_trained = on_trained
         self.durable_seq = durable_seq
         self.rollout_s = rollout_s
+        self.follow = follow
         """A step's rollout phase (first queued to last finished, folded from the log), for its metrics."""
         self._source: LiveLogSource | None = None
         self.run_dir = weights.run_dir
@@ -80,7 +83,7 @@ class LocalCoreTrainer:
         builder = BatchBuilder(TrajectoryConfig(cap=section.cap, min_valid_per_group=section.min_valid_per_group,
                                                 token_budget=section.token_budget, form=section.form))
         if self._source is None:
-            self._source = LiveLogSource(self.log_path, run_id=self.run_id)
+            self._source = LiveLogSource(self.log_path, run_id=self.run_id, follow=self.follow)
         self._source.refresh(self.durable_seq())
         micro = list(builder.batches(self._source.groups(group_ids=groups)))
         return micro, builder.report.to_dict(), builder.report.step_metrics()

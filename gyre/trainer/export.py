@@ -7,8 +7,10 @@ directory the run started from); version 0 is the starting model.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gyre.config import TrainConfig
 from gyre.errors import ConfigError
@@ -26,9 +28,6 @@ class Exported:
 
 
 def export_policy(run_dir: str | Path, out: str | Path, version: int | None = None) -> Exported:
-    from gyre.engine.local import LocalEngineConfig
-    from gyre.engine.local.engine import load_model
-
     run_dir, out = Path(run_dir), Path(out)
     log = run_dir / "log"
     if not log.is_dir():
@@ -40,17 +39,29 @@ def export_policy(run_dir: str | Path, out: str | Path, version: int | None = No
     published = replay(RunView(), log)[0].published
     if version is None:
         version = max(published, default=0)
-    model, tokenizer = load_model(LocalEngineConfig(model=config.engine.model, seed=config.seed))
+    tensors = None
     if version:
         if version not in published:
             raise ConfigError(f"run {start.run_id} published no version {version}; it has {sorted(published)}")
         record = published[version]
         tensors = WeightStore(run_dir).load(record.location, record.sha256)
-        missing, unexpected = model.load_state_dict(tensors, strict=False)
+    write_checkpoint(config, tensors, out, version)
+    return Exported(start.run_id, version, out)
+
+
+def write_checkpoint(config: TrainConfig, tensors: Mapping[str, Any] | None, out: Path, version: int) -> Path:
+    """The run's model (``config.engine.model``: tiny from its seed, or a checkpoint directory) with
+    ``tensors`` loaded (None: the starting weights), written to ``out`` as a Hugging Face checkpoint."""
+    from gyre.engine.local import LocalEngineConfig
+    from gyre.engine.local.engine import load_model
+
+    model, tokenizer = load_model(LocalEngineConfig(model=config.engine.model, seed=config.seed))
+    if tensors is not None:
+        missing, unexpected = model.load_state_dict(dict(tensors), strict=False)
         if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
             raise ConfigError(f"weights v{version} do not fit the run's model: missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}")
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    return Exported(start.run_id, version, out)
+    return out

@@ -11,7 +11,7 @@ pending groups) are never kept.
 import queue
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import duckdb
@@ -174,6 +174,9 @@ class LogSource:
             yield _loaded(group_id, members[group_id], pieces)
 
 
+Follow = Callable[[int, float, threading.Event], Iterator[pa.RecordBatch]]
+"""``(from_seq, poll_s, stop)`` -> the log's batches from ``from_seq`` on, as they are written, until ``stop``."""
+
 BATCH_KINDS = ("execution_queued", "execution_finished", "reward_recorded", "evaluation_failed",
                "model_call_finished")
 """The kinds a batch is built from."""
@@ -189,7 +192,11 @@ class LiveLogSource(LogSource):
     a filter DuckDB pushes into each table scan.
     """
 
-    def __init__(self, path: str | Path, run_id: str | None = None, threads: int = 1, poll_s: float = 0.02) -> None:
+    def __init__(self, path: str | Path, run_id: str | None = None, threads: int = 1, poll_s: float = 0.02,
+                 follow: Follow | None = None) -> None:
+        """``follow(from_seq, poll_s, stop)`` yields the log's batches as they are written (default: tail the
+        files at ``path``; a process on another host than the log passes `gyre.cluster.log_client.RemoteLog`'s,
+        and ``path`` only names the log in errors)."""
         from gyre.events.schema import event_schema
 
         con = duckdb.connect()
@@ -203,12 +210,14 @@ class LiveLogSource(LogSource):
         self._batches: queue.Queue[pa.RecordBatch | BaseException] = queue.Queue()
         self._stop = threading.Event()
         self._poll_s = poll_s
+        self._follower: Follow = follow or (lambda from_seq, poll_s, stop: LogReader(self.path).follow(
+            from_seq=from_seq, poll_s=poll_s, stop=stop))
         self._thread = threading.Thread(target=self._follow, name="gyre-batch-source", daemon=True)
         self._thread.start()
 
     def _follow(self) -> None:
         try:
-            for batch in LogReader(self.path).follow(from_seq=0, poll_s=self._poll_s, stop=self._stop):
+            for batch in self._follower(0, self._poll_s, self._stop):
                 self._batches.put(batch)
         except BaseException as error:  # handed to refresh, never swallowed
             self._batches.put(error)

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from gyre.cluster.address import NodeAddress
 from gyre.cluster.config import ClusterConfig, ClusterSection
 from gyre.cluster.engine_host import SglangEngineHost
 from gyre.config import EngineSection
@@ -21,7 +22,7 @@ def test_an_sglang_cell_without_sglang_fails_clearly(tmp_path: Path) -> None:
                            cluster=ClusterSection(engine="sglang", sglang_args=("--tp", "1")))
     log = tmp_path / "cell0.sglang.log"
     with pytest.raises(ConfigError, match="SGLang server exited") as failed:
-        SglangEngineHost(config, port=1, log_path=log, timeout_s=60)
+        SglangEngineHost(config, address=NodeAddress("127.0.0.1", "127.0.0.1"), port=1, log_path=log, timeout_s=60)
     assert str(log) in str(failed.value)
     assert "sglang" in log.read_text()  # the interpreter's own words: no module named sglang
 

@@ -16,5 +16,5 @@ def test_generated_code_matches_the_proto(tmp_path: Path) -> None:
 def test_services_are_importable() -> None:
     from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 
-    assert {s for s in gyre_pb2.DESCRIPTOR.services_by_name} == {"Cell", "Proxy", "Admin", "Trainer"}
+    assert {s for s in gyre_pb2.DESCRIPTOR.services_by_name} == {"Cell", "Proxy", "Admin", "Log", "Trainer"}
     assert hasattr(gyre_pb2_grpc, "CellServicer")

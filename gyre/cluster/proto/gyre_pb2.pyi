@@ -364,6 +364,22 @@ class StatusReply(_message.Message):
     policy: str
     def __init__(self, run_id: _Optional[str] = ..., folded_seq: _Optional[int] = ..., watermark: _Optional[int] = ..., policy_version: _Optional[int] = ..., steps_trained: _Optional[int] = ..., cells: _Optional[_Iterable[_Union[CellStatus, _Mapping]]] = ..., proxy_connected: _Optional[bool] = ..., policy: _Optional[str] = ...) -> None: ...
 
+class LogRead(_message.Message):
+    __slots__ = ("from_seq", "to_seq", "follow")
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    TO_SEQ_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    from_seq: int
+    to_seq: int
+    follow: bool
+    def __init__(self, from_seq: _Optional[int] = ..., to_seq: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+
+class LogChunk(_message.Message):
+    __slots__ = ("ipc",)
+    IPC_FIELD_NUMBER: _ClassVar[int]
+    ipc: bytes
+    def __init__(self, ipc: _Optional[bytes] = ...) -> None: ...
+
 class TrainerJoin(_message.Message):
     __slots__ = ("cell_id", "transfer_session", "transfer_s")
     CELL_ID_FIELD_NUMBER: _ClassVar[int]

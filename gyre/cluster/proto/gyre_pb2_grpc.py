@@ -241,6 +241,78 @@ class Admin:
             _registered_method=True)
 
 
+class LogStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Read = channel.unary_stream(
+                '/gyre.v1.Log/Read',
+                request_serializer=gyre__pb2.LogRead.SerializeToString,
+                response_deserializer=gyre__pb2.LogChunk.FromString,
+                _registered_method=True)
+
+
+class LogServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Read(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_LogServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Read': grpc.unary_stream_rpc_method_handler(
+                    servicer.Read,
+                    request_deserializer=gyre__pb2.LogRead.FromString,
+                    response_serializer=gyre__pb2.LogChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'gyre.v1.Log', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('gyre.v1.Log', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Log:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Read(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gyre.v1.Log/Read',
+            gyre__pb2.LogRead.SerializeToString,
+            gyre__pb2.LogChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class TrainerStub:
     """Missing associated documentation comment in .proto file."""
 
