@@ -147,3 +147,22 @@ def test_counterfactual_replay_retimes_a_live_log(trained) -> None:
         measured = retime(config.run_dir / "log", policy)  # costs measured from the log itself
         borrowed = retime(config.run_dir / "log", policy, scenario="tiny")
         assert measured["steps"] == borrowed["steps"] == 2 and measured["executions"] == 8
+
+
+def test_retiming_a_live_run_charges_each_step_its_recorded_training_time(trained) -> None:
+    """The simulator charges a step its executions' tokens at the measured rate; the rate must be measured
+    over those same tokens, or the re-timed training is off by forwarded/workload tokens (3.7x on the
+    live comparison's async run)."""
+    from gyre.events.models import RunStarted
+    from gyre.replay.counterfactual import measured_scenario, workload_from_log
+
+    config, _ = trained
+    log = config.run_dir / "log"
+    start = next(LogReader(log).events(to_seq=0))
+    assert isinstance(start, RunStarted)
+    scenario = measured_scenario(log, start)
+    workload = workload_from_log(log, scenario)
+    charged = sum(e.tokens for batch in workload.batches for e in batch) * scenario.training.s_per_mtoken / 1e6
+    (recorded,) = LogReader(log).duckdb().execute("select sum(duration_s) from train_steps where tokens > 0").fetchone()
+    assert charged == pytest.approx(recorded, rel=1e-6)
+
