@@ -246,6 +246,11 @@ def decide_v3(view: SchedulerView, params: ElasticV3Params) -> list[RoleSwitchRe
       it could claim now (complete, unclaimed), not the step's whole remainder, which arrives as groups
       complete; and (``idle_recall``) a joined satellite with nothing to claim returns to serve the queue
       when the queue outlasts its round trip. Both are off by default so logs recorded before them replay.
+    - Tail placement (``spread_tail``, off by default; staleness 0 only): a loan must leave at least half a
+      cell's slots spare, not just ``hysteresis_slots``, so the tail is not packed onto few cells, whose
+      decode slows down with their batch: at staleness 0 the next batch waits for this step's weights, so
+      the stragglers are the critical path; at staleness >= 1 the next batch overlaps and packing measured
+      better.
     """
     rollout = view.cells_in("rollout")
     capacity = view.capacity(rollout)
@@ -318,7 +323,9 @@ def _lend_v3(view: SchedulerView, rollout: list[Cell], needs: Needs, params: Ela
         if training + len(leaving) < floor:
             return True
         rest, demand = view.capacity(staying), needs.demand
-        return demand <= rest and (demand == 0 or demand + params.hysteresis_slots <= rest)
+        spread = params.spread_tail and not params.staleness
+        spare = max(params.hysteresis_slots, cell.slots // 2) if spread else params.hysteresis_slots
+        return demand <= rest and (demand == 0 or demand + spare <= rest)
 
     def pays(cell: Cell) -> bool:
         if not params.migrate and moving(cell):

@@ -74,6 +74,10 @@ class ElasticV3Params(ElasticParams):
     idle_recall: bool = Field(
         False, description="with partial rollouts, an idle training satellite with no ready micro-step to "
                            "claim returns to rollout when queued executions would keep it busy for its round trip")
+    spread_tail: bool = Field(
+        False, description="at staleness 0, a loan leaves at least half a cell's slots spare in the cells that "
+                           "stay (not only hysteresis_slots): the tail, the step's critical path, is not packed "
+                           "onto few cells, whose decode is slower")
 
 
 class ColocateParams(PolicyParams):

@@ -47,6 +47,11 @@ class Checked:
         needs = Needs.of(view)
         current = view.trainer.current
         ready = view.work.ready_micro_steps(len(current.claimed) if current is not None and not current.closed else 0)
+        gone = {d.cell_id for d in decisions if d.to_role == "training"}
+        staying = [c for c in view.cells_in("rollout") if c.cell_id not in gone]
+        if gone and params.spread_tail and not params.staleness and needs.demand:
+            spare = view.capacity(staying) - needs.demand
+            assert spare >= max(params.hysteresis_slots, max(c.slots for c in view.cells_in("rollout")) // 2)
         for d in decisions:
             if d.reason.startswith("idle in training"):
                 self.idle_recalls += 1
@@ -76,7 +81,8 @@ class Checked:
 def test_a_leaving_cell_never_leaves_needed_work_unredirected(seed, staleness, oversample, partial, cut, backlog):
     sc = tailed(**{"rollout.resume_s_per_mtoken": 20.0})
     overrides = {"staleness": staleness, "cut_unneeded": cut, "partial_rollouts": partial,
-                 "oversample_groups": oversample if partial else 0, "backlog_loans": backlog, "idle_recall": backlog}
+                 "oversample_groups": oversample if partial else 0, "backlog_loans": backlog, "idle_recall": backlog,
+                 "spread_tail": backlog}
     params = policy_params(sc, ELASTIC_V3, overrides)
     checked = Checked()
     sim = Simulation(sc, sample_workload(sc, seed), replace(ELASTIC_V3, decide=checked), params, NullSink(),
