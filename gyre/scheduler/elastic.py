@@ -242,6 +242,15 @@ def decide_v3(view: SchedulerView, params: ElasticV3Params) -> list[RoleSwitchRe
       does not need); elastic lending happens around that split. Without partial rollouts a cell lent to
       the split would have to redirect all its work onto fewer cells, which measured worse (no floor).
     - Every switch must pay for its round trip (elastic/2's guards, with the next step's gain).
+    - With partial rollouts, optionally (``backlog_loans``) a satellite's loan pays only from the micro-steps
+      it could claim now (complete, unclaimed), not the step's whole remainder, which arrives as groups
+      complete; and (``idle_recall``) a joined satellite with nothing to claim returns to serve the queue
+      when the queue outlasts its round trip. Both are off by default so logs recorded before them replay.
+    - Tail placement (``spread_tail``, off by default; staleness 0 only): a loan must leave at least half a
+      cell's slots spare, not just ``hysteresis_slots``, so the tail is not packed onto few cells, whose
+      decode slows down with their batch: at staleness 0 the next batch waits for this step's weights, so
+      the stragglers are the critical path; at staleness >= 1 the next batch overlaps and packing measured
+      better.
     """
     rollout = view.cells_in("rollout")
     capacity = view.capacity(rollout)
@@ -259,10 +268,40 @@ def decide_v3(view: SchedulerView, params: ElasticV3Params) -> list[RoleSwitchRe
     if shortfall > 0 and settled and training > floor:
         decisions = _return_to_rollout(view, shortfall, costs=costs, capacity=capacity + coming)
         return decisions if capacity + coming == 0 else decisions[:training - floor]
+    if params.partial_rollouts and params.idle_recall and training > max(1, floor):
+        decisions = _recall_idle(view, costs, capacity + coming, training - max(1, floor))
+        if decisions:
+            return decisions
     if training >= floor and not view.training_pending:
         return []
     cut = params.partial_rollouts and params.cut_unneeded
     return _lend_v3(view, rollout, needs, params, costs, training, floor, cut)
+
+
+def _ready_micro_steps(view: SchedulerView) -> int:
+    current = view.trainer.current
+    claimed = len(current.claimed) if current is not None and not current.closed else 0
+    return view.work.ready_micro_steps(claimed)
+
+
+def _recall_idle(view: SchedulerView, costs: SwitchCosts, capacity: int, most: int) -> list[RoleSwitchRequested]:
+    """Idle training satellites (joined, nothing to claim) go back to serve the queue, if it pays."""
+    queued = len(view.cluster.queued)
+    execution_s = view.work.mean("execution")
+    if not queued or execution_s is None or _ready_micro_steps(view) or view.open_step is None:
+        return []
+    busy = view.busy_training()
+    idle = [c for c in view.cells_in("training") if not c.is_core and c.cell_id not in busy]
+    out = []
+    for cell in idle[:most]:
+        if queued * execution_s / max(1, capacity) <= costs.round_trip(cell):
+            break
+        out.append(to_rollout(view, cell, f"idle in training while {queued} executions are queued"))
+        queued -= cell.slots
+        capacity += cell.slots
+        if queued <= 0:
+            break
+    return out
 
 
 def _lend_v3(view: SchedulerView, rollout: list[Cell], needs: Needs, params: ElasticV3Params, costs: SwitchCosts,
@@ -284,13 +323,19 @@ def _lend_v3(view: SchedulerView, rollout: list[Cell], needs: Needs, params: Ela
         if training + len(leaving) < floor:
             return True
         rest, demand = view.capacity(staying), needs.demand
-        return demand <= rest and (demand == 0 or demand + params.hysteresis_slots <= rest)
+        spread = params.spread_tail and not params.staleness
+        spare = max(params.hysteresis_slots, cell.slots // 2) if spread else params.hysteresis_slots
+        return demand <= rest and (demand == 0 or demand + spare <= rest)
 
     def pays(cell: Cell) -> bool:
         if not params.migrate and moving(cell):
             return False
         if cell.is_core or training + len(leaving) < floor:
             return True
+        if params.partial_rollouts and params.backlog_loans:
+            micro_s = view.work.mean("micro_step")
+            if micro_s is not None:
+                return _ready_micro_steps(view) * micro_s / (training + len(leaving) + 1) >= costs.round_trip(cell)
         gain = _next_step_gain(view, training + len(leaving))
         return gain is None or gain >= costs.round_trip(cell)
 

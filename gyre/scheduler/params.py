@@ -67,6 +67,17 @@ class ElasticV3Params(ElasticParams):
     rate_split: bool = Field(
         True, description="at staleness >= 1, keep the training cells that match the measured rollout and "
                           "training rates (lending around that split); false: no floor, as elastic/2")
+    backlog_loans: bool = Field(
+        False, description="with partial rollouts, a satellite leaves rollout only when the open step's ready, "
+                           "unclaimed micro-steps would keep it busy for its round trip (false: the step's "
+                           "remaining micro-steps)")
+    idle_recall: bool = Field(
+        False, description="with partial rollouts, an idle training satellite with no ready micro-step to "
+                           "claim returns to rollout when queued executions would keep it busy for its round trip")
+    spread_tail: bool = Field(
+        False, description="at staleness 0, a loan leaves at least half a cell's slots spare in the cells that "
+                           "stay (not only hysteresis_slots): the tail, the step's critical path, is not packed "
+                           "onto few cells, whose decode is slower")
 
 
 class ColocateParams(PolicyParams):

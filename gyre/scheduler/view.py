@@ -133,6 +133,22 @@ class WorkState:
         work = self.steps.get(self.next_train_step())
         return work is not None and bool(work.complete_groups)
 
+    def ready_micro_steps(self, claimed: int) -> int:
+        """Micro-steps of the open train step whose data is complete and that no cell has claimed yet
+        (``claimed``: the step's claims so far); 0 with no open step. What one more training cell could
+        start on now: the rest of the step's micro-steps wait on rollouts."""
+        step = self.open_train
+        if step is None or not self.planned_micro_steps:
+            return 0
+        if self.partial_rollouts:
+            groups, total = len(self.assigned.get(step, ())), self.open_groups or self.batch_groups()
+        else:
+            work = self.steps.get(step)
+            groups, total = (len(work.complete_groups) if work is not None else 0), self.batch_groups()
+        if not total:
+            return 0
+        return max(0, groups * self.planned_micro_steps // total - claimed)
+
     def needed_groups(self) -> set[str]:
         """Groups still rolling out that the next train step needs: the rollout work it waits on.
 

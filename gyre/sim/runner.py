@@ -209,21 +209,35 @@ def ablation_variants(scenario: Scenario) -> list[Variant]:
     return out + elastic3_variants(scenario)
 
 
+ELASTIC3 = {"spread_tail": True}
+ELASTIC3_PARTIAL = {**ELASTIC3, "backlog_loans": True, "idle_recall": True}
+"""elastic/3's mechanisms that are parameters off by default (logs recorded before them replay): the
+ablation runs elastic/3 with them on, on every scenario (``docs/scheduler.md``)."""
+
+
 def elastic3_variants(scenario: Scenario) -> list[Variant]:
     """elastic/3 with and without partial rollouts, and (at the most over-sampling) with each of its
-    mechanisms off: cutting what the next step does not need, and at staleness >= 1 the rate split."""
+    mechanisms off: cutting what the next step does not need, at staleness >= 1 the rate split, at
+    staleness 0 the spreading of the tail, loans against the ready backlog and the recall of idle cells."""
     v3 = "elastic/3"
-    out = [Variant("elastic/3", "elastic", {}, "elastic3", v3)]
+    out = [Variant("elastic/3", "elastic", ELASTIC3, "elastic3", v3)]
+    if not scenario.policy.staleness:
+        out.append(Variant("elastic/3, no tail spreading", "elastic", {}, "elastic3 ablation", v3))
     sweep = oversample_sweep(scenario)
     for k in sweep:
         out.append(Variant(f"elastic/3 + partial rollouts ({k} over-sampled)", "elastic",
-                           {"partial_rollouts": True, "oversample_groups": k}, "elastic3+partial", v3))
-    most = {"partial_rollouts": True, "oversample_groups": sweep[-1]}
-    out.append(Variant(f"elastic/3 + partial rollouts ({sweep[-1]} over-sampled), no cuts", "elastic",
-                       {**most, "cut_unneeded": False}, "elastic3 ablation", v3))
+                           {"partial_rollouts": True, "oversample_groups": k, **ELASTIC3_PARTIAL},
+                           "elastic3+partial", v3))
+    most = {"partial_rollouts": True, "oversample_groups": sweep[-1], **ELASTIC3_PARTIAL}
+    off = [("no cuts", {"cut_unneeded": False}), ("no backlog loans", {"backlog_loans": False}),
+           ("no idle recall", {"idle_recall": False})]
     if scenario.policy.staleness >= 1:
-        out.append(Variant(f"elastic/3 + partial rollouts ({sweep[-1]} over-sampled), no rate split", "elastic",
-                           {**most, "rate_split": False}, "elastic3 ablation", v3))
+        off.append(("no rate split", {"rate_split": False}))
+    else:
+        off.append(("no tail spreading", {"spread_tail": False}))
+    for label, change in off:
+        out.append(Variant(f"elastic/3 + partial rollouts ({sweep[-1]} over-sampled), {label}", "elastic",
+                           {**most, **change}, "elastic3 ablation", v3))
     return out
 
 

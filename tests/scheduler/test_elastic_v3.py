@@ -40,11 +40,29 @@ class Checked:
     def __init__(self) -> None:
         self.leaves = 0
         self.cut_calls = 0
+        self.idle_recalls = 0
 
     def __call__(self, view, params):
         decisions = ELASTIC_V3.decide(view, params)
         needs = Needs.of(view)
+        current = view.trainer.current
+        ready = view.work.ready_micro_steps(len(current.claimed) if current is not None and not current.closed else 0)
+        gone = {d.cell_id for d in decisions if d.to_role == "training"}
+        staying = [c for c in view.cells_in("rollout") if c.cell_id not in gone]
+        if gone and params.spread_tail and not params.staleness and needs.demand:
+            spare = view.capacity(staying) - needs.demand
+            assert spare >= max(params.hysteresis_slots, max(c.slots for c in view.cells_in("rollout")) // 2)
         for d in decisions:
+            if d.reason.startswith("idle in training"):
+                self.idle_recalls += 1
+                assert params.partial_rollouts and params.idle_recall
+                assert view.cluster.queued and not ready and d.cell_id not in view.busy_training()
+                assert not view.cluster.cells[d.cell_id].is_core
+            leaving_satellite = not view.cluster.cells[d.cell_id].is_core and d.to_role == "training"
+            no_floor = not (params.staleness and params.rate_split)
+            if leaving_satellite and params.partial_rollouts and params.backlog_loans and no_floor and \
+                    view.work.mean("micro_step") is not None:
+                assert ready > 0, "a satellite was lent with no micro-step ready to claim"
             if d.to_role != "training" or d.from_role != "rollout":
                 continue
             self.leaves += 1
@@ -59,11 +77,12 @@ class Checked:
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 50), staleness=st.integers(0, 1), oversample=st.integers(0, 2),
-       partial=st.booleans(), cut=st.booleans())
-def test_a_leaving_cell_never_leaves_needed_work_unredirected(seed, staleness, oversample, partial, cut):
+       partial=st.booleans(), cut=st.booleans(), backlog=st.booleans())
+def test_a_leaving_cell_never_leaves_needed_work_unredirected(seed, staleness, oversample, partial, cut, backlog):
     sc = tailed(**{"rollout.resume_s_per_mtoken": 20.0})
     overrides = {"staleness": staleness, "cut_unneeded": cut, "partial_rollouts": partial,
-                 "oversample_groups": oversample if partial else 0}
+                 "oversample_groups": oversample if partial else 0, "backlog_loans": backlog, "idle_recall": backlog,
+                 "spread_tail": backlog}
     params = policy_params(sc, ELASTIC_V3, overrides)
     checked = Checked()
     sim = Simulation(sc, sample_workload(sc, seed), replace(ELASTIC_V3, decide=checked), params, NullSink(),
@@ -116,9 +135,26 @@ def test_an_elastic3_log_replays_exactly(tmp_path):
     from gyre.replay.exact import replay_decisions
 
     sc = tailed(**{"rollout.resume_s_per_mtoken": 20.0})
-    params = policy_params(sc, ELASTIC_V3, {"partial_rollouts": True, "oversample_groups": 2, "staleness": 1})
+    params = policy_params(sc, ELASTIC_V3, {"partial_rollouts": True, "oversample_groups": 2, "staleness": 1,
+                                            "backlog_loans": True, "idle_recall": True})
     result = simulate(sc, "elastic", params=params, version="elastic/3", log_dir=tmp_path / "log")
     assert result.policy_version == "elastic/3" and result.role_switches > 0
     report = replay_decisions(tmp_path / "log")
     assert report.decision_points > 0 and not report.mismatches
     assert report.recorded_version == report.current_version == "elastic/3"
+
+
+def test_idle_training_cells_return_to_serve_the_queue_only_when_asked():
+    """``idle_recall`` acts (tiny with a tail, seed 0: some satellites wait idle in training while the queue
+    holds work) and is off by default, so a log recorded before it decides as before."""
+    sc = tailed(**{"rollout.resume_s_per_mtoken": 20.0})
+    recalls = {}
+    for on in (False, True):
+        params = policy_params(sc, ELASTIC_V3, {"partial_rollouts": True, "oversample_groups": 2,
+                                                "backlog_loans": on, "idle_recall": on})
+        sink = MemorySink()
+        simulate(sc, "elastic", sink=sink, params=params, version="elastic/3", seed=0)
+        recalls[on] = sum(e.kind == "role_switch_requested" and e.reason.startswith("idle in training")
+                          for e in sink.events)
+    assert recalls == {False: 0, True: recalls[True]} and recalls[True] > 0
+    assert not ELASTIC_V3.params({}).backlog_loans and not ELASTIC_V3.params({}).idle_recall

@@ -30,13 +30,19 @@ def test_every_design_gets_partial_rollouts_at_every_over_sampling_tried():
 
 def test_elastic3_runs_beside_elastic2_with_each_of_its_mechanisms_off():
     """elastic/3 is not the default, so its rows name their version; the rate split is ablated only where
-    it acts (staleness >= 1)."""
+    it acts (staleness >= 1), the tail spreading where it acts (staleness 0); its partial-rollout rows run
+    with loans against the ready backlog and the recall of idle cells, each also switched off alone."""
     sc = load_scenario("seed-2.4t")
     v3 = [v for v in ablation_variants(sc) if v.version == "elastic/3"]
     assert {(v.role, v.overrides.get("oversample_groups")) for v in v3} == {
-        ("elastic3", None), ("elastic3+partial", 4), ("elastic3+partial", 8), ("elastic3 ablation", 8)}
+        ("elastic3", None), ("elastic3 ablation", None), ("elastic3+partial", 4), ("elastic3+partial", 8),
+        ("elastic3 ablation", 8)}
+    assert sum(not v.overrides.get("spread_tail", False) for v in v3) == 2  # the tail ablated at staleness 0
     stale = with_values(sc, {"policy.staleness": 1})
-    assert sum(v.role == "elastic3 ablation" for v in ablation_variants(stale)) == 2
+    assert sum(v.role == "elastic3 ablation" for v in ablation_variants(stale)) == 4
+    partial = [v for v in v3 if v.overrides.get("partial_rollouts")]
+    assert all(v.overrides["backlog_loans"] and v.overrides["idle_recall"] for v in partial
+               if not v.name.endswith(("no backlog loans", "no idle recall")))
 
 
 def test_the_ablation_reports_every_run_and_a_decomposition_that_multiplies_out():
