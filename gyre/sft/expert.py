@@ -9,7 +9,7 @@ Imperfect on purpose: with probability ``error_rate`` a demonstration writes a p
 family-specific slip: an off-by-one sum, a half-reversed word, ``x + K`` for ``x * K``), and sometimes skips
 the check. A policy cloned from it solves a task sometimes, not always, which is where RL helps.
 
-    python -m gyre.sft.expert tasks/toy/learn.toml runs/learn/demos.jsonl --per-task 8 --seed 0
+    python -m gyre.sft.expert tasks/toy/learn-train.toml runs/learn/demos.jsonl --per-task 8 --seed 0
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from types import ModuleType
 from typing import Any
 
 from gyre.harness.tasks import TaskSet
-from gyre.sft.families import FamilyTask, split_ids
+from gyre.sft.families import FamilyTask
 
 AGENT_DIR = Path(__file__).resolve().parents[2] / "agents" / "toy_agent"
 TOOLS = ("write_file", "read_file", "run")
@@ -96,12 +96,10 @@ class Expert:
 
 
 def family_tasks(tasks_path: Path) -> list[FamilyTask]:
-    """The training split of a generated task set, rebuilt as `FamilyTask`s (with their solutions)."""
-    tasks = TaskSet.load(tasks_path)
-    train, _ = split_ids(tasks.ids)
+    """The tasks of a generated task set, rebuilt as `FamilyTask`s (with their solutions)."""
     out = []
-    for task_id in train:
-        spec = tasks[task_id].spec
+    for task in TaskSet.load(tasks_path):
+        task_id, spec = task.id, task.spec
         family = task_id.split("-")[1]
         solution = str(spec.grading["reference"]) if family == "pyfunc" else str(spec.grading["expected"])
         out.append(FamilyTask(task_id, family, spec.prompt, dict(spec.files), spec.answer_file,
