@@ -9,7 +9,7 @@ Imperfect on purpose: with probability ``error_rate`` a demonstration writes a p
 family-specific slip: an off-by-one sum, a half-reversed word, ``x + K`` for ``x * K``), and sometimes skips
 the check. A policy cloned from it solves a task sometimes, not always, which is where RL helps.
 
-    python -m gyre.sft.expert tasks/toy/learn-train.toml runs/learn/demos.jsonl --per-task 8 --seed 0
+    python -m gyre.sft.expert tasks/toy/learn-train.toml runs/learn/demos.jsonl --per-task 8 --fresh 2000 --seed 0
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from types import ModuleType
 from typing import Any
 
 from gyre.harness.tasks import TaskSet
-from gyre.sft.families import FamilyTask
+from gyre.sft.families import FamilyTask, fresh_training_tasks
 
 AGENT_DIR = Path(__file__).resolve().parents[2] / "agents" / "toy_agent"
 TOOLS = ("write_file", "read_file", "run")
@@ -131,18 +131,19 @@ def to_anthropic(record: dict[str, Any]) -> dict[str, Any]:
     return {"system": system, "messages": out, "tools": tools, "task_id": record["task_id"]}
 
 
-def write_demonstrations(tasks_path: Path, out: Path, *, per_task: int, seed: int, error_rate: float,
-                         anthropic: bool = False) -> int:
+def write_demonstrations(tasks_path: Path | None, out: Path, *, per_task: int, seed: int, error_rate: float,
+                         fresh: int = 0, anthropic: bool = False) -> int:
+    """``per_task`` demonstrations of each task of ``tasks_path`` and one of each of ``fresh`` new tasks of the
+    training distribution (`fresh_training_tasks`)."""
     expert = Expert(error_rate=error_rate, seed=seed)
     out.parent.mkdir(parents=True, exist_ok=True)
-    count = 0
+    listed = family_tasks(tasks_path) if tasks_path is not None else []
+    plan = [task for task in listed for _ in range(per_task)] + fresh_training_tasks(fresh, seed)
     with out.open("w") as f:
-        for task in family_tasks(tasks_path):
-            for _ in range(per_task):
-                record = expert.demonstrate(task)
-                f.write(json.dumps(to_anthropic(record) if anthropic else record) + "\n")
-                count += 1
-    return count
+        for task in plan:
+            record = expert.demonstrate(task)
+            f.write(json.dumps(to_anthropic(record) if anthropic else record) + "\n")
+    return len(plan)
 
 
 def main(argv: list[str]) -> int:
@@ -152,10 +153,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--per-task", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--error-rate", type=float, default=0.3)
+    parser.add_argument("--fresh", type=int, default=0, help="also demonstrate this many new training-split tasks")
     parser.add_argument("--format", choices=("openai", "anthropic"), default="openai")
     args = parser.parse_args(argv)
     n = write_demonstrations(args.tasks, args.out, per_task=args.per_task, seed=args.seed,
-                             error_rate=args.error_rate, anthropic=args.format == "anthropic")
+                             error_rate=args.error_rate, fresh=args.fresh, anthropic=args.format == "anthropic")
     print(f"{args.out}: {n} demonstrations")
     return 0
 

@@ -112,6 +112,22 @@ def generate(seed: int = 0, train_per_pair: int = 6, heldout_per_pair: int = 3) 
     return train, heldout
 
 
+def fresh_training_tasks(count: int, seed: int) -> list[FamilyTask]:
+    """``count`` new tasks from the training distribution (training family x file pairs, parameters never in
+    the held-out split): what the expert demonstrates, so a policy learns the families, not 72 answers."""
+    _, heldout = generate()
+    unseen = set().union(*(parameters(t) for t in heldout if t.family != "pyfunc"))
+    pairs = [(f, s) for f in FAMILIES for s in INPUT_FILES if (f, s) not in HELDOUT_PAIRS]
+    rng = random.Random(seed)
+    out: list[FamilyTask] = []
+    while len(out) < count:
+        family, source = pairs[len(out) % len(pairs)]
+        task = make_task(f"fresh-{family}-{len(out)}", family, source, rng)
+        if family == "pyfunc" or not parameters(task) & unseen:
+            out.append(task)
+    return out
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, dict):
         return "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"

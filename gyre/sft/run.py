@@ -34,7 +34,9 @@ class DemonstrationsSection(_Section):
     path: Path = Field(description="JSONL of conversations (OpenAI or Anthropic format)")
     tasks: Path | None = Field(None, description="when set and `path` is missing: the task set the scripted "
                                                  "expert demonstrates (gyre.sft.expert) to write `path`")
-    per_task: PositiveInt = 8
+    per_task: NonNegativeInt = 8
+    fresh: NonNegativeInt = Field(0, description="also demonstrate this many new tasks of the training split's "
+                                                 "families and files (never a held-out word or number)")
     error_rate: float = Field(0.3, ge=0, le=1, description="share of demonstrations with a wrong answer")
 
 
@@ -121,7 +123,7 @@ def run_sft(config: SftConfig, *, resume: bool = False,
         from gyre.sft.expert import write_demonstrations
 
         write_demonstrations(demos.tasks, demos.path, per_task=demos.per_task, seed=config.seed,
-                             error_rate=demos.error_rate)
+                             error_rate=demos.error_rate, fresh=demos.fresh)
     records = read_records(demos.path)
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)

@@ -12,7 +12,7 @@ from gyre.harness.tasks import TaskSet
 from gyre.model import build_tokenizer
 from gyre.sft.data import render
 from gyre.sft.expert import Expert, family_tasks, mistake, to_anthropic
-from gyre.sft.families import FAMILIES, HELDOUT_PAIRS, generate, parameters, task_set_toml
+from gyre.sft.families import FAMILIES, HELDOUT_PAIRS, fresh_training_tasks, generate, parameters, task_set_toml
 
 TOY = Path(__file__).resolve().parents[2] / "tasks" / "toy"
 sys.path.insert(0, str(TOY))
@@ -33,6 +33,10 @@ def test_heldout_split_has_unseen_parameters_and_combinations():
     assert all(not parameters(t) & seen for t in heldout if t.family != "pyfunc")
     trained_pairs = {(t.family, t.inputs[0]) for t in train}
     assert HELDOUT_PAIRS.isdisjoint(trained_pairs)
+    fresh = fresh_training_tasks(300, seed=1)
+    assert not set().union(*(parameters(t) for t in fresh if t.family != "pyfunc")) & \
+        set().union(*(parameters(t) for t in heldout if t.family != "pyfunc"))
+    assert HELDOUT_PAIRS.isdisjoint({(t.family, t.inputs[0]) for t in fresh})
     assert {(t.family, t.inputs[0]) for t in heldout} >= HELDOUT_PAIRS
 
 
