@@ -72,6 +72,7 @@ def test_loss_mask_covers_assistant_output_only_in_both_formats():
     assert f'"content": "{task.solution}"' in trained
 
 
+@pytest.mark.integration
 def test_resumed_sft_equals_an_uninterrupted_run(tmp_path):
     from gyre.sft.expert import write_demonstrations
     from gyre.sft.run import SftConfig, run_sft
