@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-train test lint venv clean
+.PHONY: demo demo-train demo-learn test lint venv clean
 .PHONY: check browser
 
 venv: $(STAMP)
@@ -34,6 +34,12 @@ demo-train: $(STAMP)
 	  count(r.seq) AS rewards, round(avg(r.reward), 3) AS reward_mean FROM train_steps s \
 	  JOIN executions_queued q ON q.policy_version = s.policy_version - 1 AND q.group_id NOT LIKE 'heldout-%' \
 	  LEFT JOIN rewards r ON r.execution_id = q.execution_id GROUP BY ALL ORDER BY s.step"
+
+# The learning run (#29): SFT warm start from the scripted expert's demonstrations, then RL with held-out eval.
+demo-learn: $(STAMP)
+	rm -rf runs/learn
+	$(BIN)/gyre sft examples/learn-cpu-sft.toml
+	$(BIN)/gyre train examples/learn-cpu.toml
 
 test: $(STAMP)
 	$(BIN)/ruff check gyre tests benchmarks agents tasks scripts

@@ -24,6 +24,7 @@ from gyre.observe.cli import report
 from gyre.proxy.cli import proxy_app
 from gyre.proxy.cli import serve as proxy_serve
 from gyre.replay.cli import replay_app
+from gyre.sft.cli import sft
 from gyre.sim.cli import sim_app
 from gyre.train.cli import export, train
 from gyre.trajectory.cli import trajectories_app
@@ -76,6 +77,7 @@ app.add_typer(replay_app, name="replay")
 app.add_typer(harness_app, name="harness")
 app.command("train")(train)
 app.command("export")(export)
+app.command("sft")(sft)
 app.add_typer(trainer_app, name="trainer")
 app.command("report")(report)
 app.command("metrics")(export_metrics)

@@ -1,0 +1,58 @@
+"""The starting checkpoint of a warm start: a byte-level BPE tokenizer trained here on the demonstrations,
+saved with the Qwen-style chat template, and a random-init tiny Qwen2 sized by the config — a Hugging Face
+checkpoint directory, the path a downloaded model would take.
+
+The tokenizer pipeline is the one `transformers` uses for ``model_type == "qwen2"`` (NFC, Qwen2's split regex,
+ByteLevel), with the ChatML markers as special tokens and the tool tags as added ones, as in Qwen2.5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gyre.model import TinyModelConfig, build_tiny_model
+from gyre.model.chat_template import CHAT_TEMPLATE
+from gyre.model.tokenizer import EOS_TOKEN, PAD_TOKEN, QWEN2_SPLIT_REGEX, SPECIAL_TOKENS, TAG_TOKENS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of ``vocab_size`` tokens (merges included) trained on ``texts``."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE(fuse_unk=False))
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=[AddedToken(t, special=True, normalized=False)
+                                                  for t in SPECIAL_TOKENS], show_progress=False)
+    core.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
+                                   chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False,
+                                   model_max_length=131072)
+
+
+def save_base(directory: Path, texts: Iterable[str], *, vocab_size: int, seed: int, hidden_size: int,
+              layers: int, heads: int, kv_heads: int, intermediate_size: int, context: int) -> Path:
+    """Tokenizer + random-init model + configs in ``directory`` (an HF checkpoint `load_tiny` reads)."""
+    tokenizer = train_bpe(texts, vocab_size)
+    ids = tokenizer.convert_tokens_to_ids([EOS_TOKEN, PAD_TOKEN])
+    config = TinyModelConfig(vocab_size=(len(tokenizer) + 63) // 64 * 64, hidden_size=hidden_size,
+                             intermediate_size=intermediate_size, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             max_position_embeddings=context, pad_token_id=ids[1], eos_token_ids=tuple(ids))
+    directory.mkdir(parents=True, exist_ok=True)
+    build_tiny_model(seed, config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

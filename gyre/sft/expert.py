@@ -1,0 +1,166 @@
+"""A scripted, imperfect expert: demonstrations of the toy agent's own protocol on the training tasks.
+
+It plays what `agents/toy_agent` does with a model — the same system prompt, the same tool schemas, real tool
+results from the same workspace tools in a scratch directory — and writes one conversation per line (JSONL,
+OpenAI message format by default, Anthropic with ``--format anthropic``): read each input file, write the
+answer file, check it with ``cat``, then a short final answer without a tool call.
+
+Imperfect on purpose: with probability ``error_rate`` a demonstration writes a plausible wrong answer (a
+family-specific slip: an off-by-one sum, a half-reversed word, ``x + K`` for ``x * K``), and sometimes skips
+the check. A policy cloned from it solves a task sometimes, not always, which is where RL helps.
+
+    python -m gyre.sft.expert tasks/toy/learn-train.toml runs/learn/demos.jsonl --per-task 8 --fresh 2000 --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from gyre.harness.tasks import TaskSet
+from gyre.sft.families import FamilyTask, fresh_training_tasks
+
+AGENT_DIR = Path(__file__).resolve().parents[2] / "agents" / "toy_agent"
+TOOLS = ("write_file", "read_file", "run")
+"""The tools the toy agent offers with ``--no-subagent`` (agents/toy_agent/harness-learn.toml)."""
+FINAL_ANSWER = "Done."
+
+
+def load_agent_module(name: str) -> ModuleType:
+    """A module of the toy agent by path: the agent never becomes a Gyre import, and its protocol has one home."""
+    if str(AGENT_DIR) not in sys.path:
+        sys.path.insert(0, str(AGENT_DIR))  # agent.py imports its siblings by bare name
+    spec = importlib.util.spec_from_file_location(f"toy_agent_{name}", AGENT_DIR / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def mistake(task: FamilyTask, rng: random.Random) -> str:
+    """A plausible wrong answer for ``task``."""
+    s = task.solution
+    if task.family == "upper":
+        return s[0].lower() + s[1:]
+    if task.family == "reverse":
+        return s[: len(s) // 2] + s[len(s) // 2:][::-1]
+    if task.family == "add":
+        return str(int(s) + rng.choice((-1, 1, 10)))
+    if task.family == "pyfunc":
+        return s.replace(" * ", " + ")
+    if task.family == "concat":
+        first, second = s.split(" ")
+        return f"{second} {first}"
+    raise ValueError(task.family)
+
+
+class Expert:
+    def __init__(self, error_rate: float = 0.3, skip_check_rate: float = 0.2, seed: int = 0) -> None:
+        self.error_rate, self.skip_check_rate = error_rate, skip_check_rate
+        self.rng = random.Random(seed)
+        self.agent = load_agent_module("agent")
+        self.tools_module = load_agent_module("agent_tools")
+        self.tools = [self.tools_module.SCHEMAS[n] for n in TOOLS]
+
+    def demonstrate(self, task: FamilyTask) -> dict[str, Any]:
+        """One conversation solving ``task`` (OpenAI format), its tool results real."""
+        messages: list[dict[str, Any]] = [{"role": "system", "content": self.agent.SYSTEM_PROMPT},
+                                          {"role": "user", "content": task.prompt}]
+        wrong = self.rng.random() < self.error_rate
+        answer = mistake(task, self.rng) if wrong else task.solution
+        calls = [("read_file", {"path": p}) for p in task.inputs]
+        calls.append(("write_file", {"path": task.answer_file, "content": answer}))
+        if self.rng.random() >= self.skip_check_rate:
+            calls.append(("run", {"command": f"cat {task.answer_file}"}))
+        with tempfile.TemporaryDirectory(prefix="gyre-expert-") as root:
+            workspace = self.tools_module.WorkspaceTools(Path(root))
+            for name, content in task.files.items():
+                (Path(root) / name).write_text(content)
+            for i, (name, arguments) in enumerate(calls):
+                call_id = f"call_{i}"
+                messages.append({"role": "assistant", "content": "", "tool_calls": [
+                    {"id": call_id, "type": "function",
+                     "function": {"name": name, "arguments": json.dumps(arguments)}}]})
+                messages.append({"role": "tool", "tool_call_id": call_id,
+                                 "content": workspace.call(name, arguments)})
+        messages.append({"role": "assistant", "content": FINAL_ANSWER})
+        return {"messages": messages, "tools": self.tools, "task_id": task.id, "correct": not wrong}
+
+
+def family_tasks(tasks_path: Path) -> list[FamilyTask]:
+    """The tasks of a generated task set, rebuilt as `FamilyTask`s (with their solutions)."""
+    out = []
+    for task in TaskSet.load(tasks_path):
+        task_id, spec = task.id, task.spec
+        family = task_id.split("-")[1]
+        solution = str(spec.grading["reference"]) if family == "pyfunc" else str(spec.grading["expected"])
+        out.append(FamilyTask(task_id, family, spec.prompt, dict(spec.files), spec.answer_file,
+                              dict(spec.grading), solution, tuple(spec.files)))  # files: inputs, in order
+    return out
+
+
+def to_anthropic(record: dict[str, Any]) -> dict[str, Any]:
+    """The same conversation in the Anthropic Messages format (system apart, tool_use / tool_result blocks)."""
+    system, out = "", []
+    for m in record["messages"]:
+        if m["role"] == "system":
+            system = m["content"]
+        elif m["role"] == "user":
+            out.append({"role": "user", "content": m["content"]})
+        elif m["role"] == "assistant":
+            blocks: list[dict[str, Any]] = [{"type": "text", "text": m["content"]}] if m["content"] else []
+            blocks += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                        "input": json.loads(c["function"]["arguments"])} for c in m.get("tool_calls", [])]
+            out.append({"role": "assistant", "content": blocks})
+        elif m["role"] == "tool":
+            block = {"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"]}
+            if out and out[-1]["role"] == "user" and isinstance(out[-1]["content"], list):
+                out[-1]["content"].append(block)
+            else:
+                out.append({"role": "user", "content": [block]})
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in record["tools"]]
+    return {"system": system, "messages": out, "tools": tools, "task_id": record["task_id"]}
+
+
+def write_demonstrations(tasks_path: Path | None, out: Path, *, per_task: int, seed: int, error_rate: float,
+                         fresh: int = 0, anthropic: bool = False) -> int:
+    """``per_task`` demonstrations of each task of ``tasks_path`` and one of each of ``fresh`` new tasks of the
+    training distribution (`fresh_training_tasks`)."""
+    expert = Expert(error_rate=error_rate, seed=seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    listed = family_tasks(tasks_path) if tasks_path is not None else []
+    plan = [task for task in listed for _ in range(per_task)] + fresh_training_tasks(fresh, seed)
+    with out.open("w") as f:
+        for task in plan:
+            record = expert.demonstrate(task)
+            f.write(json.dumps(to_anthropic(record) if anthropic else record) + "\n")
+    return len(plan)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tasks", type=Path, help="a task set written by gyre.sft.families")
+    parser.add_argument("out", type=Path, help="JSONL file of demonstrations")
+    parser.add_argument("--per-task", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--error-rate", type=float, default=0.3)
+    parser.add_argument("--fresh", type=int, default=0, help="also demonstrate this many new training-split tasks")
+    parser.add_argument("--format", choices=("openai", "anthropic"), default="openai")
+    args = parser.parse_args(argv)
+    n = write_demonstrations(args.tasks, args.out, per_task=args.per_task, seed=args.seed,
+                             error_rate=args.error_rate, fresh=args.fresh, anthropic=args.format == "anthropic")
+    print(f"{args.out}: {n} demonstrations")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,173 @@
+"""Parameterised task families with a training split and a held-out split, graded by the toy grader.
+
+Every task puts its input in a file, so solving it takes tool calls: read the input, write the answer, check
+it, answer. Five families (string transforms, arithmetic, a small Python function checked by unit tests, a
+two-file edit), each over file names and words drawn from a seeded generator. The held-out split has words
+and numbers the training split never uses (unseen parameters) and family x file-name pairs it never pairs
+(unseen combinations).
+
+    python -m gyre.sft.families tasks/toy    # writes learn-train.toml and learn-heldout.toml (checked in)
+
+The task set lives beside `tasks/toy/evaluate.py` so its command evaluator (`{taskset_dir}/evaluate.py`) is the
+existing one and is visible inside the evaluator's sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("upper", "reverse", "add", "pyfunc", "concat")
+INPUT_FILES = ("input.txt", "data.txt", "word.txt")
+HELDOUT_PAIRS = {("upper", "word.txt"), ("reverse", "data.txt"), ("add", "input.txt")}
+"""Family x input-file combinations that only the held-out split has."""
+SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "zi", "pe", "sa", "do", "fu")
+
+
+@dataclass(frozen=True)
+class FamilyTask:
+    """One generated task: what the agent is told and given, what the grader checks, and the right answer."""
+
+    id: str
+    family: str
+    prompt: str
+    files: dict[str, str]
+    answer_file: str
+    grading: dict[str, Any]
+    solution: str
+    """The correct content of `answer_file` (the expert writes it, or a plausible mistake)."""
+    inputs: tuple[str, ...] = field(default=())
+    """The files to read, in order."""
+
+
+def _word(rng: random.Random) -> str:
+    return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3)))
+
+
+def make_task(task_id: str, family: str, source: str, rng: random.Random) -> FamilyTask:
+    """A task of ``family`` reading ``source`` (concat reads two files), parameters from ``rng``."""
+    if family in ("upper", "reverse"):
+        word = _word(rng)
+        how = "in capital letters" if family == "upper" else "spelled backwards"
+        solution = word.upper() if family == "upper" else word[::-1]
+        return FamilyTask(task_id, family, f"Write the word in {source} {how} into answer.txt.",
+                          {source: word + "\n"}, "answer.txt", {"kind": "text", "expected": solution}, solution,
+                          (source,))
+    if family == "add":
+        a, b = rng.randint(1, 49), rng.randint(1, 49)
+        return FamilyTask(task_id, family, f"{source} holds two numbers. Write their sum into answer.txt.",
+                          {source: f"{a} {b}\n"}, "answer.txt", {"kind": "text", "expected": str(a + b)},
+                          str(a + b), (source,))
+    if family == "pyfunc":
+        k = rng.randint(2, 9)
+        solution = f"def f(x):\n    return x * {k}\n"
+        checks = [f"f({x}) == {x * k}" for x in (0, 1, 3, 7)]
+        return FamilyTask(task_id, family, f"{source} holds a number K. Write solution.py defining f(x) that "
+                                           "returns x times K.", {source: f"{k}\n"}, "solution.py",
+                          {"kind": "python", "checks": checks, "reference": solution}, solution, (source,))
+    if family == "concat":
+        first, second = _word(rng), _word(rng)
+        other = "b.txt"
+        return FamilyTask(task_id, family, f"Write the word in {source}, a space, then the word in {other} "
+                                           "into answer.txt.", {source: first + "\n", other: second + "\n"},
+                          "answer.txt", {"kind": "text", "expected": f"{first} {second}"}, f"{first} {second}",
+                          (source, other))
+    raise ValueError(f"unknown family {family!r}; families: {', '.join(FAMILIES)}")
+
+
+def parameters(task: FamilyTask) -> set[str]:
+    """The words and numbers a task is about, to keep the held-out split's unseen."""
+    return {v.strip() for v in task.files.values()} | set(next(iter(task.files.values())).split())
+
+
+def generate(seed: int = 0, train_per_pair: int = 6, heldout_per_pair: int = 3) -> tuple[list[FamilyTask],
+                                                                                        list[FamilyTask]]:
+    """(training tasks, held-out tasks): every family x file pair, held-out parameters never seen in training."""
+    rng = random.Random(seed)
+    train: list[FamilyTask] = []
+    heldout: list[FamilyTask] = []
+    seen: set[str] = set()
+    for family in FAMILIES:
+        for source in INPUT_FILES:
+            stem = source.removesuffix(".txt")
+            if (family, source) not in HELDOUT_PAIRS:
+                for i in range(train_per_pair):
+                    task = make_task(f"train-{family}-{stem}-{i}", family, source, rng)
+                    train.append(task)
+                    seen |= parameters(task)
+    for family in FAMILIES:
+        for source in INPUT_FILES:
+            stem = source.removesuffix(".txt")
+            made = 0
+            while made < heldout_per_pair:
+                task = make_task(f"heldout-{family}-{stem}-{made}", family, source, rng)
+                if family != "pyfunc" and parameters(task) & seen:  # pyfunc has 8 values of K: new pairs only
+                    continue
+                heldout.append(task)
+                made += 1
+    return train, heldout
+
+
+def fresh_training_tasks(count: int, seed: int) -> list[FamilyTask]:
+    """``count`` new tasks from the training distribution (training family x file pairs, parameters never in
+    the held-out split): what the expert demonstrates, so a policy learns the families, not 72 answers."""
+    _, heldout = generate()
+    unseen = set().union(*(parameters(t) for t in heldout if t.family != "pyfunc"))
+    pairs = [(f, s) for f in FAMILIES for s in INPUT_FILES if (f, s) not in HELDOUT_PAIRS]
+    rng = random.Random(seed)
+    out: list[FamilyTask] = []
+    while len(out) < count:
+        family, source = pairs[len(out) % len(pairs)]
+        task = make_task(f"fresh-{family}-{len(out)}", family, source, rng)
+        if family == "pyfunc" or not parameters(task) & unseen:
+            out.append(task)
+    return out
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value)  # strings and numbers: JSON's escapes are valid TOML basic strings
+
+
+def task_set_toml(split: str, tasks: list[FamilyTask]) -> str:
+    lines = [
+        "# Generated by `python -m gyre.sft.families tasks/toy`: do not edit by hand.",
+        f"# The {split} split of the task families of the learning run (gyre.sft.families); the held-out split",
+        "# has words and numbers the training split never uses, and family x file pairs it never pairs.",
+        f'name = "toy-learn-{split}"',
+        'description = "Five task families that need tool calls (string transforms, sums, a Python function, '
+        'two-file edits)."',
+        "",
+        "[evaluator]",
+        'type = "command"',
+        'name = "toy-grader"',
+        'command = ["{python}", "{taskset_dir}/evaluate.py", "{grading_file}", "{workspace}"]',
+        "timeout_s = 30",
+    ]
+    for task in tasks:
+        lines += ["", "[[tasks]]", f"id = {json.dumps(task.id)}", f"prompt = {json.dumps(task.prompt)}",
+                  f"answer_file = {json.dumps(task.answer_file)}", f"files = {_toml_value(task.files)}",
+                  "[tasks.grading]", *(f"{k} = {_toml_value(v)}" for k, v in task.grading.items())]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m gyre.sft.families DIR", file=sys.stderr)
+        return 2
+    for split, tasks in zip(("train", "heldout"), generate(), strict=True):
+        path = Path(argv[0]) / f"learn-{split}.toml"
+        path.write_text(task_set_toml(split, tasks))
+        print(f"{path}: {len(tasks)} tasks")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

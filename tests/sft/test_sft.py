@@ -1,0 +1,100 @@
+"""The warm start's parts: task families and their splits, the expert's demonstrations as the grader sees
+them, assistant-only masks in both message formats, and a resumed SFT run that equals an uninterrupted one."""
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from gyre.harness.tasks import TaskSet
+from gyre.model import build_tokenizer
+from gyre.sft.data import render
+from gyre.sft.expert import Expert, family_tasks, mistake, to_anthropic
+from gyre.sft.families import FAMILIES, HELDOUT_PAIRS, fresh_training_tasks, generate, parameters, task_set_toml
+
+TOY = Path(__file__).resolve().parents[2] / "tasks" / "toy"
+sys.path.insert(0, str(TOY))
+from grading import grade  # noqa: E402  (the toy grader, as its command evaluator runs it)
+
+
+def test_checked_in_task_sets_are_the_generated_ones():
+    train, heldout = generate()
+    assert (TOY / "learn-train.toml").read_text() == task_set_toml("train", train)
+    assert (TOY / "learn-heldout.toml").read_text() == task_set_toml("heldout", heldout)
+    assert len(TaskSet.load(TOY / "learn-train.toml")) == len(train)
+
+
+def test_heldout_split_has_unseen_parameters_and_combinations():
+    train, heldout = generate()
+    seen = set().union(*(parameters(t) for t in train))
+    assert {t.family for t in heldout} == set(FAMILIES)
+    assert all(not parameters(t) & seen for t in heldout if t.family != "pyfunc")
+    trained_pairs = {(t.family, t.inputs[0]) for t in train}
+    assert HELDOUT_PAIRS.isdisjoint(trained_pairs)
+    fresh = fresh_training_tasks(300, seed=1)
+    assert not set().union(*(parameters(t) for t in fresh if t.family != "pyfunc")) & \
+        set().union(*(parameters(t) for t in heldout if t.family != "pyfunc"))
+    assert HELDOUT_PAIRS.isdisjoint({(t.family, t.inputs[0]) for t in fresh})
+    assert {(t.family, t.inputs[0]) for t in heldout} >= HELDOUT_PAIRS
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_solutions_pass_the_grader_and_mistakes_fail_it(family, tmp_path):
+    task = next(t for t in family_tasks(TOY / "learn-train.toml") if t.family == family)
+    for content, passes in ((task.solution, True), (mistake(task, random.Random(0)), False)):
+        (tmp_path / task.answer_file).write_text(content)
+        reward, _ = grade(task.grading, tmp_path, task.answer_file)
+        assert (reward == 1.0) is passes, (content, reward)
+
+
+def test_demonstration_is_multi_turn_with_real_tool_results():
+    task = next(t for t in family_tasks(TOY / "learn-train.toml") if t.family == "concat")
+    record = Expert(error_rate=0.0, skip_check_rate=0.0).demonstrate(task)
+    assistant = [m for m in record["messages"] if m["role"] == "assistant"]
+    assert [c["function"]["name"] for m in assistant[:-1] for c in m["tool_calls"]] == \
+        ["read_file", "read_file", "write_file", "run"]
+    results = [m["content"] for m in record["messages"] if m["role"] == "tool"]
+    assert results[0] == task.files[task.inputs[0]] and results[-1] == f"exit code 0\n{task.solution}"
+    assert "tool_calls" not in assistant[-1]
+
+
+def test_loss_mask_covers_assistant_output_only_in_both_formats():
+    tokenizer = build_tokenizer()
+    task = family_tasks(TOY / "learn-train.toml")[0]
+    record = Expert(error_rate=0.0, skip_check_rate=0.0).demonstrate(task)
+    example = render(record, tokenizer)
+    assert render(json.loads(json.dumps(to_anthropic(record))), tokenizer) == example
+    trained = tokenizer.decode([t for t, m in zip(example.input_ids, example.assistant, strict=True) if m])
+    assert trained.count("<|im_end|>") == 4 and trained.endswith("Done.<|im_end|>")
+    assert task.prompt not in trained and "<|im_start|>" not in trained and "exit code" not in trained
+    assert f'"content": "{task.solution}"' in trained
+
+
+@pytest.mark.integration
+def test_resumed_sft_equals_an_uninterrupted_run(tmp_path):
+    from gyre.sft.expert import write_demonstrations
+    from gyre.sft.run import SftConfig, run_sft
+
+    demos = tmp_path / "demos.jsonl"
+    write_demonstrations(TOY / "learn-train.toml", demos, per_task=1, seed=0, error_rate=0.3)
+    lines = demos.read_text().splitlines()[:8]
+    demos.write_text("\n".join(lines) + "\n")
+
+    def config(run_dir: Path, steps: int) -> SftConfig:
+        return SftConfig.model_validate({
+            "run_dir": run_dir, "steps": steps, "batch_size": 2, "checkpoint_every": 2,
+            "demonstrations": {"path": demos},
+            "model": {"vocab_size": 300, "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1,
+                      "intermediate_size": 64, "context": 2048}})
+
+    run_sft(config(tmp_path / "a", 4))
+    run_sft(config(tmp_path / "b", 2))
+    out = run_sft(config(tmp_path / "b", 4), resume=True)
+    curve = [json.loads(line) for line in (tmp_path / "a" / "loss.jsonl").read_text().splitlines()]
+    resumed = [json.loads(line) for line in (tmp_path / "b" / "loss.jsonl").read_text().splitlines()]
+    assert [c["loss"] for c in curve] == [c["loss"] for c in resumed] and curve[-1]["loss"] < curve[0]["loss"]
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    assert "<tool_call>" in json.loads((out / "tokenizer_config.json").read_text()).get("chat_template", "") or \
+        (out / "chat_template.jinja").is_file()
