@@ -62,10 +62,9 @@ class ResponseBuilder:
 
     def failed(self, error: ApiError) -> str:
         _, body = error_body("openai", error, "")
+        code = body["error"]["code"] or body["error"]["type"]  # a refusal stays the harness's error
         response = self.response(None)
-        response.update(
-            status="failed", error={"code": body["error"]["code"] or "server_error", "message": error.message}
-        )
+        response.update(status="failed", error={"code": code, "message": error.message})
         return self.event("response.failed", response=response)
 
     def plain(self, final: Generation, text: FinalText, reply: Reply) -> dict[str, Any]:
