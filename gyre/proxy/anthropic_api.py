@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from gyre.proxy.anthropic_models import CountTokensRequest, MessagesRequest
 from gyre.proxy.core import ActiveCall, CallSettings, Generation, Proxy
@@ -82,11 +83,9 @@ class _Messages:
         return {"input_tokens": self.call.prompt_tokens, "output_tokens": output_tokens}
 
 
-def anthropic_router(proxy: Proxy) -> APIRouter:
-    router = APIRouter()
+def anthropic_routes(proxy: Proxy) -> list[Route]:
     config = proxy.config
 
-    @router.post("/v1/messages")
     async def messages(request: Request) -> Response:
         state = execution_of(proxy, request)
         body = await read_model(request, MessagesRequest, config.max_body_bytes)
@@ -101,10 +100,12 @@ def anthropic_router(proxy: Proxy) -> APIRouter:
         call = await proxy.open(state, conversation, settings, stream=body.stream)
         return await answer(request, proxy, call, _Messages(body, call, request_id("msg_")))
 
-    @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         state = execution_of(proxy, request)
         body = await read_model(request, CountTokensRequest, config.max_body_bytes)
         return JSONResponse({"input_tokens": proxy.count_prompt_tokens(state, body.conversation())})
 
-    return router
+    return [
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+    ]

@@ -6,8 +6,9 @@ import json
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from gyre.proxy.core import ActiveCall, CallSettings, Generation, Proxy
 from gyre.proxy.errors import ApiError
@@ -154,18 +155,15 @@ class _ChatCompletion:
         }
 
 
-def openai_router(proxy: Proxy) -> APIRouter:
-    router = APIRouter()
+def openai_routes(proxy: Proxy) -> list[Route]:
     config = proxy.config
 
-    @router.get("/v1/models")
     async def models(request: Request) -> Response:
         execution_of(proxy, request)
         return JSONResponse(
             {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0, "owned_by": "gyre"}]}
         )
 
-    @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         state = execution_of(proxy, request)
         body = await read_model(request, ChatCompletionRequest, config.max_body_bytes)
@@ -182,4 +180,7 @@ def openai_router(proxy: Proxy) -> APIRouter:
         call = await proxy.open(state, conversation, settings, stream=body.stream)
         return await answer(request, proxy, call, _ChatCompletion(proxy, body, call, request_id("chatcmpl-")))
 
-    return router
+    return [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]

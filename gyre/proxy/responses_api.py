@@ -12,8 +12,9 @@ import secrets
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from gyre.proxy.core import ActiveCall, CallSettings, Generation, Proxy
 from gyre.proxy.errors import ApiError
@@ -218,11 +219,9 @@ class ResponseBuilder:
         }
 
 
-def responses_router(proxy: Proxy) -> APIRouter:
-    router = APIRouter()
+def responses_routes(proxy: Proxy) -> list[Route]:
     config = proxy.config
 
-    @router.post("/v1/responses")
     async def responses(request: Request) -> Response:
         state = execution_of(proxy, request)
         body = await read_model(request, ResponsesRequest, config.max_body_bytes)
@@ -236,4 +235,4 @@ def responses_router(proxy: Proxy) -> APIRouter:
         call = await proxy.open(state, conversation, settings, stream=body.stream)
         return await answer(request, proxy, call, ResponseBuilder(body, request_id("resp_"), call))
 
-    return router
+    return [Route("/v1/responses", responses, methods=["POST"])]
