@@ -59,6 +59,14 @@ def proxy_bench(
         typer.echo(json.dumps(results))
         return
     typer.echo(f"engine: {results['engine']}")
+    breakdown = results["breakdown_p50_1_session"]
+    typer.echo("p50 at 1 session, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in breakdown.items()))
+    for name, server in results["servers"].items():
+        sat = server["saturated"]
+        levels = ", ".join(f"{s} sessions p50 +{r['p50_added_ms']:.2f} p99 +{r['p99_added_ms']:.2f} ms"
+                           for s, r in server["concurrency"].items())
+        typer.echo(f"{name}: saturated {sat['calls_per_s']:.0f} calls/s, {sat['cpu_ms_per_call']:.2f} ms CPU/call; "
+                   + levels)
     for sessions, row in results["concurrency"].items():
         typer.echo(
             f"{sessions:>4} sessions: p50 +{row['p50_added_ms']:.2f} ms, p99 +{row['p99_added_ms']:.2f} ms, "

@@ -13,6 +13,12 @@ call appends the echoed reply and a tool result, and concurrent sessions pause b
 256 sessions offer about 32 and 64 calls per second. `proxy_cpu_ms_per_call` is the capacity figure: one
 proxy process serves about 1000 / it calls per second of CPU. Both paths use the same HTTP client, so
 client costs cancel.
+
+So that every millisecond has a name, one run measures four servers against the same engine and client:
+the engine directly; an empty ASGI app behind the proxy's own uvicorn stack (it drains the body and answers
+a fixed message: the HTTP floor); the proxy without the durable log (events kept in memory); the proxy with
+the log. The same run measures the fsync floor (`pwrite` + `fdatasync` of one event-sized record in the
+log's directory) and each server's saturated throughput (closed loop, no think time, one process).
 """
 
 from __future__ import annotations
@@ -99,13 +105,15 @@ def run_instant_engine() -> None:
 # -- the proxy (its own process) ---------------------------------------------------------------------------
 
 
-def run_proxy_process(engine_url: str, executions: int, log_dir: str) -> None:
-    """Serve a proxy with `executions` registered executions (tokens `_token(i)`); URL on stdout."""
+def run_proxy_process(engine_url: str, executions: int, log_dir: str | None) -> None:
+    """Serve a proxy with `executions` registered executions (tokens `_token(i)`); URL on stdout. Without
+    `log_dir` the events stay in memory (the proxy without its durable log)."""
     from gyre.log import LogWriter
     from gyre.proxy import Proxy, ProxyConfig, ProxyServer
-    from gyre.sink import LogSink
+    from gyre.sink import LogSink, MemorySink
 
-    proxy = Proxy(ProxyConfig(engines={"cell0": engine_url}), sink=LogSink(LogWriter(log_dir, run_id="bench")))
+    sink = LogSink(LogWriter(log_dir, run_id="bench")) if log_dir else MemorySink()
+    proxy = Proxy(ProxyConfig(engines={"cell0": engine_url}), sink=sink)
     server = ProxyServer(proxy)
     server.start()
     for i in range(executions):
@@ -114,6 +122,74 @@ def run_proxy_process(engine_url: str, executions: int, log_dir: str) -> None:
     sys.stdin.read()
     server.stop()
     proxy.sink.close()
+
+
+def run_empty_app_process() -> None:
+    """Serve an empty ASGI app behind the proxy's uvicorn stack (guarded h11 protocol, same limits and
+    socket options): it drains the body and answers a fixed Anthropic message. URL on stdout."""
+    import threading
+
+    import uvicorn
+
+    from gyre.http_server import listen, uvicorn_config
+    from gyre.proxy import ProxyConfig
+    from gyre.proxy.http import refusal_parts
+
+    reply = json.dumps(
+        {
+            "id": "msg_0",
+            "type": "message",
+            "role": "assistant",
+            "model": "policy",
+            "content": [
+                {"type": "text", "text": "On it."},
+                {"type": "tool_use", "id": "toolu_0", "name": "bash", "input": {"cmd": "ls"}},
+            ],
+            "stop_reason": "tool_use",
+            "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
+    ).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(reply)).encode())]
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        more = True
+        while more:
+            message = await receive()
+            more = message.get("more_body", False)
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": reply})
+
+    limits = ProxyConfig(engines={"cell0": "http://127.0.0.1:1"}).server_limits()
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn_config(app, limits, refusal_parts, log_level="warning"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.005)
+    print(f"http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    sys.stdin.read()
+    server.should_exit = True
+    thread.join(10)
+
+
+def fsync_floor(directory: Path, reps: int = 200, size: int = 1024) -> dict[str, float]:
+    """Milliseconds of one `pwrite` + `fdatasync` of `size` bytes appended to a file in `directory`: the
+    floor under "durable before the reply" on this disk."""
+    path = directory / "fsync-floor"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    times = []
+    try:
+        record = b"x" * size
+        for _ in range(reps):
+            start = time.perf_counter()
+            os.write(fd, record)
+            os.fdatasync(fd)
+            times.append(time.perf_counter() - start)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return {"p50_ms": _percentile(times, 0.5) * 1e3, "p99_ms": _percentile(times, 0.99) * 1e3}
 
 
 def _spawn(code: str) -> subprocess.Popen[str]:
@@ -297,72 +373,201 @@ def _levels(quick: bool) -> list[Level]:
     return [Level(1, 40, 25, 0.0), Level(64, 64, 12, 2.0), Level(256, 256, 6, 4.0)]
 
 
+SERVERS = ("empty_asgi", "proxy_no_log", "proxy")
+"""The servers one run measures, in the order they add work: the HTTP floor, the proxy without its log,
+the proxy as deployed (its rows are the headline figures)."""
+
+
+@dataclass(frozen=True)
+class Saturation:
+    """A closed loop: `workers` sessions call back to back (no think time), `sessions` of `calls` each."""
+
+    workers: int
+    sessions: int
+    calls: int
+
+
+def _saturation(quick: bool) -> Saturation:
+    return Saturation(32, 32, 15) if quick else Saturation(32, 64, 25)
+
+
+def _measure_level(
+    server_url: str, server_pid: int, level: Level, sessions: range, direct: list[float]
+) -> dict[str, Any]:
+    cpu = _cpu_s(server_pid)
+    proxied = asyncio.run(
+        _run_sessions(server_url, level.workers, sessions, level.calls, level.think_s, direct=False, seed=level.workers)
+    )
+    cpu = _cpu_s(server_pid) - cpu
+    row: dict[str, Any] = {
+        "calls": len(proxied),
+        "think_s": level.think_s,
+        "offered_calls_per_s": level.workers / level.think_s if level.think_s else None,
+        "proxy_cpu_ms_per_call": cpu / len(proxied) * 1e3,
+    }
+    for name, q in (("p50", 0.5), ("p99", 0.99)):
+        d, p = _percentile(direct, q) * 1e3, _percentile(proxied, q) * 1e3
+        row |= {f"{name}_direct_ms": d, f"{name}_proxied_ms": p, f"{name}_added_ms": p - d}
+    return row
+
+
+def _measure_saturation(server_url: str, server_pid: int, sat: Saturation, sessions: range) -> dict[str, float]:
+    cpu = _cpu_s(server_pid)
+    start = time.perf_counter()
+    latencies = asyncio.run(_run_sessions(server_url, sat.workers, sessions, sat.calls, 0.0, direct=False, seed=1))
+    wall = time.perf_counter() - start
+    cpu = _cpu_s(server_pid) - cpu
+    return {
+        "calls": len(latencies),
+        "workers": sat.workers,
+        "calls_per_s": len(latencies) / wall,
+        "server_cpu_share": cpu / wall,
+        "cpu_ms_per_call": cpu / len(latencies) * 1e3,
+        "calls_per_cpu_s": len(latencies) / cpu if cpu else float("inf"),
+    }
+
+
+def _breakdown(servers: dict[str, Any], direct_p50_ms: float, fsync: dict[str, float]) -> dict[str, float]:
+    """Where the proxy's added p50 at one session goes, by difference between the servers of this run.
+
+    The empty app's round trip is the client's and uvicorn's share; a proxied call adds to it its own work
+    and a second round trip (to the engine, `direct`)."""
+    one = {name: servers[name]["concurrency"]["1"]["p50_proxied_ms"] for name in SERVERS}
+    return {
+        "direct_engine_ms": direct_p50_ms,
+        "empty_asgi_ms": one["empty_asgi"],
+        "proxy_no_log_ms": one["proxy_no_log"],
+        "proxy_ms": one["proxy"],
+        "http_layer_over_raw_server_ms": one["empty_asgi"] - direct_p50_ms,
+        "proxy_own_work_ms": one["proxy_no_log"] - one["empty_asgi"] - direct_p50_ms,
+        "durable_log_ms": one["proxy"] - one["proxy_no_log"],
+        "fsync_floor_ms": fsync["p50_ms"],
+    }
+
+
 def run_benchmark(*, quick: bool = False, directory: Path | None = None) -> dict[str, Any]:
     levels = _levels(quick)
+    sat = _saturation(quick)
     sizes = [100_000, 700_000]
-    total = sum(level.sessions + 1 for level in levels) + 1  # sessions, one warm-up each, long context
+    per_server = sum(level.sessions + 1 for level in levels) + sat.sessions + 1  # one warm-up per level, long ctx
+    results: dict[str, Any] = {
+        "engine": ENGINE_LABEL.format(n=len(_reply_ids())),
+        "quick": quick,
+        "cpus": os.cpu_count(),
+        "load_average_at_start": os.getloadavg()[0],
+        "servers": {},
+    }
     with tempfile.TemporaryDirectory(dir=directory, prefix="gyre-proxy-bench-") as tmp:
+        results["fsync_floor"] = fsync_floor(Path(tmp))
         engine = _spawn("from benchmarks.proxy_bench import run_instant_engine; run_instant_engine()")
         assert engine.stdin is not None and engine.stdout is not None
         engine_url = f"http://127.0.0.1:{engine.stdout.readline().strip()}"
-        proxy = _spawn(
-            f"from benchmarks.proxy_bench import run_proxy_process; "
-            f"run_proxy_process({engine_url!r}, {total}, {str(Path(tmp) / 'log')!r})"
-        )
-        assert proxy.stdin is not None and proxy.stdout is not None
-        proxy_url = proxy.stdout.readline().strip()
         try:
-            results: dict[str, Any] = {
-                "engine": ENGINE_LABEL.format(n=len(_reply_ids())),
-                "quick": quick,
-                "cpus": os.cpu_count(),
-                "load_average_at_start": os.getloadavg()[0],
-                "concurrency": {},
-            }
+            directs: dict[str, list[float]] = {}
             first = 0
-            for level in levels:
-                asyncio.run(_run_sessions(proxy_url, 1, range(first, first + 1), 5, 0.0, direct=False, seed=0))
-                first += 1  # warm-up: connections, code paths
-                sessions = range(first, first + level.sessions)
+            for level in levels:  # the engine directly, once per level; every server is compared against it
+                directs[str(level.workers)] = asyncio.run(
+                    _run_sessions(
+                        engine_url,
+                        level.workers,
+                        range(first, first + level.sessions),
+                        level.calls,
+                        level.think_s,
+                        direct=True,
+                        seed=level.workers,
+                    )
+                )
                 first += level.sessions
-                direct = asyncio.run(
-                    _run_sessions(
-                        engine_url, level.workers, sessions, level.calls, level.think_s, direct=True, seed=level.workers
-                    )
-                )
-                cpu = _cpu_s(proxy.pid)
-                proxied = asyncio.run(
-                    _run_sessions(
-                        proxy_url, level.workers, sessions, level.calls, level.think_s, direct=False, seed=level.workers
-                    )
-                )
-                cpu = _cpu_s(proxy.pid) - cpu
-                row: dict[str, Any] = {
-                    "calls": len(proxied),
-                    "think_s": level.think_s,
-                    "offered_calls_per_s": level.workers / level.think_s if level.think_s else None,
-                    "proxy_cpu_ms_per_call": cpu / len(proxied) * 1e3,
-                }
-                for name, q in (("p50", 0.5), ("p99", 0.99)):
-                    d, p = _percentile(direct, q) * 1e3, _percentile(proxied, q) * 1e3
-                    row |= {f"{name}_direct_ms": d, f"{name}_proxied_ms": p, f"{name}_added_ms": p - d}
-                results["concurrency"][str(level.workers)] = row
-            long = asyncio.run(
-                _long_context(
-                    proxy_url, engine_url, proxy.pid, first, sizes, 20_000 if quick else 4_000, 5 if quick else 20
-                )
-            )
+            codes = {
+                "empty_asgi": "from benchmarks.proxy_bench import run_empty_app_process; run_empty_app_process()",
+                "proxy_no_log": f"from benchmarks.proxy_bench import run_proxy_process; "
+                f"run_proxy_process({engine_url!r}, {per_server}, None)",
+                "proxy": f"from benchmarks.proxy_bench import run_proxy_process; "
+                f"run_proxy_process({engine_url!r}, {per_server}, {str(Path(tmp) / 'log')!r})",
+            }
+            for name in SERVERS:
+                server = _spawn(codes[name])
+                assert server.stdin is not None and server.stdout is not None
+                url = server.stdout.readline().strip()
+                try:
+                    out: dict[str, Any] = {"concurrency": {}}
+                    first = 0
+                    for level in levels:
+                        asyncio.run(_run_sessions(url, 1, range(first, first + 1), 5, 0.0, direct=False, seed=0))
+                        first += 1  # warm-up: connections, code paths
+                        sessions = range(first, first + level.sessions)
+                        first += level.sessions
+                        out["concurrency"][str(level.workers)] = _measure_level(
+                            url, server.pid, level, sessions, directs[str(level.workers)]
+                        )
+                    out["saturated"] = _measure_saturation(url, server.pid, sat, range(first, first + sat.sessions))
+                    first += sat.sessions
+                    if name == "proxy":
+                        out["long_context"] = asyncio.run(
+                            _long_context(
+                                url,
+                                engine_url,
+                                server.pid,
+                                first,
+                                sizes,
+                                20_000 if quick else 4_000,
+                                5 if quick else 20,
+                            )
+                        )
+                finally:
+                    server.stdin.close()
+                    server.wait(30)
+                results["servers"][name] = out
         finally:
-            for process in (proxy, engine):
-                if process.stdin is not None:
-                    process.stdin.close()
-                process.wait(30)
-    results["p50_added_ms"] = {k: v["p50_added_ms"] for k, v in results["concurrency"].items()}
-    results["p99_added_ms"] = {k: v["p99_added_ms"] for k, v in results["concurrency"].items()}
-    results["long_context_added_ms"] = {k: v["added_ms"] for k, v in long.items()}
-    results["long_context"] = long
+            engine.stdin.close()
+            engine.wait(30)
+    proxy = results["servers"]["proxy"]
+    results["concurrency"] = proxy["concurrency"]
+    results["saturated"] = proxy["saturated"]
+    results["p50_added_ms"] = {k: v["p50_added_ms"] for k, v in proxy["concurrency"].items()}
+    results["p99_added_ms"] = {k: v["p99_added_ms"] for k, v in proxy["concurrency"].items()}
+    results["long_context_added_ms"] = {k: v["added_ms"] for k, v in proxy["long_context"].items()}
+    results["long_context"] = proxy["long_context"]
+    results["breakdown_p50_1_session"] = _breakdown(
+        results["servers"], _percentile(directs["1"], 0.5) * 1e3, results["fsync_floor"]
+    )
     return results
 
 
+def cpu_ab(roots: dict[str, str], rounds: int = 3) -> dict[str, dict[str, Any]]:
+    """A/B of the proxy's CPU per call (without its log) between source trees (name -> checkout root),
+    alternating them `rounds` times against one engine and client: 480 calls a round, 4 sessions back to
+    back. The figure for a cut measured on a shared machine, where latencies are noise."""
+    engine = _spawn("from benchmarks.proxy_bench import run_instant_engine; run_instant_engine()")
+    assert engine.stdin is not None and engine.stdout is not None
+    engine_url = f"http://127.0.0.1:{engine.stdout.readline().strip()}"
+    out: dict[str, list[float]] = {name: [] for name in roots}
+    code = f"from benchmarks.proxy_bench import run_proxy_process; run_proxy_process({engine_url!r}, 40, None)"
+    try:
+        for _ in range(rounds):
+            for name, root in roots.items():
+                env = {**os.environ, "PYTHONPATH": root}
+                proxy = subprocess.Popen(
+                    [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                    cwd=root, env=env,
+                )
+                assert proxy.stdin is not None and proxy.stdout is not None
+                url = proxy.stdout.readline().strip()
+                asyncio.run(_run_sessions(url, 1, range(0, 2), 10, 0.0, direct=False, seed=0))  # warm-up
+                cpu = _cpu_s(proxy.pid)
+                calls = asyncio.run(_run_sessions(url, 4, range(2, 34), 15, 0.0, direct=False, seed=0))
+                out[name].append((_cpu_s(proxy.pid) - cpu) / len(calls) * 1e3)
+                proxy.stdin.close()
+                proxy.wait(30)
+    finally:
+        engine.stdin.close()
+        engine.wait(30)
+    return {name: {"cpu_ms_per_call": v, "median": statistics.median(v)} for name, v in out.items()}
+
+
 if __name__ == "__main__":  # pragma: no cover
-    print(json.dumps(run_benchmark(quick="--quick" in sys.argv)))
+    if "--ab" in sys.argv:  # python -m benchmarks.proxy_bench --ab ROOT_A ROOT_B
+        a, b = sys.argv[sys.argv.index("--ab") + 1 : sys.argv.index("--ab") + 3]
+        print(json.dumps(cpu_ab({"a": a, "b": b})))
+    else:
+        print(json.dumps(run_benchmark(quick="--quick" in sys.argv)))

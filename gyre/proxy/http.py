@@ -8,9 +8,9 @@ import secrets
 from collections.abc import Awaitable
 from typing import Any, Literal, TypeVar
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from gyre.engine import EngineError, EngineHTTPError, EngineProtocolError
 from gyre.http_server import Refusal

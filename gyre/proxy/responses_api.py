@@ -10,19 +10,19 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
-from gyre.engine import EngineError
-from gyre.proxy.anthropic_api import engine_aborted, last_generation
 from gyre.proxy.core import ActiveCall, CallSettings, Generation, Proxy
 from gyre.proxy.errors import ApiError
-from gyre.proxy.http import ClientGone, error_body, execution_of, from_engine, read_model, request_id, until_disconnect
-from gyre.proxy.replies import Event, Reply, final_text, new_parser
+from gyre.proxy.http import error_body, execution_of, read_model, request_id
+from gyre.proxy.output import Piece
+from gyre.proxy.replies import Event, FinalText, Reply
 from gyre.proxy.responses_models import ResponsesRequest
+from gyre.proxy.turn import answer
 
 
 def _item_id(prefix: str) -> str:
@@ -30,7 +30,12 @@ def _item_id(prefix: str) -> str:
 
 
 class ResponseBuilder:
-    """Output items of one response, fed the `Reply`'s block events; yields Responses stream events."""
+    """Output items of one response, fed the `Reply`'s block events; yields Responses stream events. The
+    Responses rendering of one call (`gyre.proxy.turn.FrontEnd`)."""
+
+    stop: tuple[str, ...] = ()
+    id_prefix = "call_"
+    keep_blank_text = False
 
     def __init__(self, body: ResponsesRequest, response_id: str, call: ActiveCall) -> None:
         self.body = body
@@ -39,6 +44,32 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.items: list[dict[str, Any]] = []
         self.sequence = 0
+        self.tools = body.tools_enabled
+        self.headers = {"x-request-id": response_id}
+
+    def opening(self) -> list[str]:
+        return [
+            self.event("response.created", response=self.response(None)),
+            self.event("response.in_progress", response=self.response(None)),
+        ]
+
+    def deltas(self, reply: Reply, pieces: list[Piece], *, last: bool) -> list[str]:
+        return self.translate(reply.add(pieces) + (reply.close() if last else []))
+
+    def closing(self, final: Generation, text: FinalText, reply: Reply) -> list[str]:
+        response = self.response(final)
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return [self.event(kind, response=response)]
+
+    def failed(self, error: ApiError) -> str:
+        _, body = error_body("openai", error, "")
+        code = body["error"]["code"] or body["error"]["type"]  # a refusal stays the harness's error
+        response = self.response(None)
+        response.update(status="failed", error={"code": code, "message": error.message})
+        return self.event("response.failed", response=response)
+
+    def plain(self, final: Generation, text: FinalText, reply: Reply) -> dict[str, Any]:
+        return self.response(final)
 
     def event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -188,11 +219,9 @@ class ResponseBuilder:
         }
 
 
-def responses_router(proxy: Proxy) -> APIRouter:
-    router = APIRouter()
+def responses_routes(proxy: Proxy) -> list[Route]:
     config = proxy.config
 
-    @router.post("/v1/responses")
     async def responses(request: Request) -> Response:
         state = execution_of(proxy, request)
         body = await read_model(request, ResponsesRequest, config.max_body_bytes)
@@ -204,70 +233,6 @@ def responses_router(proxy: Proxy) -> APIRouter:
             top_p=body.top_p,
         )
         call = await proxy.open(state, conversation, settings, stream=body.stream)
-        builder = ResponseBuilder(body, request_id("resp_"), call)
-        if body.stream:
-            return StreamingResponse(
-                _stream(proxy, call, builder),
-                media_type="text/event-stream",
-                headers={"cache-control": "no-cache", "x-request-id": builder.response_id},
-            )
-        try:
-            final = await until_disconnect(request, last_generation(call), config.disconnect_poll_s)
-            if (problem := engine_aborted(final)) is not None:
-                raise problem
-            assert final.finish is not None
-            reply = Reply()
-            text = final_text(proxy.codec, final.output_ids, final.finish)
-            parser = new_parser((), body.tools_enabled, "call_", proxy.renderer.tool_call_separator)
-            builder.translate(reply.add(parser.feed(text.text, final=True)) + reply.close())
-            await call.complete(reply.message())
-        except ClientGone:
-            return Response(status_code=499)
-        except EngineError as e:
-            raise from_engine(e) from e
-        finally:
-            call.abandon()
-        return JSONResponse(builder.response(final), headers={"x-request-id": builder.response_id})
+        return await answer(request, proxy, call, ResponseBuilder(body, request_id("resp_"), call))
 
-    return router
-
-
-async def _stream(proxy: Proxy, call: ActiveCall, builder: ResponseBuilder) -> AsyncIterator[str]:
-    """response.created, in_progress, item events as the engine produces them, then response.completed (or
-    response.incomplete), sent only once the call is durable; an engine failure is a `response.failed`."""
-    parser = new_parser((), builder.body.tools_enabled, "call_", proxy.renderer.tool_call_separator)
-    reply = Reply()
-    try:
-        yield builder.event("response.created", response=builder.response(None))
-        yield builder.event("response.in_progress", response=builder.response(None))
-        final: Generation | None = None
-        try:
-            async for generation in call.generations():
-                if generation.finish is not None:
-                    final = generation
-                    continue
-                for item in builder.translate(reply.add(parser.feed(proxy.codec.decode(generation.output_ids)))):
-                    yield item
-        except EngineError as e:
-            yield _failed(builder, from_engine(e))
-            return
-        assert final is not None and final.finish is not None
-        if final.finish.type == "abort":
-            yield _failed(builder, ApiError("overloaded", "the engine aborted the call"))
-            return
-        text = final_text(proxy.codec, final.output_ids, final.finish)
-        for item in builder.translate(reply.add(parser.feed(text.text, final=True)) + reply.close()):
-            yield item
-        await call.complete(reply.message())
-        response = builder.response(final)
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        yield builder.event(kind, response=response)
-    finally:
-        call.abandon()
-
-
-def _failed(builder: ResponseBuilder, error: ApiError) -> str:
-    _, body = error_body("openai", error, "")
-    response = builder.response(None)
-    response.update(status="failed", error={"code": body["error"]["code"] or "server_error", "message": error.message})
-    return builder.event("response.failed", response=response)
+    return [Route("/v1/responses", responses, methods=["POST"])]

@@ -85,6 +85,10 @@ def test_bench_json_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
         "p99_added_ms": {"1": 0.9},
         "long_context_added_ms": {"100000": 0.1},
         "long_context": {"100000": {"added_ms": 0.1, "proxied_ms": 1.0, "direct_ms": 0.9}},
+        "breakdown_p50_1_session": {"fsync_floor_ms": 0.25},
+        "servers": {
+            "empty_asgi": {"concurrency": {"1": row}, "saturated": {"calls_per_s": 900.0, "cpu_ms_per_call": 0.4}}
+        },
     }
     seen = {}
     monkeypatch.setattr(bench, "run_benchmark", lambda **kw: seen.update(kw) or fake)
@@ -93,6 +97,7 @@ def test_bench_json_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
     assert json.loads(result.output) == fake and seen["quick"] is True
     text = CliRunner().invoke(app, ["proxy", "bench"])
     assert text.exit_code == 0 and "p50 +0.50 ms" in text.output
+    assert "fsync_floor_ms 0.25" in text.output and "empty_asgi: saturated 900 calls/s" in text.output
 
 
 def test_token_command_mints_into_a_private_file(tmp_path: Path) -> None:

@@ -1,0 +1,144 @@
+"""The three front ends answer the same way, plain and streamed, because one loop (`gyre.proxy.turn`) runs
+them: an engine abort carries its message, an engine refusal is the harness's error, an over-long prompt is
+refused before the engine sees it, a lost engine is a retryable error."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tests.proxy.proxy_helpers import TOKEN, StartProxy
+from tests.proxy.scripted_engine import ScriptedEngine
+
+APIS = ("anthropic", "openai", "responses")
+OVERLOADED = {"anthropic": (529, "overloaded_error"), "openai": (503, "server_error"),
+              "responses": (503, "server_error")}
+INVALID = {"anthropic": (400, "invalid_request_error"), "openai": (400, "invalid_request_error"),
+           "responses": (400, "invalid_request_error")}
+
+
+class _FaultyEngine(ScriptedEngine):
+    """A scripted engine that aborts every call (with a message) or refuses it with a 400."""
+
+    mode = "abort"
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/generate")
+        async def generate(request: Request) -> Any:
+            body = json.loads(await request.body())
+            self.requests.append(body)
+            if self.mode == "reject":
+                return JSONResponse({"error": "input_ids: malformed"}, status_code=400)
+            result = self._result(body["rid"], body["input_ids"], [], body.get("sampling_params", {}), True)
+            result["meta_info"]["finish_reason"] = {"type": "abort", "message": "kv cache full"}
+            if not body.get("stream"):
+                return JSONResponse(result)
+
+            async def chunks() -> Iterator[str]:  # type: ignore[misc]
+                yield f"data: {json.dumps(result)}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(chunks(), media_type="text/event-stream")
+
+        return app
+
+
+@pytest.fixture
+def faulty() -> Iterator[_FaultyEngine]:
+    engine = _FaultyEngine()
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+def _call(url: str, api: str, *, stream: bool, text: str = "hello") -> tuple[int, str]:
+    if api == "anthropic":
+        path, headers = "/v1/messages", {"x-api-key": TOKEN}
+        body: dict[str, Any] = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": text}]}
+    elif api == "openai":
+        path, headers = "/v1/chat/completions", {"authorization": f"Bearer {TOKEN}"}
+        body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": text}]}
+    else:
+        path, headers = "/v1/responses", {"authorization": f"Bearer {TOKEN}"}
+        body = {"model": "m", "max_output_tokens": 8, "input": text}
+    with httpx.Client(base_url=url, timeout=60) as http:
+        reply = http.post(path, headers=headers, json={**body, "stream": stream})
+    return reply.status_code, reply.text
+
+
+def _error(api: str, text: str, *, streamed: bool) -> tuple[str, str]:
+    """(type or code, message) of the error a plain answer or a stream's failure event carries."""
+    if streamed:
+        data = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")][-1]
+        if api == "responses":
+            assert data["type"] == "response.failed" and data["response"]["status"] == "failed"
+            return data["response"]["error"]["code"], data["response"]["error"]["message"]
+    else:
+        data = json.loads(text)
+    return data["error"].get("code") or data["error"]["type"], data["error"]["message"]
+
+
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_abort_carries_its_message(faulty: _FaultyEngine, start_proxy: StartProxy, api: str,
+                                             stream: bool) -> None:
+    p = start_proxy({"cell0": faulty.url})
+    status, text = _call(p.url, api, stream=stream)
+    kind, message = _error(api, text, streamed=stream)
+    assert message == "the engine aborted the call: kv cache full"
+    if stream:
+        assert status == 200 and kind in ("overloaded_error", "engine_unavailable")
+    else:
+        assert (status, kind) in (OVERLOADED[api], (503, "engine_unavailable"))
+    (finished,) = p.events("model_call_finished")
+    assert finished.finish_reason == "abort"
+
+
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_refusal_is_the_harness_s_error(faulty: _FaultyEngine, start_proxy: StartProxy, api: str,
+                                                  stream: bool) -> None:
+    faulty.mode = "reject"
+    p = start_proxy({"cell0": faulty.url})
+    status, text = _call(p.url, api, stream=stream)
+    kind, message = _error(api, text, streamed=stream)
+    assert message.startswith("the engine rejected the request: ") and "input_ids: malformed" in message
+    assert status == (200 if stream else 400) and kind == "invalid_request_error"
+    assert not p.proxy.router.is_down("cell0")
+
+
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_over_long_prompt_is_refused_before_the_engine(faulty: _FaultyEngine, start_proxy: StartProxy,
+                                                          api: str, stream: bool) -> None:
+    p = start_proxy({"cell0": faulty.url}, context_length=64)
+    status, text = _call(p.url, api, stream=stream, text="word " * 200)
+    kind, message = _error(api, text, streamed=False)  # refused before any 200
+    assert status == 400 and message.startswith("prompt is too long: ")
+    assert kind == ("invalid_request_error" if api == "anthropic" else "context_length_exceeded")
+    assert faulty.requests == []
+
+
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_lost_engine_is_a_retryable_error(start_proxy: StartProxy, api: str, stream: bool) -> None:
+    with socket.socket() as sock:  # a port nobody listens on: the engine is gone
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    p = start_proxy({"cell0": f"http://127.0.0.1:{port}"}, engine_lost_wait_s=0, context_length=4096)
+    status, text = _call(p.url, api, stream=stream)
+    kind, message = _error(api, text, streamed=stream)
+    assert message.startswith("the engine is unavailable") or "no other cell admitted" in message
+    if stream:
+        assert status == 200 and kind in ("overloaded_error", "engine_unavailable")
+    else:
+        assert (status, kind) in (OVERLOADED[api], (503, "engine_unavailable"))
