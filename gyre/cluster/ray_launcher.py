@@ -39,6 +39,7 @@ from typing import Any
 from gyre.cluster.address import WILDCARDS
 from gyre.cluster.auth import SECRET_ENV
 from gyre.cluster.config import ClusterConfig
+from gyre.cluster.supervisor import report_exit
 from gyre.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -254,13 +255,8 @@ class RayLauncher:
             member.gone = True
             member.crashes += 1
             give_up = member.crashes > self.crash_limit
-        log.warning("%s: %s%s", member.name, reason, "" if give_up else "; starting it again")
-        try:
-            self.on_exit(member.name, reason)
-        except Exception:  # the run's bug: logged, and supervision goes on
-            log.exception("ray launcher: on_exit(%s) raised", member.name)
-        if give_up:
-            self.on_give_up(member.name, f"{reason}, {member.crashes} times without connecting")
+        if report_exit(member.name, reason, give_up, self.on_exit, self.on_give_up,
+                       f"{member.crashes} times without connecting"):
             return
         try:
             with self._lock:

@@ -128,14 +128,9 @@ class Supervisor:
                     proc.gone = True
                     proc.crashes += 1
                     give_up = proc.crashes > self.crash_limit
-                log.warning("%s: %s%s", proc.name, reason, "" if give_up else "; starting it again")
-                try:
-                    self.on_exit(proc.name, reason)
-                except Exception:  # the run's bug: logged, and supervision goes on
-                    log.exception("supervisor: on_exit(%s) raised", proc.name)
-                if give_up:
-                    self.on_give_up(proc.name, f"{reason}, {proc.crashes} times without connecting (its output "
-                                               f"is in {self.logs / (proc.name + '.log')})")
+                if report_exit(proc.name, reason, give_up, self.on_exit, self.on_give_up,
+                               f"{proc.crashes} times without connecting (its output is in "
+                               f"{self.logs / (proc.name + '.log')})"):
                     continue
                 with self._lock:
                     if not self._stopping.is_set():
@@ -182,3 +177,18 @@ class Supervisor:
                 left = [p for p in left if self._alive(p)]
                 time.sleep(0.05)
             deadline = time.monotonic() + 10
+
+
+def report_exit(name: str, reason: str, give_up: bool, on_exit: Callable[[str, str], None],
+                on_give_up: Callable[[str, str], None], crashes: str) -> bool:
+    """Tell the run a supervised process exited (the lost-process path, `on_exit`), and, past its crash
+    limit, that it is given up on; True then. One rule for every launcher (local processes, Ray actors)."""
+    log.warning("%s: %s%s", name, reason, "" if give_up else "; starting it again")
+    try:
+        on_exit(name, reason)
+    except Exception:  # the run's bug: logged, and supervision goes on
+        log.exception("supervision: on_exit(%s) raised", name)
+    if give_up:
+        on_give_up(name, f"{reason}, {crashes}")
+    return give_up
+
