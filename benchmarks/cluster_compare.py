@@ -16,6 +16,18 @@ folded from each run's log:
   ``sim_error`` = predicted / measured - 1.
 The cells share two cores, so training competes with the rollouts' engines for CPU; harnesses waiting on
 their environment use none, which is the capacity elastic lends.
+
+With ``--emulate SCENARIO`` every run instead faces the scenario's emulated cluster and workload
+(`gyre run --emulate`, `gyre.cluster.emulated`): each cell is its own emulated accelerator, so a cell's
+idleness frees capacity as it would on GPUs. The designs are the ablation's best, chosen by the simulator on
+the same workload (`gyre.sim.runner.ablate`): elastic, colocate's best, async's best split, and with
+``--partial`` each one's best with partial rollouts. Each row then carries ``emulated_s`` (wall x
+time_scale), the simulator's ``predicted_s`` for the same executions under the same parameters, their
+``sim_error``, and whether the emulation held (``emulation_valid``: real compute stayed within its emulated
+time). Rankings live and simulated are compared at the end.
+
+    .venv/bin/python -m benchmarks.cluster_compare --emulate seed-2.4t-scaled --time-scale 10 \
+        --token-scale 100 --steps 2 --json
 """
 
 from __future__ import annotations
@@ -31,6 +43,8 @@ from gyre.cluster.config import ClusterConfig
 from gyre.cluster.run import ClusterRun
 from gyre.log import LogReader
 from gyre.replay.counterfactual import retime_run
+from gyre.sim.runner import ablate
+from gyre.sim.scenario import load_scenario
 
 POLICIES = ("elastic", "colocate", "async")
 
@@ -44,7 +58,7 @@ FROM executions_started s JOIN executions_finished f USING (execution_id) JOIN c
 """
 
 
-def measure(log: Path, policy: str) -> dict[str, Any]:
+def measure(log: Path, policy: str, *, retime: bool = True) -> dict[str, Any]:
     con = LogReader(log).duckdb()
     start, end = con.execute(_WINDOW).fetchone()
     wall = float(end - start)
@@ -53,22 +67,90 @@ def measure(log: Path, policy: str) -> dict[str, Any]:
     training_busy = float(con.execute("SELECT coalesce(sum(duration_s), 0) FROM micro_steps").fetchone()[0])
     switches = con.execute("SELECT count(*) FROM role_switches").fetchone()[0]
     steps = con.execute("SELECT count(*) FROM train_steps").fetchone()[0]
-    predicted = retime_run(log, policy).hours * 3600
-    return {"policy": policy, "wall_s": round(wall, 2), "per_step_s": round(wall / max(steps, 1), 2),
-            "idle_share": round(1 - (rollout_busy + training_busy) / (cells * wall), 4), "switches": switches,
-            "steps": steps, "cells": cells, "slots": slots, "predicted_s": round(predicted, 2),
-            "sim_error": round(predicted / wall - 1, 4)}
+    redirected = con.execute("SELECT coalesce(sum(redirected_calls), 0) FROM role_switches").fetchone()[0]
+    out = {"policy": policy, "wall_s": round(wall, 2), "per_step_s": round(wall / max(steps, 1), 2),
+           "idle_share": round(1 - (rollout_busy + training_busy) / (cells * wall), 4), "switches": switches,
+           "redirected_calls": int(redirected), "steps": steps, "cells": cells, "slots": slots}
+    if retime:  # the counterfactual: the recorded executions re-timed by the simulator under this policy
+        predicted = retime_run(log, policy).hours * 3600
+        out |= {"predicted_s": round(predicted, 2), "sim_error": round(predicted / wall - 1, 4)}
+    return out
+
+
+def emulated_designs(scenario_name: str, steps: int | None, partial: bool) -> list[dict[str, Any]]:
+    """The designs to run live, each the simulator's best of its kind on the same workload, with the
+    simulator's hours for it (the ablation's rows: the same seed, executions and parameters)."""
+    result = ablate(load_scenario(scenario_name), steps=steps)
+    rows = {r["variant"]: r for r in result["runs"]}
+    chosen = ["elastic", result["best_colocate"], result["best_async"]]
+    if partial:
+        chosen += [result["partial_rollouts"][f"best_{d}"] for d in ("elastic", "colocate", "async")]
+    return [rows[name] for name in chosen]
+
+
+def compare_emulated(base: ClusterConfig, args: argparse.Namespace) -> dict[str, Any]:
+    """One live emulated run per design (module docstring), each beside the simulator's prediction."""
+    from gyre.cluster.emulated import scenario_overrides
+    from gyre.scheduler import get_policy
+
+    results = []
+    for design in emulated_designs(args.emulate, args.steps, args.partial):
+        policy = design["design"].split("+")[0]  # the ablation's role: elastic | colocate | async (+partial)
+        params = dict(design["params"])
+        params.pop("staleness", None)
+        run_dir = args.out / design["variant"].replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        get_policy(policy)  # an unknown design name fails here, before any process starts
+        staged = base.model_copy(update={"run_dir": run_dir, "scheduler": base.scheduler.model_copy(
+            update={"policy": policy, "params": params})})
+        overrides = scenario_overrides(staged, args.emulate, time_scale=args.time_scale,
+                                       token_scale=args.token_scale)
+        if args.steps is not None:
+            overrides["steps"] = args.steps
+        config = ClusterConfig.load(args.config, {**overrides, "run_dir": str(run_dir),
+                                                  "scheduler.policy": policy})
+        summary = ClusterRun(config).run()
+        if summary.status != "completed":
+            raise SystemExit(f"the {design['variant']} run did not complete: {summary.status}")
+        live = measure(summary.log, policy, retime=False)
+        emulated_s = live["wall_s"] * args.time_scale
+        predicted_s = design["hours"] * 3600
+        row = {"design": design["variant"], **live, "emulated_s": round(emulated_s, 1),
+               "predicted_s": round(predicted_s, 1), "sim_error": round(predicted_s / emulated_s - 1, 4),
+               "emulation": summary.emulation,
+               "emulation_valid": bool(summary.emulation and summary.emulation.get("valid"))}
+        results.append(row)
+        if not args.json:
+            print(json.dumps(row))
+    live_rank = [r["design"] for r in sorted(results, key=lambda r: r["emulated_s"])]
+    sim_rank = [r["design"] for r in sorted(results, key=lambda r: r["predicted_s"])]
+    return {"benchmark": "cluster_compare", "emulate": args.emulate, "time_scale": args.time_scale,
+            "token_scale": args.token_scale, "steps": args.steps, "config": str(args.config),
+            "machine": f"{platform.machine()}, {platform.node()}", "results": results,
+            "rank_live": live_rank, "rank_sim": sim_rank, "same_ranking": live_rank == sim_rank,
+            "max_abs_sim_error": max(abs(r["sim_error"]) for r in results),
+            "all_valid": all(r["emulation_valid"] for r in results)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=Path("examples/cluster-cpu.toml"))
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=None, help="train steps (default 3; --emulate: the "
+                                                                 "scenario's)")
     parser.add_argument("--out", type=Path, default=Path("runs/compare"))
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--emulate", default=None, help="a scenario (replay/scenarios name or file): see above")
+    parser.add_argument("--time-scale", type=float, default=10.0, help="with --emulate: emulated s per wall s")
+    parser.add_argument("--token-scale", type=float, default=100.0, help="with --emulate: tokens per real token")
+    parser.add_argument("--partial", action="store_true", help="with --emulate: also each design's best with "
+                                                                 "partial rollouts")
     args = parser.parse_args()
     base = ClusterConfig.load(args.config)
+    if args.emulate is not None:
+        print(json.dumps(compare_emulated(base, args), indent=None if args.json else 2))
+        return
+    args.steps = args.steps or 3
     results = []
     for policy in args.policies.split(","):
         run_dir = args.out / policy
