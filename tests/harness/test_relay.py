@@ -13,14 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from gyre.harness import relay
 from gyre.harness.relay import PREFIX, SUN_PATH_MAX, ProxyRelay, owner_tag, relay_base
-from tests.harness.harness_helpers import REPO
 
 OWNER = """
-import os, signal, sys
+import importlib.util, os, signal, sys
 from pathlib import Path
-from gyre.harness.relay import ProxyRelay
-relay = ProxyRelay("127.0.0.1", 9, tmp_dir=Path(sys.argv[1]))
+spec = importlib.util.spec_from_file_location("relay", sys.argv[3])  # the module alone: no package import
+relay_module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(relay_module)
+relay = relay_module.ProxyRelay("127.0.0.1", 9, tmp_dir=Path(sys.argv[1]))
 relay.open()
 print(relay.dir, flush=True)
 if sys.argv[2] == "kill":
@@ -36,8 +38,8 @@ def base() -> Iterator[Path]:
 
 
 def owner(base: Path, how: str) -> tuple[Path, int]:
-    done = subprocess.run([sys.executable, "-c", OWNER, str(base), how], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run([sys.executable, "-c", OWNER, str(base), how, relay.__file__], capture_output=True,
+                          text=True, timeout=60)
     return Path(done.stdout.strip()), done.returncode
 
 
