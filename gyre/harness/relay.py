@@ -13,6 +13,8 @@ The directory's lifetime: each socket goes when its execution ends; the director
 interpreter's exit when nobody stopped the relay, and, when its process was killed (SIGKILL leaves no
 chance to clean up), at the start of the next relay on the host: its name carries its owner's pid and that
 process's start time, so a directory whose owner is gone (or whose pid now names another process) is stale.
+Trap: pids are those of this PID namespace; runners in other PID namespaces must not share this /tmp (give
+each its own TMPDIR), or one would sweep the other's live directories.
 """
 
 from __future__ import annotations
