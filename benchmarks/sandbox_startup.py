@@ -11,7 +11,10 @@ What it measures:
 - a toy-agent step: one execution of the bundled toy agent on the `hello` task through the real proxy to the
   local CPU engine (random init, seed 0), scored by the toy grader, run alternately with sandbox = "bwrap"
   and "none" (the evaluator is sandboxed or not along with it); `added_median_ms` is the median of the
-  paired differences (the i-th executions of both modes generate the same tokens).
+  paired differences (the i-th executions of both modes generate the same tokens);
+- a Python evaluation: the toy grader as a Python evaluator (`grading.py:evaluate`) scoring a right answer,
+  in the execution's sandbox (bwrap + a fresh interpreter running `sandbox_evaluate`) and unsandboxed (a
+  child forked from the warm forkserver), alternately.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from gyre.harness import Execution, HarnessConfig, HarnessRunner, TaskSet
+from gyre.harness import EvaluationContext, Execution, HarnessConfig, HarnessRunner, PythonEvaluator, TaskSet
 from gyre.harness.bwrap import SandboxSpec, UidPool, check_available, give_to
+from gyre.harness.evaluators import load_function
 from gyre.harness.relay import ProxyRelay
 from gyre.sink import MemorySink
 
@@ -120,19 +124,48 @@ def toy_steps(runs: int, base: Path) -> dict[str, object]:
         "added_median_ms": round(statistics.median(paired) * 1000, 1)}
 
 
+def python_evaluations(runs: int, base: Path) -> dict[str, object]:
+    task = TaskSet.load(TOY_TASKS)["hello"]
+    evaluator = PythonEvaluator(load_function("grading.py:evaluate", TOY_TASKS.parent), name="toy-grader",
+                                taskset_dir=TOY_TASKS.parent)
+    uids = UidPool.shared() if os.geteuid() == 0 else None
+    uid = uids.acquire() if uids is not None else None
+    workspace = base / "workspace"
+    workspace.mkdir()
+    (workspace / task.spec.answer_file).write_text(str(task.spec.grading["expected"]))
+    give_to(uid, workspace)
+    times: dict[str, list[float]] = {"bwrap": [], "none": []}
+    for i in range(-1, runs):  # one warm-up round (the forkserver starts), not counted
+        for mode in times:
+            sandbox = SandboxSpec(workspace=workspace, uid=uid) if mode == "bwrap" else None
+            context = EvaluationContext(f"e{i}", task.spec, workspace, base / f"{mode}-{i + 1}", sandbox=sandbox)
+            began = time.perf_counter()
+            outcome = evaluator.evaluate(context)
+            if i >= 0:
+                times[mode].append(time.perf_counter() - began)
+            assert getattr(outcome, "reward", None) == 1.0, outcome
+    if uids is not None and uid is not None:
+        uids.release(uid)
+    return {m: summary_ms(t) for m, t in times.items()} | {
+        "added_median_ms": round((statistics.median(times["bwrap"]) - statistics.median(times["none"])) * 1000, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="fewer runs (a smoke check)")
     parser.add_argument("--starts", type=int, default=200)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--evaluations", type=int, default=40)
     args = parser.parse_args()
-    starts, steps = (20, 2) if args.quick else (args.starts, args.steps)
+    starts, steps, evaluations = (20, 2, 5) if args.quick else (args.starts, args.steps, args.evaluations)
     with tempfile.TemporaryDirectory(prefix="gyre-sandbox-bench-") as tmp:
         base = Path(tmp)
         (base / "starts").mkdir()
+        (base / "evaluations").mkdir()
         result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
                   "python": sys.version.split()[0], "start_up": start_up(starts, base / "starts"),
+                  "python_evaluation": python_evaluations(evaluations, base / "evaluations"),
                   "toy_agent_step": toy_steps(steps, base)}
     print(json.dumps(result, indent=None if args.json else 2))
 

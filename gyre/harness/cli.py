@@ -77,7 +77,7 @@ def evaluate(
     task_id: Annotated[str, typer.Argument(help="task id")],
     workspace: Annotated[Path, typer.Argument(help="workspace directory to score")],
     status: Annotated[str, typer.Option(help="completed | timed_out | harness_error")] = "completed",
-    sandbox: Annotated[bool, typer.Option(help="run a command evaluator in a bubblewrap sandbox, as a run does "
+    sandbox: Annotated[bool, typer.Option(help="run the evaluator in a bubblewrap sandbox, as a run does "
                                                "(as root, the workspace is handed to an unprivileged uid)")] = True,
 ) -> None:
     """Score a workspace with the task's evaluator (scratch files go next to the workspace)."""

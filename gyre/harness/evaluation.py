@@ -40,8 +40,8 @@ class EvaluationContext:
     scratch_dir: Path
     status: ExecutionStatus = "completed"
     sandbox: SandboxSpec | None = None
-    """The sandbox a command evaluator runs in (the workspace and scratch directory writable, its uid and
-    limits); the evaluator adds its task set's directory read-only. None: unsandboxed."""
+    """The sandbox the evaluator runs in, command or Python (the workspace and scratch directory writable, its
+    uid and limits); the evaluator adds its task set's directory read-only. None: unsandboxed."""
 
     @property
     def partial(self) -> bool:

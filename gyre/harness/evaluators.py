@@ -6,11 +6,13 @@ message; a score comes back only when the evaluator finished and produced a vali
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 import importlib
 import json
 import os
+import pickle
 import signal
 import sys
 import time
@@ -20,7 +22,7 @@ from typing import cast, get_args
 
 from gyre.errors import ConfigError
 from gyre.events.fields import EvaluationFailure
-from gyre.harness.bwrap import give_to
+from gyre.harness.bwrap import SandboxSpec, give_to, interpreter_paths
 from gyre.harness.config import (
     DEFAULT_EVALUATOR_MEMORY_MB,
     DEFAULT_INHERITED_ENV,
@@ -41,6 +43,7 @@ from gyre.harness.sandbox import FileFunction, Raised, Returned, call_in_child, 
 from gyre.harness.template import expand_all
 
 MESSAGE_CHARS = 800
+EVALUATE_SCRIPT = Path(__file__).with_name("sandbox_evaluate.py")
 FAILURE_KINDS: tuple[str, ...] = get_args(EvaluationFailure)
 
 
@@ -88,24 +91,16 @@ class CommandEvaluator:
                   "partial": "1" if context.partial else "0"}
         where = f"evaluator {self.name!r}"
         argv = expand_all(self.config.command, values, where=where + " command")
-        env = {k: os.environ[k] for k in DEFAULT_INHERITED_ENV if k in os.environ}
-        env.setdefault("PATH", os.defpath)
-        env |= {"HOME": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"}  # leave the workspace as the agent did
+        env = evaluator_env(scratch)
         env |= dict(zip(self.config.env, expand_all(list(self.config.env.values()), values, where=where + " env"),
                         strict=True))
         stdout, stderr = scratch / "evaluator.stdout", scratch / "evaluator.stderr"
         memory_bytes = None if self.config.memory_mb is None else self.config.memory_mb << 20
         if context.sandbox is not None:
-            sandbox = context.sandbox
-            sandbox = dataclasses.replace(
-                sandbox, readable=(*sandbox.readable, self.taskset_dir),
-                writable=tuple(dict.fromkeys((*sandbox.writable, scratch))),
-                limits=dataclasses.replace(sandbox.limits, memory_bytes=memory_bytes))
             try:
-                give_to(sandbox.uid, scratch)
+                argv = evaluation_sandbox(context, (self.taskset_dir,), memory_bytes).argv(argv)
             except OSError as e:
                 return failed("infrastructure", f"cannot hand the scratch directory {scratch} to the sandbox: {e}")
-            argv = sandbox.argv(argv)
             env["TMPDIR"] = "/tmp"
             memory_bytes = None  # set inside, with the other limits
         try:
@@ -128,14 +123,7 @@ class CommandEvaluator:
             return failed("crash", f"evaluator's last line is not JSON ({e}): {lines[-1][:200]!r}")
         if not isinstance(result, dict):
             return failed("crash", f"evaluator's last line is not a JSON object: {lines[-1][:200]!r}")
-        if "error" in result:
-            error = result["error"]
-            message = str(result.get("message", ""))
-            if error not in FAILURE_KINDS:
-                return failed("crash", f"evaluator reported unknown error kind {error!r}: {message}")
-            return failed(cast(EvaluationFailure, error), message)
-        return checked_outcome(self.name, result.get("reward"), result.get("details", {}),
-                               partial=context.partial, duration_s=time.monotonic() - started)
+        return reported_outcome(self.name, result, partial=context.partial, duration_s=time.monotonic() - started)
 
 
 class PythonEvaluator:
@@ -145,16 +133,25 @@ class PythonEvaluator:
     exhausted memory limit too, and a child that dies (`os._exit`, a signal) or overruns `timeout_s` is
     killed with everything it started: the runner only ever sees an outcome. The function must pickle by
     reference: a module-level function, or what `load_function` returns for a `file.py:name`.
+
+    Given a sandbox (`EvaluationContext.sandbox`), it runs there like a command evaluator, through
+    `sandbox_evaluate` in a fresh interpreter: its task set's directory and the package that defines it are
+    mounted read-only (seen by it alone); other modules it imports must be installed in the interpreter. It
+    gets a plain copy of the context (same attributes) and its result must be JSON. Unsandboxed, it is
+    called in a child forked from a warm parent (`gyre.harness.sandbox`).
     """
 
     def __init__(self, function: Callable[[EvaluationContext], object], *, name: str = "python",
-                 timeout_s: float = 60.0, memory_mb: int | None = DEFAULT_EVALUATOR_MEMORY_MB) -> None:
-        """Raises `TypeError` when `function` cannot be sent to a child (a lambda, a nested function)."""
+                 timeout_s: float = 60.0, memory_mb: int | None = DEFAULT_EVALUATOR_MEMORY_MB,
+                 taskset_dir: Path | None = None) -> None:
+        """Raises `TypeError` when `function` cannot be sent to a child (a lambda, a nested function).
+        `taskset_dir`: mounted in its sandbox (default: a `file.py` function's directory)."""
         check_picklable(function)
         self.function = function
         self.name = name
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
+        self.taskset_dir = taskset_dir
 
     def evaluate(self, context: EvaluationContext) -> EvaluationOutcome:
         started = time.monotonic()
@@ -166,6 +163,8 @@ class PythonEvaluator:
         if not context.workspace.is_dir():
             return failed("infrastructure", f"workspace {context.workspace} does not exist")
         stdout, stderr = context.scratch_dir / "evaluator.stdout", context.scratch_dir / "evaluator.stderr"
+        if context.sandbox is not None:
+            return self._evaluate_in_sandbox(context, failed, stdout, stderr)
         try:
             context.scratch_dir.mkdir(parents=True, exist_ok=True)
             ended = call_in_child(self.function, context, functools.partial(_score, self.name, context.partial),
@@ -187,6 +186,94 @@ class PythonEvaluator:
                                             "runner's stderr; a script must guard its entry point with "
                                             "`if __name__ == '__main__':`)")
         return failed("crash", f"evaluator {self.name!r} {_exit_reason(ended.exitcode)} without a result{said}")
+
+
+    def _evaluate_in_sandbox(self, context: EvaluationContext,
+                             failed: Callable[[EvaluationFailure, str], FailureOutcome], stdout: Path,
+                             stderr: Path) -> EvaluationOutcome:
+        started = time.monotonic()
+        scratch = context.scratch_dir
+        request, result = scratch / "evaluation.request.json", scratch / "evaluation.result.json"
+        memory_bytes = None if self.memory_mb is None else self.memory_mb << 20
+        function, mounts, path = self._reference()
+        try:
+            scratch.mkdir(parents=True, exist_ok=True)
+            result.unlink(missing_ok=True)
+            request.write_text(json.dumps({
+                "path": path, "function": function, "memory_bytes": memory_bytes,
+                "context": {"execution_id": context.execution_id, "task": context.task.model_dump(mode="json"),
+                            "workspace": str(context.workspace), "scratch_dir": str(scratch),
+                            "status": context.status}}))
+            sandbox = evaluation_sandbox(context, (*mounts, EVALUATE_SCRIPT), memory_bytes)
+        except OSError as e:
+            return failed("infrastructure", f"cannot prepare the sandbox of evaluator {self.name!r}: {e}")
+        argv = sandbox.argv([sys.executable, "-I", "-B", str(EVALUATE_SCRIPT), str(request), str(result)])
+        try:
+            process = GroupProcess(argv, cwd=context.workspace, env=evaluator_env(scratch), stdout=stdout,
+                                   stderr=stderr, sandboxed=True)
+        except OSError as e:
+            return failed("infrastructure", f"cannot start the sandbox of evaluator {self.name!r}: {e}")
+        ended = process.wait(self.timeout_s, grace_s=0.0)
+        said = tail(stderr, MESSAGE_CHARS)
+        said = f"; stderr: {said}" if said else ""
+        if ended.timed_out:
+            return failed("timeout", f"evaluator {self.name!r} did not return within {self.timeout_s:g}s{said}")
+        try:
+            answer = result.read_text()
+        except FileNotFoundError:
+            return failed("infrastructure", f"the sandbox of evaluator {self.name!r} "
+                                            f"{_exit_reason(ended.returncode)} before calling it{said}")
+        if not answer:
+            return failed("crash", f"evaluator {self.name!r} {_exit_reason(ended.returncode)} without a result{said}")
+        return reported_outcome(self.name, json.loads(answer), partial=context.partial,
+                                duration_s=time.monotonic() - started)
+
+    def _reference(self) -> tuple[dict[str, str], list[Path], list[str]]:
+        """How `sandbox_evaluate` finds the function: its reference, what to mount, where to import from."""
+        mounts = [self.taskset_dir] if self.taskset_dir is not None else []
+        if isinstance(self.function, FileFunction):
+            mounts = mounts or [self.function.path.parent]
+            return {"file": str(self.function.path), "name": self.function.name}, mounts, []
+        target = self.function.func if isinstance(self.function, functools.partial) else self.function
+        top = sys.modules[target.__module__.partition(".")[0]]
+        found = [Path(p) for p in getattr(top, "__path__", [])] or [Path(str(top.__file__))]
+        found = [p for p in found if not any(p.is_relative_to(i) for i in interpreter_paths())]  # installed: there
+        reference = {"pickle": base64.b64encode(pickle.dumps(self.function)).decode()}
+        return reference, [*mounts, *found], sorted({str(p.parent) for p in found})
+
+
+def evaluation_sandbox(context: EvaluationContext, readable: tuple[Path, ...],
+                       memory_bytes: int | None) -> SandboxSpec:
+    """The execution's sandbox, for its evaluator: the scratch directory writable, `readable` (the grading files,
+    the grader) seen by the evaluator alone, `memory_bytes` of address space. Raises `OSError` when the scratch
+    directory cannot be handed to the sandbox's uid."""
+    assert context.sandbox is not None
+    sandbox = context.sandbox
+    sandbox = dataclasses.replace(sandbox, readable=(*sandbox.readable, *readable),
+                                  writable=tuple(dict.fromkeys((*sandbox.writable, context.scratch_dir))),
+                                  limits=dataclasses.replace(sandbox.limits, memory_bytes=memory_bytes))
+    give_to(sandbox.uid, context.scratch_dir)
+    return sandbox
+
+
+def evaluator_env(scratch: Path) -> dict[str, str]:
+    """An evaluator process's environment: the basics, its scratch directory as home, no bytecode files."""
+    env = {k: os.environ[k] for k in DEFAULT_INHERITED_ENV if k in os.environ}
+    env.setdefault("PATH", os.defpath)
+    env |= {"HOME": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"}  # leave the workspace as the agent did
+    return env
+
+
+def reported_outcome(evaluator: str, result: dict[str, object], *, partial: bool,
+                     duration_s: float) -> EvaluationOutcome:
+    """What an evaluator process reported: `{"reward", "details"}` or `{"error": kind, "message"}`."""
+    if "error" in result:
+        error, message = result["error"], str(result.get("message", ""))
+        if error not in FAILURE_KINDS:
+            error, message = "crash", f"evaluator reported unknown error kind {error!r}: {message}"
+        return FailureOutcome(evaluator, cast(EvaluationFailure, error), message[-MESSAGE_CHARS:], partial, duration_s)
+    return checked_outcome(evaluator, result.get("reward"), result.get("details", {}), partial=partial,
+                           duration_s=duration_s)
 
 
 def _score(evaluator: str, partial: bool, result: object) -> EvaluationOutcome:
@@ -232,4 +319,4 @@ def build_evaluator(config: EvaluatorConfig, taskset_dir: Path) -> Evaluator:
         return CommandEvaluator(config, taskset_dir)
     assert isinstance(config, PythonEvaluatorConfig)
     return PythonEvaluator(load_function(config.function, taskset_dir), name=config.name,
-                           timeout_s=config.timeout_s, memory_mb=config.memory_mb)
+                           timeout_s=config.timeout_s, memory_mb=config.memory_mb, taskset_dir=taskset_dir)

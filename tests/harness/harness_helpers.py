@@ -19,55 +19,21 @@ from gyre.harness import (
     Task,
     TaskSpec,
 )
+from tests.harness.graders import (  # noqa: F401 - re-exported for the tests
+    allocates_forever,
+    constant,
+    divides_by_zero,
+    exits,
+    exits_hard,
+    loops_forever,
+    raises_key_error,
+    read_answer,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TOY_TASKS = REPO / "tasks" / "toy" / "tasks.toml"
 TOY_HARNESS = REPO / "agents" / "toy_agent" / "harness.toml"
 TOKEN = "exec-token-0123456789"
-
-
-def read_answer(context: EvaluationContext) -> tuple[float, dict[str, Any]]:
-    """An in-process evaluator: 1.0 when answer.txt says hello, 0.5 for any other text, 0.0 without a file."""
-    path = context.answer_path
-    if not path.exists():
-        return 0.0, {"missing": True}
-    text = path.read_text().strip()
-    return (1.0 if text == "hello" else 0.5), {"text": text[:40]}
-
-
-# Python evaluators run in a child process, so they are module-level functions (they pickle by reference).
-
-def constant(result: object, _context: EvaluationContext) -> object:
-    """Returns `result` (bind it with functools.partial)."""
-    return result
-
-
-def divides_by_zero(_context: EvaluationContext) -> float:
-    return 1 / 0
-
-
-def raises_key_error(_context: EvaluationContext) -> float:
-    raise KeyError("expected")
-
-
-def exits(_context: EvaluationContext) -> float:
-    sys.exit(3)
-
-
-def exits_hard(_context: EvaluationContext) -> float:
-    os._exit(7)
-
-
-def allocates_forever(_context: EvaluationContext) -> float:
-    hoard = []
-    while True:
-        hoard.append(bytearray(64 << 20))
-
-
-def loops_forever(context: EvaluationContext) -> float:
-    (context.scratch_dir / "looping").touch()
-    while True:
-        pass
 
 
 def spawns_an_escaping_child(context: EvaluationContext) -> float:

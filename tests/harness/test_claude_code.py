@@ -1,4 +1,4 @@
-"""Claude Code, unmodified, through the proxy to the local engine — opt-in: `pytest -m harness_claude_code`.
+"""Claude Code, unmodified, sandboxed, through the proxy to the local engine — opt-in: `pytest -m harness_claude_code`.
 
 The fixture uses `claude` from $GYRE_CLAUDE or PATH, else installs `@anthropic-ai/claude-code` from npm into a
 temporary prefix (the only network use, and only in this opt-in test). Claude Code itself is fenced to
@@ -15,10 +15,13 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
 from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
+from gyre.harness.bwrap import SandboxSpec, UidPool, give_to
+from gyre.harness.relay import ProxyRelay
 from gyre.log import LogReader, LogWriter
 from gyre.proxy import Proxy, ProxyConfig, ProxyServer
 from gyre.sink import LogSink
@@ -45,6 +48,12 @@ def claude(tmp_path_factory: pytest.TempPathFactory) -> str:
         timeout=600,
     )
     return str(prefix / "node_modules" / ".bin" / "claude")
+
+
+def install_dir(claude: str) -> Path:
+    """What the sandbox must bind for `claude` to run: its npm install (`node_modules`), else its directory."""
+    resolved = Path(claude).resolve()
+    return next((p for p in resolved.parents if p.name == "node_modules"), resolved.parent)
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +98,23 @@ def test_claude_code_print_mode_through_the_proxy(
             "HTTP_PROXY": "http://127.0.0.1:9",
             "NO_PROXY": "127.0.0.1,localhost",
         }
-        done = subprocess.run(
-            [claude, "-p", "Reply with one word.", "--output-format", "json", "--max-turns", "1"],
-            cwd=workspace,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
+        # In the sandbox a run gives it: its workspace and home, its install read-only, the proxy its only way out.
+        uid = UidPool.shared().acquire() if os.geteuid() == 0 else None
+        give_to(uid, workspace, home)
+        relay = ProxyRelay("127.0.0.1", urlsplit(server.url).port or 80)
+        spec = SandboxSpec(workspace=workspace, writable=(home,), readable=(install_dir(claude),), uid=uid,
+                           relay_socket=relay.open(uid), proxy_port=urlsplit(server.url).port)
+        try:
+            done = subprocess.run(
+                spec.argv([claude, "-p", "Reply with one word.", "--output-format", "json", "--max-turns", "1"]),
+                cwd=workspace,
+                env={**env, "TMPDIR": "/tmp"},
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
+        finally:
+            relay.stop()
     finally:
         server.stop()
         sink.close()

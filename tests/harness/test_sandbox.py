@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from gyre.harness import HarnessRunner
+from gyre.harness import HarnessRunner, PythonEvaluator
 from gyre.harness.bwrap import SandboxSpec, UidPool, check_available, give_to
 from gyre.harness.relay import ProxyRelay
 from gyre.sink import MemorySink
-from tests.harness.harness_helpers import execution, make_task, shell
+from tests.harness.graders import probes_its_sandbox
+from tests.harness.harness_helpers import TOY_TASKS, execution, make_task, shell
 
 CLIENT = """
 import hashlib, os, sys, urllib.request
@@ -135,3 +136,23 @@ def test_a_node_harness_runs_with_the_default_limits(tmp_path: Path) -> None:
         result = runner.run(execution(make_task()))
     assert result.status == "completed", result.message
     assert result.reward == 1.0
+
+
+def test_a_python_evaluator_runs_in_the_sandbox_and_alone_sees_its_task_set(tmp_path: Path) -> None:
+    """Trusted task-set code, but it reads model-written files: same sandbox, plus its task set read-only."""
+    taskset = tmp_path / "taskset"
+    taskset.mkdir()
+    (taskset / "answers.toml").write_text("expected = 'hello'\n")
+    (tmp_path / "secrets.toml").write_text("secret\n")
+    grading = {"taskset": str(taskset / "answers.toml"), "secret": str(tmp_path / "secrets.toml"),
+               "checkout": str(TOY_TASKS)}
+    task = make_task(evaluator=PythonEvaluator(probes_its_sandbox, taskset_dir=taskset), grading=grading)
+    script = f"test -e {taskset}/answers.toml && echo seen > leak.txt; printf hello > answer.txt"
+    with HarnessRunner(shell(script), sink=MemorySink(), proxy_url="http://127.0.0.1:9",
+                       root=tmp_path / "executions") as runner:
+        result = runner.run(execution(task))
+    assert result.reward == 1.0 and not (result.workspace / "leak.txt").exists()  # the harness did not see it
+    details = result.evaluation.details  # type: ignore[union-attr]
+    assert details["seen"] == {"taskset": True, "secret": False, "checkout": False}
+    assert details["processes"] <= 3  # its own PID namespace: bwrap's init, sandbox_init, itself
+    assert os.geteuid() != 0 or details["uid"] >= UidPool.BASE

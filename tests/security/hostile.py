@@ -86,6 +86,27 @@ def connect(host, port):
         return f"connected to {host}:{port}"
 
 
+def targets():
+    """The engine HTTP port and the Mooncake endpoint to aim at (`host:port` each). With H_TARGETS=ask they are
+    the run's real ones, which only exist once the run is up: ask the test for them through the workspace
+    (the one channel it shares with the host). Otherwise the H_PORT listener stands for both."""
+    if ENV.get("H_TARGETS") != "ask":
+        here = f"{ENV['H_HOST_IP']}:{ENV['H_PORT']}"
+        return {"engine": here, "mooncake": here}
+    Path("targets.wanted").touch()
+    for _ in range(6000):
+        if Path("targets.json").exists():
+            return json.loads(Path("targets.json").read_text())
+        time.sleep(0.01)
+    print("NOTARGETS: the test never named the run's engine and Mooncake endpoint", flush=True)
+    return {}
+
+
+def connect_to(address):
+    host, _, port = address.rpartition(":")
+    return connect(host.strip("[]"), port)
+
+
 def write(path):
     Path(path).write_text("planted by a hostile harness")
     return f"wrote {path}"
@@ -177,6 +198,8 @@ def hostile():
     attempt("list-run-dir", list_run_dir)
     attempt("connect-controller", lambda: connect("127.0.0.1", ENV["H_PORT"]))
     attempt("connect-controller-external", lambda: connect(ENV["H_HOST_IP"], ENV["H_PORT"]))
+    for name, address in targets().items():
+        attempt(f"connect-{name}", lambda address=address: connect_to(address))
     attempt("write-execution-dir", lambda: write("../escape.txt"))
     attempt("write-run-dir", lambda: write(Path(ENV["H_RUN_DIR"]) / "planted.txt"))
     attempt("write-usr", lambda: write("/usr/planted.txt"))

@@ -32,8 +32,8 @@ from tests.harness.harness_helpers import REPO, TOY_TASKS, wait_for
 HOSTILE = Path(__file__).with_name("hostile.py")
 ATTEMPTS = ("read-secret", "read-secret-relative", "read-other-workspace", "read-other-token-by-pid",
             "read-other-token-by-scan", "read-task-set", "read-grader", "read-checkout", "list-run-dir",
-            "connect-controller",
-            "connect-controller-external", "write-execution-dir", "write-run-dir", "write-usr", "write-etc",
+            "connect-controller", "connect-controller-external", "connect-engine", "connect-mooncake",
+            "write-execution-dir", "write-run-dir", "write-usr", "write-etc",
             "fork-bomb", "fill-disk", "signal-outside", "ptrace-outside")
 SECRET = "run-secret-do-not-leak"
 VICTIM_TOKEN = "victim-token-0123456789"

@@ -1,8 +1,10 @@
 """The hostile harness as every rollout of a real run: `gyre train` (one process) and `gyre run` (the cluster).
 
 The controller runs in this test's process, so an attempt to kill or ptrace it (`H_HOST_PID`) aims at the real
-thing; on the cluster `H_PORT` is its gRPC port (fixed for the run), in one process a listener that stands for
-an engine or Mooncake port. The harnesses run concurrently, so each one looks for its neighbours' workspaces
+thing; on the cluster `H_PORT` is its gRPC port (fixed for the run), and each harness aims at a real cell's
+engine HTTP port and Mooncake endpoint, which the test reads from the cells' hellos once the run is up, checks
+it can reach itself from the host, and hands to the harness through its workspace. In one process a listener
+stands for all of them. The harnesses run concurrently, so each one looks for its neighbours' workspaces
 and tokens while they run. The run must complete, every attempt in every execution must fail, and each
 execution must still reach the proxy and be scored.
 """
@@ -13,7 +15,9 @@ import json
 import os
 import shutil
 import socket
+import threading
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -22,6 +26,7 @@ from gyre.cluster.run import ClusterRun
 from gyre.config import RolloutSection, SamplingSection, TrainConfig, TrainerSection, TrajectorySection
 from gyre.events.models import ExecutionFinished, RewardRecorded
 from gyre.log import LogReader
+from gyre.run.host import RunHost
 from gyre.train.inprocess import TrainingRun
 from tests.harness.harness_helpers import REPO
 from tests.security.test_hostile_harness import ATTEMPTS, HOSTILE, lines
@@ -37,7 +42,36 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def hostile_setup(base: Path, run_dir: Path, port: int) -> tuple[Path, Path]:
+class Targets(threading.Thread):
+    """Answers each harness's `targets.wanted` with a cell's engine HTTP and Mooncake addresses, once it has
+    connected to both itself: from the host they are reachable, so a harness that fails to is fenced in."""
+
+    def __init__(self, run: RunHost, run_dir: Path) -> None:
+        super().__init__(name="hostile-targets", daemon=True)
+        self.cluster, self.run_dir = run, run_dir
+        self.stop = threading.Event()
+        self.reached: list[str] = []
+        self.answered: set[Path] = set()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.02):
+            for wanted in self.run_dir.glob("executions/*/workspace/targets.wanted"):
+                if wanted not in self.answered:
+                    self.answer(wanted.parent)
+                    self.answered.add(wanted)
+
+    def answer(self, workspace: Path) -> None:
+        hello = next(iter(self.cluster.topology._hellos.values()))  # what a cell said it serves
+        named = {"engine": urlsplit(hello.engine_url).netloc, "mooncake": hello.transfer_session}
+        for address in named.values():
+            host, _, port = address.rpartition(":")
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+                self.reached.append(address)
+        (workspace / "targets.tmp").write_text(json.dumps(named))
+        (workspace / "targets.tmp").rename(workspace / "targets.json")
+
+
+def hostile_setup(base: Path, run_dir: Path, port: int, **extra: str) -> tuple[Path, Path]:
     """A task set whose starting files hold hostile.py, and a harness TOML that runs it with its targets."""
     tasks = base / "tasks"
     (tasks / "files").mkdir(parents=True)
@@ -52,7 +86,7 @@ def hostile_setup(base: Path, run_dir: Path, port: int) -> tuple[Path, Path]:
            "H_VICTIM_WORKSPACE": str(run_dir / "executions"), "H_VICTIM_PID": str(os.getpid()),
            "H_TASKSET": str(tasks / "tasks.toml"), "H_GRADER": str(tasks / "score.py"), "H_CHECKOUT": str(REPO),
            "H_PORT": str(port), "H_HOST_IP": "127.0.0.1", "H_RUN_DIR": str(run_dir), "H_HOST_PID": str(os.getpid()),
-           "H_ANSWER": "answer.txt"}
+           "H_ANSWER": "answer.txt", **extra}
     harness = base / "harness.toml"
     harness.write_text('name = "hostile"\ncommand = ["{python}", "hostile.py"]\ntimeout_s = 120\n'
                        f"[env]\n{''.join(f'{k} = {json.dumps(v)}' + chr(10) for k, v in env.items())}"
@@ -63,7 +97,7 @@ def hostile_setup(base: Path, run_dir: Path, port: int) -> tuple[Path, Path]:
 def test_a_cluster_run_of_hostile_harnesses_completes_with_every_attempt_failed(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     port = free_port()
-    tasks, harness = hostile_setup(tmp_path, run_dir, port)
+    tasks, harness = hostile_setup(tmp_path, run_dir, port, H_TARGETS="ask")
     config = ClusterConfig(
         name="hostile", run_dir=run_dir, seed=5, steps=1,
         cluster=ClusterSection(cells=2, slots=2, core="cell0", port=port, heartbeat_s=0.5, dead_after_s=120),
@@ -74,8 +108,16 @@ def test_a_cluster_run_of_hostile_harnesses_completes_with_every_attempt_failed(
         trajectory=TrajectorySection(token_budget=64, min_valid_per_group=2),
         trainer=TrainerSection(lr=1e-3, eps_low=0.2, eps_high=0.28),
     )
-    summary = ClusterRun(config).run()
+    run = ClusterRun(config)
+    targets = Targets(run, run_dir)
+    targets.start()
+    try:
+        summary = run.run()
+    finally:
+        targets.stop.set()
+        targets.join()
     assert summary.status == "completed"
+    assert len(targets.answered) >= 4 and len(targets.reached) == 2 * len(targets.answered)  # reachable outside
     check_every_execution(run_dir, summary.log)
 
 
