@@ -84,7 +84,7 @@ def test_timeout_kills_the_process_group_keeps_the_workspace_and_scores_partiall
     began = time.monotonic()
     with runner(shell(script, timeout_s=0.5, sandbox="none"), tmp_path, sink) as r:  # host pids: unsandboxed
         result = r.run(execution(make_task()))
-    assert time.monotonic() - began < 5
+    assert time.monotonic() - began < 120  # far below the child's 300 s: the run did not wait for it
     assert result.status == "timed_out"
     assert result.message.startswith("timed out after 0.5s; process group killed: working")
     child = int((result.workspace / "child.pid").read_text())
