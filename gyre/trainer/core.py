@@ -134,7 +134,6 @@ class LocalCoreTrainer:
         report = builder.report.to_dict()
         metrics = builder.report.step_metrics() if not waiting else {}
         metrics["batch_s"] = time.monotonic() - started
-        metrics["rollout_s"] = self.rollout_s(step)
         planned = len(groups) * per_group if waiting and per_group is not None else len(batches)
         opened = self.coordinator.start_step(planned, groups=len(groups),
                                              trajectories=report.get("trajectories_kept", 0))
@@ -166,6 +165,7 @@ class LocalCoreTrainer:
         if waiting:  # the batch statistics of every group, now that all are in
             metrics = {**builder.report.step_metrics(), **metrics}
             report = builder.report.to_dict()
+        metrics["rollout_s"] = self.rollout_s(step)  # a streamed step's rollouts end while it trains
         executions = {e for b in batches for e in b.execution_ids}
         optimizer_started = time.monotonic()
         if executions:
