@@ -104,11 +104,11 @@ class LocalCoreTrainer:
     def _build(self, builder: BatchBuilder, groups: list[str]) -> list[TrainBatch]:
         """Micro-batches of complete ``groups``, one group at a time in the given order (their completion
         order: a retrained step repeats it exactly); numbered on from the builder's last."""
-        out = []
-        for group_id in groups:
-            for group in self._log().groups(group_ids=[group_id]):
-                out += [TrainBatch.from_micro_batch(mb) for mb in builder.group_batches(group)]
-        return out
+        if not groups:
+            return []
+        loaded = {group.group_id: group for group in self._log().groups(group_ids=groups)}  # one query for all
+        return [TrainBatch.from_micro_batch(mb) for group_id in groups if group_id in loaded
+                for mb in builder.group_batches(loaded.pop(group_id))]
 
     def _batches(self, groups: tuple[str, ...]) -> tuple[BatchBuilder, list[TrainBatch], list[str]]:
         """The step's builder, the micro-batches of those of its groups the log (as written so far) completes,
