@@ -44,6 +44,9 @@ class TrajectorySection(_Section):
     min_valid_per_group: PositiveInt = 2
     token_budget: PositiveInt = Field(32_768, description="tokens per micro-batch")
     form: str = Field("packed", pattern="^(packed|expanded)$")
+    micro_steps_per_group: PositiveInt | None = Field(
+        None, description="cut each group into this many micro-steps, balanced by tokens (the simulator's model; "
+                          "a streamed step needs it: stream_micro_steps). None: token_budget alone cuts")
 
 
 class TrainerSection(_Section):

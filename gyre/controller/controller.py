@@ -225,7 +225,7 @@ class Controller:
             self.rollouts.queue(step, view.trainer.policy_version)
             self._fold_new()
         if self._training is None:
-            step = next_step_to_train(view)
+            step = next_step_to_train(view, self.plan.stream)
             if step is not None:
                 core = view.core
                 assert core is not None

@@ -5,10 +5,11 @@ folds the same log reaches the same plan. Rules:
 - Step ``s`` is queued once step ``s - 1 - staleness`` has been trained (on-policy at staleness 0: the
   rollouts of step ``s`` wait for the weights of step ``s - 1``), steps in order, ``steps`` of them.
 - The core trains the lowest untrained step once every execution of its batch is done (scored, excluded
-  or failed), and only while it is settled in the training role with no train step open and no other cell
-  on its way to training (a cell the policy lends joins the step rather than missing it: its switch takes
-  seconds, a step's micro-steps may take less). Live runs train whole steps; streaming micro-steps of
-  incomplete batches is the simulator's ablation.
+  or failed) — with ``stream`` (the policy's ``stream_micro_steps``), once its first group is — and only
+  while it is settled in the training role with no train step open and no other cell on its way to
+  training (a cell the policy lends joins the step rather than missing it: its switch takes seconds, a
+  step's micro-steps may take less). A streamed step is handed every group of its batch, the complete ones
+  first in completion order: the core trains each of the others as it completes (`gyre.trainer.core`).
 - The run is finished when every step is trained and the last version is published.
 """
 
@@ -22,6 +23,9 @@ from gyre.scheduler import SchedulerView
 class RunPlan:
     steps: int
     staleness: int = 0
+    stream: bool = False
+    """Start a step on its first complete group (`PolicyParams.stream_micro_steps`, where the trainer can:
+    its plan needs ``trajectory.micro_steps_per_group``)."""
 
 
 def queued_steps(view: SchedulerView) -> list[int]:
@@ -39,7 +43,7 @@ def next_step_to_queue(view: SchedulerView, plan: RunPlan) -> int | None:
     return step
 
 
-def next_step_to_train(view: SchedulerView) -> int | None:
+def next_step_to_train(view: SchedulerView, stream: bool = False) -> int | None:
     core = view.core
     if core is None or core.role != "training" or core.switching_to not in (None, "training"):
         return None
@@ -52,12 +56,15 @@ def next_step_to_train(view: SchedulerView) -> int | None:
         return None
     step = waiting[0]
     work = view.work.steps[step]
+    if stream:
+        return step if work.complete_groups else None
     return step if work.executions and not work.group_sizes else None
 
 
 def step_groups(view: SchedulerView, step: int) -> tuple[str, ...]:
-    """The groups of a step's batch, in the order they completed."""
-    return tuple(view.work.steps[step].complete_groups)
+    """The groups of a step's batch: those complete, in the order they completed, then those still running."""
+    work = view.work.steps[step]
+    return (*work.complete_groups, *work.group_sizes)
 
 
 def finished(view: SchedulerView, plan: RunPlan) -> bool:

@@ -179,7 +179,9 @@ class RunHost:
         self.sink = LogSink(LogWriter(self.log_path, run_id=self.run_id))
         try:
             self.controller = Controller(self.sink, self.policy, self.params,
-                                         RunPlan(steps=config.steps, staleness=config.scheduler.staleness),
+                                         RunPlan(steps=config.steps, staleness=config.scheduler.staleness,
+                                                 stream=self.params.stream_micro_steps
+                                                 and config.trajectory.micro_steps_per_group is not None),
                                          cells={}, rollouts=self)
             self.controller.observe(self.live.apply, at_record=True)
             self.controller.observe(self._observe)

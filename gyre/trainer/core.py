@@ -12,6 +12,7 @@ aborted and trained again by the controller's plan.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,14 +22,28 @@ from typing import TYPE_CHECKING
 from gyre.config import TrainConfig
 from gyre.events.models import CheckpointSaved
 from gyre.trainer import StepCoordinator, TorchBackend
-from gyre.trainer.protocol import StepResult
+from gyre.trainer.batch import TrainBatch
+from gyre.trainer.claims import Claim
+from gyre.trainer.errors import StepProtocolError, TrainerError
+from gyre.trainer.protocol import MicroStepResult, StepResult
+from gyre.trainer.replica import work
 from gyre.trainer.weights import Published, WeightsError, WeightStore, file_sha256, fsync_tree
+from gyre.trajectory import BatchBuilder, TrajectoryConfig
 from gyre.trajectory.source import Follow, LiveLogSource
 
 if TYPE_CHECKING:
     from gyre.emulate import Pacer
     from gyre.state.run import RunState, Weights
     from gyre.trainer.hub import TrainerHub
+
+
+STEP_TIMEOUT_S = 600.0
+"""How long a step whose whole batch is in may take to train."""
+STREAM_TIMEOUT_S = 86_400.0
+"""A streamed step also waits on its groups' rollouts: no bound of its own (a lost rollout is resubmitted by
+the controller; a trainer closed meanwhile stops the wait)."""
+FEED_POLL_S = 0.05
+"""Longest wait for the log to grow before a streamed step checks for a stop."""
 
 
 @dataclass
@@ -75,64 +90,100 @@ class LocalCoreTrainer:
     def published(self) -> Published | None:
         return self._published
 
-    def _batches(self, groups: tuple[str, ...]) -> tuple[list, dict, dict]:
-        """The micro-batches of a step's groups, from the run's log as written so far."""
-        from gyre.trajectory import BatchBuilder, TrajectoryConfig
-
+    def _builder(self) -> BatchBuilder:
         section = self.config.trajectory
-        builder = BatchBuilder(TrajectoryConfig(cap=section.cap, min_valid_per_group=section.min_valid_per_group,
-                                                token_budget=section.token_budget, form=section.form))
+        return BatchBuilder(TrajectoryConfig(cap=section.cap, min_valid_per_group=section.min_valid_per_group,
+                                             token_budget=section.token_budget, form=section.form,
+                                             micro_steps_per_group=section.micro_steps_per_group))
+
+    def _log(self) -> LiveLogSource:
         if self._source is None:
             self._source = LiveLogSource(self.log_path, run_id=self.run_id, follow=self.follow)
-        self._source.refresh(self.durable_seq())
-        micro = list(builder.batches(self._source.groups(group_ids=groups)))
-        return micro, builder.report.to_dict(), builder.report.step_metrics()
+        return self._source
+
+    def _build(self, builder: BatchBuilder, groups: list[str]) -> list[TrainBatch]:
+        """Micro-batches of complete ``groups``, one group at a time in the given order (their completion
+        order: a retrained step repeats it exactly); numbered on from the builder's last."""
+        if not groups:
+            return []
+        loaded = {group.group_id: group for group in self._log().groups(group_ids=groups)}  # one query for all
+        return [TrainBatch.from_micro_batch(mb) for group_id in groups if group_id in loaded
+                for mb in builder.group_batches(loaded.pop(group_id))]
+
+    def _batches(self, groups: tuple[str, ...]) -> tuple[BatchBuilder, list[TrainBatch], list[str]]:
+        """The step's builder, the micro-batches of those of its groups the log (as written so far) completes,
+        and the groups it does not complete yet."""
+        builder, source = self._builder(), self._log()
+        source.refresh(self.durable_seq())
+        complete = source.completed(groups)
+        return builder, self._build(builder, complete), [g for g in groups if g not in set(complete)]
 
     def train_step(self, step: int, groups: tuple[str, ...]) -> None:
-        from gyre.trainer import TrainBatch, work
-
+        """Train the step on ``groups``. Groups the log does not complete yet (the controller streams a step
+        on its first complete group: ``stream_micro_steps``) are awaited as the log grows: each one's
+        micro-steps are offered the moment it completes, while the step trains those already offered. The
+        plan is then fixed up front (groups times ``micro_steps_per_group``) and the optimizer step, once
+        every micro-step is trained, divides by every execution of the step, as a whole batch would."""
         started = time.monotonic()
         self.coordinator.sink.commit()  # every reward the fold has seen is on disk before the query
-        micro, report, metrics = self._batches(groups)
+        builder, batches, waiting = self._batches(groups)
+        per_group = self.config.trajectory.micro_steps_per_group
+        if waiting and per_group is None:
+            raise TrainerError(f"step {step} streams ({len(waiting)} of its groups are not complete yet) but "
+                               "trajectory.micro_steps_per_group is not set: a streamed step's plan needs it")
+        report = builder.report.to_dict()
+        metrics = builder.report.step_metrics() if not waiting else {}
         metrics["batch_s"] = time.monotonic() - started
-        metrics["rollout_s"] = self.rollout_s(step)
-        figures = StepTraining(step, policy_version=self.coordinator.state.policy_version,
-                               excluded={k: v for k, v in report.items() if isinstance(v, int) and v
-                                         and (k.startswith("excluded_") or k.startswith("groups_"))})
-        batches = [TrainBatch.from_micro_batch(mb, i) for i, mb in enumerate(micro)]
-        opened = self.coordinator.start_step(len(batches), groups=len(groups),
+        planned = len(groups) * per_group if waiting and per_group is not None else len(batches)
+        opened = self.coordinator.start_step(planned, groups=len(groups),
                                              trajectories=report.get("trajectories_kept", 0))
         if opened != step:
             raise RuntimeError(f"the trainer opened step {opened} for the batch of step {step}")
-        if not batches:  # no group had enough scored executions: the step closes without an update
+        figures = StepTraining(step, policy_version=self.coordinator.state.policy_version)
+        if not planned:  # no group had enough scored executions: the step closes without an update
             version = self.coordinator.state.policy_version
             self.coordinator.close_step(StepResult(policy_version=version, grad_norm=0.0, normalizer=1.0),
                                         duration_s=time.monotonic() - started)
             figures.train_s = time.monotonic() - started
+            figures.excluded = excluded(report)
             self.on_trained(figures)
             return
-        executions = {e for b in batches for e in b.execution_ids}
         self.backend.zero_grad()
         if self.satellites is not None:  # before mark_ready: a satellite's claim needs the step's batches
-            self.satellites.open_step(step, batches, self.backend)
-        self.coordinator.mark_ready({i: b.tokens for i, b in enumerate(batches)},
-                                    {i: b.execution_ids for i, b in enumerate(batches)})
-        if self.satellites is None:
-            work(self.backend, self.coordinator, self.cell_id, batches.__getitem__)
-        else:  # also waits for every satellite's gradients (or its lease) and adds them to the core's
-            self.satellites.run_step(self.backend, batches.__getitem__)
+            self.satellites.open_step(step, [], self.backend)
+        feed = _Feed(self, builder, batches, waiting)
+        feed.offer(batches)
+        timeout_s = STREAM_TIMEOUT_S if waiting else STEP_TIMEOUT_S
+        try:
+            feed.start()
+            if self.satellites is None:
+                work(self.backend, feed, self.cell_id, batches.__getitem__, timeout_s=timeout_s)
+            else:  # also waits for every satellite's gradients (or its lease) and adds them to the core's
+                self.satellites.run_step(self.backend, batches.__getitem__, coordinator=feed, timeout_s=timeout_s)
+        finally:
+            feed.stop()
+        if waiting:  # the batch statistics of every group, now that all are in
+            metrics = {**builder.report.step_metrics(), **metrics}
+            report = builder.report.to_dict()
+        metrics["rollout_s"] = self.rollout_s(step)  # a streamed step's rollouts end while it trains
+        executions = {e for b in batches for e in b.execution_ids}
         optimizer_started = time.monotonic()
-        result = self.backend.optimizer_step(normalizer=float(len(executions)))
+        if executions:
+            result = self.backend.optimizer_step(normalizer=float(len(executions)))
+        else:  # every group was left out (its micro-steps empty): no update, as a step with no batch
+            result = StepResult(policy_version=self.coordinator.state.policy_version, grad_norm=0.0, normalizer=1.0)
         metrics["optimizer_s"] = time.monotonic() - optimizer_started
         summary = self.coordinator.close_step(result, duration_s=time.monotonic() - started, metrics=metrics)
         if self.satellites is not None:
             self.satellites.close_step()
-        self.publish(result.policy_version)
+        if executions:
+            self.publish(result.policy_version)
         figures.micro_steps = len(batches)
         figures.trained_tokens = sum(b.trained_tokens for b in batches)
         figures.forwarded_tokens = summary.tokens
         figures.loss = summary.stats.loss_sum / result.normalizer
         figures.train_s = time.monotonic() - started
+        figures.excluded = excluded(report)
         self.on_trained(figures)
 
     def close(self) -> None:
@@ -238,12 +289,85 @@ class LocalCoreTrainer:
 
     def _retrain(self, step: int, groups: tuple[str, ...]) -> None:
         """Train a logged step again, in the order it was trained, logging nothing."""
-        from gyre.trainer import TrainBatch
-
-        micro, _, _ = self._batches(groups)
-        batches = [TrainBatch.from_micro_batch(mb, i) for i, mb in enumerate(micro)]
+        _, batches, waiting = self._batches(groups)
+        if waiting:
+            raise WeightsError(f"step {step} finished in the log, yet its groups {waiting} are not complete in it")
         executions = {e for b in batches for e in b.execution_ids}
         self.backend.zero_grad()
         for batch in batches:
             self.backend.forward_backward(batch)
-        self.backend.optimizer_step(normalizer=float(len(executions)))
+        if executions:
+            self.backend.optimizer_step(normalizer=float(len(executions)))
+
+
+def excluded(report: dict) -> dict[str, int]:
+    """The build report's exclusion and group counts that are not zero (the CLI shows them)."""
+    return {k: v for k, v in report.items()
+            if isinstance(v, int) and v and (k.startswith("excluded_") or k.startswith("groups_"))}
+
+
+class _Feed:
+    """The step's coordinator as its replicas see it while groups of the step are still rolling out.
+
+    A thread follows the log; each group it completes is built (in completion order, numbered on) and its
+    micro-steps offered to satellites, then marked ready. A failure there reaches the replicas at their
+    next claim or wait, so the step fails instead of waiting for ever."""
+
+    def __init__(self, core: LocalCoreTrainer, builder: BatchBuilder, batches: list[TrainBatch],
+                 waiting: list[str]) -> None:
+        self.core, self.coordinator, self.builder = core, core.coordinator, builder
+        self.batches, self.waiting = batches, waiting
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def offer(self, batches: list[TrainBatch]) -> None:
+        if not batches:
+            return
+        if self.core.satellites is not None:
+            self.core.satellites.offer(batches)
+        self.coordinator.mark_ready({b.index: b.tokens for b in batches},
+                                    {b.index: b.execution_ids for b in batches})
+
+    def start(self) -> None:
+        if self.waiting:
+            self._thread = threading.Thread(target=self._follow, name="gyre-step-feed", daemon=True)
+            self._thread.start()
+
+    def _follow(self) -> None:
+        source = self.core._log()
+        try:
+            while self.waiting and not self._stop.is_set():
+                source.refresh_available(FEED_POLL_S)
+                done = source.completed(self.waiting)
+                if not done:
+                    continue
+                built = self.core._build(self.builder, done)
+                self.batches.extend(built)  # before they are claimable: a replica looks its batch up here
+                self.waiting = [g for g in self.waiting if g not in set(done)]
+                self.offer(built)
+        except BaseException as error:  # handed to the replicas (`_check`), never swallowed
+            self._error = error
+            self.coordinator.notify()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise StepProtocolError(f"streaming the step's groups failed: {self._error}") from self._error
+
+    # -- what a replica needs of the coordinator (`gyre.trainer.replica.Coordinator`) ------------------------
+
+    def claim(self, cell_id: str) -> Claim:
+        self._check()
+        return self.coordinator.claim(cell_id)
+
+    def finish(self, cell_id: str, step: int, micro_step: int, result: MicroStepResult) -> None:
+        self.coordinator.finish(cell_id, step, micro_step, result)
+
+    def wait_for_work(self, timeout_s: float) -> None:
+        self._check()
+        self.coordinator.wait_for_work(timeout_s)

@@ -30,7 +30,7 @@ from gyre.trainer.claims import open_step
 from gyre.trainer.errors import StepProtocolError
 from gyre.trainer.loss import LossStats
 from gyre.trainer.protocol import MicroStepResult
-from gyre.trainer.replica import work
+from gyre.trainer.replica import Coordinator, work
 from gyre.transfer.tensors import GradientSlots, SlotDescriptor, TensorManifest, WeightsPublisher
 
 if TYPE_CHECKING:
@@ -121,7 +121,8 @@ class TrainerHub:
         self._lock = threading.RLock()
         self._members: dict[str, Member] = {}
         self._step: int | None = None
-        self._batches: list[bytes] = []
+        self._batches: dict[int, bytes] = {}
+        """The open step's micro-batches offered so far (a streamed step's grow as its groups complete)."""
         self._closing = False
         self._absorbed: torch.Tensor | None = None
         """Gradients of satellites that left with everything landed during the open step (flat fp32)."""
@@ -151,19 +152,26 @@ class TrainerHub:
         version = self.coordinator.state.policy_version
         if version not in self.publisher.versions:
             self.publish(version, list(backend.named_tensors()))
-        data = [b.to_bytes() for b in batches]
         with self._lock:
-            self._step, self._batches, self._closing, self._absorbed = step, data, False, None
+            self._step, self._batches, self._closing, self._absorbed = step, {}, False, None
             self._absorbed_steps = set()
+        self.offer(batches)
+
+    def offer(self, batches: Sequence[TrainBatch]) -> None:
+        """More micro-batches of the open step (by their index), before the coordinator marks them ready."""
+        data = {b.index: b.to_bytes() for b in batches}
+        with self._lock:
+            self._batches.update(data)
 
     def run_step(self, backend: TrainerBackend, batch_of: Callable[[int], TrainBatch], *,
-                 timeout_s: float = 600.0) -> list[MicroStepResult]:
+                 coordinator: Coordinator | None = None, timeout_s: float = 600.0) -> list[MicroStepResult]:
         """The core's replica works until nothing is left, then waits for the step to be complete (leases
-        expiring meanwhile hand micro-steps back to it), then sums the satellites' slots into its gradients."""
+        expiring meanwhile hand micro-steps back to it), then sums the satellites' slots into its gradients.
+        ``coordinator``: what the core's replica claims through (a streamed step's feed; default the hub's)."""
         deadline = time.monotonic() + timeout_s
         done: list[MicroStepResult] = []
         while True:
-            done += work(backend, self.coordinator, self.core_cell, batch_of,
+            done += work(backend, coordinator or self.coordinator, self.core_cell, batch_of,
                          timeout_s=max(1.0, deadline - time.monotonic()))
             if self.collect(backend.gradient_buffers()):
                 return done
@@ -203,7 +211,7 @@ class TrainerHub:
     def close_step(self) -> None:
         """The optimizer step is applied: the step's batches and contributions are dropped."""
         with self._lock:
-            self._step, self._batches, self._closing, self._absorbed = None, [], False, None
+            self._step, self._batches, self._closing, self._absorbed = None, {}, False, None
             self._absorbed_steps = set()
             for member in self._members.values():
                 member.step, member.finished, member.landed = None, set(), set()

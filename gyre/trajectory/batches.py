@@ -90,6 +90,18 @@ def bins(lengths: Sequence[int], budget: int, prefixes: Sequence[np.ndarray] | N
     return [sorted(members) for _, members in opened]
 
 
+def balanced(lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """Exactly ``parts`` bins (some empty when there are fewer rows): longest row first into the lightest bin
+    (ties: the first), rows in their original order inside a bin. The simulator cuts a group this way."""
+    loads = [0] * parts
+    members: list[list[int]] = [[] for _ in range(parts)]
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        b = loads.index(min(loads))
+        loads[b] += lengths[index]
+        members[b].append(index)
+    return [sorted(m) for m in members]
+
+
 @dataclass(frozen=True, eq=False)
 class MicroBatch:
     """One micro-step's worth of rows, in either form; columns as in ``gyre.trajectory.spec``."""
@@ -201,15 +213,18 @@ def fill(chosen: Sequence[Row], form: BatchForm) -> pa.RecordBatch:
 
 
 def micro_batches(
-    plans: Sequence[ExecutionPlan], form: BatchForm, budget: int, first_index: int = 0, *, share: bool = False
+    plans: Sequence[ExecutionPlan], form: BatchForm, budget: int, first_index: int = 0, *, share: bool = False,
+    parts: int | None = None,
 ) -> Iterator[tuple[MicroBatch, bool]]:
     """Micro-batches of one group's plans, each with whether it holds a single over-budget row.
 
-    ``share`` (packed form): bin by forwarded tokens, a leading prompt shared within a bin counted once."""
+    ``share`` (packed form): bin by forwarded tokens, a leading prompt shared within a bin counted once.
+    ``parts``: exactly that many micro-batches (`balanced`), the budget not consulted."""
     all_rows = rows(plans, form, share=share and form == "packed")
     lengths = [row.length for row in all_rows]
     prefixes = [row.prefix for row in all_rows] if share and form == "packed" else None
-    for n, members in enumerate(bins(lengths, budget, prefixes)):  # type: ignore[arg-type]
+    cut = balanced(lengths, parts) if parts is not None else bins(lengths, budget, prefixes)  # type: ignore[arg-type]
+    for n, members in enumerate(cut):
         chosen = [all_rows[i] for i in members]
         oversized = len(chosen) == 1 and chosen[0].length > budget
         groups = tuple(dict.fromkeys(row.plan.outcome.group_id or "" for row in chosen))

@@ -39,9 +39,12 @@ class BatchBuilder:
             yield from self.group_batches(group)
 
     def group_batches(self, group: Group) -> Iterator[MicroBatch]:
+        """The group's micro-batches: ``micro_steps_per_group`` of them when set (even for a group left out,
+        so a step's plan is its groups times that), else as many as the token budget needs."""
         plans = self.plan(group)
         for batch, oversized in micro_batches(
-            plans, self.config.form, self.config.token_budget, self._next_index, share=self.config.share_prefixes
+            plans, self.config.form, self.config.token_budget, self._next_index, share=self.config.share_prefixes,
+            parts=self.config.micro_steps_per_group,
         ):
             self._next_index += 1
             self.report.micro_batches += 1

@@ -19,6 +19,9 @@ class TrajectoryConfig:
     micro-batch; with ``share_prefixes`` (packed form) it bounds the tokens the trainer *forwards*: rows of
     one group that start with the same prompt count it once, since the trainer merges their context
     (``gyre.trajectory.share``). The budget is what bounds a micro-batch's training memory.
+    ``micro_steps_per_group`` (``None``: the budget alone cuts) cuts each group into exactly that many
+    micro-batches instead, balanced by tokens (some empty when a group has fewer rows): the simulator's
+    model, and what a streamed train step needs to know its plan before its last group completes.
     """
 
     cap: int | None = 5
@@ -28,6 +31,7 @@ class TrajectoryConfig:
     token_budget: int = 1 << 20
     form: BatchForm = "packed"
     share_prefixes: bool = True
+    micro_steps_per_group: int | None = None
     strict: bool = False
     """Raise on a malformed execution instead of excluding and counting it."""
 
@@ -42,5 +46,7 @@ class TrajectoryConfig:
             raise TrajectoryConfigError(f"total_weight must be > 0, got {self.total_weight}")
         if self.token_budget < 1:
             raise TrajectoryConfigError(f"token_budget must be >= 1 token, got {self.token_budget}")
+        if self.micro_steps_per_group is not None and self.micro_steps_per_group < 1:
+            raise TrajectoryConfigError(f"micro_steps_per_group must be >= 1 or None, got {self.micro_steps_per_group}")
         if self.form not in ("packed", "expanded"):
             raise TrajectoryConfigError(f"form must be 'packed' or 'expanded', got {self.form!r}")

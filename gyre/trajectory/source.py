@@ -66,6 +66,23 @@ SELECT execution_id, max(seq) FROM executions_queued WHERE {scope} GROUP BY exec
 """
 """Executions queued more than once (a new attempt after a crash): only calls after the last queueing count."""
 
+COMPLETED_SQL = """
+WITH
+queued AS (SELECT execution_id, group_id, max(seq) AS queued_seq FROM executions_queued WHERE {scope}
+           GROUP BY execution_id, group_id),
+done AS (
+    SELECT execution_id, seq FROM rewards WHERE {scope}
+    UNION ALL SELECT execution_id, seq FROM evaluation_failures WHERE {scope}
+    UNION ALL SELECT execution_id, seq FROM executions_finished WHERE {scope} AND status = 'harness_error'),
+members AS (
+    SELECT queued.group_id, queued.execution_id, min(done.seq) AS done_seq FROM queued
+    LEFT JOIN done ON done.execution_id = queued.execution_id AND done.seq > queued.queued_seq
+    GROUP BY queued.group_id, queued.execution_id)
+SELECT group_id FROM members GROUP BY group_id HAVING count(done_seq) = count(*) ORDER BY max(done_seq), group_id
+"""
+"""Groups whose every member is done (scored, evaluation failed, harness error), in the order the log
+completed them: the scheduler's work projection (`gyre.scheduler.view`) completes groups by the same rule."""
+
 STREAM_ROWS = 4096
 
 
@@ -119,6 +136,10 @@ class LogSource:
             )
             for row in table.to_pylist()
         ]
+
+    def completed(self, group_ids: Iterable[str]) -> list[str]:
+        """Those of ``group_ids`` whose every member is done, in the order they completed (`COMPLETED_SQL`)."""
+        return [row[0] for row in self.con.execute(COMPLETED_SQL.format(scope=self._scope(group_ids))).fetchall()]
 
     def execution_calls(self, execution_id: str) -> pa.Table:
         """The ``model_calls`` rows of one execution (for ``show``; a full scan of the calls)."""
@@ -231,15 +252,31 @@ class LiveLogSource(LogSource):
             except queue.Empty:
                 raise TrajectoryError(f"the log at {self.path} did not reach seq {upto} within {timeout_s} s "
                                       f"(read up to {self.next_seq - 1})") from None
-            if isinstance(item, BaseException):
-                raise TrajectoryError(f"following the log at {self.path} failed: {item}") from item
-            self.con.register("gyre_new", item)
-            for kind in BATCH_KINDS:
-                self.con.execute(f"INSERT INTO {EVENT_TYPES[kind].view} {_flat(kind)}")
-            self.con.unregister("gyre_new")
-            added += sum(1 for k in item.column("kind").to_pylist() if k in BATCH_KINDS)
-            self.next_seq = max(self.next_seq, item.column("seq")[-1].as_py() + 1)
+            added += self._load(item)
         return added
+
+    def refresh_available(self, wait_s: float) -> int:
+        """Load everything the follower has read by now, waiting up to ``wait_s`` for something when it has
+        read nothing new (a streamed step waits on its groups this way); returns the rows added."""
+        try:
+            added = self._load(self._batches.get(timeout=wait_s))
+        except queue.Empty:
+            return 0
+        while True:
+            try:
+                added += self._load(self._batches.get_nowait())
+            except queue.Empty:
+                return added
+
+    def _load(self, item: pa.RecordBatch | BaseException) -> int:
+        if isinstance(item, BaseException):
+            raise TrajectoryError(f"following the log at {self.path} failed: {item}") from item
+        self.con.register("gyre_new", item)
+        for kind in BATCH_KINDS:
+            self.con.execute(f"INSERT INTO {EVENT_TYPES[kind].view} {_flat(kind)}")
+        self.con.unregister("gyre_new")
+        self.next_seq = max(self.next_seq, item.column("seq")[-1].as_py() + 1)
+        return sum(1 for k in item.column("kind").to_pylist() if k in BATCH_KINDS)
 
     def close(self) -> None:
         self._stop.set()

@@ -3,8 +3,9 @@
 The scripted harness makes one model call (stdlib, starts in milliseconds). Elastic lends the core and then a
 second cell to training once the step's executions no longer need them; the lent cell pulls the current
 weights from the core over Mooncake and claims micro-steps of the running step; when the next step's
-executions raise the watermark it returns to rollout and loads the new weights. The log must show all of it,
-the trained weights must equal one replica doing the same micro-steps, and replay must re-derive every
+executions raise the watermark it returns to rollout and loads the new weights. Each step's two groups are
+streamed (elastic's ``stream_micro_steps``): the step opens on its first complete group. The log must show all
+of it, the trained weights must equal one replica doing the same micro-steps, and replay must re-derive every
 decision.
 """
 
@@ -33,9 +34,9 @@ def cluster_config(run_dir: Path, steps: int = 2) -> ClusterConfig:
         cluster=ClusterSection(cells=3, slots=2, core="cell0", heartbeat_s=0.5, dead_after_s=60),
         scheduler=ClusterSchedulerSection(policy="elastic", params={"hysteresis_slots": 0}),
         rollout=RolloutSection(tasks=QUICK / "tasks.toml", harness=QUICK / "harness.toml", task_ids=("hello",),
-                               groups_per_step=1, group_size=4, timeout_s=60),
+                               groups_per_step=2, group_size=2, timeout_s=60),
         sampling=SamplingSection(max_tokens=8),
-        trajectory=TrajectorySection(token_budget=64, min_valid_per_group=2),  # a micro-step per execution
+        trajectory=TrajectorySection(min_valid_per_group=2, micro_steps_per_group=2),  # a micro-step per execution
         trainer=TrainerSection(lr=1e-3, eps_low=0.2, eps_high=0.28),
     )
 
@@ -91,15 +92,19 @@ def test_the_steps_weights_equal_one_replica_on_the_same_micro_steps(three_cells
     backend = torch_backend(config)
     run_id = _events(log, "run_started")[0].run_id
     steps = {s.step: s for s in _events(log, "train_step_started")}
-    groups = {q.step: q.group_id for q in _events(log, "execution_queued")}
+    groups: dict[int, list[str]] = {}
+    for q in _events(log, "execution_queued"):
+        groups.setdefault(q.step, []).append(q.group_id)
     section = config.trajectory
     source = LogSource(log, run_id=run_id)
     for step in sorted(steps):
         builder = BatchBuilder(TrajectoryConfig(cap=section.cap, min_valid_per_group=section.min_valid_per_group,
-                                                token_budget=section.token_budget, form=section.form))
-        micro = list(builder.batches(source.groups(group_ids=[groups[step]])))
+                                                token_budget=section.token_budget, form=section.form,
+                                                micro_steps_per_group=section.micro_steps_per_group))
+        order = source.completed(groups[step])  # the core trains groups in the order they completed
+        micro = [mb for g in order for mb in builder.batches(source.groups(group_ids=[g]))]
         batches = [TrainBatch.from_micro_batch(mb, i) for i, mb in enumerate(micro)]
-        assert len(batches) == steps[step].planned_micro_steps
+        assert len(batches) == steps[step].planned_micro_steps == 4
         backend.zero_grad()
         for batch in batches:
             backend.forward_backward(batch)

@@ -30,6 +30,7 @@ def test_an_emulated_run_faces_the_scenarios_workload(tmp_path: Path) -> None:
     workload = sample_workload(scenario, scenario.seed)
     assert (config.cluster.cells, config.cluster.slots, config.steps) == (8, 4, 12)
     assert (config.rollout.groups_per_step, config.rollout.group_size) == (16, 2)
+    assert config.trajectory.micro_steps_per_group == scenario.batch.micro_steps_per_group  # the sim's cut
     assert config.rollout.timeout_s == scenario.rollout.timeout_s / 1e4 and config.sampling.ignore_eos
     emulation = config.emulation()
     assert emulation is not None and (emulation.time_scale, emulation.token_scale) == (1e4, 100)

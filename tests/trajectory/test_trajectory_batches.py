@@ -10,7 +10,7 @@ import torch
 from trajectory_helpers import ancestors_mask, branchy, call, calls, group, interval_mask, outcome, rows, trained
 
 from gyre.trajectory import EXPANDED_COLUMNS, PACKED_COLUMNS, TrajectoryConfig, build, schema
-from gyre.trajectory.batches import bins
+from gyre.trajectory.batches import balanced, bins
 
 
 def two_executions():
@@ -101,6 +101,13 @@ def test_micro_batches_respect_the_token_budget() -> None:
 def test_first_fit_decreasing_bins() -> None:
     assert bins([5, 3, 4, 2, 9], budget=8) == [[4], [0, 1], [2, 3]]
     assert bins([], budget=8) == []
+
+
+def test_a_fixed_cut_gives_exactly_that_many_balanced_bins() -> None:
+    """`micro_steps_per_group`: the plan is known before the group's rows are (empty bins when fewer rows)."""
+    assert balanced([5, 3, 4, 2, 9], 2) == [[1, 4], [0, 2, 3]]  # 12 and 11 tokens: longest first, lightest bin
+    assert balanced([7, 1], 4) == [[0], [1], [], []]
+    assert balanced([], 3) == [[], [], []]
 
 
 @pytest.mark.parametrize(("form", "spec"), [("packed", PACKED_COLUMNS), ("expanded", EXPANDED_COLUMNS)])
