@@ -102,9 +102,9 @@ def compare_emulated(base: ClusterConfig, args: argparse.Namespace) -> dict[str,
         shutil.rmtree(run_dir, ignore_errors=True)
         get_policy(policy)  # an unknown design name fails here, before any process starts
         staged = base.model_copy(update={"run_dir": run_dir, "scheduler": base.scheduler.model_copy(
-            update={"policy": policy, "params": params})})
+            update={"policy": policy})})
         overrides = scenario_overrides(staged, args.emulate, time_scale=args.time_scale,
-                                       token_scale=args.token_scale)
+                                       token_scale=args.token_scale, params=params)
         if args.steps is not None:
             overrides["steps"] = args.steps
         config = ClusterConfig.load(args.config, {**overrides, "run_dir": str(run_dir),

@@ -31,9 +31,10 @@ AGENT_DIR = REPO / "agents" / "scenario_agent"
 
 
 def scenario_overrides(config: ClusterConfig, scenario_name: str, *, time_scale: float, token_scale: float,
-                       seed: int | None = None) -> dict[str, Any]:
+                       seed: int | None = None, params: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the scenario's task set under ``config.run_dir`` and return the overrides that make ``config``
-    run it (module docstring)."""
+    run it (module docstring). The policy runs with the scenario's parameters, not the config file's (those
+    are tuned for the file's own workload), changed only by ``params`` (an ablation's variant)."""
     if time_scale <= 0 or token_scale <= 0:
         raise ValueError(f"--time-scale and --token-scale must be positive (given {time_scale} and {token_scale})")
     scenario = load_scenario(scenario_name)
@@ -57,7 +58,7 @@ def scenario_overrides(config: ClusterConfig, scenario_name: str, *, time_scale:
     (out / "tasks.toml").write_text(_task_set(scenario.name, seed, tasks, eval_timeout))
     shutil.copy(AGENT_DIR / "grade.py", out / "grade.py")  # a sandboxed evaluator reads only its task set's dir
     policy = config.scheduler.policy
-    params = {**scenario.policy.values(policy), **config.scheduler.params,
+    params = {**scenario.policy.values(policy), **(params or {}),
               "switch_to_training_s": scenario.switch.to_training_s / time_scale,
               "switch_to_rollout_s": scenario.switch.to_rollout_s / time_scale,
               "satellite_join_s": scenario.training.satellite_join_s / time_scale}

@@ -35,6 +35,12 @@ def test_an_emulated_run_faces_the_scenarios_workload(tmp_path: Path) -> None:
     emulation = config.emulation()
     assert emulation is not None and (emulation.time_scale, emulation.token_scale) == (1e4, 100)
     assert config.scheduler.params["switch_to_training_s"] == scenario.switch.to_training_s / 1e4
+    scenario_elastic = scenario.policy.values("elastic")  # the scenario's parameters, not the file's tuning
+    assert base.scheduler.params["hysteresis_slots"] != scenario_elastic["hysteresis_slots"]
+    assert config.scheduler.params["hysteresis_slots"] == scenario_elastic["hysteresis_slots"]
+    variant = scenario_overrides(base, "seed-2.4t-scaled", time_scale=1e4, token_scale=100,
+                                 params={"stream_micro_steps": False})  # an ablation's variant changes one
+    assert variant["scheduler.params"]["stream_micro_steps"] is False
     tasks = TaskSet.load(config.rollout.tasks)
     assert len(tasks) == 12 * 16
     by_id = {e.execution_id: e for e in workload.executions()}
