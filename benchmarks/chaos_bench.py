@@ -2,6 +2,7 @@
 
     python -m benchmarks.chaos_bench --kills 30 --seed 1 --json
     python -m benchmarks.chaos_bench --kills 30 --seeds 1-10 --json    # in sequence: per seed, and in total
+    python -m benchmarks.chaos_bench --partitions --partition-s 30 --json   # root: benchmarks/chaos_partition.py
 
 The run is examples/cluster-cpu.toml in a temp run directory (more steps, quicker loss detection). At each
 moment drawn from a seeded RNG — once the log has grown by a drawn number of events and a drawn 1-6 s have
@@ -673,6 +674,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full-disk-s", type=float, default=0.0,
                         help="fill the log's disk (a tmpfs; root) for this long, --full-disk-at-s into the run")
     parser.add_argument("--full-disk-at-s", type=float, default=60.0)
+    parser.add_argument("--partitions", action="store_true",
+                        help="no kills: a run on three network-namespace hosts (root, iproute2), partitioned "
+                             "controller<->cell and cell<->cell (benchmarks/chaos_partition.py)")
+    parser.add_argument("--partition-s", type=float, default=30.0, help="how long each partition holds")
+    parser.add_argument("--netem", default="delay 5ms 2ms loss 1%",
+                        help="tc netem on every link for the whole --partitions run ('' for none)")
     parser.add_argument("--min-wait-s", type=float, default=1.0)
     parser.add_argument("--max-wait-s", type=float, default=6.0)
     parser.add_argument("--max-events", type=int, default=20, help="new log events to wait for, drawn 1..this")
@@ -685,7 +692,13 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="gyre-chaos-")) if args.keep is None else args.keep
     root.mkdir(parents=True, exist_ok=True)
     try:
-        if args.seeds is None:
+        if args.partitions:
+            from benchmarks.chaos_partition import run_partitions
+
+            out = run_partitions(root / f"partitions-s{args.seed}", steps=args.steps or 12, seed=args.seed,
+                                 hold_s=args.partition_s, netem=args.netem, timeout_s=args.timeout_s,
+                                 base=args.config)
+        elif args.seeds is None:
             out = run_seed(args, args.seed, root)
         else:
             runs = []
@@ -700,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     if args.json:
         print(json.dumps(out))
-    elif args.seeds is None:
+    elif args.seeds is None or args.partitions:
         print(json.dumps({k: v for k, v in out.items() if k != "kill_log"}, indent=2))
     else:
         print(json.dumps(out["total"], indent=2))

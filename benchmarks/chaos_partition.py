@@ -1,0 +1,291 @@
+"""Network partitions: a 4-cell run over three network-namespace hosts, netem delay and loss on every link,
+and two partitions of ``hold_s`` seconds each.
+
+    python -m benchmarks.chaos_bench --partitions --partition-s 30 --seed 1 --json     # root, iproute2
+
+Host a runs the controller and the proxy (with the harnesses), host b the core (cell0) and cell1, host c cell2
+and cell3 (`tests/cluster/hosts.py`: a network namespace and a private disk each; ``launcher = "manual"``).
+Every process that exits is started again on its host, as systemd or an ``srun`` loop would. The links carry
+``netem`` (default: 5 ms ± 2 ms delay, 1% loss, on every switch port) for the whole run; a partition drops
+every IP packet between two hosts, both ways (``tc`` u32 filters into a 100%-loss netem band on each host's
+``eth0``), and heals by removing the filters:
+
+1. **controller <-> cell**: a and c, from the first finished train step. The controller declares c's cells
+   lost (missed heartbeats); once the partition heals their streams come back as the old incarnation, are
+   refused (a lost process never comes back), and the processes exit; started again, new incarnations
+   register. A cut-off cell never acts beside its replacement: the hub refuses its commands and events.
+2. **cell <-> cell mid-transfer**: b (the core) and c, from the first ``weights_published`` after c's cells
+   are back: the engines on c pull that version from the core over Mooncake, and satellites on c join the
+   core's steps, while the partition holds.
+
+The run must complete, its log audit clean (`gyre.audit`) and its replay exact (`gyre replay`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from benchmarks.chaos_bench import run_config, write_config
+from gyre import auth
+from gyre.cluster.auth import SECRET_ENV
+from gyre.cluster.run import process_argv
+from tests.cluster.hosts import Hosts, available
+
+HOSTS = {"a": ("controller", "proxy"), "b": ("cell0", "cell1"), "c": ("cell2", "cell3")}
+PORT = 7700
+LOSS_BAND = "1:3"
+"""The prio band whose netem drops everything: only a partition's filters send packets there."""
+
+
+def unavailable() -> str | None:
+    """None when partitions can be made here; else why not (root, iproute2's ``ip`` and ``tc``)."""
+    why = available()
+    if why is None and subprocess.run(["sh", "-c", "command -v tc"], capture_output=True).returncode != 0:
+        why = "tc is not installed (iproute2)"
+    return why
+
+
+def _tc(netns: str, *args: str) -> None:
+    subprocess.run(["ip", "netns", "exec", netns, "tc", *args], check=True, capture_output=True, text=True)
+
+
+class Links:
+    """netem on every link of ``hosts``; partitions between two hosts, made and healed."""
+
+    def __init__(self, hosts: Hosts, netem: str) -> None:
+        self.hosts, self.netem = hosts, netem
+
+    def shape(self) -> None:
+        """Each host's ``eth0``: a prio qdisc whose third band (no traffic goes there by default) loses
+        everything; each switch port: the links' delay and loss."""
+        for i, host in enumerate(self.hosts.hosts.values()):
+            _tc(host.netns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "prio", "bands", "3")
+            _tc(host.netns, "qdisc", "add", "dev", "eth0", "parent", LOSS_BAND, "handle", "30:", "netem", "loss",
+                "100%")
+            if self.netem:
+                _tc(self.hosts.switch, "qdisc", "add", "dev", f"{self.hosts.tag}s{i}", "root", "netem",
+                    *self.netem.split())
+
+    def _filters(self, a: str, b: str, verb: str) -> None:
+        for here, there in ((a, b), (b, a)):
+            address = self.hosts[there].address
+            pref = address.rsplit(".", 1)[1]  # one filter per peer host: removed on its own
+            match = ["match", "ip", "dst", f"{address}/32", "flowid", LOSS_BAND] if verb == "add" else []
+            _tc(self.hosts[here].netns, "filter", verb, "dev", "eth0", "parent", "1:", "protocol", "ip", "prio",
+                pref, *(["u32", *match] if verb == "add" else []))
+
+    def cut(self, a: str, b: str) -> None:
+        self._filters(a, b, "add")
+
+    def heal(self, a: str, b: str) -> None:
+        self._filters(a, b, "del")
+
+
+@dataclass
+class Partition:
+    between: tuple[str, str]
+    what: str
+    at_s: float = 0.0
+    healed_at_s: float = 0.0
+    ts: str = ""
+    healed_ts: str = ""
+    trigger_seq: int = -1
+
+
+@dataclass
+class PartitionResult:
+    partitions: list[Partition] = field(default_factory=list)
+    restarts: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    finished: bool = False
+    wall_s: float = 0.0
+
+
+class PartitionRun:
+    """One run on the three hosts, partitioned twice; the bench's ``--partitions``."""
+
+    def __init__(self, tmp: Path, *, steps: int, seed: int, hold_s: float, netem: str, timeout_s: float,
+                 base: Path) -> None:
+        self.tmp, self.steps, self.seed, self.hold_s, self.netem = tmp, steps, seed, hold_s, netem
+        self.timeout_s, self.base = timeout_s, base
+        self.result = PartitionResult()
+        self._started = time.monotonic()
+        self._stop = threading.Event()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._started
+
+    def _config(self, hosts: Hosts, name: str) -> None:
+        run_dir = hosts.root / "run"  # the same path on every host, a different disk behind it
+        data = run_config(run_dir, steps=self.steps, seed=self.seed, base=self.base)
+        data["cluster"].update(bind="0.0.0.0", port=PORT, launcher="manual",
+                               **({"advertise": hosts["a"].address} if name == "a" else {}))
+        written = write_config(hosts[name].disk / "run", data)
+        written.rename(hosts[name].disk / "run.json")
+
+    def run(self) -> tuple[PartitionResult, Path]:
+        env = {**os.environ, SECRET_ENV: auth.mint(auth.RUN_PREFIX), "PYTHONPATH": str(Path(__file__).parents[1])}
+        with Hosts(self.tmp, list(HOSTS)) as hosts:
+            for name in HOSTS:
+                self._config(hosts, name)
+            links = Links(hosts, self.netem)
+            links.shape()
+            config = str(hosts.root / "run.json")
+            controller_address = f"{hosts['a'].address}:{PORT}"
+            controller = hosts.spawn("a", [sys.executable, "-m", "gyre", "run", config], env=env,
+                                     log="controller.out")
+            argv = {p: process_argv(p, controller_address, config) for ps in HOSTS.values() for p in ps
+                    if p != "controller"}
+            procs = {p: hosts.spawn(h, argv[p], env=env, log=f"{p}.out") for h, ps in HOSTS.items() for p in ps
+                     if p != "controller"}
+            keeper = threading.Thread(target=self._keep_alive, args=(hosts, procs, argv, env, controller),
+                                      daemon=True)
+            keeper.start()
+            log = hosts["a"].disk / "run" / "log"
+            try:
+                self._partitions(links, log, controller)
+                if not self.result.problems:
+                    self._finish(controller, hosts)
+            finally:
+                self._stop.set()
+                keeper.join()
+        self.result.wall_s = self.elapsed()
+        return self.result, log
+
+    def _keep_alive(self, hosts: Hosts, procs: dict[str, subprocess.Popen], argv: dict[str, list[str]],
+                    env: dict[str, str], controller: subprocess.Popen) -> None:
+        """An exited cell or proxy is started again on its host while the run goes on."""
+        host_of = {p: h for h, ps in HOSTS.items() for p in ps}
+        while not self._stop.wait(0.5) and controller.poll() is None:
+            for name, proc in list(procs.items()):
+                if proc.poll() is not None and controller.poll() is None:
+                    self.result.restarts[name] = self.result.restarts.get(name, 0) + 1
+                    procs[name] = hosts.spawn(host_of[name], argv[name], env=env, log=f"{name}.out")
+
+    def _wait(self, log: Path, controller: subprocess.Popen, what: str, ready) -> int | None:
+        """Poll the log until ``ready(reader, since_seq)`` names a seq; None (a problem recorded) when the run
+        ended or timed out first."""
+        from gyre.log import LogReader
+
+        while self.elapsed() < self.timeout_s:
+            if controller.poll() is not None:
+                self.result.problems.append(f"the run ended (exit {controller.returncode}) before {what}: "
+                                            "give it more --steps")
+                return None
+            if any(log.glob("*.seg")):
+                seq = ready(LogReader(log))
+                if seq is not None:
+                    return seq
+            time.sleep(0.1)
+        self.result.problems.append(f"no {what} within --timeout-s {self.timeout_s:.0f}")
+        return None
+
+    def _hold(self, links: Links, between: tuple[str, str], what: str, seq: int) -> None:
+        partition = Partition(between, what, at_s=round(self.elapsed(), 3), ts=datetime.now(UTC).isoformat(),
+                              trigger_seq=seq)
+        links.cut(*between)
+        self.result.partitions.append(partition)
+        self._stop.wait(self.hold_s)
+        links.heal(*between)
+        partition.healed_at_s, partition.healed_ts = round(self.elapsed(), 3), datetime.now(UTC).isoformat()
+
+    def _partitions(self, links: Links, log: Path, controller: subprocess.Popen) -> None:
+        def first(kind: str, after: int = -1, cells: tuple[str, ...] = ()):
+            where = f" AND cell_id IN ({', '.join(repr(c) for c in cells)})" if cells else ""
+            return lambda reader: reader.duckdb().execute(
+                f"SELECT min(seq) FROM events WHERE kind = '{kind}' AND seq > {after}{where}").fetchone()[0]
+
+        seq = self._wait(log, controller, "a finished train step", first("train_step_finished"))
+        if seq is None:
+            return
+        self._hold(links, ("a", "c"), "controller <-> cells 2, 3", seq)
+        cut_seq = seq
+
+        def back(reader):  # both cells of c registered again after they were lost
+            rows = reader.duckdb().execute(
+                "SELECT cell_id, max(seq) FILTER (WHERE kind = 'cell_lost'), max(seq) FILTER (WHERE kind = "
+                f"'cell_registered') FROM events WHERE seq > {cut_seq} AND cell_id IN ('cell2', 'cell3') "
+                "GROUP BY cell_id").fetchall()
+            done = [r for r in rows if r[2] is not None and (r[1] is None or r[2] > r[1])]
+            return max(r[2] for r in done) if len(done) == 2 else None
+
+        seq = self._wait(log, controller, "cells 2 and 3 registered again", back)
+        if seq is None:
+            return
+        seq = self._wait(log, controller, "a weights_published after cells 2 and 3 came back",
+                         first("weights_published", after=seq))
+        if seq is None:
+            return
+        self._hold(links, ("b", "c"), "core's host <-> cells 2, 3 (weights)", seq)
+
+    def _finish(self, controller: subprocess.Popen, hosts: Hosts) -> None:
+        try:
+            code = controller.wait(timeout=max(1.0, self.timeout_s - self.elapsed()))
+        except subprocess.TimeoutExpired:
+            self.result.problems.append(f"the run went past --timeout-s {self.timeout_s:.0f}")
+            return
+        if code != 0:
+            tail = (hosts["a"].disk / "controller.out").read_text(errors="replace")[-1500:]
+            self.result.problems.append(f"gyre run exited {code}: {tail}")
+            return
+        self.result.finished = True
+
+
+def figures(result: PartitionResult, log: Path, steps: int) -> dict:
+    """What the partitions did, from the log: cells lost and registered again per partition, commands given
+    up on, transfers the cells on c completed while cut off; then the audit and the replay."""
+    from benchmarks.chaos_bench import replay
+    from gyre.audit import audit
+    from gyre.log import LogReader
+
+    out: dict = {"finished": result.finished, "wall_s": round(result.wall_s, 1), "restarts": result.restarts,
+                 "partitions": []}
+    problems = list(result.problems)
+    if not any(log.glob("*.seg")):
+        return {**out, "problems": [*problems, "no log"], "passed": False}
+    con = LogReader(log).duckdb()
+    for p in result.partitions:
+        window = "ts >= CAST(? AS TIMESTAMPTZ) AND ts < CAST(? AS TIMESTAMPTZ)"
+        counts = dict(con.execute(
+            f"SELECT kind, count(*) FROM events WHERE {window} AND cell_id IN ('cell2', 'cell3') GROUP BY kind",
+            [p.ts, p.healed_ts]).fetchall())
+        abandoned = con.execute(f"SELECT command, count(*) FROM events WHERE kind = 'command_abandoned' AND "
+                                f"{window} GROUP BY command", [p.ts, p.healed_ts]).fetchall()
+        out["partitions"].append({
+            "between": "-".join(p.between), "what": p.what, "at_s": p.at_s,
+            "held_s": round(p.healed_at_s - p.at_s, 3), "cells_lost": counts.get("cell_lost", 0),
+            "cells_registered": counts.get("cell_registered", 0),
+            "weights_loaded_on_c": counts.get("weights_loaded", 0),
+            "micro_steps_on_c": counts.get("micro_step_finished", 0),
+            "commands_abandoned": dict(abandoned)})
+    report = audit(log, expected_steps=steps, require_finished=True)
+    replayed = replay(log)
+    out.update(steps_trained=report.steps_trained, events_lost=report.events_lost,
+               events_doubled=report.events_doubled, rewards_lost=report.rewards_lost,
+               rewards_doubled=report.rewards_doubled, cells_lost=report.cells_lost,
+               cells_reregistered=report.cells_reregistered, commands_abandoned=report.commands_abandoned,
+               replay_mismatches=replayed.get("mismatches"))
+    problems += report.problems
+    if replayed.get("mismatches") or replayed.get("error"):
+        problems.append(f"replay: {replayed.get('error') or str(replayed['mismatches']) + ' mismatches'}")
+    out["problems"] = problems
+    out["passed"] = not problems and result.finished
+    return out
+
+
+def run_partitions(tmp: Path, *, steps: int, seed: int, hold_s: float, netem: str, timeout_s: float,
+                   base: Path) -> dict:
+    """The partition run under ``tmp`` and its figures; a clear error when this machine cannot make hosts."""
+    why = unavailable()
+    if why is not None:
+        raise SystemExit(f"--partitions needs root and iproute2 (network namespaces, tc): {why}")
+    run = PartitionRun(tmp, steps=steps, seed=seed, hold_s=hold_s, netem=netem, timeout_s=timeout_s, base=base)
+    result, log = run.run()
+    return {"seed": seed, "steps": steps, "hold_s": hold_s, "netem": netem, **figures(result, log, steps)}
