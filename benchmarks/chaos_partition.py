@@ -1,14 +1,14 @@
 """Network partitions: a 4-cell run over three network-namespace hosts, netem delay and loss on every link,
 and two partitions of ``hold_s`` seconds each.
 
-    python -m benchmarks.chaos_bench --partitions --partition-s 30 --seed 1 --json     # root, iproute2
+    python -m benchmarks.chaos_bench --partitions --partition-s 30 --seed 1 --json     # root, iproute2, nftables
 
 Host a runs the controller and the proxy (with the harnesses), host b the core (cell0) and cell1, host c cell2
 and cell3 (`tests/cluster/hosts.py`: a network namespace and a private disk each; ``launcher = "manual"``).
-Every process that exits is started again on its host, as systemd or an ``srun`` loop would. The links carry
-``netem`` (default: 5 ms ± 2 ms delay, 1% loss, on every switch port) for the whole run; a partition drops
-every IP packet between two hosts, both ways (``tc`` u32 filters into a 100%-loss netem band on each host's
-``eth0``), and heals by removing the filters:
+Every process that exits is started again on its host, as systemd or an ``srun`` loop would. Every link loses
+``loss_pct`` of its packets (nftables ``numgen``) for the whole run, and is delayed by ``tc netem`` where the
+kernel has it (this VM's does not: the figures say so); a partition drops every IP packet between two hosts,
+both ways (an nftables set on each), and heals by emptying it:
 
 1. **controller <-> cell**: a and c, from the first finished train step. The controller declares c's cells
    lost (missed heartbeats); once the partition heals their streams come back as the old incarnation, are
@@ -24,6 +24,7 @@ The run must complete, its log audit clean (`gyre.audit`) and its replay exact (
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -40,52 +41,68 @@ from tests.cluster.hosts import Hosts, available
 
 HOSTS = {"a": ("controller", "proxy"), "b": ("cell0", "cell1"), "c": ("cell2", "cell3")}
 PORT = 7700
-LOSS_BAND = "1:3"
-"""The prio band whose netem drops everything: only a partition's filters send packets there."""
 
 
 def unavailable() -> str | None:
-    """None when partitions can be made here; else why not (root, iproute2's ``ip`` and ``tc``)."""
+    """None when partitions can be made here; else why not (root, iproute2, nftables)."""
     why = available()
-    if why is None and subprocess.run(["sh", "-c", "command -v tc"], capture_output=True).returncode != 0:
-        why = "tc is not installed (iproute2)"
+    if why is None and shutil.which("nft") is None:
+        why = "nft is not installed (nftables)"
     return why
 
 
-def _tc(netns: str, *args: str) -> None:
-    subprocess.run(["ip", "netns", "exec", netns, "tc", *args], check=True, capture_output=True, text=True)
+TABLE = """
+table inet gyre {
+  set cut { type ipv4_addr; }
+  chain out { type filter hook output priority 0; policy accept; ip daddr @cut drop; %(loss)s }
+  chain in { type filter hook input priority 0; policy accept; ip saddr @cut drop; }
+}
+"""
+"""Each host's firewall: packets to or from a host in ``cut`` are dropped (a partition, made and healed by
+adding and removing the element); every packet sent is lost with the link's probability (``numgen``)."""
 
 
 class Links:
-    """netem on every link of ``hosts``; partitions between two hosts, made and healed."""
+    """Loss (and delay, where the kernel has ``sch_netem``) on every link of ``hosts``; partitions between two
+    hosts, made and healed. Delay needs netem; loss and partitions only netfilter, which every kernel with
+    network namespaces here has."""
 
-    def __init__(self, hosts: Hosts, netem: str) -> None:
-        self.hosts, self.netem = hosts, netem
+    def __init__(self, hosts: Hosts, loss_pct: float, delay_ms: float) -> None:
+        self.hosts, self.loss_pct, self.delay_ms = hosts, loss_pct, delay_ms
+        self.delay: str = "none"
+
+    def _nft(self, netns: str, *args: str, stdin: str | None = None) -> None:
+        subprocess.run(["ip", "netns", "exec", netns, "nft", *args], input=stdin, check=True, capture_output=True,
+                       text=True)
 
     def shape(self) -> None:
-        """Each host's ``eth0``: a prio qdisc whose third band (no traffic goes there by default) loses
-        everything; each switch port: the links' delay and loss."""
-        for i, host in enumerate(self.hosts.hosts.values()):
-            _tc(host.netns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "prio", "bands", "3")
-            _tc(host.netns, "qdisc", "add", "dev", "eth0", "parent", LOSS_BAND, "handle", "30:", "netem", "loss",
-                "100%")
-            if self.netem:
-                _tc(self.hosts.switch, "qdisc", "add", "dev", f"{self.hosts.tag}s{i}", "root", "netem",
-                    *self.netem.split())
+        per_mille = round(self.loss_pct * 10)
+        loss = f"numgen random mod 1000 < {per_mille} drop;" if per_mille else ""
+        for host in self.hosts.hosts.values():
+            self._nft(host.netns, "-f", "-", stdin=TABLE % {"loss": loss})
+        if self.delay_ms:
+            self.delay = self._netem_delay()
 
-    def _filters(self, a: str, b: str, verb: str) -> None:
+    def _netem_delay(self) -> str:
+        """netem delay on every switch port; what was done, or why not."""
+        for i in range(len(self.hosts.hosts)):
+            done = subprocess.run(["ip", "netns", "exec", self.hosts.switch, "tc", "qdisc", "add", "dev",
+                                   f"{self.hosts.tag}s{i}", "root", "netem", "delay", f"{self.delay_ms}ms"],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                return f"unavailable: tc netem failed ({done.stderr.strip()}; the kernel lacks sch_netem?)"
+        return f"{self.delay_ms} ms each way"
+
+    def _elements(self, a: str, b: str, verb: str) -> None:
         for here, there in ((a, b), (b, a)):
-            address = self.hosts[there].address
-            pref = address.rsplit(".", 1)[1]  # one filter per peer host: removed on its own
-            match = ["match", "ip", "dst", f"{address}/32", "flowid", LOSS_BAND] if verb == "add" else []
-            _tc(self.hosts[here].netns, "filter", verb, "dev", "eth0", "parent", "1:", "protocol", "ip", "prio",
-                pref, *(["u32", *match] if verb == "add" else []))
+            self._nft(self.hosts[here].netns, verb, "element", "inet", "gyre", "cut",
+                      f"{{ {self.hosts[there].address} }}")
 
     def cut(self, a: str, b: str) -> None:
-        self._filters(a, b, "add")
+        self._elements(a, b, "add")
 
     def heal(self, a: str, b: str) -> None:
-        self._filters(a, b, "del")
+        self._elements(a, b, "delete")
 
 
 @dataclass
@@ -111,9 +128,11 @@ class PartitionResult:
 class PartitionRun:
     """One run on the three hosts, partitioned twice; the bench's ``--partitions``."""
 
-    def __init__(self, tmp: Path, *, steps: int, seed: int, hold_s: float, netem: str, timeout_s: float,
-                 base: Path) -> None:
-        self.tmp, self.steps, self.seed, self.hold_s, self.netem = tmp, steps, seed, hold_s, netem
+    def __init__(self, tmp: Path, *, steps: int, seed: int, hold_s: float, loss_pct: float, delay_ms: float,
+                 timeout_s: float, base: Path) -> None:
+        self.tmp, self.steps, self.seed, self.hold_s = tmp, steps, seed, hold_s
+        self.loss_pct, self.delay_ms = loss_pct, delay_ms
+        self.delay = "none"
         self.timeout_s, self.base = timeout_s, base
         self.result = PartitionResult()
         self._started = time.monotonic()
@@ -135,8 +154,9 @@ class PartitionRun:
         with Hosts(self.tmp, list(HOSTS)) as hosts:
             for name in HOSTS:
                 self._config(hosts, name)
-            links = Links(hosts, self.netem)
+            links = Links(hosts, self.loss_pct, self.delay_ms)
             links.shape()
+            self.delay = links.delay
             config = str(hosts.root / "run.json")
             controller_address = f"{hosts['a'].address}:{PORT}"
             controller = hosts.spawn("a", [sys.executable, "-m", "gyre", "run", config], env=env,
@@ -280,12 +300,14 @@ def figures(result: PartitionResult, log: Path, steps: int) -> dict:
     return out
 
 
-def run_partitions(tmp: Path, *, steps: int, seed: int, hold_s: float, netem: str, timeout_s: float,
-                   base: Path) -> dict:
+def run_partitions(tmp: Path, *, steps: int, seed: int, hold_s: float, loss_pct: float, delay_ms: float,
+                   timeout_s: float, base: Path) -> dict:
     """The partition run under ``tmp`` and its figures; a clear error when this machine cannot make hosts."""
     why = unavailable()
     if why is not None:
         raise SystemExit(f"--partitions needs root and iproute2 (network namespaces, tc): {why}")
-    run = PartitionRun(tmp, steps=steps, seed=seed, hold_s=hold_s, netem=netem, timeout_s=timeout_s, base=base)
+    run = PartitionRun(tmp, steps=steps, seed=seed, hold_s=hold_s, loss_pct=loss_pct, delay_ms=delay_ms,
+                       timeout_s=timeout_s, base=base)
     result, log = run.run()
-    return {"seed": seed, "steps": steps, "hold_s": hold_s, "netem": netem, **figures(result, log, steps)}
+    return {"seed": seed, "steps": steps, "hold_s": hold_s, "link_loss_pct": loss_pct, "link_delay": run.delay,
+            **figures(result, log, steps)}
