@@ -276,7 +276,7 @@ def figures(result: PartitionResult, log: Path, steps: int) -> dict:
         counts = dict(con.execute(
             f"SELECT kind, count(*) FROM events WHERE {window} AND cell_id IN ('cell2', 'cell3') GROUP BY kind",
             [p.ts, p.healed_ts]).fetchall())
-        abandoned = con.execute(f"SELECT command, count(*) FROM events WHERE kind = 'command_abandoned' AND "
+        abandoned = con.execute(f"SELECT command, count(*) FROM commands_abandoned WHERE "
                                 f"{window} GROUP BY command", [p.ts, p.healed_ts]).fetchall()
         out["partitions"].append({
             "between": "-".join(p.between), "what": p.what, "at_s": p.at_s,
