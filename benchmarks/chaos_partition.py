@@ -14,9 +14,12 @@ both ways (an nftables set on each), and heals by emptying it:
    lost (missed heartbeats); once the partition heals their streams come back as the old incarnation, are
    refused (a lost process never comes back), and the processes exit; started again, new incarnations
    register. A cut-off cell never acts beside its replacement: the hub refuses its commands and events.
-2. **cell <-> cell mid-transfer**: b (the core) and c, from the first ``weights_published`` after c's cells
-   are back: the engines on c pull that version from the core over Mooncake, and satellites on c join the
-   core's steps, while the partition holds.
+2. **cell <-> cell mid-transfer**: b (the core) and c, from the first ``train_step_started`` after c's cells
+   are back (a tiny model's pull takes milliseconds: cut at a publish, it was over before the cut). The step
+   publishes while the partition holds: the engines on c must pull that version from the core over Mooncake
+   across the cut (their loads fail and are retried until it heals), and satellites on c join or leave the
+   core's step across it. ``loads_across_cut``: the loads of versions published during the cut, with the
+   seconds each took (retries included).
 
 The run must complete, its log audit clean (`gyre.audit`) and its replay exact (`gyre replay`).
 """
@@ -239,8 +242,8 @@ class PartitionRun:
         seq = self._wait(log, controller, "cells 2 and 3 registered again", back)
         if seq is None:
             return
-        seq = self._wait(log, controller, "a weights_published after cells 2 and 3 came back",
-                         first("weights_published", after=seq))
+        seq = self._wait(log, controller, "a train step started after cells 2 and 3 came back",
+                         first("train_step_started", after=seq))
         if seq is None:
             return
         self._hold(links, ("b", "c"), "core's host <-> cells 2, 3 (weights)", seq)
@@ -278,13 +281,17 @@ def figures(result: PartitionResult, log: Path, steps: int) -> dict:
             [p.ts, p.healed_ts]).fetchall())
         abandoned = con.execute(f"SELECT command, count(*) FROM commands_abandoned WHERE "
                                 f"{window} GROUP BY command", [p.ts, p.healed_ts]).fetchall()
+        across = con.execute(
+            "SELECT l.cell_id, l.policy_version, round(l.duration_s, 3) FROM weights_loaded l JOIN weights_published "
+            "p USING (policy_version) WHERE l.cell_id IN ('cell2', 'cell3') AND p.ts >= CAST(? AS TIMESTAMPTZ) AND "
+            "p.ts < CAST(? AS TIMESTAMPTZ) ORDER BY l.seq", [p.ts, p.healed_ts]).fetchall()
         out["partitions"].append({
             "between": "-".join(p.between), "what": p.what, "at_s": p.at_s,
             "held_s": round(p.healed_at_s - p.at_s, 3), "cells_lost": counts.get("cell_lost", 0),
             "cells_registered": counts.get("cell_registered", 0),
             "weights_loaded_on_c": counts.get("weights_loaded", 0),
             "micro_steps_on_c": counts.get("micro_step_finished", 0),
-            "commands_abandoned": dict(abandoned)})
+            "commands_abandoned": dict(abandoned), "loads_across_cut": [list(row) for row in across]})
     report = audit(log, expected_steps=steps, require_finished=True)
     replayed = replay(log)
     out.update(steps_trained=report.steps_trained, events_lost=report.events_lost,
