@@ -19,7 +19,7 @@ TINY = Path(__file__).parent / "tiny.toml"
 def test_three_seeds_of_kills_and_bursts_lose_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = cb.main(["--seeds", "1-3", "--kills", "2", "--steps", "3", "--bursts", "0.5", "--min-wait-s", "0.5",
                     "--max-wait-s", "1.5", "--max-events", "8", "--config", str(TINY), "--keep", str(tmp_path),
-                    "--timeout-s", "300", "--stall-s", "90", "--json"])
+                    "--timeout-s", "600", "--stall-s", "240", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     total = out["total"]
     failed = {r["seed"]: r["problems"] for r in out["runs"] if not r["passed"]}
