@@ -291,7 +291,12 @@ def figures(result: PartitionResult, log: Path, steps: int) -> dict:
             "cells_registered": counts.get("cell_registered", 0),
             "weights_loaded_on_c": counts.get("weights_loaded", 0),
             "micro_steps_on_c": counts.get("micro_step_finished", 0),
-            "commands_abandoned": dict(abandoned), "loads_across_cut": [list(row) for row in across]})
+            "commands_abandoned": dict(abandoned), "loads_across_cut": [list(row) for row in across],
+            "from": p.ts, "to": p.healed_ts})
+    output = log.parents[1] / "controller.out"
+    text = output.read_text(errors="replace") if output.exists() else ""
+    # pulls over Mooncake that failed (and were retried): here only a cut between hosts makes one fail
+    out["transfers_failed"] = text.count("TransferError: Mooncake read with")
     report = audit(log, expected_steps=steps, require_finished=True)
     replayed = replay(log)
     out.update(steps_trained=report.steps_trained, events_lost=report.events_lost,
