@@ -3,7 +3,8 @@
     python -m benchmarks.chaos_bench --kills 30 --seed 1 --json
     python -m benchmarks.chaos_bench --kills 30 --seeds 1-10 --json    # in sequence: per seed, and in total
     python -m benchmarks.chaos_bench --partitions --partition-s 30 --json   # root: benchmarks/chaos_partition.py
-    python -m benchmarks.chaos_bench --kills 10 --steps 3 --emulate tiny --time-scale 10 --token-scale 100
+    python -m benchmarks.chaos_bench --kills 8 --steps 3 --emulate benchmarks/scenarios/chaos-long-steps.toml \
+        --time-scale 10 --token-scale 100 --min-wait-s 5 --max-wait-s 15     # kills inside long train steps
 
 The run is examples/cluster-cpu.toml in a temp run directory (more steps, quicker loss detection). At each
 moment drawn from a seeded RNG — once the log has grown by a drawn number of events and a drawn 1-6 s have
