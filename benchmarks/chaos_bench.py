@@ -4,7 +4,7 @@
     python -m benchmarks.chaos_bench --kills 30 --seeds 1-10 --json    # in sequence: per seed, and in total
     python -m benchmarks.chaos_bench --partitions --partition-s 30 --json   # root: benchmarks/chaos_partition.py
     python -m benchmarks.chaos_bench --kills 8 --steps 3 --emulate benchmarks/scenarios/chaos-long-steps.toml \
-        --time-scale 10 --token-scale 100 --min-wait-s 5 --max-wait-s 15     # kills inside long train steps
+        --time-scale 10 --token-scale 100 --min-wait-s 10 --max-wait-s 30 --max-events 0   # kills in train steps
 
 The run is examples/cluster-cpu.toml in a temp run directory (more steps, quicker loss detection). At each
 moment drawn from a seeded RNG — once the log has grown by a drawn number of events and a drawn 1-6 s have
@@ -658,8 +658,8 @@ def totals(runs: list[dict]) -> dict:
 def run_seed(args: argparse.Namespace, seed: int, root: Path, run_name: str = "run") -> dict:
     """One chaos run of ``seed`` under ``root``; its summary (``kill_log`` included)."""
     steps = args.steps or max(4, (args.kills + 1) // 2)
-    schedule = KillSchedule(seed, args.weights, Pace(args.min_wait_s, args.max_wait_s, 1, args.max_events),
-                            burst_share=args.bursts)
+    pace = Pace(args.min_wait_s, args.max_wait_s, min(1, args.max_events), args.max_events)
+    schedule = KillSchedule(seed, args.weights, pace, burst_share=args.bursts)
     run_dir = root / run_name
     config = write_config(run_dir, run_config(run_dir, steps=steps, seed=seed, base=args.config))
     emulate = ("--emulate", args.emulate, "--time-scale", str(args.time_scale), "--token-scale",
@@ -722,7 +722,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-scale", type=float, default=100.0, help="with --emulate")
     parser.add_argument("--min-wait-s", type=float, default=1.0)
     parser.add_argument("--max-wait-s", type=float, default=6.0)
-    parser.add_argument("--max-events", type=int, default=20, help="new log events to wait for, drawn 1..this")
+    parser.add_argument("--max-events", type=int, default=20,
+                        help="new log events to wait for, drawn 1..this; 0: time alone paces the kills (a train "
+                             "step logs little while it runs: waiting for events kept kills out of it)")
     parser.add_argument("--timeout-s", type=float, default=1800)
     parser.add_argument("--stall-s", type=float, default=120, help="a log that does not grow this long fails")
     parser.add_argument("--config", type=Path, default=BASE_CONFIG, help="base cluster config (TOML)")
