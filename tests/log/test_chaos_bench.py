@@ -30,6 +30,8 @@ def test_the_schedule_is_seeded_and_paced():
     assert draws(1) != draws(2)
     for (seconds, events), _ in draws(3):
         assert 1.0 <= seconds <= 6.0 and 1 <= events <= 20
+    timed = cb.KillSchedule(3, pace=cb.Pace(10.0, 30.0, 0, 0))  # --max-events 0: time alone paces the kills
+    assert all(10.0 <= s <= 30.0 and e == 0 for s, e in (timed.wait() for _ in range(20)))
 
 
 def test_every_class_is_drawn_by_its_weight_and_only_among_live_ones():
