@@ -343,8 +343,10 @@ class Cluster:
         self.controller.fold_now()
         view = self.controller.view
         if not view.cluster.cells:  # chaos (#34): its predecessor was killed before it registered the cells
-            self.controller.record(RunResumed(run_id=self.host.run_id, folded_seq=self.controller.folded_seq,
-                                              adopted="", started=",".join(how)))
+            self.controller.record(RunResumed(
+                run_id=self.host.run_id, folded_seq=self.controller.folded_seq,
+                adopted=",".join(n for n, h in how.items() if h == "adopted"),
+                started=",".join(n for n, h in how.items() if h != "adopted")))
             self._register()  # as a start does (one cell at a time, the first found no roles to join: KeyError)
             return
         run = self.host.state  # folded with the log: the registrations, decisions and weights it holds
