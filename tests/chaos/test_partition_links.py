@@ -11,7 +11,7 @@ import pytest
 from benchmarks.chaos_partition import Links, unavailable
 from tests.cluster.hosts import Hosts
 
-pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"{unavailable()}")
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(unavailable() is not None, reason=f"{unavailable()}")]
 
 
 def _reaches(hosts: Hosts, source: str, target: str) -> bool:
