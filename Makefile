@@ -58,11 +58,12 @@ lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 
 # Debian libraries the Mooncake Transfer Engine wheel links against (gyre.transfer), bubblewrap, which
-# sandboxes every execution (gyre.harness.bwrap), and iproute2, whose `ip netns` makes the hosts of the
-# multi-host test (tests/cluster/hosts.py); installed only when missing.
+# sandboxes every execution (gyre.harness.bwrap), iproute2, whose `ip netns` makes the hosts of the
+# multi-host test (tests/cluster/hosts.py), and nftables, which cuts and loses their links
+# (benchmarks/chaos_partition.py); installed only when missing.
 MOONCAKE_DEBS := libibverbs1 librdmacm1 libnuma1
 SANDBOX_DEBS := bubblewrap
-NETNS_DEBS := iproute2
+NETNS_DEBS := iproute2 nftables
 SYSTEM_DEBS := $(MOONCAKE_DEBS) $(SANDBOX_DEBS) $(NETNS_DEBS)
 .PHONY: syslibs
 syslibs:

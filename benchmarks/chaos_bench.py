@@ -2,6 +2,9 @@
 
     python -m benchmarks.chaos_bench --kills 30 --seed 1 --json
     python -m benchmarks.chaos_bench --kills 30 --seeds 1-10 --json    # in sequence: per seed, and in total
+    python -m benchmarks.chaos_bench --partitions --partition-s 30 --json   # root: benchmarks/chaos_partition.py
+    python -m benchmarks.chaos_bench --kills 8 --steps 3 --emulate benchmarks/scenarios/chaos-long-steps.toml \
+        --time-scale 10 --token-scale 100 --min-wait-s 10 --max-wait-s 30 --max-events 0   # kills in train steps
 
 The run is examples/cluster-cpu.toml in a temp run directory (more steps, quicker loss detection). At each
 moment drawn from a seeded RNG — once the log has grown by a drawn number of events and a drawn 1-6 s have
@@ -346,6 +349,8 @@ class KillRecord:
     """A controller kill: until a peer's event reached the resumed controller."""
     burst: str = ""
     """The burst the kill was part of (`BURSTS`), or "" for a single kill."""
+    in_train_step: int | None = None
+    """The train step open in the log (started, neither finished nor aborted) when the kill landed."""
 
 
 @dataclass
@@ -382,8 +387,11 @@ def _peer_event_after(log: Path, seq: int) -> bool:
 
 class Chaos:
     def __init__(self, run_dir: Path, config: Path, schedule: KillSchedule, kills: int, *,
-                 timeout_s: float = 1800, stall_s: float = 120, output: Path | None = None) -> None:
+                 timeout_s: float = 1800, stall_s: float = 120, output: Path | None = None,
+                 run_args: tuple[str, ...] = ()) -> None:
+        """``run_args``: more of `gyre run`'s options, on every start (``--emulate ...``)."""
         self.run_dir, self.config, self.schedule, self.target = run_dir, config, schedule, kills
+        self.run_args = run_args
         self.log = run_dir / "log"
         self.timeout_s, self.stall_s = timeout_s, stall_s
         self.output = output or run_dir.parent / f"{run_dir.name}-controller.log"
@@ -392,7 +400,8 @@ class Chaos:
         self._started = time.monotonic()
 
     def start_controller(self, resume: bool) -> None:
-        argv = [sys.executable, "-m", "gyre", "run", str(self.config), *(["--resume"] if resume else [])]
+        argv = [sys.executable, "-m", "gyre", "run", str(self.config), *self.run_args,
+                *(["--resume"] if resume else [])]
         with open(self.output, "ab") as out:
             self.controller = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                cwd=ROOT)
@@ -533,6 +542,23 @@ def recovery_times(log: Path, kills: list[KillRecord]) -> float | None:
     return round(statistics.median(gaps), 3) if gaps else None
 
 
+def kills_in_train_steps(log: Path, kills: list[KillRecord]) -> None:
+    """Fill each kill's ``in_train_step``: the step the log shows open (started, not yet finished or aborted)
+    at the kill's moment."""
+    from gyre.log import LogReader
+
+    rows = LogReader(log).duckdb().execute(
+        "SELECT kind, step, ts FROM events WHERE kind IN ('train_step_started', 'train_step_finished', "
+        "'train_step_aborted') ORDER BY seq").fetchall()
+    for record in kills:
+        at, open_step = datetime.fromisoformat(record.ts), None
+        for kind, step, ts in rows:
+            if ts > at:
+                break
+            open_step = step if kind == "train_step_started" else None
+        record.in_train_step = open_step
+
+
 def summary(result: ChaosResult, audit, replay: dict | None, baseline_gap_s: float | None) -> dict:
     by_class = dict.fromkeys(VICTIM_CLASSES, 0)
     for record in result.kills:
@@ -540,7 +566,11 @@ def summary(result: ChaosResult, audit, replay: dict | None, baseline_gap_s: flo
     recovery = [r.recovery_s for r in result.kills if r.recovery_s is not None]
     restarts = [r.restart_s for r in result.kills if r.restart_s is not None]
     problems = list(result.problems)
+    in_steps = dict.fromkeys(VICTIM_CLASSES, 0)
+    for record in result.kills:
+        in_steps[record.victim_class] += record.in_train_step is not None
     out = {"kills": len(result.kills), "kills_by_victim": by_class, "bursts": dict(result.bursts),
+           "kills_in_train_steps": sum(in_steps.values()), "kills_in_train_steps_by_victim": in_steps,
            "finished": result.finished,
            "wall_s": round(result.wall_s, 1), "controller_starts": result.controller_starts,
            "time_lost_per_kill_s": {"median": round(statistics.median(recovery), 3) if recovery else None,
@@ -615,6 +645,7 @@ def totals(runs: list[dict]) -> dict:
             "runs_passed": sum(bool(r["passed"]) for r in runs),
             "failed_seeds": [r["seed"] for r in runs if not r["passed"]],
             "kills": total("kills"), "kills_by_victim": by_class, "bursts": bursts,
+            "kills_in_train_steps": total("kills_in_train_steps"),
             "events_lost": total("events_lost"), "events_doubled": total("events_doubled"),
             "rewards_lost": total("rewards_lost"), "rewards_doubled": total("rewards_doubled"),
             "commands_abandoned": total("commands_abandoned"),
@@ -627,11 +658,14 @@ def totals(runs: list[dict]) -> dict:
 def run_seed(args: argparse.Namespace, seed: int, root: Path, run_name: str = "run") -> dict:
     """One chaos run of ``seed`` under ``root``; its summary (``kill_log`` included)."""
     steps = args.steps or max(4, (args.kills + 1) // 2)
-    schedule = KillSchedule(seed, args.weights, Pace(args.min_wait_s, args.max_wait_s, 1, args.max_events),
-                            burst_share=args.bursts)
+    pace = Pace(args.min_wait_s, args.max_wait_s, min(1, args.max_events), args.max_events)
+    schedule = KillSchedule(seed, args.weights, pace, burst_share=args.bursts)
     run_dir = root / run_name
     config = write_config(run_dir, run_config(run_dir, steps=steps, seed=seed, base=args.config))
-    chaos = Chaos(run_dir, config, schedule, args.kills, timeout_s=args.timeout_s, stall_s=args.stall_s)
+    emulate = ("--emulate", args.emulate, "--time-scale", str(args.time_scale), "--token-scale",
+               str(args.token_scale), "--steps", str(steps)) if args.emulate else ()
+    chaos = Chaos(run_dir, config, schedule, args.kills, timeout_s=args.timeout_s, stall_s=args.stall_s,
+                  run_args=emulate)
     disk = FullDisk(run_dir / "log", args.full_disk_at_s, args.full_disk_s) if args.full_disk_s else None
     try:
         if disk is not None:
@@ -647,6 +681,7 @@ def run_seed(args: argparse.Namespace, seed: int, root: Path, run_name: str = "r
 
         report = audit(run_dir / "log", expected_steps=steps, require_finished=True)
         gap = recovery_times(run_dir / "log", result.kills)
+        kills_in_train_steps(run_dir / "log", result.kills)
         replayed = replay(run_dir / "log")
     out = {"seed": seed, "steps": steps, **summary(result, report, replayed, gap)}
     if disk is not None:
@@ -673,9 +708,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full-disk-s", type=float, default=0.0,
                         help="fill the log's disk (a tmpfs; root) for this long, --full-disk-at-s into the run")
     parser.add_argument("--full-disk-at-s", type=float, default=60.0)
+    parser.add_argument("--partitions", action="store_true",
+                        help="no kills: a run on three network-namespace hosts (root, iproute2, nftables), partitioned "
+                             "controller<->cell and cell<->cell (benchmarks/chaos_partition.py)")
+    parser.add_argument("--partition-s", type=float, default=30.0, help="how long each partition holds")
+    parser.add_argument("--link-loss-pct", type=float, default=1.0, help="--partitions: packets every link loses")
+    parser.add_argument("--link-delay-ms", type=float, default=5.0,
+                        help="--partitions: tc netem delay on every link (where the kernel has sch_netem)")
+    parser.add_argument("--emulate", default=None, metavar="SCENARIO",
+                        help="cells on SCENARIO's emulated accelerator (`gyre run --emulate`): train steps take "
+                             "its training time, so kills land inside them (counted: kills_in_train_steps)")
+    parser.add_argument("--time-scale", type=float, default=10.0, help="with --emulate")
+    parser.add_argument("--token-scale", type=float, default=100.0, help="with --emulate")
     parser.add_argument("--min-wait-s", type=float, default=1.0)
     parser.add_argument("--max-wait-s", type=float, default=6.0)
-    parser.add_argument("--max-events", type=int, default=20, help="new log events to wait for, drawn 1..this")
+    parser.add_argument("--max-events", type=int, default=20,
+                        help="new log events to wait for, drawn 1..this; 0: time alone paces the kills (a train "
+                             "step logs little while it runs: waiting for events kept kills out of it)")
     parser.add_argument("--timeout-s", type=float, default=1800)
     parser.add_argument("--stall-s", type=float, default=120, help="a log that does not grow this long fails")
     parser.add_argument("--config", type=Path, default=BASE_CONFIG, help="base cluster config (TOML)")
@@ -685,7 +734,14 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="gyre-chaos-")) if args.keep is None else args.keep
     root.mkdir(parents=True, exist_ok=True)
     try:
-        if args.seeds is None:
+        if args.partitions:
+            from benchmarks.chaos_partition import run_partitions
+
+            out = run_partitions(root / f"partitions-s{args.seed}", steps=args.steps or 12, seed=args.seed,
+                                 hold_s=args.partition_s, loss_pct=args.link_loss_pct,
+                                 delay_ms=args.link_delay_ms, timeout_s=args.timeout_s,
+                                 base=args.config)
+        elif args.seeds is None:
             out = run_seed(args, args.seed, root)
         else:
             runs = []
@@ -700,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     if args.json:
         print(json.dumps(out))
-    elif args.seeds is None:
+    elif args.seeds is None or args.partitions:
         print(json.dumps({k: v for k, v in out.items() if k != "kill_log"}, indent=2))
     else:
         print(json.dumps(out["total"], indent=2))

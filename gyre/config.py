@@ -124,13 +124,7 @@ class TrainConfig(_Section):
             raise ConfigError(f"no config file at {path}") from None
         except tomllib.TOMLDecodeError as error:
             raise ConfigError(f"{path} is not valid TOML: {error}") from error
-        for key, value in (overrides or {}).items():
-            *sections, name = key.split(".")
-            table = data
-            for section in sections:
-                table = table.setdefault(section, {})
-            table[name] = value
-        return cls.validated(data, f"{path}", set(overrides or ()))
+        return cls.validated(apply_overrides(data, overrides), f"{path}", set(overrides or ()))
 
     @classmethod
     def validated(cls, data: dict[str, Any], source: str, overridden: Collection[str] = ()) -> Self:
@@ -148,3 +142,14 @@ class TrainConfig(_Section):
             raise ConfigError(f"invalid {cls.kind} config {source}: " + "; ".join(problems)) from error
 
     kind: ClassVar[str] = "train"
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """``data`` (a config file's tables) with the command line's dotted keys set in it, before validation."""
+    for key, value in (overrides or {}).items():
+        *sections, name = key.split(".")
+        table = data
+        for section in sections:
+            table = table.setdefault(section, {})
+        table[name] = value
+    return data

@@ -367,15 +367,33 @@ class RemoteCell:
             return None
         started = time.perf_counter()
         loaded = None
-        if weights.location:  # v0 has no file: every engine starts with the initial weights
-            loaded = self.commands.cell(self.cell_id, "load weights",
-                                        load_weights=gyre_pb2.LoadWeights(weights=weights))
+        while weights.location:  # v0 has no file: every engine starts with the initial weights
+            sent = weights
+            try:
+                loaded = self.commands.cell(self.cell_id, "load weights",
+                                            obsolete=lambda sent=sent: self._superseded(sent),
+                                            load_weights=gyre_pb2.LoadWeights(weights=sent))
+                break
+            except Abandoned as abandoned:
+                if not abandoned.reason.startswith(SUPERSEDED):
+                    raise
+                self.commands.abandon(abandoned, self.sink)  # re-planned: the load of what the core offers now
+                weights = self.transfers.latest()
         figures = loaded.figures if loaded is not None else {}
         self.sink.commit(self.sink.record(WeightsLoaded(
             cell_id=self.cell_id, policy_version=weights.version, cause=cause,
             duration_s=time.perf_counter() - started, drain_s=figures.get("drain_s", 0.0),
             weights_bytes=int(figures.get("weights_bytes", 0)))))
         return loaded
+
+    def _superseded(self, sent: gyre_pb2.WeightsRef) -> str | None:
+        """Why a load being retried is obsolete: the core now offers a newer version, or a Mooncake copy the
+        load did not carry (a partition cut its pull; the copy it named is gone). Sent again as it was, it
+        could never succeed (chaos, partitions: ten retries of a version the core no longer held)."""
+        now = self.transfers.latest()
+        if now == sent:
+            return None
+        return f"{SUPERSEDED} (v{sent.version} -> v{now.version}{', a new copy' * (now.version == sent.version)})"
 
     def _update_weights(self, cause: str) -> None:
         info = self.info
@@ -393,6 +411,8 @@ class RemoteCell:
             self.transfers.offer(gyre_pb2.WeightsRef.FromString(done.detail), self.info.incarnation)
 
 
+SUPERSEDED = "superseded by the weights the core offers now"
+"""The reason of a load abandoned to be sent again as the latest weights (`RemoteCell._load_latest`)."""
 LOSS_RECORD_WAIT_S = 60.0
 """How long an abandoned command waits for its cell's loss, declared by the hub, to be recorded (the
 membership thread records it; a loss reported while the run starts is recorded once it has started)."""

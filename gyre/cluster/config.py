@@ -14,7 +14,7 @@ from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_va
 
 from gyre.cluster.address import WILDCARDS
 from gyre.cluster.tls import TlsSection
-from gyre.config import TrainConfig, _Section
+from gyre.config import TrainConfig, _Section, apply_overrides
 from gyre.emulate import Emulation
 from gyre.errors import ConfigError
 
@@ -142,8 +142,10 @@ class ClusterConfig(TrainConfig):
         if path.suffix != ".json":
             return super().load(path, overrides)
         try:
-            return cls.model_validate_json(path.read_text())
+            data = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"no config file at {path}") from None
         except ValueError as error:
             raise ConfigError(f"invalid cluster config {path}: {error}") from error
+        # the command line's keys apply to a JSON config too (`gyre run X.json --steps 5` ignored them)
+        return cls.validated(apply_overrides(data, overrides), f"{path}", set(overrides or ()))

@@ -1,25 +1,38 @@
-"""What every process of a cluster run does around its work: start, serve until told to stop, stop cleanly."""
+"""What every process of a cluster run does around its work: start, serve until told to stop, stop cleanly.
+
+A process whose link the controller refused for good (declared lost after a partition, replaced by a newer
+incarnation, a wrong secret) exits non-zero instead of living on unreachable: fenced, it can never act again,
+and whatever supervises it (the local launcher, systemd, an ``srun`` loop) starts a new incarnation."""
 
 from __future__ import annotations
 
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 log = logging.getLogger(__name__)
 
 
+class Link(Protocol):
+    error: Exception | None
+    on_failed: Callable[[Exception], None] | None
+
+
 class Node(Protocol):
     stopped: threading.Event | bool
+    link: Link
 
     def start(self) -> None: ...
     def close(self) -> None: ...
 
 
 def serve_until_stopped(node: Node) -> None:
-    """Start ``node``; return once the controller's ``stop`` command or SIGTERM/SIGINT ends it, closed."""
+    """Start ``node``; return once the controller's ``stop`` command or SIGTERM/SIGINT ends it, closed. Exit
+    (`SystemExit`, non-zero) once its link is refused for good."""
     done = threading.Event()
+    node.link.on_failed = lambda error: done.set()
 
     def on_signal(signum: int, frame: object) -> None:
         done.set()
@@ -34,3 +47,5 @@ def serve_until_stopped(node: Node) -> None:
                 break
     finally:
         node.close()
+    if node.link.error is not None:
+        raise SystemExit(f"exiting: the controller refused this process for good ({node.link.error})")

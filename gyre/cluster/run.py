@@ -342,6 +342,13 @@ class Cluster:
         held = json.loads(wait_done(proxy, "sync on the proxy").detail or b"[]")
         self.controller.fold_now()
         view = self.controller.view
+        if not view.cluster.cells:  # chaos (#34): its predecessor was killed before it registered the cells
+            self.controller.record(RunResumed(
+                run_id=self.host.run_id, folded_seq=self.controller.folded_seq,
+                adopted=",".join(n for n, h in how.items() if h == "adopted"),
+                started=",".join(n for n, h in how.items() if h != "adopted")))
+            self._register()  # as a start does (one cell at a time, the first found no roles to join: KeyError)
+            return
         run = self.host.state  # folded with the log: the registrations, decisions and weights it holds
         adopted, restarted = [], []
         for cell_id in self.config.cluster.cell_ids:

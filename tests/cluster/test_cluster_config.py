@@ -23,6 +23,11 @@ def test_the_json_a_controller_writes_reads_back(tmp_path: Path) -> None:
     path = tmp_path / "cluster-config.json"
     path.write_text(config.model_dump_json())
     assert ClusterConfig.load(path) == config
+    # the command line's keys apply to it as to a TOML file (they were ignored: `--steps`, `--emulate`'s)
+    overridden = ClusterConfig.load(path, {"steps": 7, "cluster.cells": 2})
+    assert (overridden.steps, overridden.cluster.cells) == (7, 2)
+    with pytest.raises(ConfigError, match=r"stepz.*given on the command line"):
+        ClusterConfig.load(path, {"stepz": 7})
 
 
 @pytest.mark.parametrize(("toml", "named"), [

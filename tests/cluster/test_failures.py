@@ -4,6 +4,7 @@ is a function the test supplies)."""
 
 from __future__ import annotations
 
+import signal
 import threading
 from concurrent.futures import Future
 from datetime import UTC, datetime
@@ -36,6 +37,8 @@ from gyre.events.models import (
     Event,
     RoleSwitchCompleted,
     RoleSwitchRequested,
+    WeightsLoaded,
+    WeightsPublished,
 )
 from gyre.run.live import LiveRun
 from gyre.scheduler import SchedulerFold
@@ -323,6 +326,30 @@ def test_a_fatal_failure_ends_the_run_with_one_line() -> None:
     assert sink.of(RoleSwitchCompleted) == [] and sink.of(CommandAbandoned) == [] and waits == [] and hub.lost == []
 
 
+def test_a_load_retried_past_a_newer_publish_is_sent_again_as_the_latest() -> None:
+    """Chaos (partitions): a load whose pull a partition cut was sent again as it was, ten times, for a version
+    the core no longer offered; the core's newer offer supersedes it, and the load is re-planned."""
+    cut = TransferError("pulling v1 from 10.77.0.2 failed: connection timed out")
+    hub = FakeHub(load_weights=[failed_done(1, cut)])
+    published: list[int] = []
+
+    def wait(seconds: float) -> bool:  # the core publishes v2 while the failed load backs off
+        if not published:
+            published.append(2)
+            sink.record(WeightsPublished(policy_version=2, location="weights/v2", sha256="b"))
+        return False
+
+    cell, sink, _, failures = _cluster(hub, wait=wait)
+    sink.record(WeightsPublished(policy_version=1, location="weights/v1", sha256="a"))
+    cell.update_weights()
+    _finish(cell)
+    assert failures == [] and hub.lost == []
+    assert [k for _, k, _ in hub.sent if k == "load_weights"] == ["load_weights", "load_weights"]
+    [abandoned] = sink.of(CommandAbandoned)
+    assert abandoned.command == "load_weights" and "v1 -> v2" in abandoned.reason
+    assert [e.policy_version for e in sink.of(WeightsLoaded)] == [2]
+
+
 def test_an_abandoned_switch_ends_and_its_live_cell_is_declared_lost() -> None:
     hub = FakeHub(join_step=[failed_done(i, NOT_READY) for i in range(3)])
     cell, sink, _, failures = _cluster(hub, attempts=3)
@@ -454,3 +481,35 @@ def test_a_join_refused_by_a_restoring_core_is_retried_over_the_real_stream(clus
         assert done.figures["trainer_join_s"] == pytest.approx(0.2) and restored.is_set()
     finally:
         server.stop()
+
+
+def test_a_process_refused_for_good_exits_so_its_supervisor_starts_a_new_incarnation() -> None:
+    """Cut off by a partition, a cell is declared lost; when the link heals its stream is refused for good. It
+    must exit (non-zero) rather than live on unreachable: under launcher "manual" nobody else would restart it."""
+    from gyre.cluster.errors import ClusterError
+    from gyre.cluster.node import serve_until_stopped
+
+    class Link:
+        error: Exception | None = None
+        on_failed: Any = None
+
+    class Node:
+        def __init__(self) -> None:
+            self.stopped, self.link, self.closed = threading.Event(), Link(), False
+
+        def start(self) -> None:  # the hub refuses the old incarnation as soon as it says hello again
+            self.link.error = ClusterError("cell 'cell2' incarnation 'a' was declared lost")
+            self.link.on_failed(self.link.error)
+
+        def close(self) -> None:
+            self.closed = True
+
+    node = Node()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.raises(SystemExit, match=r"refused this process for good.*declared lost"):
+            serve_until_stopped(node)
+    finally:  # serve_until_stopped takes the signals, as a process's main does
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert node.closed and not node.stopped.is_set()

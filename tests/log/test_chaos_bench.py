@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import chaos_bench as cb
 from gyre.cluster.procs import ProcStat, cmdline, proc_stat, running
-from gyre.events.models import RewardRecorded, TrainStepFinished
+from gyre.events.models import RewardRecorded, TrainStepAborted, TrainStepFinished, TrainStepStarted
 from gyre.log import LogWriter
 
 ALL = {"controller": ["controller"], "proxy": ["proxy"], "cell": ["cell0", "cell1", "cell2", "cell3"],
@@ -30,6 +30,8 @@ def test_the_schedule_is_seeded_and_paced():
     assert draws(1) != draws(2)
     for (seconds, events), _ in draws(3):
         assert 1.0 <= seconds <= 6.0 and 1 <= events <= 20
+    timed = cb.KillSchedule(3, pace=cb.Pace(10.0, 30.0, 0, 0))  # --max-events 0: time alone paces the kills
+    assert all(10.0 <= s <= 30.0 and e == 0 for s, e in (timed.wait() for _ in range(20)))
 
 
 def test_every_class_is_drawn_by_its_weight_and_only_among_live_ones():
@@ -199,3 +201,24 @@ def test_the_seeds_add_up():
     assert total["kills_by_victim"] == {"controller": 0, "proxy": 1, "cell": 2, "harness": 0}
     assert total["time_lost_per_kill_s"] == {"median": 2.0, "max": 3.0, "unrecovered": 1}
     assert total["commands_abandoned"] == 4 and total["wall_s"] == 20.0
+
+
+def test_a_kill_is_inside_the_train_step_the_log_shows_open(tmp_path):
+    t0 = datetime(2025, 1, 1, tzinfo=UTC)
+
+    def at(s: float) -> datetime:
+        return t0 + timedelta(seconds=s)
+
+    with LogWriter(tmp_path / "log", run_id="r") as writer:
+        writer.append([TrainStepStarted(step=0, policy_version=0, planned_micro_steps=2, ts=at(1)),
+                       TrainStepFinished(step=0, policy_version=1, micro_steps=2, ts=at(5)),
+                       TrainStepStarted(step=1, policy_version=1, planned_micro_steps=2, ts=at(6)),
+                       TrainStepAborted(step=1, ts=at(8)),
+                       TrainStepStarted(step=1, policy_version=1, planned_micro_steps=2, ts=at(10))])
+        writer.commit()
+    kills = [cb.KillRecord(n, 0.0, at(s).isoformat(), "cell", "cell0", n, n) for n, s in
+             enumerate([0.5, 3, 5.5, 7, 9, 11])]
+    cb.kills_in_train_steps(tmp_path / "log", kills)
+    assert [k.in_train_step for k in kills] == [None, 0, None, 1, None, 1]
+    out = cb.summary(cb.ChaosResult(kills=kills, finished=True), None, None, None)
+    assert out["kills_in_train_steps"] == 3 and out["kills_in_train_steps_by_victim"]["cell"] == 3
