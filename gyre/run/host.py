@@ -181,8 +181,8 @@ class RunHost:
             self.controller = Controller(self.sink, self.policy, self.params,
                                          RunPlan(steps=config.steps, staleness=config.scheduler.staleness),
                                          cells={}, rollouts=self)
-            self.controller.observe(self.live.apply, at_record=True)
-            self.controller.observe(self._observe)
+            self.controller.observe(self.live.apply, at_record=True, kinds=self.live.kinds)
+            self.controller.observe(self._observe, kinds=self.live.kinds)  # steps done, outcomes of evaluations
             self.heldout_sink = self.sink.producer("heldout")
             topology.open(self)
             if resume:

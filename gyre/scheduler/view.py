@@ -10,6 +10,8 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import pyarrow as pa
+
 from gyre.events.models import Event
 from gyre.state import Cell, ClusterState, ClusterView, TrainerState, TrainerView
 from gyre.state.fold import Projection, on
@@ -395,3 +397,8 @@ class SchedulerFold:
     def apply(self, event: Event) -> None:
         for projection, state in zip(self.projections, self.states, strict=True):
             projection.apply(state, event)
+
+    def apply_batch(self, batch: pa.RecordBatch) -> None:
+        """Fold a batch of the log (as columns: no event objects), rows in seq order."""
+        for projection, state in zip(self.projections, self.states, strict=True):
+            projection.apply_batch(state, batch)
