@@ -213,14 +213,16 @@ def test_a_batch_recorded_as_arrow_folds_and_is_observed_as_its_events(tmp_path)
 def test_consecutive_arrow_batches_fold_as_one_and_the_rest_stays_in_order() -> None:
     from datetime import UTC, datetime
 
-    from gyre.controller.controller import _coalesced
+    from gyre.controller.controller import _Batch, _coalesced
     from gyre.events import encode
 
     ts = datetime(2026, 1, 1, tzinfo=UTC)
     cell = [RoleSwitchCompleted(cell_id="c0", from_role="rollout", to_role="training", duration_s=0.1, ts=ts)]
     queued = [ExecutionQueued(execution_id="e", task_id="t", group_id="g", step=0, ts=ts)]
-    a, b = encode(cell, 0).drop_columns(["seq"]), encode(queued, 1).drop_columns(["seq"])
+    a = _Batch(encode(cell, 0).drop_columns(["seq"]), [(0, cell[0])])
+    b = _Batch(encode(queued, 1).drop_columns(["seq"]), [])
     merged = _coalesced([(0, a), (1, b), (2, queued), (3, a), (5, b)])  # 5: not after 3, never merged with it
-    assert [(first, type(x).__name__) for first, x in merged] == [
-        (0, "RecordBatch"), (2, "list"), (3, "RecordBatch"), (5, "RecordBatch")]
-    assert merged[0][1].column("kind").to_pylist() == ["role_switch_completed", "execution_queued"]
+    assert [(first, type(x).__name__) for first, x in merged] == [(0, "_Batch"), (2, "list"), (3, "_Batch"),
+                                                                 (5, "_Batch")]
+    assert merged[0][1].batch.column("kind").to_pylist() == ["role_switch_completed", "execution_queued"]
+    assert merged[0][1].observed == [(0, cell[0])]
