@@ -534,31 +534,35 @@ def run_benchmark(*, quick: bool = False, directory: Path | None = None) -> dict
     return results
 
 
-def cpu_ab(roots: dict[str, str], rounds: int = 3) -> dict[str, dict[str, Any]]:
-    """A/B of the proxy's CPU per call (without its log) between source trees (name -> checkout root),
-    alternating them `rounds` times against one engine and client: 480 calls a round, 4 sessions back to
-    back. The figure for a cut measured on a shared machine, where latencies are noise."""
+def cpu_ab(roots: dict[str, str], rounds: int = 3, *, log: bool = False) -> dict[str, dict[str, Any]]:
+    """A/B of the proxy's CPU per call between source trees (name -> checkout root), alternating them
+    `rounds` times against one engine and client: 480 calls a round, 4 sessions back to back. With `log`
+    the proxy writes its durable log (fsync before each answer) in a fresh directory each round. The figure
+    for a cut measured on a shared machine, where latencies are noise."""
     engine = _spawn("from benchmarks.proxy_bench import run_instant_engine; run_instant_engine()")
     assert engine.stdin is not None and engine.stdout is not None
     engine_url = f"http://127.0.0.1:{engine.stdout.readline().strip()}"
     out: dict[str, list[float]] = {name: [] for name in roots}
-    code = f"from benchmarks.proxy_bench import run_proxy_process; run_proxy_process({engine_url!r}, 40, None)"
     try:
         for _ in range(rounds):
             for name, root in roots.items():
-                env = {**os.environ, "PYTHONPATH": root}
-                proxy = subprocess.Popen(
-                    [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                    cwd=root, env=env,
-                )
-                assert proxy.stdin is not None and proxy.stdout is not None
-                url = proxy.stdout.readline().strip()
-                asyncio.run(_run_sessions(url, 1, range(0, 2), 10, 0.0, direct=False, seed=0))  # warm-up
-                cpu = _cpu_s(proxy.pid)
-                calls = asyncio.run(_run_sessions(url, 4, range(2, 34), 15, 0.0, direct=False, seed=0))
-                out[name].append((_cpu_s(proxy.pid) - cpu) / len(calls) * 1e3)
-                proxy.stdin.close()
-                proxy.wait(30)
+                with tempfile.TemporaryDirectory(prefix="gyre-proxy-ab-") as directory:
+                    log_dir = str(Path(directory) / "log") if log else None
+                    code = (f"from benchmarks.proxy_bench import run_proxy_process; "
+                            f"run_proxy_process({engine_url!r}, 40, {log_dir!r})")
+                    env = {**os.environ, "PYTHONPATH": root}
+                    proxy = subprocess.Popen(
+                        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                        cwd=root, env=env,
+                    )
+                    assert proxy.stdin is not None and proxy.stdout is not None
+                    url = proxy.stdout.readline().strip()
+                    asyncio.run(_run_sessions(url, 1, range(0, 2), 10, 0.0, direct=False, seed=0))  # warm-up
+                    cpu = _cpu_s(proxy.pid)
+                    calls = asyncio.run(_run_sessions(url, 4, range(2, 34), 15, 0.0, direct=False, seed=0))
+                    out[name].append((_cpu_s(proxy.pid) - cpu) / len(calls) * 1e3)
+                    proxy.stdin.close()
+                    proxy.wait(30)
     finally:
         engine.stdin.close()
         engine.wait(30)
@@ -568,6 +572,7 @@ def cpu_ab(roots: dict[str, str], rounds: int = 3) -> dict[str, dict[str, Any]]:
 if __name__ == "__main__":  # pragma: no cover
     if "--ab" in sys.argv:  # python -m benchmarks.proxy_bench --ab ROOT_A ROOT_B
         a, b = sys.argv[sys.argv.index("--ab") + 1 : sys.argv.index("--ab") + 3]
-        print(json.dumps(cpu_ab({"a": a, "b": b})))
+        roots = {"a": a, "b": b}  # with and without the durable log, each A/B alternated in one run
+        print(json.dumps({"without_log": cpu_ab(roots), "with_log": cpu_ab(roots, log=True)}))
     else:
         print(json.dumps(run_benchmark(quick="--quick" in sys.argv)))

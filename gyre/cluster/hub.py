@@ -44,6 +44,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from gyre.cluster.address import bracket
 from gyre.cluster.aio import GRPC_OPTIONS, LoopThread
@@ -52,8 +55,7 @@ from gyre.cluster.errors import ClusterError, PeerLost
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.cluster.tls import TlsSection, add_port
 from gyre.errors import GyreError
-from gyre.events.models import Event
-from gyre.events.wire import batch_to_ipc, unpack_events
+from gyre.events.wire import batch_to_ipc, unpack_batches
 from gyre.log import LogReader
 from gyre.sink import LogSink
 
@@ -466,23 +468,39 @@ class Hub:
             stream.send(_down(peer.kind, ack=gyre_pb2.EventAck(batch_id=batch.batch_id, position=position)))
 
     def _record(self, peer: _Peer, batch: gyre_pb2.EventBatch) -> int:
-        """Decode, check and record one batch (on the ingest thread); its position in the log. A peer declared
-        lost meanwhile is refused, as it would have been on the loop."""
-        events = unpack_events(batch.arrow_ipc)
+        """Check and record one batch (on the ingest thread); its position in the log. A peer declared lost
+        meanwhile is refused, as it would have been on the loop.
+
+        The batch goes to the log as the producer built it (columnar ingest): no row becomes an event object.
+        Its events were validated by their models where they were made (a `Producer` records only events);
+        the writer checks the batch's columns and types."""
+        batches = unpack_batches(batch.arrow_ipc)
         if peer.lost is not None:
             raise GyreError(f"{peer.name} was declared lost ({peer.lost})")
-        self._check_stamps(peer, events)
-        return self.sink.record(events)
+        for arrived in batches:
+            self._check_stamps(peer, arrived)
+        position = self.sink.writer.next_seq - 1
+        for arrived in batches:
+            position = self.sink.record_batch(arrived)
+        return position
 
-    def _check_stamps(self, peer: _Peer, events: list[Event]) -> None:
+    def _check_stamps(self, peer: _Peer, batch: pa.RecordBatch) -> None:
         named = set(peer.hello.producers)
-        for index, event in enumerate(events):
-            if event.producer is None or event.producer_seq is None:
-                raise GyreError(f"event {index} ({event.kind}) has no producer stamp: events from {peer.name} must "
-                                "come through a Producer (exactly once needs producer and producer_seq)")
-            if event.producer not in named:
-                raise GyreError(f"event {index} ({event.kind}) comes from producer {event.producer!r}, which "
-                                f"{peer.name}'s hello does not name (it names {sorted(named)})")
+        names = batch.schema.names
+        if "producer" not in names or "producer_seq" not in names:
+            unstamped = pa.array(np.zeros(batch.num_rows, dtype=bool))
+        else:
+            unstamped = pc.or_(pc.is_null(batch.column("producer")), pc.is_null(batch.column("producer_seq")))
+        if pc.any(unstamped).as_py():
+            index = _first(unstamped)
+            raise GyreError(f"event {index} ({batch.column('kind')[index].as_py()}) has no producer stamp: events from "
+                            f"{peer.name} must come through a Producer (exactly once needs producer and producer_seq)")
+        outside = pc.invert(pc.is_in(batch.column("producer"), value_set=pa.array(sorted(named), pa.string())))
+        if pc.any(outside).as_py():
+            index = _first(outside)
+            raise GyreError(f"event {index} ({batch.column('kind')[index].as_py()}) comes from producer "
+                            f"{batch.column('producer')[index].as_py()!r}, which {peer.name}'s hello does not name "
+                            f"(it names {sorted(named)})")
 
     async def _ack_durable(self, peer: _Peer, stream: _Stream, batch_id: int, position: int) -> None:
         try:
@@ -573,6 +591,10 @@ class Hub:
                                      last_heartbeat_age_s=now - p.last_seen)
                  for k, p in sorted(self._peers.items()) if k[0] == "cell"]
         return gyre_pb2.StatusReply(run_id=self.run_id, cells=cells, proxy_connected=self._live(("proxy", "")))
+
+
+def _first(mask: pa.Array) -> int:
+    return int(np.flatnonzero(mask.to_numpy(zero_copy_only=False))[0])
 
 
 def _down(kind: str, **body: Any) -> gyre_pb2.CellDown | gyre_pb2.ProxyDown:

@@ -115,7 +115,7 @@ class Cluster:
         self.live = host.live
         self.transfers = Transfers(host.live)
         self.commands = Commands(self.hub, host.live, host.sink.producer("commands"))
-        self.controller.observe(self._observe)
+        self.controller.observe(self._observe, kinds=(WeightsPublished.kind, RoleSwitchCompleted.kind))
         self.membership_sink = host.sink.producer("membership")
         self._open_membership()
 

@@ -21,17 +21,35 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+
+import pyarrow as pa
 
 from gyre.controller.actuator import CellActuator, Rollouts
 from gyre.controller.plan import RunPlan, finished, next_step_to_queue, next_step_to_train, step_groups
 from gyre.errors import GyreError
+from gyre.events.codec import decode_kinds
 from gyre.events.models import Event, RoleSwitchRequested
 from gyre.scheduler import Policy, PolicyParams, SchedulerFold, SchedulerView
 from gyre.sink import LogSink
 
 log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class _Batch:
+    """A producer's Arrow batch as the sink appended it, with the rows some observer reads, decoded once
+    (on the recording thread) with their seqs."""
+
+    batch: pa.RecordBatch
+    observed: list[tuple[int, Event]]
+
+    def __len__(self) -> int:
+        return self.batch.num_rows
+
+
+_Appended = tuple[int, "list[Event] | _Batch"]
+"""What the sink appended from a seq on: events, or a producer's Arrow batch."""
 
 
 class ControllerError(GyreError):
@@ -61,13 +79,13 @@ class Controller:
         self.stats = ControllerStats()
         self.producer = sink.producer(producer_id)
         self._cond = threading.Condition()
-        self._inbox: list[tuple[int, list[Event]]] = []
+        self._inbox: list[_Appended] = []
         self._failure: BaseException | None = None
         self._training: int | None = None
         self._decided_at = -2
         """The prefix of the last decision point: a policy decides once per prefix."""
-        self._observers: list[Callable[[int, Event], None]] = []
-        self._at_record: list[Callable[[int, Event], None]] = []
+        self._observers: list[_Observer] = []
+        self._at_record: list[_Observer] = []
         self._calls: list[Callable[[], None]] = []
         sink.on_record = self._recorded
 
@@ -75,12 +93,17 @@ class Controller:
     def view(self) -> SchedulerView:
         return self.fold.view
 
-    def observe(self, observer: Callable[[int, Event], None], *, at_record: bool = False) -> None:
+    def observe(self, observer: Callable[[int, Event], None], *, at_record: bool = False,
+                kinds: Collection[str] | None = None) -> None:
         """Also tell ``observer`` of each folded event and its seq (progress, metrics), on the controller's
         thread (the events handed on by the sink carry no seq of their own). ``at_record``: as each event is
         recorded instead, on the recording thread under the sink's lock (in seq order): for a state others
-        must read as soon as their event is recorded; such an observer must be quick and record nothing."""
-        (self._at_record if at_record else self._observers).append(observer)
+        must read as soon as their event is recorded; such an observer must be quick and record nothing.
+        ``kinds``: only events of these kinds. A batch that arrived as Arrow is folded as columns, and only
+        the rows some observer names become event objects: an observer of every kind (None) makes each
+        model call of the run be decoded again."""
+        entry = _Observer(observer, None if kinds is None else frozenset(kinds))
+        (self._at_record if at_record else self._observers).append(entry)
 
     def catch_up(self, log_path) -> int:
         """Fold the log as it stands (a resumed run), before anything new is recorded; returns its last seq."""
@@ -93,18 +116,22 @@ class Controller:
             assert event.seq is not None
             self.fold.apply(event)
             for observer in self._at_record + self._observers:
-                observer(event.seq, event)
+                observer.tell(event.seq, event)
             self.folded_seq = event.seq
         return self.folded_seq
 
     # -- inputs ---------------------------------------------------------------------------------------------
 
-    def _recorded(self, first_seq: int, events: list[Event]) -> None:
-        for observer in self._at_record:
-            for seq, event in enumerate(events, start=first_seq):
-                observer(seq, event)
+    def _recorded(self, first_seq: int, events: list[Event] | pa.RecordBatch) -> None:
+        appended: list[Event] | _Batch = events if isinstance(events, list) else _Batch(
+            events, _decoded(self._at_record + self._observers, first_seq, events))
+        observed = appended.observed if isinstance(appended, _Batch) else enumerate(events, start=first_seq)
+        if self._at_record:
+            for seq, event in observed:
+                for observer in self._at_record:
+                    observer.tell(seq, event)
         with self._cond:
-            self._inbox.append((first_seq, events))
+            self._inbox.append((first_seq, appended))
             self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
@@ -188,14 +215,20 @@ class Controller:
     def _fold_new(self) -> None:
         with self._cond:
             batches, self._inbox = self._inbox, []
-        for first, events in batches:
+        for first, events in _coalesced(batches):
             if first != self.folded_seq + 1:
                 raise ControllerError(f"the controller folded up to seq {self.folded_seq} but was handed "
                                       f"events from seq {first}: the sink's order is broken")
-            for seq, event in enumerate(events, start=first):
-                self.fold.apply(event)
-                for observer in self._observers:
-                    observer(seq, event)
+            if isinstance(events, _Batch):  # folded as columns, then observed
+                self.fold.apply_batch(events.batch)
+                for seq, event in events.observed:
+                    for observer in self._observers:
+                        observer.tell(seq, event)
+            else:
+                for seq, event in enumerate(events, start=first):
+                    self.fold.apply(event)
+                    for observer in self._observers:
+                        observer.tell(seq, event)
             self.folded_seq = first + len(events) - 1
             self.stats.folded += len(events)
         if self._training is not None and self._training in self.view.work.trained:
@@ -235,3 +268,53 @@ class Controller:
 
 def decisions_of(events: list[Event]) -> list[RoleSwitchRequested]:
     return [e for e in events if isinstance(e, RoleSwitchRequested)]
+
+
+def _coalesced(entries: list[_Appended]) -> list[_Appended]:
+    """Consecutive Arrow batches as one: a fold of a batch costs ~0.8 ms however few its rows (a cell's batch
+    holds an event or two), the concatenation ~60 µs a batch (measured: 50 small batches folded one by one
+    41 ms, concatenated and folded once 3.8 ms)."""
+    out: list[_Appended] = []
+    run: list[tuple[int, _Batch]] = []
+
+    def flush() -> None:
+        if len(run) == 1:
+            out.append(run[0])
+        elif run:
+            table = pa.concat_tables([pa.Table.from_batches([b.batch]) for _, b in run], promote_options="default")
+            merged = _Batch(table.combine_chunks().to_batches()[0], [o for _, b in run for o in b.observed])
+            out.append((run[0][0], merged))
+        run.clear()
+
+    for first, events in entries:
+        if isinstance(events, _Batch) and (not run or first == run[-1][0] + len(run[-1][1])):
+            run.append((first, events))
+            continue
+        flush()
+        if isinstance(events, _Batch):
+            run.append((first, events))
+        else:
+            out.append((first, events))
+    flush()
+    return out
+
+
+@dataclass(frozen=True)
+class _Observer:
+    call: Callable[[int, Event], None]
+    kinds: frozenset[str] | None
+    """None: every kind."""
+
+    def tell(self, seq: int, event: Event) -> None:
+        if self.kinds is None or event.kind in self.kinds:
+            self.call(seq, event)
+
+
+def _decoded(observers: list[_Observer], first_seq: int, batch: pa.RecordBatch) -> list[tuple[int, Event]]:
+    """The rows of ``batch`` (appended from ``first_seq``) that some observer reads, as events with their seqs."""
+    kinds: frozenset[str] | None = frozenset()
+    for observer in observers:
+        kinds = None if kinds is None or observer.kinds is None else kinds | observer.kinds
+    if kinds is not None and not kinds:
+        return []
+    return [(first_seq + row, event) for row, event in decode_kinds(batch, kinds)]

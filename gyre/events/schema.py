@@ -140,6 +140,12 @@ def evolve(batch: pa.RecordBatch) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(columns, schema=target)
 
 
+def current_column(batch: pa.RecordBatch, name: str) -> pa.Array | None:
+    """One column of a stored batch under the current schema (``evolve`` for one column); None if absent."""
+    index = batch.schema.get_field_index(name)
+    return None if index < 0 else _conform(batch.column(index), event_schema().field(name).type)
+
+
 def _conform(array: pa.Array, target: pa.DataType) -> pa.Array:
     if array.type.equals(target):
         return array

@@ -41,6 +41,16 @@ def unpack_events(data: bytes) -> list[Event]:
     return [event.model_copy(update={"seq": None}) for batch in batches for event in decode(batch)]
 
 
+def unpack_batches(data: bytes) -> list[pa.RecordBatch]:
+    """A packed stream's batches as they arrived, ``seq`` dropped (the log assigns it): what the controller
+    appends without decoding a row. A malformed buffer is an `EventValidationError`."""
+    try:
+        batches = list(pa.ipc.open_stream(pa.py_buffer(data)))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise EventValidationError(f"an event batch of {len(data)} bytes is not an Arrow IPC stream: {e}") from e
+    return [b.drop_columns(["seq"]) if "seq" in b.schema.names else b for b in batches if b.num_rows]
+
+
 def batch_to_ipc(batch: pa.RecordBatch) -> bytes:
     """A log record batch (seqs kept) as one Arrow IPC stream: how the controller serves its log."""
     out = pa.BufferOutputStream()

@@ -39,9 +39,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gyre.errors import LogClosedError, LogError, LogLockedError
-from gyre.events.codec import check_events, encode, now_us, validated_columns
+from gyre.events.codec import check_events, encode, now_us, stamped_ts, validated_columns
 from gyre.events.models import Event
-from gyre.events.schema import TS_TYPE, event_schema
+from gyre.events.schema import event_schema
 from gyre.log.frames import FORMAT_V1, FORMATS, OpenHead, TailVerdict, close_frame
 from gyre.log.segment import (
     SegmentData,
@@ -142,7 +142,7 @@ def _frame_rows(rows: int, nbytes: int) -> int:
 def _stored_schema(names: tuple[str, ...]) -> pa.Schema:
     """The schema of a validated producer batch (columns ``names``) with the ``seq`` and ``ts`` it gets."""
     full = event_schema()
-    return pa.schema([full.field(n) for n in ("seq", "ts", *names)], metadata=full.metadata)
+    return pa.schema([full.field(n) for n in ("seq", "ts", *(n for n in names if n != "ts"))], metadata=full.metadata)
 
 
 def _with_run_id(columns: dict[str, pa.Array], rows: int, run_id: str, schema: pa.Schema) -> dict[str, pa.Array]:
@@ -366,7 +366,8 @@ class LogWriter:
         return SeqRange(first, first + len(batch) - 1)
 
     def append_batch(self, batch: pa.RecordBatch | pa.Table) -> SeqRange:
-        """Columnar fast path: append a producer-built batch (envelope ids, ``kind``, payload structs).
+        """Columnar fast path: append a producer-built batch (envelope ids, ``kind``, payload structs, and
+        optionally ``ts``: a row's own time is kept, a null or absent one becomes the time of this append).
 
         It is validated before it gets seqs (a bad batch raises and nothing is buffered). A batch beyond
         ``MAX_FRAME_ROWS`` / ``MAX_FRAME_BYTES`` becomes several frames. It is framed here, in the
@@ -393,7 +394,7 @@ class LogWriter:
             self._pending_first = self._next_seq
         try:
             seq = pa.Array.from_buffers(_INT64, n, [None, pa.py_buffer(np.arange(first, first + n, dtype=np.int64))])
-            ts = pa.Array.from_buffers(TS_TYPE, n, [None, pa.py_buffer(np.full(n, stamp, dtype=np.int64))])
+            ts = stamped_ts(columns.pop("ts", None), n, stamp)
             full = pa.RecordBatch.from_arrays([seq, ts, *columns.values()], schema=_stored_schema(tuple(columns)))
             for frame in frames:  # each fill is atomic: a writer may write that frame from then on
                 part = full if len(frames) == 1 else full.slice(frame.first_seq - first, per_frame)

@@ -183,8 +183,8 @@ class RunHost:
                                                  stream=self.params.stream_micro_steps
                                                  and config.trajectory.micro_steps_per_group is not None),
                                          cells={}, rollouts=self)
-            self.controller.observe(self.live.apply, at_record=True)
-            self.controller.observe(self._observe)
+            self.controller.observe(self.live.apply, at_record=True, kinds=self.live.kinds)
+            self.controller.observe(self._observe, kinds=self.live.kinds)  # steps done, outcomes of evaluations
             self.heldout_sink = self.sink.producer("heldout")
             topology.open(self)
             if resume:

@@ -30,6 +30,11 @@ class LiveRun:
         self.run: RunState = self._run_view.initial()
         self._cond = threading.Condition()
 
+    @property
+    def kinds(self) -> frozenset[str]:
+        """The kinds that change it (its observer needs no other event decoded)."""
+        return self._cells_view.kinds | self._run_view.kinds
+
     def apply(self, seq: int, event: Event) -> None:
         """Fold one event (the controller's record-time observer): quick, never records anything."""
         with self._cond:

@@ -10,9 +10,12 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import pyarrow as pa
+
 from gyre.events.models import Event
 from gyre.state import Cell, ClusterState, ClusterView, TrainerState, TrainerView
-from gyre.state.fold import Projection, on
+from gyre.state.cluster import SKIP_PAIRS_FROM_ROWS
+from gyre.state.fold import BatchColumns, Projection, on
 
 
 @dataclass
@@ -395,3 +398,14 @@ class SchedulerFold:
     def apply(self, event: Event) -> None:
         for projection, state in zip(self.projections, self.states, strict=True):
             projection.apply(state, event)
+
+    def apply_batch(self, batch: pa.RecordBatch) -> None:
+        """Fold a batch of the log (as columns: no event objects), rows in seq order. A small batch (the
+        controller's live ones) is read once for the three projections."""
+        if batch.num_rows >= SKIP_PAIRS_FROM_ROWS:
+            for projection, state in zip(self.projections, self.states, strict=True):
+                projection.apply_batch(state, batch)
+            return
+        columns = BatchColumns(batch)
+        for projection, state in zip(self.projections, self.states, strict=True):
+            projection.apply_columns(state, columns)

@@ -167,3 +167,62 @@ def test_replay_reports_a_decision_moved_to_another_prefix(tmp_path):
     with LogWriter(tmp_path / "moved", run_id="r") as writer:
         writer.append([e.model_copy(update={"seq": None}) for e in [*events[:target], moved, *events[target + 1:]]])
     assert replay_decisions(tmp_path / "moved").mismatches
+
+
+def test_a_batch_recorded_as_arrow_folds_and_is_observed_as_its_events(tmp_path) -> None:
+    """Columnar ingest: a remote producer's Arrow batch gives the view the same fold as its events, and an
+    observer of some kinds sees exactly those events, with their seqs."""
+    from datetime import UTC, datetime, timedelta
+
+    from gyre.events.models import ModelCallFinished, ModelCallStarted
+    from gyre.events.wire import pack_events, unpack_batches
+
+    policy = get_policy("elastic")
+    stream = [ExecutionQueued(execution_id="e0", task_id="t", group_id="g", step=0),
+              ExecutionStarted(execution_id="e0", cell_id="c0"),
+              ModelCallStarted(execution_id="e0", call_id="k0", cell_id="c0", prompt_tokens=5),
+              ModelCallFinished(execution_id="e0", call_id="k0", cell_id="c0", output_ids=[1, 2],
+                                output_logprobs=[-0.5, -0.25]),
+              ModelCallStarted(execution_id="e0", call_id="k1", cell_id="c0", prompt_tokens=9),
+              ExecutionFinished(execution_id="e0", status="completed", duration_s=1.0),
+              RewardRecorded(execution_id="e0", reward=1.0)]
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    stream = [e.model_copy(update={"producer": "proxy", "producer_seq": i, "ts": start + timedelta(seconds=i)})
+              for i, e in enumerate(stream)]
+    views, observed = [], []
+    for columnar in (False, True):
+        with LogSink(LogWriter(tmp_path / f"log{columnar}", run_id="r")) as sink:
+            controller = Controller(sink, policy, policy.params({}), RunPlan(steps=1), cells={}, rollouts=None)
+            seen: list[tuple[int, str]] = []
+            controller.observe(lambda seq, e, seen=seen: seen.append((seq, e.kind)),
+                               kinds=("execution_finished", "model_call_finished"))
+            controller.record(CellRegistered(cell_id="c0", role="rollout", is_core=True, slots=2, ts=start))
+            if columnar:
+                (batch,) = unpack_batches(pack_events(stream))
+                sink.record_batch(batch)
+            else:
+                sink.record(stream)
+            controller.fold_now()
+            views.append(repr(controller.view))
+            observed.append(seen)
+    assert views[0] == views[1]
+    assert observed[0] == observed[1] == [(4, "model_call_finished"), (6, "execution_finished")]
+    assert "group_origin={'g': (0, 0)}" in views[1]  # the batch was folded at all
+
+
+def test_consecutive_arrow_batches_fold_as_one_and_the_rest_stays_in_order() -> None:
+    from datetime import UTC, datetime
+
+    from gyre.controller.controller import _Batch, _coalesced
+    from gyre.events import encode
+
+    ts = datetime(2026, 1, 1, tzinfo=UTC)
+    cell = [RoleSwitchCompleted(cell_id="c0", from_role="rollout", to_role="training", duration_s=0.1, ts=ts)]
+    queued = [ExecutionQueued(execution_id="e", task_id="t", group_id="g", step=0, ts=ts)]
+    a = _Batch(encode(cell, 0).drop_columns(["seq"]), [(0, cell[0])])
+    b = _Batch(encode(queued, 1).drop_columns(["seq"]), [])
+    merged = _coalesced([(0, a), (1, b), (2, queued), (3, a), (5, b)])  # 5: not after 3, never merged with it
+    assert [(first, type(x).__name__) for first, x in merged] == [(0, "_Batch"), (2, "list"), (3, "_Batch"),
+                                                                 (5, "_Batch")]
+    assert merged[0][1].batch.column("kind").to_pylist() == ["role_switch_completed", "execution_queued"]
+    assert merged[0][1].observed == [(0, cell[0])]

@@ -80,3 +80,34 @@ def test_durable_waits_for_the_disk(tmp_path):
         assert writer.durable_seq >= position
         sink.commit(sink.record(reward("e2")))
         assert writer.durable_seq == writer.next_seq - 1
+
+
+def _arrow(events: list, producer: str, first: int):
+    """A remote producer's batch as the hub receives it (stamped, packed, seq dropped)."""
+    from gyre.events.wire import pack_events, unpack_batches
+
+    stamped = [e.model_copy(update={"producer": producer, "producer_seq": first + i}) for i, e in enumerate(events)]
+    (batch,) = unpack_batches(pack_events(stamped))
+    return batch
+
+
+def test_an_arrow_batch_is_deduplicated_gap_checked_and_handed_on_as_the_log_holds_it(tmp_path):
+    """`record_batch` keeps `record`'s rules on columns: re-sent rows dropped, a gap refused, own times kept,
+    and `on_record` gets the rows the log holds, with the times it holds."""
+    from datetime import UTC, datetime
+
+    seen: list[tuple[int, object]] = []
+    own = datetime(2026, 2, 1, tzinfo=UTC)
+    with LogSink(LogWriter(tmp_path / "log", run_id="r"), on_record=lambda first, b: seen.append((first, b))) as sink:
+        sink.record_batch(_arrow([reward("e1"), reward("e2").model_copy(update={"ts": own})], "cell", 0))
+        sink.record_batch(_arrow([reward("e1"), reward("e2"), reward("e3")], "cell", 0))  # re-sent after a break
+        assert sink.held("cell") == 2
+        with pytest.raises(SinkError, match="skipped from 2 to 5"):
+            sink.record_batch(_arrow([reward("e6")], "cell", 5))
+        sink.commit()
+    logged = LogReader(tmp_path / "log").table()
+    assert logged.column("execution_id").to_pylist() == ["e1", "e2", "e3"]
+    assert logged.column("ts").to_pylist()[1] == own
+    assert [(first, b.num_rows) for first, b in seen] == [(0, 2), (2, 1)]
+    handed = [t for _, b in seen for t in b.column("ts").to_pylist()]
+    assert handed == logged.column("ts").to_pylist()

@@ -118,3 +118,22 @@ def test_validate_batch_refuses_bad_columns_with_their_names() -> None:
     missing_payload = pa.RecordBatch.from_pydict({"kind": ["reward_recorded"], "execution_id": ["e"]})
     with pytest.raises(EventValidationError, match="payload column 'reward_recorded'"):
         validate_batch(missing_payload)
+
+
+@given(events_strategy, st.booleans(), st.booleans())
+@settings(max_examples=40, deadline=None)
+def test_small_and_large_batch_encodings_agree(events: list, own_ts: bool, per_event_stamps: bool) -> None:
+    """The row-wise encoding of small batches (the proxy's) is the columnar one, schema and values."""
+    from datetime import UTC, datetime, timedelta
+
+    from gyre.events.codec import _encode_columns, _encode_rows
+
+    if own_ts:  # every other event keeps its own time; the rest take the writer's stamp
+        start = datetime(2026, 1, 1, tzinfo=UTC)
+        events = [e.model_copy(update={"ts": start + timedelta(microseconds=7 * i)}) if i % 2 else e
+                  for i, e in enumerate(events)]
+    stamps = [1_700_000_000_000_000 + i for i in range(len(events))] if per_event_stamps else 1_700_000_000_000_000
+    rows = _encode_rows(events, 5, stamps, "run-x")
+    columns = _encode_columns(events, 5, stamps, "run-x")
+    assert rows.schema.equals(columns.schema, check_metadata=True)
+    assert rows.to_pylist() == columns.to_pylist()

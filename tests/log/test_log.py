@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
@@ -99,6 +100,22 @@ def test_columnar_append_batch(log_dir: Path) -> None:
     assert table.column("seq").to_pylist() == list(range(rows + 2))
     assert set(table.column("run_id").to_pylist()) == {"run"}
     assert table.column("kind").to_pylist()[1:3] == ["micro_step_claimed"] * 2
+
+
+def test_append_batch_keeps_the_producers_time_and_stamps_only_the_rest(log_dir: Path) -> None:
+    """A remote producer's event keeps its own ``ts`` through the columnar path, as through ``append``."""
+    own = datetime(2026, 3, 1, 12, 0, 0, 123_456, tzinfo=UTC)
+    events = [RewardRecorded(execution_id="a", reward=0.5, ts=own), RewardRecorded(execution_id="b", reward=0.5)]
+    batch = encode(events, 0).drop_columns(["seq"])
+    ts = batch.schema.get_field_index("ts")
+    mixed = batch.set_column(ts, "ts", pa.array([own, None], batch.schema.field("ts").type))
+    before = datetime.now(UTC)
+    with LogWriter(log_dir) as writer:
+        writer.append_batch(mixed)
+        writer.append_batch(batch)
+    stored = LogReader(log_dir).table().column("ts").to_pylist()
+    assert stored[0] == own and stored[1] >= before
+    assert stored[2:] == batch.column("ts").to_pylist()
 
 
 def test_closed_writer_refuses_appends(log_dir: Path) -> None:
