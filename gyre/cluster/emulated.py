@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.cluster.config import ClusterConfig
+from gyre.scheduler import get_policy
 from gyre.sim.calls import SET_FORMAT, CallTiming, plan_calls
 from gyre.sim.scenario import load_scenario
 from gyre.sim.workload import sample_workload
@@ -58,10 +59,12 @@ def scenario_overrides(config: ClusterConfig, scenario_name: str, *, time_scale:
     (out / "tasks.toml").write_text(_task_set(scenario.name, seed, tasks, eval_timeout))
     shutil.copy(AGENT_DIR / "grade.py", out / "grade.py")  # a sandboxed evaluator reads only its task set's dir
     policy = config.scheduler.policy
+    costs = {"switch_to_training_s": scenario.switch.to_training_s / time_scale,
+             "switch_to_rollout_s": scenario.switch.to_rollout_s / time_scale,
+             "satellite_join_s": scenario.training.satellite_join_s / time_scale}
+    takes = get_policy(policy).params_type.model_fields  # colocate and async plan no switches: no such keys
     params = {**scenario.policy.values(policy), **(params or {}),
-              "switch_to_training_s": scenario.switch.to_training_s / time_scale,
-              "switch_to_rollout_s": scenario.switch.to_rollout_s / time_scale,
-              "satellite_join_s": scenario.training.satellite_join_s / time_scale}
+              **{key: value for key, value in costs.items() if key in takes}}
     params.pop("staleness", None)
     cluster = scenario.cluster
     return {

@@ -9,10 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gyre.cluster.config import ClusterConfig
 from gyre.cluster.emulated import scenario_overrides
 from gyre.harness.tasks import TaskSet
 from gyre.run.build import step_plan
+from gyre.scheduler import get_policy
 from gyre.sim.calls import plan_calls
 from gyre.sim.scenario import load_scenario
 from gyre.sim.workload import sample_workload
@@ -73,3 +76,12 @@ def _grade(tmp_path: Path, grading: dict, execution_id: str) -> float | None:
         return None
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])["reward"]
+
+
+@pytest.mark.parametrize("policy", ["elastic", "colocate", "async"])
+def test_every_policy_gets_parameters_it_takes(tmp_path: Path, policy: str) -> None:
+    """Switch costs go only to a policy that plans switches (colocate's parameters refuse them)."""
+    base = ClusterConfig.load(EXAMPLE, {"run_dir": str(tmp_path / "run"), "scheduler.policy": policy})
+    params = scenario_overrides(base, "seed-2.4t-scaled", time_scale=10, token_scale=100)["scheduler.params"]
+    get_policy(policy).params(params)  # raises on a key the policy does not take
+    assert ("switch_to_training_s" in params) == (policy == "elastic")
