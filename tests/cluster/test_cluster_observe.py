@@ -46,7 +46,8 @@ def test_a_cluster_run_evaluates_held_out_tasks_and_exports(tmp_path: Path) -> N
     assert len(rows) == 4
     assert all(step is None and served >= version for _, step, version, served in rows), rows
     trained = con.execute("SELECT samples FROM train_steps").fetchall()
-    assert trained == [(base.rollout.group_size,)]  # held-out executions are never trained on
+    # the step consumed exactly the training groups' executions: held-out executions are never trained on
+    assert trained == [(base.rollout.groups_per_step * base.rollout.group_size,)]
     assert audit(summary.log, expected_steps=1).ok
 
     assert list((config.run_dir / "tensorboard").glob("events.out.tfevents.*"))
