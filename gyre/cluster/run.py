@@ -33,16 +33,19 @@ per-cell role timeline — both folded from the log, so `gyre log sql` reproduce
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from gyre import auth
 from gyre.cluster.actuator import Commands, RemoteCell, Transfers, execution_spec, routing, wait_done
 from gyre.cluster.address import resolve, split_host_port
 from gyre.cluster.auth import SECRET_ENV, secret_from_env
 from gyre.cluster.config import ClusterConfig
+from gyre.cluster.failures import transient
 from gyre.cluster.launcher import Launcher, ManualLauncher
 from gyre.cluster.proto import gyre_pb2
 from gyre.cluster.supervisor import Supervisor
@@ -58,6 +61,8 @@ from gyre.events.models import (
 )
 from gyre.run.host import Progress, Queued, RunHost
 from gyre.scheduler import CellSpec, SchedulerView
+
+log = logging.getLogger(__name__)
 
 SECRETS = "secrets.toml"
 """The run secret, in the run directory (0600): a resumed controller must hold the secret its processes use."""
@@ -97,7 +102,9 @@ class Cluster:
         self.node = resolve(cluster.bind, cluster.advertise)  # where the hub listens, and the address it gives
         secrets = auth.TokenFile(self.run_dir / SECRETS)
         port = cluster.port
-        if host.resumed:
+        # A resumed run with no address written was stopped before it listened: it started no process, and none
+        # holds its secret or dials its port, so it starts them as a new run would (chaos kills at any point).
+        if host.resumed and (self.run_dir / ADDRESS).exists():
             self.secret, port = self._resumable(secrets)
         elif cluster.launcher == "manual":  # the processes started by hand hold it already
             self.secret = secret_from_env()
@@ -176,7 +183,7 @@ class Cluster:
                                           secret=self.secret, on_exit=self._on_exit, on_give_up=self._on_give_up)
         else:
             config_file = self.run_dir / "cluster-config.json"
-            if not adopt:
+            if not adopt or not config_file.exists():  # (a predecessor killed before it spawned wrote none)
                 config_file.write_text(self.config.model_dump_json(indent=2))
             commands = {name: process_argv(name, self.address, str(config_file)) for name in names}
 
@@ -330,6 +337,25 @@ class Cluster:
             self._actuator(h.cell_id)
         self._route()
 
+    def _synced(self, cell_id: str, future: Future[gyre_pb2.CommandDone], attempts: int = 5) -> None:
+        """A cell's Sync on resume, done. A cell lost meanwhile (an adopted process that exits when refused, or
+        is killed) is started again by its supervisor: the sync goes to its next incarnation, which the
+        reconciliation below then registers as restarted."""
+        for attempt in range(attempts):
+            try:
+                wait_done(future, f"sync on cell {cell_id}")
+                return
+            except Exception as error:
+                if not transient(error) or attempt == attempts - 1:
+                    raise
+                log.warning("resume: cell %s was lost before its sync was done (%s); syncing its next incarnation",
+                            cell_id, error)
+            try:
+                self.hub.wait_for([cell_id], proxy=False, timeout_s=self.config.cluster.start_timeout_s)
+            except TimeoutError as error:
+                raise ConfigError(f"resume: cell {cell_id} was lost and did not come back: {error}") from error
+            future = self.hub.command_cell(cell_id, gyre_pb2.CellCommand(sync=gyre_pb2.Sync()))
+
     def _reattach(self, how: dict[str, str]) -> None:
         """A resumed controller: wait for every process, let each finish what it was doing (Sync), fold, and
         reconcile the processes with the log (see the module docstring)."""
@@ -338,7 +364,7 @@ class Cluster:
                    for c in self.config.cluster.cell_ids}
         proxy = self.hub.command_proxy(gyre_pb2.ProxyCommand(sync=gyre_pb2.Sync()))
         for cell_id, future in futures.items():
-            wait_done(future, f"sync on cell {cell_id}")
+            self._synced(cell_id, future)
         held = json.loads(wait_done(proxy, "sync on the proxy").detail or b"[]")
         self.controller.fold_now()
         view = self.controller.view

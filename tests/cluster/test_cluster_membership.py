@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
+import pytest
+
 from gyre.cluster.actuator import Commands
 from gyre.cluster.proto import gyre_pb2
 from gyre.cluster.run import Cluster
@@ -81,3 +83,25 @@ def test_a_hello_overtaken_while_the_run_starts_does_not_lose_its_successor() ->
     _drain(cluster)
     assert sink.events == [] and forgotten == []
     assert sink.live.cell("c1").incarnation == "c1-b" and not sink.live.cell("c1").lost  # type: ignore[union-attr]
+
+
+def test_a_cell_lost_during_a_resumes_sync_is_synced_again_once_it_is_back() -> None:
+    """Chaos: a resumed controller's Sync on an adopted cell failed because the cell was lost meanwhile, and
+    the controller exited. Its supervisor starts the cell again: the sync goes to the next incarnation."""
+    from gyre.cluster.errors import PeerLost
+
+    hub = FakeHub(sync=[PeerLost("cell c2 was lost before command 1 (sync) was done")])
+    waited: list[list[str]] = []
+    hub.wait_for = lambda cell_ids, proxy, timeout_s: waited.append(list(cell_ids))  # type: ignore[attr-defined]
+    cluster = Cluster()
+    cluster.hub = hub  # type: ignore[assignment]
+    cluster.config = SimpleNamespace(cluster=SimpleNamespace(start_timeout_s=5))  # type: ignore[assignment]
+    first = hub.command_cell("c2", gyre_pb2.CellCommand(sync=gyre_pb2.Sync()))
+    cluster._synced("c2", first)
+    assert waited == [["c2"]] and [kind for _, kind, _ in hub.sent] == ["sync", "sync"]
+
+    lost_again = FakeHub(sync=[PeerLost("lost")] * 2)
+    lost_again.wait_for = lambda cell_ids, proxy, timeout_s: None  # type: ignore[attr-defined]
+    cluster.hub = lost_again  # type: ignore[assignment]
+    with pytest.raises(PeerLost):  # lost at every attempt: the resume fails, naming it
+        cluster._synced("c2", lost_again.command_cell("c2", gyre_pb2.CellCommand(sync=gyre_pb2.Sync())), attempts=2)
