@@ -33,6 +33,7 @@ from gyre.events.codec import decode_kinds
 from gyre.events.models import Event, RoleSwitchRequested
 from gyre.scheduler import Policy, PolicyParams, SchedulerFold, SchedulerView
 from gyre.sink import LogSink
+from gyre.state import BatchColumns
 
 log = logging.getLogger(__name__)
 
@@ -94,15 +95,18 @@ class Controller:
         return self.fold.view
 
     def observe(self, observer: Callable[[int, Event], None], *, at_record: bool = False,
-                kinds: Collection[str] | None = None) -> None:
+                kinds: Collection[str] | None = None,
+                columns: Callable[[int, BatchColumns], None] | None = None) -> None:
         """Also tell ``observer`` of each folded event and its seq (progress, metrics), on the controller's
         thread (the events handed on by the sink carry no seq of their own). ``at_record``: as each event is
         recorded instead, on the recording thread under the sink's lock (in seq order): for a state others
         must read as soon as their event is recorded; such an observer must be quick and record nothing.
         ``kinds``: only events of these kinds. A batch that arrived as Arrow is folded as columns, and only
         the rows some observer names become event objects: an observer of every kind (None) makes each
-        model call of the run be decoded again."""
-        entry = _Observer(observer, None if kinds is None else frozenset(kinds))
+        model call of the run be decoded again. ``columns``: the observer's form for such a batch — it is
+        handed the batch's columns (and the seq of its first row) instead, and none of its rows is decoded
+        for it (at 256 cells, decoding the lifecycle rows an observer reads was most of the ingest thread)."""
+        entry = _Observer(observer, None if kinds is None else frozenset(kinds), columns)
         (self._at_record if at_record else self._observers).append(entry)
 
     def catch_up(self, log_path) -> int:
@@ -125,11 +129,13 @@ class Controller:
     def _recorded(self, first_seq: int, events: list[Event] | pa.RecordBatch) -> None:
         appended: list[Event] | _Batch = events if isinstance(events, list) else _Batch(
             events, _decoded(self._at_record + self._observers, first_seq, events))
-        observed = appended.observed if isinstance(appended, _Batch) else enumerate(events, start=first_seq)
         if self._at_record:
-            for seq, event in observed:
-                for observer in self._at_record:
-                    observer.tell(seq, event)
+            if isinstance(appended, _Batch):
+                _tell_batch(self._at_record, first_seq, appended)
+            else:
+                for seq, event in enumerate(events, start=first_seq):
+                    for observer in self._at_record:
+                        observer.tell(seq, event)
         with self._cond:
             self._inbox.append((first_seq, appended))
             self._cond.notify_all()
@@ -221,9 +227,7 @@ class Controller:
                                       f"events from seq {first}: the sink's order is broken")
             if isinstance(events, _Batch):  # folded as columns, then observed
                 self.fold.apply_batch(events.batch)
-                for seq, event in events.observed:
-                    for observer in self._observers:
-                        observer.tell(seq, event)
+                _tell_batch(self._observers, first, events)
             else:
                 for seq, event in enumerate(events, start=first):
                     self.fold.apply(event)
@@ -304,16 +308,34 @@ class _Observer:
     call: Callable[[int, Event], None]
     kinds: frozenset[str] | None
     """None: every kind."""
+    columns: Callable[[int, BatchColumns], None] | None = None
+    """Its form for an Arrow batch (None: the batch's rows it reads, decoded)."""
 
     def tell(self, seq: int, event: Event) -> None:
         if self.kinds is None or event.kind in self.kinds:
             self.call(seq, event)
 
 
+def _tell_batch(observers: list[_Observer], first_seq: int, appended: _Batch) -> None:
+    """Each observer its batch: the columns (read once for all that take them), or the decoded rows."""
+    columns: BatchColumns | None = None
+    for observer in observers:
+        if observer.columns is not None:
+            columns = columns or BatchColumns(appended.batch)
+            if observer.kinds is None or not observer.kinds.isdisjoint(columns.present):
+                observer.columns(first_seq, columns)
+        else:
+            for seq, event in appended.observed:
+                observer.tell(seq, event)
+
+
 def _decoded(observers: list[_Observer], first_seq: int, batch: pa.RecordBatch) -> list[tuple[int, Event]]:
-    """The rows of ``batch`` (appended from ``first_seq``) that some observer reads, as events with their seqs."""
+    """The rows of ``batch`` (appended from ``first_seq``) that an observer without a columns form reads, as
+    events with their seqs."""
     kinds: frozenset[str] | None = frozenset()
     for observer in observers:
+        if observer.columns is not None:
+            continue
         kinds = None if kinds is None or observer.kinds is None else kinds | observer.kinds
     if kinds is not None and not kinds:
         return []

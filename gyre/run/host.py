@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 from gyre.controller import Controller, RunPlan
 from gyre.controller.plan import rollouts_to_resubmit
 from gyre.errors import ConfigError
+from gyre.events.codec import decode_kinds
 from gyre.events.models import Event, RunFinished, RunStarted, TrainStepFinished
 from gyre.log import LogWriter
 from gyre.run.build import PlannedExecution, rollout_tasks, step_plan
@@ -41,6 +42,7 @@ from gyre.run.history import RoleSpan, config_differences, queued_attempts, role
 from gyre.run.live import LiveRun
 from gyre.scheduler import SchedulerView, get_policy
 from gyre.sink import LogSink
+from gyre.state import BatchColumns
 from gyre.state.run import RunState
 
 if TYPE_CHECKING:
@@ -183,8 +185,10 @@ class RunHost:
                                                  stream=self.params.stream_micro_steps
                                                  and config.trajectory.micro_steps_per_group is not None),
                                          cells={}, rollouts=self)
-            self.controller.observe(self.live.apply, at_record=True, kinds=self.live.kinds)
-            self.controller.observe(self._observe, kinds=self.live.kinds)  # steps done, outcomes of evaluations
+            self.controller.observe(self.live.apply, at_record=True, kinds=self.live.kinds,
+                                    columns=self.live.apply_columns)
+            # steps done, outcomes of evaluations
+            self.controller.observe(self._observe, kinds=self.live.kinds, columns=self._observe_columns)
             self.heldout_sink = self.sink.producer("heldout")
             topology.open(self)
             if resume:
@@ -245,6 +249,17 @@ class RunHost:
                 version = event.policy_version
                 self.controller.submit(lambda: self._start_evaluation(steps_done, version))
         if self._evaluations:
+            self._record_evaluations()
+
+    def _observe_columns(self, first_seq: int, columns: BatchColumns) -> None:
+        """``_observe`` for a producer's Arrow batch: only its finished steps become events (the lifecycle rows
+        are many — a cell's batch is mostly calls and rewards — and `LiveRun` has folded them already)."""
+        if not self._caught_up:
+            return
+        if "train_step_finished" in columns.present:
+            for row, event in decode_kinds(columns.batch, {"train_step_finished"}):
+                self._observe(first_seq + row, event)
+        elif self._evaluations:
             self._record_evaluations()
 
     _caught_up = False

@@ -3,9 +3,10 @@
 The controller folds the log on its own thread, a little behind. An actuator that has just recorded that
 its cell loaded a version, or the membership thread that has just registered a cell, must read the state
 that includes it: so `LiveRun` folds `CellsView` and `RunView` at record time (the sink calls it in seq
-order, under its lock) and on a resumed run's catch-up, and anyone may read it, from any thread, under its
-condition. It is the one place the cluster's control plane learns a cell's role, incarnation and addresses,
-the version its engine serves and the latest published weights: no second copy is kept beside the log.
+order, under its lock; a producer's Arrow batch is folded from its columns) and on a resumed run's
+catch-up, and anyone may read it, from any thread, under its condition. It is the one place the cluster's
+control plane learns a cell's role, incarnation and addresses, the version its engine serves and the
+latest published weights: no second copy is kept beside the log.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from gyre.events.models import Event
+from gyre.state import BatchColumns
 from gyre.state.cluster import Cell, CellsState, CellsView
 from gyre.state.run import RunState, RunView, Weights
 
@@ -40,6 +42,14 @@ class LiveRun:
         with self._cond:
             self._cells_view.apply(self.cells, event)
             self._run_view.apply(self.run, event)
+            self._cond.notify_all()
+
+    def apply_columns(self, first_seq: int, columns: BatchColumns) -> None:
+        """Fold an Arrow batch as it was recorded, from its columns: the same state as ``apply`` of each of its
+        events (the projections' contract), without turning a row into an event object."""
+        with self._cond:
+            self._cells_view.apply_columns(self.cells, columns)
+            self._run_view.apply_columns(self.run, columns)
             self._cond.notify_all()
 
     def read(self, what: Callable[[LiveRun], T]) -> T:

@@ -226,3 +226,58 @@ def test_consecutive_arrow_batches_fold_as_one_and_the_rest_stays_in_order() -> 
                                                                  (5, "_Batch")]
     assert merged[0][1].batch.column("kind").to_pylist() == ["role_switch_completed", "execution_queued"]
     assert merged[0][1].observed == [(0, cell[0])]
+
+
+def test_an_observer_with_a_columns_form_gets_the_batch_and_nothing_is_decoded_for_it(tmp_path) -> None:
+    """`LiveRun` folded at record time from a batch's columns equals its fold of the same events one by one,
+    and no row becomes an event object when every observer of the batch takes its columns."""
+    from datetime import UTC, datetime, timedelta
+
+    from gyre.controller import controller as controller_module
+    from gyre.events.models import ModelCallFinished, ModelCallStarted
+    from gyre.events.wire import pack_events, unpack_batches
+    from gyre.run.live import LiveRun
+
+    policy = get_policy("elastic")
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    stream = [ExecutionQueued(execution_id="e0", task_id="t", group_id="g", step=0, policy_version=0),
+              ExecutionStarted(execution_id="e0", cell_id="c0"),
+              ModelCallStarted(execution_id="e0", call_id="k0", cell_id="c0", prompt_tokens=5),
+              ModelCallFinished(execution_id="e0", call_id="k0", cell_id="c0", output_ids=[1, 2],
+                                output_logprobs=[-0.5, -0.25]),
+              ExecutionFinished(execution_id="e0", status="completed", duration_s=1.0),
+              RewardRecorded(execution_id="e0", reward=1.0)]
+    stream = [e.model_copy(update={"producer": "proxy", "producer_seq": i, "ts": start + timedelta(seconds=i)})
+              for i, e in enumerate(stream)]
+    states, calls = [], []
+    decoded: list[frozenset[str] | None] = []
+    real_decode = controller_module.decode_kinds
+
+    def counting_decode(batch, kinds):
+        decoded.append(kinds)
+        return real_decode(batch, kinds)
+
+    for columnar in (False, True):
+        live = LiveRun()
+        seen: list[tuple[str, int]] = []
+        with LogSink(LogWriter(tmp_path / f"log{columnar}", run_id="r")) as sink:
+            controller = Controller(sink, policy, policy.params({}), RunPlan(steps=1), cells={}, rollouts=None)
+            controller.observe(live.apply, at_record=True, kinds=live.kinds, columns=live.apply_columns)
+            controller.observe(lambda seq, e, seen=seen: seen.append(("event", seq)), kinds=live.kinds,
+                               columns=lambda first, columns, seen=seen: seen.append(("columns", first)))
+            controller.record(CellRegistered(cell_id="c0", role="rollout", is_core=True, slots=2, ts=start))
+            if columnar:
+                (batch,) = unpack_batches(pack_events(stream))
+                with pytest.MonkeyPatch.context() as patch:
+                    patch.setattr(controller_module, "decode_kinds", counting_decode)
+                    sink.record_batch(batch)
+            else:
+                sink.record(stream)
+            controller.fold_now()
+        states.append((repr(live.cells), repr(live.run)))
+        calls.append(seen)
+    assert states[0] == states[1]
+    assert "'e0'" in states[1][1]  # the batch reached the run view at all
+    assert calls[0] == [("event", 0), ("event", 1), ("event", 5), ("event", 6)]  # the kinds it names
+    assert calls[1] == [("event", 0), ("columns", 1)]  # the batch once, from the seq of its first row
+    assert decoded == []

@@ -47,6 +47,7 @@ from gyre.state import (
     save_snapshot,
     take_snapshot,
 )
+from gyre.state.cluster import CellsView
 
 cells = st.sampled_from(["c0", "c1", "c2"])
 executions = st.sampled_from([f"e{i}" for i in range(6)])
@@ -90,7 +91,7 @@ def logged(events: list) -> list:
 @settings(max_examples=80, deadline=None)
 def test_batch_driver_equals_the_per_event_fold(events: list, chunk: int) -> None:
     events = logged(events) if events else []
-    for projection_type in PROJECTIONS.values():
+    for projection_type in (*PROJECTIONS.values(), CellsView):  # CellsView: `LiveRun` folds batches' columns
         projection = projection_type()
         by_event = fold(projection, events)
         batches = [encode(events[i:i + chunk], i, [1_000_000 + j for j in range(i, min(i + chunk, len(events)))])
