@@ -41,17 +41,17 @@ demo-learn: $(STAMP)
 	$(BIN)/gyre sft examples/learn-cpu-sft.toml
 	$(BIN)/gyre train examples/learn-cpu.toml
 
-# The full suite in two passes: every test that runs in this process alone (the fast tier and the slow pure
-# ones, such as the simulator's calibration) on both cores, then the integration tier (engines, cells, harness
-# processes) one test at a time, so two multi-process runs never split the two cores. A pass that collects
-# nothing fails (pytest's exit code 5).
+# The full suite in two passes: everything but whole runs on both cores (the fast tier, the slow pure tests such
+# as the simulator's calibration, and the integration tests of one engine, proxy or harness process), then the
+# `serial` part of the integration tier (multi-process cluster runs, training loops, chaos; tests/conftest.py)
+# one test at a time, so two of them never split the two cores. A pass that collects nothing fails (exit 5).
 FAST_TIER := not integration and not slow and not harness_claude_code
 test: $(STAMP)
 	$(BIN)/ruff check gyre tests benchmarks agents tasks scripts
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -m "not integration and not harness_claude_code" -n 2; rc=$$?; if [ $$rc -ne 0 ]; then \
+	$(BIN)/python -m pytest -m "not serial and not harness_claude_code" -n 2; rc=$$?; if [ $$rc -ne 0 ]; then \
 	  [ $$rc -eq 5 ] && echo "no tests collected"; exit 1; fi
-	$(BIN)/python -m pytest -m "integration and not harness_claude_code"; rc=$$?; if [ $$rc -ne 0 ]; then \
+	$(BIN)/python -m pytest -m "serial and not harness_claude_code"; rc=$$?; if [ $$rc -ne 0 ]; then \
 	  [ $$rc -eq 5 ] && echo "no tests collected"; exit 1; fi
 
 lint: $(STAMP)

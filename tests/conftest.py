@@ -90,6 +90,30 @@ INTEGRATION = (
 )
 """Node id prefixes (a directory, a file, or a file and a test name)."""
 
+SERIAL = (
+    "tests/chaos/",
+    "tests/cluster/test_cluster_",  # cluster runs: a controller, cell processes, a proxy
+    "tests/cluster/test_control_plane_bench.py",
+    "tests/cluster/test_satellite.py",
+    "tests/cluster/test_multihost_netns.py",
+    "tests/cluster/test_ray_launcher.py",
+    "tests/security/test_hostile_runs.py",
+    "tests/train/",
+    "tests/sft/",
+    "tests/notebooks/",
+    "tests/observe/test_report.py",  # a browser
+    "tests/trainer/test_trainer_megatron.py",
+    "tests/trainer/test_trainer_backend_conformance.py",
+    "tests/trainer/test_trainer_cli.py::test_bench_json",
+    "tests/log/test_recovery.py::test_kill_minus_nine",
+    "tests/controller/test_kill_resume.py",
+    "tests/engine/test_engine_client.py::test_cli_serves",  # binds a port picked before: not beside other servers
+)
+"""The part of the integration tier that runs whole runs of several processes or a training loop: `make test`
+runs it one test at a time, after everything else has run on both cores, so that two of them never split the
+two cores (the rest of the integration tier — one engine, one proxy, one harness process — shares them well).
+Pure tests in these files are marked too; they are few and quick."""
+
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """The fast tier (`-m "not integration ..."`) does not even import the integration tier's whole modules
@@ -108,3 +132,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.nodeid.startswith(INTEGRATION):
             item.add_marker(pytest.mark.integration)
+        if item.nodeid.startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)

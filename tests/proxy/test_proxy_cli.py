@@ -24,42 +24,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _serve(args: list[str], attempts: int = 3) -> tuple[subprocess.Popen, int]:
+    """`gyre proxy serve ARGS` on a free port, once its /health answers. Another test's server may take the port
+    between the probe and the bind (tests run on two workers): that proxy exits, and another port is tried."""
+    for _ in range(attempts):
+        port = _free_port()
+        command = [sys.executable, "-c", "from gyre.cli import app; app()", "proxy", "serve", "--port", str(port),
+                   *args]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 30
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    return process, port
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        process.kill()
+        output = process.communicate(timeout=20)[0]
+        if "address already in use" not in output.lower():
+            raise AssertionError(f"proxy did not start: {output}")
+    raise AssertionError(f"proxy found no free port in {attempts} attempts")
+
+
 def test_serve_in_a_subprocess(scripted, tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.toml"
     minted = CliRunner().invoke(app, ["proxy", "token", "exec-cli", "--file", str(tokens)])
     assert minted.exit_code == 0, minted.output
     token = minted.output.strip()
-    port = _free_port()
     log_dir = tmp_path / "log"
     markers = tmp_path / "markers.toml"
     markers.write_text('summary_request = ["SUMMARISE"]\n')
-    command = [
-        sys.executable,
-        "-c",
-        "from gyre.cli import app; app()",
-        "proxy",
-        "serve",
-        "--engine",
-        f"cell0={scripted.url}",
-        "--port",
-        str(port),
-        "--log-dir",
-        str(log_dir),
-        "--executions",
-        str(tokens),
-        "--markers",
-        str(markers),
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process, port = _serve(["--engine", f"cell0={scripted.url}", "--log-dir", str(log_dir), "--executions",
+                            str(tokens), "--markers", str(markers)])
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).raise_for_status()
-                break
-            except httpx.TransportError:
-                assert process.poll() is None and time.monotonic() < deadline, "proxy did not start"
-                time.sleep(0.1)
         scripted.say("Hello.")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=token, max_retries=0)
         reply = client.chat.completions.create(
@@ -121,7 +119,8 @@ def test_serve_refuses_a_bad_token_file_cleanly(tmp_path: Path) -> None:
         (["--tokenizer", str(tmp_path / "nowhere")], "neither 'tiny' nor a local directory"),
     ):
         result = CliRunner().invoke(app, ["proxy", "serve", "--engine", "http://127.0.0.1:9", *args])
-        assert result.exit_code == 2 and words in result.output, result.output
+        said = " ".join(result.output.replace("│", " ").split())  # the error box wraps at the terminal's width
+        assert result.exit_code == 2 and words in said, result.output
         assert isinstance(result.exception, SystemExit)  # a usage error, not a traceback
 
 
