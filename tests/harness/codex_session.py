@@ -78,10 +78,10 @@ class _Relay(ThreadingHTTPServer):
 class _RelayHandler(BaseHTTPRequestHandler):
     server: _Relay
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
-    def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+    def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("content-length") or 0))
         headers = {k: v for k, v in self.headers.items() if k.lower() in ("authorization", "content-type", "accept")}
         chunks: list[bytes] = []
