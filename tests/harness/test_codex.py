@@ -1,0 +1,89 @@
+"""Codex CLI, unmodified, through the proxy — opt-in: `GYRE_CODEX=<path to codex> pytest tests/harness/test_codex.py`.
+
+Skipped without `GYRE_CODEX` (install it once, outside the tests: `npm install --prefix DIR @openai/codex`;
+recorded passing with codex-cli 0.171.0, see docs/proxy.md). Codex talks to the proxy as a custom provider
+(`wire_api = "responses"`, agents/codex/launch.py writes its config) and to nothing else.
+
+- the stock engine: the tiny random model on the local CPU engine serves Codex's real ~40K-token prompt;
+- a scripted session on the stock template and on a checkpoint with a Qwen2.5-style chat template: the model
+  calls a function tool (`exec_command`), the freeform `apply_patch` and a namespaced sub-agent tool, and
+  Codex runs each (the patch writes hello.txt) and finishes; every echo renders to exactly what the model
+  wrote (no drift).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
+from tests.harness.codex_session import FINAL, run_session, script
+from tests.hf_checkpoint import save_checkpoint
+from tests.proxy.scripted_engine import ScriptedEngine
+
+CODEX = os.environ.get("GYRE_CODEX")
+pytestmark = pytest.mark.skipif(not CODEX, reason="opt-in: set GYRE_CODEX to a codex binary")
+
+
+def _outputs(session) -> list[list[str]]:
+    kinds = []
+    for exchange in session.exchanges:
+        assert exchange["status"] == 200, exchange["answer"][-2000:]
+        final = [json.loads(x[6:]) for x in exchange["answer"].splitlines() if x.startswith("data: ")][-1]
+        kinds.append([item["type"] for item in final["response"]["output"]])
+    return kinds
+
+
+@pytest.mark.parametrize("template", ["stock", "qwen2_style"])
+def test_codex_runs_tools_through_the_proxy(template: str, tmp_path: Path) -> None:
+    assert CODEX
+    config = {}
+    if template == "stock":
+        engine = ScriptedEngine()
+        replies = script()
+    else:
+        checkpoint = save_checkpoint(tmp_path / "ckpt", template)
+        config["tokenizer"] = str(checkpoint)
+        from gyre.proxy.tokens import TokenCodec
+
+        codec = TokenCodec.load(str(checkpoint))
+        engine = ScriptedEngine(codec.tokenizer, codec.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        replies = script(separator="\n", inner="\n")  # the template's layout of a call
+    engine.start()
+    engine.say(*replies)
+    try:
+        session = run_session(CODEX, engine.url, tmp_path / "run", **config)
+    finally:
+        engine.stop()
+    report = session.done.stdout[-3000:] + session.done.stderr[-3000:]
+    assert session.done.returncode == 0, report
+    assert _outputs(session) == [["message", "function_call"], ["custom_tool_call"], ["function_call"], ["message"]]
+    assert (session.workspace / "hello.txt").read_text() == "hello\n", report  # Codex applied the model's patch
+    assert session.answer.strip() == FINAL
+    started = [e for e in session.events.events if e.kind == "model_call_started"]
+    finished = [e for e in session.events.events if e.kind == "model_call_finished"]
+    assert len(finished) == 4 and all(e.dropped_tools == ["web_search"] for e in started)
+    assert [e.parent_call_id for e in finished[1:]] == [e.call_id for e in finished[:-1]]
+    assert all(e.drift_tokens == 0 for e in finished), [e.drift_tokens for e in finished]
+
+
+def test_codex_on_the_stock_engine(tmp_path: Path) -> None:
+    """The random tiny model on the local CPU engine: Codex's real prompt is served (not refused) and the
+    model's answers come back; each capped at 16 tokens, so Codex may report the cut reply."""
+    assert CODEX
+    engine = LocalEngineServer(LocalEngine(LocalEngineConfig(seed=0, num_threads=2)))
+    engine.start()
+    try:
+        session = run_session(CODEX, engine.url, tmp_path, prompt="Reply with one word.", max_tokens_cap=16)
+    finally:
+        engine.stop()
+    report = session.done.stdout[-3000:] + session.done.stderr[-3000:]
+    assert session.exchanges and all(e["status"] == 200 for e in session.exchanges), report
+    finished = [e for e in session.events.events if e.kind == "model_call_finished"]
+    assert finished and all(len(e.output_ids) > 0 for e in finished), report
+    assert finished[0].finish_reason in ("stop", "length")
+    # the cap cuts every reply: Codex either ends on the text or reports the incomplete response
+    assert session.done.returncode == 0 or "max_output_tokens" in report or "ncomplete" in report, report
