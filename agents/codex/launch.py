@@ -3,7 +3,8 @@
 Codex reads its provider from `$CODEX_HOME/config.toml`; this writes one for a custom provider that speaks
 the Responses API (`wire_api = "responses"`) at the proxy (`$OPENAI_BASE_URL`, token `$OPENAI_API_KEY`, both
 set by the runner), then runs `codex exec` on the task in the current directory (the workspace) and writes
-its last message to the answer file. Codex is found as `--codex`, `$GYRE_CODEX` or `codex` on PATH.
+its last message to `--answer-file` if given. Codex is `--codex`, `$GYRE_CODEX`, `codex` on PATH, or the
+install agents/codex/harness.toml names (/opt/codex).
 
 The model's metadata (`model_catalog_json`) is the entry Codex itself ships for its models, renamed to the
 policy's name, with a freeform `apply_patch` tool and the v1 sub-agent tools (a `namespace` group): the
@@ -94,13 +95,19 @@ def write_config(codex_home: Path, *, codex: Path, base_url: str, model: str) ->
     return config
 
 
+def _installed() -> str | None:
+    """Codex where agents/codex/harness.toml expects it (`npm install --prefix /opt/codex @openai/codex`)."""
+    path = Path("/opt/codex/node_modules/.bin/codex")
+    return str(path) if path.exists() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompt-file", type=Path, required=True)
     parser.add_argument("--answer-file", type=Path)
     parser.add_argument("--model", default=os.environ.get("OPENAI_MODEL", "gyre-policy"))
     parser.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL"))
-    parser.add_argument("--codex", default=os.environ.get("GYRE_CODEX") or shutil.which("codex"))
+    parser.add_argument("--codex", default=os.environ.get("GYRE_CODEX") or shutil.which("codex") or _installed())
     parser.add_argument("--sandbox", default="danger-full-access",
                         help="Codex's own sandbox mode (Gyre's sandbox already fences the execution)")
     args = parser.parse_args(argv)

@@ -20,7 +20,11 @@ from pathlib import Path
 import pytest
 
 from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
+from gyre.harness import Execution, HarnessConfig, HarnessRunner, TaskSet
+from gyre.proxy import Proxy, ProxyConfig, ProxyServer
+from gyre.sink import MemorySink
 from tests.harness.codex_session import FINAL, run_session, script
+from tests.harness.harness_helpers import REPO, TOY_TASKS
 from tests.hf_checkpoint import save_checkpoint
 from tests.proxy.scripted_engine import ScriptedEngine
 
@@ -87,3 +91,34 @@ def test_codex_on_the_stock_engine(tmp_path: Path) -> None:
     assert finished[0].finish_reason in ("stop", "length")
     # the cap cuts every reply: Codex either ends on the text or reports the incomplete response
     assert session.done.returncode == 0 or "max_output_tokens" in report or "ncomplete" in report, report
+
+
+def test_codex_harness_config_earns_the_reward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """agents/codex/harness.toml through the runner, sandboxed: the model's patch writes the toy task's answer."""
+    assert CODEX
+    monkeypatch.setenv("GYRE_CODEX", CODEX)
+    resolved = Path(CODEX).resolve()
+    install = next((p for p in resolved.parents if p.name == "node_modules"), resolved.parent)
+    config = HarnessConfig.load(REPO / "agents" / "codex" / "harness.toml").model_copy(
+        update={"ro_mounts": (str(install),)})
+    engine = ScriptedEngine()
+    engine.start()
+    patch = "*** Begin Patch\n*** Add File: answer.txt\n+hello\n*** End Patch\n"
+    engine.say(f"<tool_call>{json.dumps({'name': 'apply_patch', 'arguments': {'input': patch}})}</tool_call>",
+               "Done.")
+    events = MemorySink()
+    server = ProxyServer(Proxy(ProxyConfig(engines={"cell0": engine.url}), sink=events))
+    server.start()
+    try:
+        task = TaskSet.load(TOY_TASKS)["hello"]
+        token = server.register_execution("cx-0", None).token
+        sink = MemorySink()
+        with HarnessRunner(config, sink=sink, proxy_url=server.url, root=tmp_path / "executions") as runner:
+            [result] = runner.run_group([Execution("cx-0", task, "g0", token=token, cell_id="cell0")])
+    finally:
+        server.stop()
+        engine.stop()
+    assert result.status == "completed", result.message
+    assert result.reward == 1.0, result
+    finished = [e for e in events.events if e.kind == "model_call_finished"]
+    assert len(finished) == 2 and finished[1].drift_tokens == 0
