@@ -61,7 +61,9 @@ class Session:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class _Relay(ThreadingHTTPServer):
+class Relay(ThreadingHTTPServer):
+    """A recording HTTP relay in front of the proxy: every POST's body and the answer's bytes, in order."""
+
     daemon_threads = True
 
     def __init__(self, target: str) -> None:
@@ -76,7 +78,7 @@ class _Relay(ThreadingHTTPServer):
 
 
 class _RelayHandler(BaseHTTPRequestHandler):
-    server: _Relay
+    server: Relay
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -112,7 +114,7 @@ def run_session(codex: str, engine_url: str, tmp: Path, *, prompt: str = PROMPT,
     events = MemorySink()
     server = ProxyServer(Proxy(ProxyConfig(engines={"cell0": engine_url}, **proxy_config), sink=events))
     server.start()
-    relay = _Relay(server.url)
+    relay = Relay(server.url)
     threading.Thread(target=relay.serve_forever, daemon=True).start()
     try:
         registration = server.register_execution("codex-1")
