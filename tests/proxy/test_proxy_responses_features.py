@@ -229,3 +229,16 @@ def test_previous_response_id_continues_with_the_same_tree(scripted, start_proxy
     assert post(p, {**base, "input": [*question, ref]}, other).status_code == 200
     assert post(p, {**base, "input": [*question, ref]}).json()["error"]["param"] == "input.1.id"
     assert post(p, {**base, "previous_response_id": first["id"], "input": "x"}).status_code == 400
+
+
+@pytest.mark.parametrize(("choice", "kinds"), [("auto", ["function_call"]), ("required", ["function_call"]),
+                                               ({"type": "function", "name": "read_file"}, ["function_call"]),
+                                               ("none", ["message"])])
+def test_tool_choice_is_answered_not_enforced(scripted, start_proxy, choice, kinds: list[str]) -> None:
+    """The tools are rendered whatever the choice; `none` leaves a written call as text, the others parse it
+    (forcing a call would need constrained decoding: what the policy chose is what is trained)."""
+    p = start_proxy({"cell0": scripted.url})
+    scripted.say(tool_call("read_file", {"path": "a"}))
+    reply = answer(p, {"model": "m", "input": "hi", "tools": [FUNCTION], "tool_choice": choice})
+    assert [item["type"] for item in reply["output"]] == kinds
+    assert '"read_file"' in prompt_of(scripted)
