@@ -40,9 +40,9 @@ def native_binary(codex: Path) -> Path | None:
     return found[0] if found else None
 
 
-def model_catalog(codex: Path, model: str) -> dict[str, Any] | None:
-    """Codex's own metadata of a model that uses a freeform apply_patch tool, as `model`'s; None if the
-    binary carries no catalog this can read."""
+def model_catalog(codex: Path, model: str, auto_compact_tokens: int | None = None) -> dict[str, Any] | None:
+    """Codex's own metadata of a model that uses a freeform apply_patch tool, as `model`'s (compacting at
+    `auto_compact_tokens` prompt tokens when given); None if the binary carries no catalog this can read."""
     binary = native_binary(codex)
     if binary is None:
         return None
@@ -65,17 +65,20 @@ def model_catalog(codex: Path, model: str) -> dict[str, Any] | None:
         supports_reasoning_summaries=False, supports_reasoning_summary_parameter=False, support_verbosity=False,
         multi_agent_version="v1", supports_search_tool=False,
     )
+    if auto_compact_tokens is not None:
+        entry["auto_compact_token_limit"] = auto_compact_tokens
     return {"models": [entry]}
 
 
-def write_config(codex_home: Path, *, codex: Path, base_url: str, model: str) -> Path:
+def write_config(codex_home: Path, *, codex: Path, base_url: str, model: str,
+                 auto_compact_tokens: int | None = None) -> Path:
     codex_home.mkdir(parents=True, exist_ok=True)
     lines = [
         f"model = {json.dumps(model)}",
         'model_provider = "gyre"',
         'approval_policy = "never"',
     ]
-    catalog = model_catalog(codex, model)
+    catalog = model_catalog(codex, model, auto_compact_tokens)
     if catalog is not None:
         path = codex_home / "gyre-models.json"
         path.write_text(json.dumps(catalog))
@@ -108,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=os.environ.get("OPENAI_MODEL", "gyre-policy"))
     parser.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL"))
     parser.add_argument("--codex", default=os.environ.get("GYRE_CODEX") or shutil.which("codex") or _installed())
+    parser.add_argument("--auto-compact-tokens", type=int, help="compact Codex's context above this many tokens")
     parser.add_argument("--sandbox", default="danger-full-access",
                         help="Codex's own sandbox mode (Gyre's sandbox already fences the execution)")
     args = parser.parse_args(argv)
@@ -117,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no proxy URL: pass --base-url or set OPENAI_BASE_URL")
     codex = Path(args.codex)
     home = Path(os.environ.get("CODEX_HOME") or Path(os.environ.get("HOME", ".")) / ".codex")
-    write_config(home, codex=codex, base_url=args.base_url, model=args.model)
+    write_config(home, codex=codex, base_url=args.base_url, model=args.model,
+                 auto_compact_tokens=args.auto_compact_tokens)
     command = [str(codex), "exec", "--skip-git-repo-check", "--sandbox", args.sandbox, "--color", "never"]
     if args.answer_file is not None:
         command += ["--output-last-message", str(args.answer_file)]

@@ -2,16 +2,18 @@
 
 The rule (documented in docs/proxy.md):
 1. A call that extends an earlier call (it has a parent) belongs to the parent's agent.
-2. A new root belongs to the agent with the same *identity*: the text of its first user message (the task
-   of the main agent, the assignment of a sub-agent). A summary request repeats the conversation it
-   summarises, so it carries that conversation's identity even when its system prompt differs.
-3. A new root with an unknown identity is the agent being continued after a compaction when its first user
-   message contains a *continuation marker* (the agent of the latest summary call), else the main agent when
+2. A new root belongs to the agent with the same *identity*: the text of its user messages before the first
+   assistant turn and before a summary request (`Conversation.identity_text`: the task of the main agent,
+   the assignment of a sub-agent). A summary request repeats the conversation it summarises, so it carries
+   that conversation's identity even when its system prompt differs.
+3. A new root with an unknown identity is the agent being continued after a compaction when its identity
+   contains a *continuation marker* (the agent of the latest summary call), else the main agent when
    the execution has none yet, else a new sub-agent. Its identity is remembered for that agent.
 4. The branch is the agent's kind (`main` | `sub-agent`), with `-summary` appended when the newest user or
    tool message contains a *summary-request marker* (the compaction instruction).
 
-Markers are substrings, configurable (`MarkersConfig`); the defaults are Claude Code's compaction prompts.
+Markers are substrings, configurable (`MarkersConfig`); the defaults are Claude Code's and Codex CLI's
+compaction prompts.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from gyre.proxy.conversation import Conversation
 
 CLAUDE_CODE_SUMMARY_REQUEST = "Your task is to create a detailed summary of the conversation so far"
 CLAUDE_CODE_CONTINUATION = "This session is being continued from a previous conversation"
+CODEX_SUMMARY_REQUEST = "You are performing a CONTEXT CHECKPOINT COMPACTION"
+CODEX_CONTINUATION = "Another language model started to solve this problem and produced a summary"
 
 
 class MarkersConfig(BaseModel):
@@ -37,8 +41,8 @@ class MarkersConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    summary_request: tuple[str, ...] = (CLAUDE_CODE_SUMMARY_REQUEST,)
-    summary_continuation: tuple[str, ...] = (CLAUDE_CODE_CONTINUATION,)
+    summary_request: tuple[str, ...] = (CLAUDE_CODE_SUMMARY_REQUEST, CODEX_SUMMARY_REQUEST)
+    summary_continuation: tuple[str, ...] = (CLAUDE_CODE_CONTINUATION, CODEX_CONTINUATION)
 
     @classmethod
     def load(cls, path: str | Path) -> MarkersConfig:
@@ -75,7 +79,10 @@ class AgentBook:
         self._sub_agents = 0
 
     def classify(self, conversation: Conversation, parent_agent: Agent | None) -> tuple[Agent, BranchKind]:
-        agent = parent_agent if parent_agent is not None else self._root_agent(conversation.identity_text())
+        if parent_agent is not None:
+            agent = parent_agent
+        else:
+            agent = self._root_agent(conversation.identity_text(self.markers.is_summary_request))
         summary = self.markers.is_summary_request(conversation.last_request_text())
         if summary:
             self._last_summarised = agent

@@ -109,7 +109,7 @@ def codex_version(codex: str) -> str:
 
 
 def run_session(codex: str, engine_url: str, tmp: Path, *, prompt: str = PROMPT, timeout_s: float = 1800,
-                **proxy_config: Any) -> Session:
+                compact_at: int | None = None, **proxy_config: Any) -> Session:
     """Start a proxy in front of `engine_url`, a recording relay in front of it, and run `codex exec`."""
     events = MemorySink()
     server = ProxyServer(Proxy(ProxyConfig(engines={"cell0": engine_url}, **proxy_config), sink=events))
@@ -121,7 +121,8 @@ def run_session(codex: str, engine_url: str, tmp: Path, *, prompt: str = PROMPT,
         home, workspace = tmp / "home", tmp / "workspace"
         workspace.mkdir(parents=True, exist_ok=True)
         codex_home = home / ".codex"
-        write_config(codex_home, codex=Path(codex), base_url=f"{relay.url}/v1", model="gyre-policy")
+        write_config(codex_home, codex=Path(codex), base_url=f"{relay.url}/v1", model="gyre-policy",
+                     auto_compact_tokens=compact_at)
         answer = tmp / "answer.txt"
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "CODEX_HOME": str(codex_home),
                "OPENAI_API_KEY": registration.token, "RUST_LOG": "error", "NO_COLOR": "1"}

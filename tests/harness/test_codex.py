@@ -8,13 +8,17 @@ recorded passing with codex-cli 0.171.0, see docs/proxy.md). Codex talks to the 
 - a scripted session on the stock template and on a checkpoint with a Qwen2.5-style chat template: the model
   calls a function tool (`exec_command`), the freeform `apply_patch` and a namespaced sub-agent tool, and
   Codex runs each (the patch writes hello.txt) and finishes; every echo renders to exactly what the model
-  wrote (no drift).
+  wrote (no drift);
+- sub-agents (`spawn_agent`, `wait_agent`) and compaction (above `auto_compact_token_limit`) get their branch
+  kinds; the runner earns the toy task's reward with agents/codex/harness.toml, sandboxed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -122,3 +126,74 @@ def test_codex_harness_config_earns_the_reward(tmp_path: Path, monkeypatch: pyte
     assert result.reward == 1.0, result
     finished = [e for e in events.events if e.kind == "model_call_finished"]
     assert len(finished) == 2 and finished[1].drift_tokens == 0
+
+
+def _call(name: str, arguments: dict[str, object]) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def _calls(session) -> list[tuple[str, str | None]]:
+    """Each call's branch and its parent's branch (None for a root), in the order they finished."""
+    finished = [e for e in session.events.events if e.kind == "model_call_finished"]
+    assert all(e.finish_reason == "stop" for e in finished)
+    branch = {e.call_id: e.branch for e in finished}
+    return [(e.branch, branch[e.parent_call_id] if e.parent_call_id else None) for e in finished]
+
+
+def test_codex_sub_agent_is_its_own_branch(tmp_path: Path) -> None:
+    """The model spawns a sub-agent with Codex's `multi_agent_v1.spawn_agent` and waits for it: the
+    sub-agent's calls (same environment message, its own assignment) are recorded as branch `sub-agent`."""
+    assert CODEX
+    spawned = '<tool_call>{"name": "multi_agent_v1.spawn_agent"'  # a call written, not the tool listed
+
+    def respond(prompt: str) -> str:
+        if spawned not in prompt:  # a first call: the main agent's, or the sub-agent's
+            if "SUBTASK" in prompt.rsplit("<|im_start|>user", 1)[-1]:
+                return "Sub done."
+            return _call("multi_agent_v1.spawn_agent", {"message": "SUBTASK: say hi"})
+        if '<tool_call>{"name": "multi_agent_v1.wait_agent"' not in prompt:
+            agent = re.search(r'agent_id\W+([0-9a-f-]{36})', prompt)
+            assert agent, prompt[-2000:]
+            return _call("multi_agent_v1.wait_agent", {"targets": [agent.group(1)], "timeout_ms": 600000})
+        return "Main done."
+
+    engine = ScriptedEngine()
+    engine.respond = respond
+    engine.start()
+    try:
+        session = run_session(CODEX, engine.url, tmp_path, prompt="Delegate a greeting.")
+    finally:
+        engine.stop()
+    report = session.done.stdout[-3000:] + session.done.stderr[-3000:]
+    assert session.done.returncode == 0 and session.answer.strip() == "Main done.", report
+    calls = _calls(session)
+    assert Counter(calls) == Counter([("main", None), ("sub-agent", None), ("main", "main"), ("main", "main")]), calls
+
+
+def test_codex_compaction_is_a_summary_branch(tmp_path: Path) -> None:
+    """Codex compacts above `auto_compact_token_limit` (its ~40K-token prompt is over 30K): the summary call is
+    the main agent's `main-summary`, and the conversation it continues with is a new `main` root."""
+    assert CODEX
+
+    def respond(prompt: str) -> str:
+        last = prompt.rsplit("<|im_start|>user", 1)[-1]
+        if "CONTEXT CHECKPOINT COMPACTION" in last:
+            return "Summary: listed the files."
+        if '<tool_call>{"name": "exec_command"' not in prompt and "produced a summary" not in prompt:
+            return _call("exec_command", {"cmd": "ls"})
+        return "Done."
+
+    engine = ScriptedEngine()
+    engine.respond = respond
+    engine.start()
+    try:
+        session = run_session(CODEX, engine.url, tmp_path, prompt="List the files.", compact_at=30000)
+    finally:
+        engine.stop()
+    report = session.done.stdout[-3000:] + session.done.stderr[-3000:]
+    assert session.done.returncode == 0, report
+    calls = _calls(session)
+    # the summary request drops the tools, so it is a new root too (of the main agent, by its identity)
+    first, summary = (e["request"] for e in session.exchanges[:2])
+    assert first["tools"] and not summary.get("tools")
+    assert calls == [("main", None), ("main-summary", None), ("main", None)], report
