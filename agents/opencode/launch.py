@@ -29,7 +29,11 @@ OFFLINE = {
 }
 
 
-def config(base_url: str, model: str, api: str) -> dict[str, Any]:
+def config(base_url: str, model: str, api: str, context: int | None = None) -> dict[str, Any]:
+    """opencode's config; `context`: the model's context length as opencode sees it (it compacts near it)."""
+    entry: dict[str, Any] = {"name": model, "tool_call": True}
+    if context is not None:
+        entry["limit"] = {"context": context, "output": min(4096, context // 8)}
     return {
         "$schema": "https://opencode.ai/config.json",
         "provider": {
@@ -37,7 +41,7 @@ def config(base_url: str, model: str, api: str) -> dict[str, Any]:
                 "npm": PACKAGES[api],
                 "name": "Gyre",
                 "options": {"baseURL": base_url, "apiKey": "{env:OPENAI_API_KEY}"},
-                "models": {model: {"name": model, "tool_call": True}},
+                "models": {model: entry},
             }
         },
         "model": f"gyre/{model}",
@@ -48,10 +52,10 @@ def config(base_url: str, model: str, api: str) -> dict[str, Any]:
     }
 
 
-def write_config(home: Path, *, base_url: str, model: str, api: str) -> Path:
+def write_config(home: Path, *, base_url: str, model: str, api: str, context: int | None = None) -> Path:
     path = home / ".config" / "opencode" / "opencode.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config(base_url, model, api), indent=1))
+    path.write_text(json.dumps(config(base_url, model, api, context), indent=1))
     return path
 
 
@@ -66,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=os.environ.get("OPENAI_MODEL", "gyre-policy"))
     parser.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL"))
     parser.add_argument("--api", choices=sorted(PACKAGES), default="chat")
+    parser.add_argument("--context", type=int, help="the context length opencode compacts near")
     parser.add_argument("--opencode", default=os.environ.get("GYRE_OPENCODE") or shutil.which("opencode")
                         or _installed())
     args = parser.parse_args(argv)
@@ -74,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.base_url:
         parser.error("no proxy URL: pass --base-url or set OPENAI_BASE_URL")
     home = Path(os.environ.get("HOME", "."))
-    write_config(home, base_url=args.base_url, model=args.model, api=args.api)
+    write_config(home, base_url=args.base_url, model=args.model, api=args.api, context=args.context)
     done = subprocess.run([args.opencode, "run", args.prompt_file.read_text()], env={**os.environ, **OFFLINE},
                           stdin=subprocess.DEVNULL, check=False)
     return done.returncode
