@@ -13,8 +13,10 @@ from typing import Any
 
 from gyre.proxy.errors import ApiError
 
-STORED_RESPONSES = 64
-"""Stored responses kept per execution (the oldest is forgotten first; naming it is then a 400)."""
+STORED_RESPONSES = 16
+"""Stored responses kept per execution (the oldest is forgotten first; naming it is then a 400). Each holds
+its whole history (shared with the response it continued, copied for a client that resends it), so memory is
+at most this many histories per execution; chaining needs only the latest."""
 
 
 class ResponseStore:

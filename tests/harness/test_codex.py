@@ -4,7 +4,8 @@ Skipped without `GYRE_CODEX` (install it once, outside the tests: `npm install -
 recorded passing with codex-cli 0.171.0, see docs/proxy.md). Codex talks to the proxy as a custom provider
 (`wire_api = "responses"`, agents/codex/launch.py writes its config) and to nothing else.
 
-- the stock engine: the tiny random model on the local CPU engine serves Codex's real ~40K-token prompt;
+- the stock engine: random weights on the local CPU engine (the tiny model, and a checkpoint with a
+  Qwen2.5-style chat template) serve Codex's real ~40K-token prompt;
 - a scripted session on the stock template and on a checkpoint with a Qwen2.5-style chat template: the model
   calls a function tool (`exec_command`), the freeform `apply_patch` and a namespaced sub-agent tool, and
   Codex runs each (the patch writes hello.txt) and finishes; every echo renders to exactly what the model
@@ -78,14 +79,23 @@ def test_codex_runs_tools_through_the_proxy(template: str, tmp_path: Path) -> No
     assert all(e.drift_tokens == 0 for e in finished), [e.drift_tokens for e in finished]
 
 
-def test_codex_on_the_stock_engine(tmp_path: Path) -> None:
-    """The random tiny model on the local CPU engine: Codex's real prompt is served (not refused) and the
-    model's answers come back; each capped at 16 tokens, so Codex may report the cut reply."""
+@pytest.mark.parametrize("model", ["tiny", "qwen2_style"])
+def test_codex_on_the_stock_engine(model: str, tmp_path: Path) -> None:
+    """Random weights on the local CPU engine — the tiny model, or a checkpoint with its own BPE tokenizer and
+    Qwen2.5-style chat template (the proxy renders that template): Codex's real prompt is served (not
+    refused) and the model's answers come back; each capped at 16 tokens, so Codex may report the cut reply."""
     assert CODEX
-    engine = LocalEngineServer(LocalEngine(LocalEngineConfig(seed=0, num_threads=2)))
+    config: dict[str, object] = {}
+    if model == "tiny":
+        engine = LocalEngineServer(LocalEngine(LocalEngineConfig(seed=0, num_threads=2)))
+    else:
+        checkpoint = save_checkpoint(tmp_path / "ckpt", model)
+        config["tokenizer"] = str(checkpoint)
+        engine = LocalEngineServer(LocalEngine(LocalEngineConfig(model=str(checkpoint), seed=0, num_threads=2)))
     engine.start()
     try:
-        session = run_session(CODEX, engine.url, tmp_path, prompt="Reply with one word.", max_tokens_cap=16)
+        session = run_session(CODEX, engine.url, tmp_path / "run", prompt="Reply with one word.", max_tokens_cap=16,
+                              **config)
     finally:
         engine.stop()
     report = session.done.stdout[-3000:] + session.done.stderr[-3000:]
