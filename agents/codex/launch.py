@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -29,8 +30,9 @@ _CATALOG_START = b'{\n  "models": ['
 def native_binary(codex: Path) -> Path | None:
     """The Rust binary behind `codex` (npm installs a node wrapper beside a vendored binary)."""
     resolved = codex.resolve()
-    if resolved.read_bytes()[:4] == b"\x7fELF":
-        return resolved
+    with resolved.open("rb") as f:
+        if f.read(4) == b"\x7fELF":
+            return resolved
     modules = next((p for p in resolved.parents if p.name == "node_modules"), None)
     if modules is None:
         return None
@@ -46,12 +48,13 @@ def model_catalog(codex: Path, model: str, auto_compact_tokens: int | None = Non
     binary = native_binary(codex)
     if binary is None:
         return None
-    data = binary.read_bytes()
-    at = data.find(_CATALOG_START)
-    if at < 0:
-        return None
+    with binary.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:  # ~300 MB: not read
+        at = data.find(_CATALOG_START)
+        if at < 0:
+            return None
+        text = data[at : at + 4_000_000].decode("utf-8", "replace")
     try:
-        catalog, _ = json.JSONDecoder(strict=False).raw_decode(data[at : at + 4_000_000].decode("utf-8", "replace"))
+        catalog, _ = json.JSONDecoder(strict=False).raw_decode(text)
     except ValueError:
         return None
     models = [m for m in catalog.get("models", []) if m.get("apply_patch_tool_type") == "freeform"]
