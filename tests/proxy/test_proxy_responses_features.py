@@ -242,3 +242,23 @@ def test_tool_choice_is_answered_not_enforced(scripted, start_proxy, choice, kin
     reply = answer(p, {"model": "m", "input": "hi", "tools": [FUNCTION], "tool_choice": choice})
     assert [item["type"] for item in reply["output"]] == kinds
     assert '"read_file"' in prompt_of(scripted)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_calls_of_different_kinds_come_back_in_order(scripted, start_proxy, parallel: bool) -> None:
+    """Several calls in one reply (whatever `parallel_tool_calls` says: it is echoed, not enforced) come back
+    as one item each, in the order written, and their echo renders to exactly what the model wrote."""
+    p = start_proxy({"cell0": scripted.url})
+    scripted.say(tool_call("read_file", {"path": "a"}) + tool_call("apply_patch", {"input": "*** Begin Patch"})
+                 + tool_call("multi_agent_v1.wait_agent", {"targets": []}), "ok")
+    body = {"model": "m", "input": [{"role": "user", "content": "go"}], "tools": [FUNCTION, CUSTOM, NAMESPACE],
+            "parallel_tool_calls": parallel, "stream": True}
+    first = answer(p, body)
+    assert [(i["type"], i["name"]) for i in first["output"]] == [
+        ("function_call", "read_file"), ("custom_tool_call", "apply_patch"), ("function_call", "wait_agent")]
+    assert first["parallel_tool_calls"] is parallel
+    outputs = [{"type": "custom_tool_call_output" if i["type"] == "custom_tool_call" else "function_call_output",
+                "call_id": i["call_id"], "output": "done"} for i in first["output"]]
+    answer(p, {**body, "input": [*body["input"], *first["output"], *outputs]})
+    finished = p.events("model_call_finished")
+    assert finished[1].parent_call_id == finished[0].call_id and finished[1].drift_tokens == 0
