@@ -222,6 +222,9 @@ class ModelCallStarted(Event):
     """Earlier assistant turns the chat template renders differently now from what the model wrote (Qwen3
     drops earlier `<think>`): their recorded output is not reused, so the call is a new root or drifts."""
     attempt: NonNegativeInt = Field(0, description="the execution's attempt the call belongs to")
+    dropped_tools: list[str] = Field(default_factory=list)
+    """Tools the request offered that the prompt leaves out: hosted tools the policy cannot call (Responses
+    `web_search`, ...; an MCP server as `mcp:<label>`). The harness offered them; the model never saw them."""
 
 
 class ModelCallFinished(Event):

@@ -8,7 +8,7 @@ the other still matches the record. Content is always one string: the chat templ
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -88,8 +88,19 @@ class Conversation:
             out.append(item)
         return out
 
-    def identity_text(self) -> str:
-        """What tells agents apart: the first user message (else the system prompt)."""
+    def identity_text(self, stop: Callable[[str], bool] = lambda text: False) -> str:
+        """What tells agents apart: the user messages before the first assistant turn and before one that
+        `stop`s it (a compaction instruction), joined (the task; a harness may send its environment as a
+        user message of its own first, as Codex CLI does, which alone would not tell a sub-agent from its
+        parent); else the first user message, else the system prompt."""
+        leading = []
+        for m in self.messages:
+            if m.role == "assistant" or (m.role == "user" and leading and stop(m.content)):
+                break
+            if m.role == "user":
+                leading.append(m.content)
+        if leading:
+            return "\n".join(leading)
         for m in self.messages:
             if m.role == "user":
                 return m.content

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -317,13 +317,15 @@ class Proxy:
         return self._context[cell]
 
     async def open(
-        self, state: ExecutionState, conversation: Conversation, settings: CallSettings, *, stream: bool
+        self, state: ExecutionState, conversation: Conversation, settings: CallSettings, *, stream: bool,
+        dropped_tools: Sequence[str] = (),
     ) -> ActiveCall:
         """`begin`, after learning the engine's context length so that an overlong prompt is refused first.
         An execution pinned to a down cell moves first when a live cell admits it (else its call waits)."""
         cell = self.router.relocate(state.execution_id) or self.router.cell_of(state.execution_id)
         limit = await self.context_length(cell)
-        return self.begin(state, conversation, settings, stream=stream, context_length=limit)
+        return self.begin(state, conversation, settings, stream=stream, context_length=limit,
+                          dropped_tools=dropped_tools)
 
     def begin(
         self,
@@ -333,8 +335,10 @@ class Proxy:
         *,
         stream: bool,
         context_length: int | None = None,
+        dropped_tools: Sequence[str] = (),
     ) -> ActiveCall:
-        """Attach the request to the execution's call tree and record `model_call_started`.
+        """Attach the request to the execution's call tree and record `model_call_started`; `dropped_tools`
+        names the tools the request offered that the front end left out of the prompt (hosted tools).
 
         A prompt that does not fit `context_length` raises `ApiError` (400, Anthropic's "prompt is too long"
         wording, which Claude Code does not retry) and records nothing: no engine call was made.
@@ -368,6 +372,7 @@ class Proxy:
                 policy_version=state.registration.policy_version,
                 rerendered_turns=rendering.rewritten,
                 attempt=state.registration.attempt,
+                dropped_tools=list(dropped_tools),
             )
         )
         call = ActiveCall(self, state, record, plan, params, stream=stream, cell_id=cell)

@@ -131,6 +131,13 @@ def validation_error(error: ValidationError) -> ApiError:
     param = ".".join(loc) or "body"
     if first["type"] == "model_type" and not loc:
         return ApiError("invalid_request", "request body must be a JSON object", "body")
+    if first["type"] == "extra_forbidden":
+        return ApiError(
+            "invalid_request",
+            f"{param} is not supported: the proxy refuses a field it does not know rather than ignore something "
+            "that may change what the model sees",
+            param,
+        )
     return ApiError("invalid_request", f"{param}: {first['msg']}", param)
 
 

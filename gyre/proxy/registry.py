@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import secrets
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gyre import auth
 from gyre.proxy.branches import AgentBook, MarkersConfig
 from gyre.proxy.errors import UnknownExecutionError
+from gyre.proxy.response_store import ResponseStore
 from gyre.proxy.tito import CallTree, Codec
 
 
@@ -30,7 +31,8 @@ class Registration:
 
 @dataclass(eq=False)
 class ExecutionState:
-    """Everything the proxy keeps per execution: the call tree (exact ids), agents, counters."""
+    """Everything the proxy keeps per execution: the call tree (exact ids), agents, counters, and the
+    Responses API's stored responses."""
 
     registration: Registration
     tree: CallTree
@@ -39,6 +41,7 @@ class ExecutionState:
     drift_tokens: int = 0
     drifted_calls: int = 0
     roots: int = 0
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
     @property
     def execution_id(self) -> str:

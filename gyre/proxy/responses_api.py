@@ -1,8 +1,10 @@
 """`POST /v1/responses` (plain and streamed), OpenAI Responses-shaped: what Codex-style harnesses speak.
 
 Output items are built from the same `Reply` as the Anthropic front end (its content blocks map one to one
-onto `message` and `function_call` items), so all three APIs record the same assistant turn for the same
-output and a reply echoed through any of them matches the record.
+onto `message` and call items), so all three APIs record the same assistant turn for the same output and a
+reply echoed through any of them matches the record. A tool call becomes the item of the tool's kind
+(`ToolPlan.route`): `function_call` (with its `namespace` for a namespaced tool), `custom_tool_call`, or
+`local_shell_call`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from gyre.proxy.errors import ApiError
 from gyre.proxy.http import error_body, execution_of, read_model, request_id
 from gyre.proxy.output import Piece
 from gyre.proxy.replies import Event, FinalText, Reply
-from gyre.proxy.responses_models import ResponsesRequest
+from gyre.proxy.responses_models import (
+    ReasoningConfig,
+    ResponsesRequest,
+    ToolPlan,
+    custom_input,
+    shell_action,
+)
 from gyre.proxy.turn import answer
 
 
@@ -37,8 +45,16 @@ class ResponseBuilder:
     id_prefix = "call_"
     keep_blank_text = False
 
-    def __init__(self, body: ResponsesRequest, response_id: str, call: ActiveCall) -> None:
+    def __init__(
+        self, body: ResponsesRequest, response_id: str, call: ActiveCall, plan: ToolPlan,
+        history: list[Any] | None = None,
+    ) -> None:
         self.body = body
+        self.plan = plan
+        self.history = history
+        """The items this response continues (resolved history and input): stored with its output when
+        `history` is not None (the request's `store`)."""
+        self.raw: dict[int, str] = {}
         self.response_id = response_id
         self.call = call
         self.created = int(time.time())
@@ -57,6 +73,7 @@ class ResponseBuilder:
         return self.translate(reply.add(pieces) + (reply.close() if last else []))
 
     def closing(self, final: Generation, text: FinalText, reply: Reply) -> list[str]:
+        self.keep()
         response = self.response(final)
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return [self.event(kind, response=response)]
@@ -69,7 +86,13 @@ class ResponseBuilder:
         return self.event("response.failed", response=response)
 
     def plain(self, final: Generation, text: FinalText, reply: Reply) -> dict[str, Any]:
+        self.keep()
         return self.response(final)
+
+    def keep(self) -> None:
+        """Store the finished response for `previous_response_id` (its call is recorded by now)."""
+        if self.history is not None:
+            self.call.state.responses.keep(self.response_id, [*self.history, *self.items])
 
     def event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -104,14 +127,7 @@ class ResponseBuilder:
                         )
                     )
                 else:
-                    item = {
-                        "type": "function_call",
-                        "id": _item_id("fc_"),
-                        "call_id": block["id"],
-                        "name": block["name"],
-                        "arguments": "",
-                        "status": "in_progress",
-                    }
+                    item = self.call_item(block)
                     self.items.append(item)
                     out.append(self.event("response.output_item.added", output_index=index, item=dict(item)))
             elif name == "content_block_delta":
@@ -128,7 +144,7 @@ class ResponseBuilder:
                             logprobs=[],
                         )
                     )
-                else:
+                elif item["type"] == "function_call":
                     item["arguments"] += delta["partial_json"]
                     out.append(
                         self.event(
@@ -138,6 +154,8 @@ class ResponseBuilder:
                             delta=delta["partial_json"],
                         )
                     )
+                else:
+                    self.raw[index] = self.raw.get(index, "") + delta["partial_json"]
             elif name == "content_block_stop":
                 item = self.items[index]
                 item["status"] = "completed"
@@ -162,7 +180,7 @@ class ResponseBuilder:
                             part=part,
                         )
                     )
-                else:
+                elif item["type"] == "function_call":
                     out.append(
                         self.event(
                             "response.function_call_arguments.done",
@@ -172,12 +190,44 @@ class ResponseBuilder:
                             arguments=item["arguments"],
                         )
                     )
+                else:
+                    out += self.finish_call(index, item)
                 out.append(self.event("response.output_item.done", output_index=index, item=item))
         return out
+
+    def call_item(self, block: dict[str, Any]) -> dict[str, Any]:
+        """The output item a tool call opens, by the kind of tool it calls (`ToolPlan.route`)."""
+        route = self.plan.route(block["name"])
+        call_id, status = block["id"], "in_progress"
+        if route.kind == "custom":
+            return {"type": "custom_tool_call", "id": _item_id("ctc_"), "call_id": call_id, "status": status,
+                    "name": route.name, "input": ""}
+        if route.kind == "local_shell":
+            return {"type": "local_shell_call", "id": _item_id("lsh_"), "call_id": call_id, "status": status,
+                    "action": shell_action({"command": []})}
+        item = {"type": "function_call", "id": _item_id("fc_"), "call_id": call_id, "status": status,
+                "name": route.name, "arguments": ""}
+        if route.namespace is not None:
+            item["namespace"] = route.namespace
+        return item
+
+    def finish_call(self, index: int, item: dict[str, Any]) -> list[str]:
+        """Complete a custom or local shell call item from the arguments the model wrote (one JSON object)."""
+        arguments = json.loads(self.raw.pop(index, "") or "{}")
+        if item["type"] == "local_shell_call":
+            item["action"] = shell_action(arguments)
+            return []
+        item["input"] = custom_input(arguments)
+        fields = {"item_id": item["id"], "output_index": index}
+        return [
+            self.event("response.custom_tool_call_input.delta", **fields, delta=item["input"]),
+            self.event("response.custom_tool_call_input.done", **fields, input=item["input"]),
+        ]
 
     def response(self, final: Generation | None) -> dict[str, Any]:
         """The response object: in progress while `final` is None, else completed or incomplete."""
         body = self.body
+        reasoning = body.reasoning or ReasoningConfig()
         status, incomplete, usage = "in_progress", None, None
         if final is not None:
             assert final.finish is not None
@@ -205,11 +255,12 @@ class ResponseBuilder:
             "model": body.model,
             "output": self.items if final is not None else [],
             "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
-            "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None},
-            "store": False,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": reasoning.effort, "summary": reasoning.summary},
+            "store": body.stored,
+            "prompt_cache_key": body.prompt_cache_key,
             "temperature": body.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": {"type": "text"}, "verbosity": body.text.verbosity if body.text else None},
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "tools": body.tools or [],
             "top_p": body.top_p,
@@ -226,13 +277,16 @@ def responses_routes(proxy: Proxy) -> list[Route]:
         state = execution_of(proxy, request)
         body = await read_model(request, ResponsesRequest, config.max_body_bytes)
         body.check_supported()
-        conversation = body.conversation_of()
+        plan = body.tool_plan()
+        entries = state.responses.expand(body.previous_response_id, body.input_items())
+        conversation = body.conversation_of(plan, entries)
         settings = CallSettings(
             max_tokens=body.max_output_tokens or config.default_max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
         )
-        call = await proxy.open(state, conversation, settings, stream=body.stream)
-        return await answer(request, proxy, call, ResponseBuilder(body, request_id("resp_"), call))
+        call = await proxy.open(state, conversation, settings, stream=body.stream, dropped_tools=plan.dropped)
+        history = [item for _, item in entries] if body.stored else None
+        return await answer(request, proxy, call, ResponseBuilder(body, request_id("resp_"), call, plan, history))
 
     return [Route("/v1/responses", responses, methods=["POST"])]

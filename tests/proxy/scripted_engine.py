@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -25,6 +26,9 @@ class ScriptedEngine:
         self.tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
         self.eos = eos
         self.replies: deque[list[int]] = deque()
+        self.respond: Callable[[str], str | None] | None = None
+        """Optional: the reply to a prompt (its decoded text), for agents whose calls interleave (a harness
+        running a sub-agent beside its main agent); None falls back to the queued replies."""
         self.requests: list[dict[str, Any]] = []
         self.url = ""
         self._server: uvicorn.Server | None = None
@@ -35,6 +39,13 @@ class ScriptedEngine:
         for text in texts:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             self.replies.append([*ids, self.eos] if eos else ids)
+
+    def _reply(self, prompt: list[int]) -> list[int]:
+        if self.respond is not None:
+            text = self.respond(self.tokenizer.decode(prompt))
+            if text is not None:
+                return [*self.tokenizer.encode(text, add_special_tokens=False), self.eos]
+        return self.replies.popleft() if self.replies else [self.eos]
 
     def _result(self, rid: str, prompt: list[int], ids: list[int], params: dict[str, Any], done: bool) -> dict:
         limit = params.get("max_new_tokens", 128)
@@ -69,7 +80,7 @@ class ScriptedEngine:
             body = json.loads(await request.body())
             self.requests.append(body)
             params = body.get("sampling_params", {})
-            reply = self.replies.popleft() if self.replies else [self.eos]
+            reply = self._reply(body["input_ids"])
             ids = reply[: params.get("max_new_tokens", 128)]
             rid, prompt = body["rid"], body["input_ids"]
             if not body.get("stream"):

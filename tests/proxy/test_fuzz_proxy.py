@@ -38,6 +38,30 @@ ENDPOINTS: dict[str, dict[str, Any]] = {
                                 {"type": "function_call_output", "call_id": "c", "output": "r"}]},
 }
 
+RESPONSES_FEATURES: dict[str, Any] = {
+    "model": "m", "max_output_tokens": 8, "stream": True, "store": True, "parallel_tool_calls": False,
+    "include": ["reasoning.encrypted_content"], "prompt_cache_key": "k", "reasoning": {"effort": "low"},
+    "client_metadata": {"turn_id": "t"}, "text": {"verbosity": "low"}, "tool_choice": "auto",
+    "tools": [{"type": "function", "name": "f", "strict": False, "parameters": {}},
+              {"type": "namespace", "name": "ns", "description": "d",
+               "tools": [{"type": "function", "name": "g", "parameters": {}}]},
+              {"type": "custom", "name": "apply_patch",
+               "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
+              {"type": "local_shell"}, {"type": "web_search"}],
+    "input": [{"type": "message", "id": "msg_d", "role": "developer",
+               "content": [{"type": "input_text", "text": "d"}]},
+              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+              {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}], "encrypted_content": "e"},
+              {"type": "function_call", "call_id": "a", "name": "g", "namespace": "ns", "arguments": "{}"},
+              {"type": "function_call_output", "call_id": "a", "output": "r"},
+              {"type": "custom_tool_call", "call_id": "b", "name": "apply_patch", "input": "x"},
+              {"type": "custom_tool_call_output", "call_id": "b", "output": "ok"},
+              {"type": "local_shell_call", "call_id": "c", "action": {"type": "exec", "command": ["ls"]}},
+              {"type": "local_shell_call_output", "call_id": "c", "output": "ok"}],
+}
+"""What current harnesses (Codex CLI) add to a Responses request: every tool kind, developer and reasoning
+items, stateful and answered fields."""
+
 
 @pytest.fixture
 def proxy(scripted: ScriptedEngine, start_proxy: StartProxy) -> Running:
@@ -74,6 +98,27 @@ def test_fuzz_bodies(proxy: Running, path: str) -> None:
 
         @FUZZ
         @given(bodies(ENDPOINTS[path]))
+        def check(body: bytes) -> None:
+            assert_typed(path, post(http, path, body, headers))
+
+        check()
+
+
+def test_fuzz_responses_features(proxy: Running) -> None:
+    """The Responses features near a valid body, chained to a stored response (`previous_response_id`,
+    `item_reference`) or not: a typed answer every time."""
+    headers = {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
+    path = "/v1/responses"
+    with httpx.Client(base_url=proxy.url, timeout=60) as http:
+        stored = http.post(path, json={**RESPONSES_FEATURES, "stream": False}, headers=headers)
+        assert stored.status_code == 200, stored.text
+        chained = {**RESPONSES_FEATURES, "previous_response_id": stored.json()["id"],
+                   "input": [{"type": "item_reference", "id": "msg_d"},
+                             {"role": "user", "content": "more"}]}
+        assert post(http, path, json.dumps(chained).encode(), headers).status_code == 200
+
+        @FUZZ
+        @given(st.sampled_from([RESPONSES_FEATURES, chained]).flatmap(bodies))
         def check(body: bytes) -> None:
             assert_typed(path, post(http, path, body, headers))
 

@@ -10,7 +10,15 @@ import pytest
 
 from gyre.errors import ConfigError
 from gyre.proxy import MarkersConfig
-from gyre.proxy.branches import CLAUDE_CODE_CONTINUATION, CLAUDE_CODE_SUMMARY_REQUEST, AgentBook
+from gyre.proxy.branches import (
+    CLAUDE_CODE_CONTINUATION,
+    CLAUDE_CODE_SUMMARY_REQUEST,
+    CODEX_CONTINUATION,
+    CODEX_SUMMARY_REQUEST,
+    OPENCODE_CONTINUATION,
+    OPENCODE_SUMMARY_REQUEST,
+    AgentBook,
+)
 from gyre.proxy.conversation import Conversation, Message
 from tests.proxy.proxy_helpers import TOKEN
 
@@ -38,12 +46,44 @@ def test_rule_on_conversations() -> None:
     assert book.classify(sub_summary, sub) == (sub, "sub-agent-summary")
 
 
+def test_rule_on_codex_shaped_conversations() -> None:
+    """Codex CLI sends its environment as a user message of its own before the task: the identity is the
+    user messages before the first reply, so a sub-agent (same environment, its own assignment) is not the
+    main agent; its compaction prompts are default markers."""
+    book = AgentBook(MarkersConfig())
+    env = ("user", "<environment_context><cwd>/w</cwd></environment_context>")
+    main, branch = book.classify(_conv(("system", MAIN), env, ("user", "fix it")), None)
+    assert branch == "main"
+    sub, branch = book.classify(_conv(("system", MAIN), env, ("user", "find x")), None)
+    assert branch == "sub-agent" and sub is not main
+    summary = _conv(("system", MAIN), env, ("user", "fix it"), ("assistant", "ok"), ("user", CODEX_SUMMARY_REQUEST))
+    assert book.classify(summary, main) == (main, "main-summary")
+    resumed = _conv(("system", MAIN), env, ("user", "fix it"), ("user", CODEX_CONTINUATION + " of the task: S"))
+    assert book.classify(resumed, None) == (main, "main")
+
+
+def test_rule_on_opencode_shaped_compaction() -> None:
+    """opencode's summary request quotes the conversation in one user message under its own system prompt: it
+    belongs to the agent of the latest call; the conversation it continues with is that agent's new root."""
+    book = AgentBook(MarkersConfig())
+    main, _ = book.classify(_conv(("system", MAIN), ("user", "fix it")), None)
+    sub, _ = book.classify(_conv(("system", SUB), ("user", "find x")), None)
+    book.classify(_conv(("user", "find x"), ("assistant", "found"), ("user", "more")), sub)
+    quoted = _conv(("system", "Summarise."), ("user", "<conversation>[User]: find x</conversation>\n"
+                                                      + OPENCODE_SUMMARY_REQUEST + "."))
+    assert book.classify(quoted, None) == (sub, "sub-agent-summary")
+    resumed = _conv(("system", SUB), ("user", OPENCODE_CONTINUATION), ("assistant", "S"), ("user", "Continue."))
+    assert book.classify(resumed, None) == (sub, "sub-agent")
+    book.classify(_conv(("user", "fix it"), ("assistant", "a"), ("user", "b")), main)
+    assert book.classify(quoted, None) == (main, "main-summary")  # not remembered: the agent that just ran
+
+
 def test_markers_load_and_reject(tmp_path: Path) -> None:
     good = tmp_path / "m.toml"
     good.write_text('summary_request = ["SUMMARISE NOW"]\n')
     markers = MarkersConfig.load(good)
     assert markers.summary_request == ("SUMMARISE NOW",)
-    assert markers.summary_continuation == (CLAUDE_CODE_CONTINUATION,)
+    assert markers.summary_continuation == (CLAUDE_CODE_CONTINUATION, CODEX_CONTINUATION, OPENCODE_CONTINUATION)
     bad = tmp_path / "m.json"
     bad.write_text('{"summary_requests": ["x"]}')
     with pytest.raises(ConfigError, match="summary_requests"):

@@ -68,8 +68,8 @@ def test_responses_max_output_tokens_is_incomplete(scripted, start_proxy) -> Non
     ("extra", "param"),
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
-        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
+        ({"tools": [{"type": "computer"}]}, "tools.0.type"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.id"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input.0.content.0.type",
