@@ -107,7 +107,16 @@ SERIAL = (
     "tests/trainer/test_trainer_cli.py::test_bench_json",
     "tests/log/test_recovery.py::test_kill_minus_nine",
     "tests/controller/test_kill_resume.py",
-    "tests/engine/test_engine_client.py::test_cli_serves",  # binds a port picked before: not beside other servers
+    # a reply paused or redirected while it streams (the pause must land before the reply ends), a server on a
+    # port picked before it binds
+    "tests/engine/test_engine_client.py",
+    "tests/engine/test_engine_control.py",
+    "tests/engine/test_engine_generate.py",
+    "tests/engine/test_engine_kv_migration.py",
+    "tests/proxy/test_proxy_engine_lost.py",
+    "tests/proxy/test_proxy_kv_migration.py",
+    "tests/proxy/test_proxy_redirect.py",
+    "tests/proxy/test_proxy_redirect_plan.py",
 )
 """The part of the integration tier that runs whole runs of several processes or a training loop: `make test`
 runs it one test at a time, after everything else has run on both cores, so that two of them never split the
