@@ -344,7 +344,10 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         controller._fold_new = timed_fold  # type: ignore[method-assign]
         controller.step = timed_step  # type: ignore[method-assign]
         kinds: collections.Counter[str] = collections.Counter()
-        controller.observe(lambda seq, event: kinds.update((event.kind,)) if timings.recording else None)
+        # counted from a batch's kind column: an observer of every kind that took events would have each row
+        # of the run (every model call's tokens) decoded on the ingest thread, a cost of the benchmark's own
+        controller.observe(lambda seq, event: kinds.update((event.kind,)) if timings.recording else None,
+                           columns=lambda first, columns: kinds.update(columns.kinds) if timings.recording else None)
         log_path = host.log_path
         lag = LoopLag(topology.hub._thread.loop)
         threads_before: dict[str, float] = {}
