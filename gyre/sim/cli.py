@@ -21,6 +21,9 @@ sim_app = typer.Typer(help="Simulate a cluster scenario under a scheduling polic
 def sim(
     scenario: Annotated[str, typer.Argument(help=f"scenario name ({', '.join(scenario_names())}) or file path")],
     policy: Annotated[str, typer.Option(help="elastic | colocate | async")] = "elastic",
+    policy_version: Annotated[str | None, typer.Option(
+        help="a shipped version other than the current one, e.g. elastic/3 (its own parameters then go in "
+             "--set elastic.FIELD=VALUE)")] = None,
     compare_all: Annotated[bool, typer.Option("--compare", help="run all three policies on the same work")] = False,
     ablation: Annotated[bool, typer.Option(
         "--ablate", help="elastic against every baseline variant (streaming, async splits) on the same work")] = False,
@@ -36,12 +39,15 @@ def sim(
 ) -> None:
     try:
         sc = _configured(load_scenario(scenario), staleness, settings or [])
+        if policy_version is not None and (ablation or compare_all):
+            raise ConfigError("--policy-version runs one policy: not with --ablate or --compare "
+                              "(the ablation already runs elastic/3)")
         if ablation:
             out: dict[str, Any] = ablate(sc, seed=seed, steps=steps)
         elif compare_all:
             out = compare(sc, seed=seed, steps=steps, log_dir=log)
         else:
-            out = simulate(sc, policy, seed=seed, steps=steps, log_dir=log).to_dict()
+            out = simulate(sc, policy, seed=seed, steps=steps, log_dir=log, version=policy_version).to_dict()
     except GyreError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from None

@@ -197,13 +197,21 @@ class Scenario(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Scenario":
-        from gyre.scheduler import POLICIES
+        from gyre.scheduler import POLICIES, VERSIONS
 
         for name, policy in POLICIES.items():
-            try:
-                params = policy.params(self.policy.values(name))
-            except ConfigError as error:
-                raise ValueError(f"[policy.{name}]: {error}") from None
+            # a section may hold a shipped older or newer version's parameters (elastic/3's, for
+            # ``gyre sim --policy-version``); the version that runs validates them again (``policy_params``)
+            shipped = [policy, *(p for p in VERSIONS.values() if p.name == name and p is not policy)]
+            errors: list[ConfigError] = []
+            for version in shipped:
+                try:
+                    params = version.params(self.policy.values(name))
+                    break
+                except ConfigError as error:
+                    errors.append(error)
+            else:
+                raise ValueError(f"[policy.{name}]: {errors[0]}") from None
             if params.oversample_groups and not params.partial_rollouts:
                 raise ValueError(f"policy.{name}.oversample_groups needs partial_rollouts = true")
             if 2 * params.oversample_groups > self.batch.groups:

@@ -58,3 +58,21 @@ def test_ablate_and_set(tmp_path):
     assert result.exit_code == 0, result.output
     result = runner.invoke(app, ["sim", "tiny", "--set", "colocate.stream_micro_steps"])
     assert result.exit_code == 2 and "expected POLICY.FIELD=VALUE" in result.output
+
+
+def test_policy_version_runs_elastic3_with_its_own_parameters():
+    """``--policy-version elastic/3`` runs the newer version alone, its own parameters set with ``--set``
+    (the scenario accepts any shipped version's); the version that runs still refuses the others'."""
+    v3 = ["sim", "tiny", "--steps", "2", "--json", "--policy-version", "elastic/3",
+          "--set", "elastic.partial_rollouts=true", "--set", "elastic.oversample_groups=2",
+          "--set", "elastic.idle_recall=true"]
+    result = runner.invoke(app, v3)
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["policy_version"] == "elastic/3" and out["steps"] == 2
+    refused = runner.invoke(app, ["sim", "tiny", "--steps", "2", "--set", "elastic.idle_recall=true"])
+    assert refused.exit_code == 2 and "idle_recall" in refused.output  # elastic/2 has no such parameter
+    for bad in (["--policy-version", "elastic/9"], ["--policy-version", "elastic/3", "--ablate"],
+                ["--set", "elastic.bogus=1"]):
+        result = runner.invoke(app, ["sim", "tiny", *bad])
+        assert result.exit_code == 2, bad
