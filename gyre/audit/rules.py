@@ -25,8 +25,10 @@ its attempt); it is what the chaos benchmark (`benchmarks/chaos_bench.py`) and `
   as the simulator counts it: a group is trained by the step the scheduler's fold assigns it (a carried
   group by a later step than its batch's), and a call's version is the oldest that produced its tokens.
 
-Counted, not judged: micro-steps redone (claims of a micro-step already claimed, releases), steps aborted or
-started again, role switches, cells lost and registered again, commands abandoned, controller restarts.
+Counted, not judged: executions cut (partial rollouts: the same attempt queued again before its outcome, as
+the simulator and the cluster's proxy record a cut), micro-steps redone (claims of a micro-step already
+claimed, releases), steps aborted or started again, role switches, cells lost and registered again, commands
+abandoned, controller restarts.
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ class AuditReport(BaseModel):
     micro_steps_claimed: int = 0
     micro_steps_released: int = 0
     micro_steps_redone: int = Field(0, description="claims of a micro-step already claimed before")
+    executions_cut: int = Field(0, description="partial rollouts: an attempt queued again while it ran (cut, "
+                                               "to continue where it is placed next)")
     steps_aborted: int = 0
     steps_restarted: int = Field(0, description="train_step_started for a step already started")
     # -- cluster --
@@ -255,6 +259,11 @@ def _rewards(con, report: AuditReport) -> None:
         for seq, what, data in sorted(timeline[execution_id], key=lambda item: item[0]):
             if what == "queued":
                 attempt, step = data
+                last = attempts[-1] if attempts else None
+                if (last is not None and attempt == last["attempt"] and step == last["step"] and not last["outcomes"]
+                        and last["status"] is None):
+                    report.executions_cut += 1  # the same attempt queued again while it ran: a cut (partial rollouts)
+                    continue
                 expected = attempts[-1]["attempt"] + 1 if attempts else 0
                 if attempt != expected:
                     problems.append(f"attempts: execution {execution_id} queued as attempt {attempt} at seq {seq}, "
@@ -361,7 +370,7 @@ def _versions(con, report: AuditReport, require_versions: bool, log: Path) -> No
         "SELECT step, arg_min(policy_version, seq) - 1 FROM train_steps GROUP BY step").fetchall())
     allowed = staleness + (1 if partial else 0)  # a carried group is due one step later, never more
     rows = con.execute("""
-        WITH queued AS (SELECT execution_id, attempt, any_value(policy_version) AS queued_version,
+        WITH queued AS (SELECT execution_id, attempt, arg_min(policy_version, seq) AS queued_version,
                                any_value(step) AS step, any_value(group_id) AS group_id
                         FROM executions_queued GROUP BY ALL)
         SELECT c.execution_id, c.call_id, c.attempt, c.cell_id, c.engine_version, q.queued_version, q.step,
