@@ -34,7 +34,8 @@ def audit(path: PathArg, as_json: JsonOpt = False,
                       f"completed, {report.rewards} rewards; {report.steps_trained} steps trained")
         table = Table("audit", "value")
         for name in ("events_lost", "events_doubled", "spill_files", "rewards_lost", "rewards_doubled",
-                     "rewards_unqueued", "micro_steps_redone", "micro_steps_released", "steps_aborted",
+                     "rewards_unqueued", "executions_cut", "micro_steps_redone", "micro_steps_released",
+                     "steps_aborted",
                      "calls_versioned", "calls_unversioned", "calls_stale", "calls_overlagged", "max_version_lag",
                      "role_switches", "cells_lost", "cells_reregistered", "commands_abandoned", "controller_restarts",
                      "quiet_gaps", "run_status"):

@@ -21,14 +21,19 @@ its attempt); it is what the chaos benchmark (`benchmarks/chaos_bench.py`) and `
 - **versions** — every model call with output reports the weights version its engine served it with (``engine_version``;
   ``require_versions``), that version is at least the one its execution's attempt was queued with (no call
   on stale weights), and a trained call lags the version that trains it (step ``s`` trains from version
-  ``s``) by at most the run's ``scheduler.staleness``.
+  ``s``) by at most the run's ``scheduler.staleness`` — with partial rollouts by at most one more, counted
+  as the simulator counts it: a group is trained by the step the scheduler's fold assigns it (a carried
+  group by a later step than its batch's), and a call's version is the oldest that produced its tokens.
 
-Counted, not judged: micro-steps redone (claims of a micro-step already claimed, releases), steps aborted or
-started again, role switches, cells lost and registered again, commands abandoned, controller restarts.
+Counted, not judged: executions cut (partial rollouts: the same attempt queued again before its outcome, as
+the simulator and the cluster's proxy record a cut), micro-steps redone (claims of a micro-step already
+claimed, releases), steps aborted or started again, role switches, cells lost and registered again, commands
+abandoned, controller restarts.
 """
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
@@ -94,6 +99,8 @@ class AuditReport(BaseModel):
     micro_steps_claimed: int = 0
     micro_steps_released: int = 0
     micro_steps_redone: int = Field(0, description="claims of a micro-step already claimed before")
+    executions_cut: int = Field(0, description="partial rollouts: an attempt queued again while it ran (cut, "
+                                               "to continue where it is placed next)")
     steps_aborted: int = 0
     steps_restarted: int = Field(0, description="train_step_started for a step already started")
     # -- cluster --
@@ -135,7 +142,7 @@ def audit(log: str | Path, *, expected_steps: int | None = None, require_finishe
     _spill(Path(spill_dir) if spill_dir is not None else log.parent / SPILL_DIR, report, con)
     _rewards(con, report)
     _training(con, report, expected_steps, require_finished)
-    _versions(con, report, require_versions)
+    _versions(con, report, require_versions, log)
     _cluster(con, report, quiet_gap_s)
     if replay:
         result = replay_decisions(log)
@@ -252,6 +259,11 @@ def _rewards(con, report: AuditReport) -> None:
         for seq, what, data in sorted(timeline[execution_id], key=lambda item: item[0]):
             if what == "queued":
                 attempt, step = data
+                last = attempts[-1] if attempts else None
+                if (last is not None and attempt == last["attempt"] and step == last["step"] and not last["outcomes"]
+                        and last["status"] is None):
+                    report.executions_cut += 1  # the same attempt queued again while it ran: a cut (partial rollouts)
+                    continue
                 expected = attempts[-1]["attempt"] + 1 if attempts else 0
                 if attempt != expected:
                     problems.append(f"attempts: execution {execution_id} queued as attempt {attempt} at seq {seq}, "
@@ -342,7 +354,7 @@ def _training(con, report: AuditReport, expected_steps: int | None, require_fini
         report.problems.append(f"run: finished as {report.run_status or 'never (no run_finished)'}, not completed")
 
 
-def _versions(con, report: AuditReport, require_versions: bool) -> None:
+def _versions(con, report: AuditReport, require_versions: bool, log: Path) -> None:
     """Each call against its attempt's queued version and, when its step was trained, that step's weights."""
     columns = {c for (c,) in con.execute(
         "SELECT column_name FROM information_schema.columns WHERE table_name = 'model_calls'").fetchall()}
@@ -352,19 +364,21 @@ def _versions(con, report: AuditReport, require_versions: bool) -> None:
             report.problems.append(f"versions: none of the {report.calls_unversioned} model calls reports the "
                                    f"version its engine served it with")
         return
-    row = con.execute("SELECT json_extract(config, '$.scheduler.staleness') FROM runs_started ORDER BY seq LIMIT 1"
-                      ).fetchone()
-    staleness = int(row[0]) if row is not None and row[0] is not None else 0
+    staleness, partial = _run_params(con)
+    trained_by = _partial_steps(log) if partial else None
+    trains_from = dict(con.execute(
+        "SELECT step, arg_min(policy_version, seq) - 1 FROM train_steps GROUP BY step").fetchall())
+    allowed = staleness + (1 if partial else 0)  # a carried group is due one step later, never more
     rows = con.execute("""
-        WITH queued AS (SELECT execution_id, attempt, any_value(policy_version) AS queued_version,
-                               any_value(step) AS step FROM executions_queued GROUP BY ALL),
-             trained AS (SELECT step, arg_min(policy_version, seq) - 1 AS trains_from FROM train_steps GROUP BY step)
+        WITH queued AS (SELECT execution_id, attempt, arg_min(policy_version, seq) AS queued_version,
+                               any_value(step) AS step, any_value(group_id) AS group_id
+                        FROM executions_queued GROUP BY ALL)
         SELECT c.execution_id, c.call_id, c.attempt, c.cell_id, c.engine_version, q.queued_version, q.step,
-               t.trains_from, len(c.output_ids) AS produced
-        FROM model_calls c LEFT JOIN queued q USING (execution_id, attempt) LEFT JOIN trained t ON t.step = q.step
+               q.group_id, len(c.output_ids) AS produced
+        FROM model_calls c LEFT JOIN queued q USING (execution_id, attempt)
         ORDER BY c.seq""").fetchall()
     problems: list[str] = []
-    for execution_id, call_id, attempt, cell_id, served, queued_version, step, trains_from, produced in rows:
+    for execution_id, call_id, attempt, cell_id, served, queued_version, batch, group, produced in rows:
         if served is None and not produced:
             report.calls_unserved += 1  # ended before any engine produced a token (aborted): no version served it
             continue
@@ -379,15 +393,41 @@ def _versions(con, report: AuditReport, require_versions: bool) -> None:
             report.calls_stale += 1
             problems.append(f"versions: call {call_id} of execution {execution_id} attempt {attempt} ran on "
                             f"{cell_id} with weights v{served}, older than the v{queued_version} it was queued with")
-        if trains_from is not None:
-            lag = trains_from - served
+        step = batch if trained_by is None else trained_by.get(group)
+        if step in trains_from:
+            lag = trains_from[step] - served
             report.max_version_lag = lag if report.max_version_lag is None else max(report.max_version_lag, lag)
-            if lag > staleness:
+            if lag > allowed:
                 report.calls_overlagged += 1
                 problems.append(f"versions: call {call_id} of execution {execution_id} (v{served}) was trained at "
-                                f"step {step} from v{trains_from}: {lag} versions behind, over the run's "
-                                f"staleness {staleness}")
+                                f"step {step} from v{trains_from[step]}: {lag} versions behind, over the run's "
+                                f"staleness {staleness}" + (" + 1 (partial rollouts)" if partial else ""))
     _add(report, "versions", problems)
+
+
+def _run_params(con) -> tuple[int, bool]:
+    """The run's staleness (its config's, else its policy's) and whether its policy uses partial rollouts."""
+    row = con.execute("SELECT json_extract(config, '$.scheduler.staleness'), policy_params FROM runs_started "
+                      "ORDER BY seq LIMIT 1").fetchone()
+    if row is None:
+        return 0, False
+    try:
+        params = json.loads(row[1] or "{}")
+    except json.JSONDecodeError:
+        params = {}
+    staleness = row[0] if row[0] is not None else params.get("staleness")
+    return int(staleness or 0), bool(params.get("partial_rollouts"))
+
+
+def _partial_steps(log: Path) -> dict[str, int]:
+    """Partial rollouts: group -> the step that trained it, as the scheduler's fold assigns groups to steps
+    (`WorkState.assigned`: the one rule the simulator, the controller and this audit read)."""
+    from gyre.scheduler import SchedulerFold
+
+    fold = SchedulerFold()
+    for event in LogReader(log).events():
+        fold.apply(event)
+    return {group: step for step, groups in fold.view.work.assigned.items() for group in groups}
 
 
 def _short(values: list[int]) -> str:

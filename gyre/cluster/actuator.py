@@ -5,7 +5,10 @@ commands, one at a time on the cell's own thread, and records `role_switch_compl
 has completed, with each part's measured seconds and bytes as the processes reported them:
 
 - rollout -> training: the proxy stops admitting executions to the cell and redirects its in-flight calls
-  exactly as the decision's plan says (`redirect_s`, `redirected_calls`); the cell pauses its engine
+  exactly as the decision's plan says (`redirect_s`, `redirected_calls`); with partial rollouts the
+  executions the plan does not move are cut instead (`gyre.proxy.core.Proxy.cut`: each `execution_queued`
+  again, its slot released, its call aborted and continued — tokens kept, re-prefilled — once it is placed
+  again on a cell holding the latest published version or newer); the cell pauses its engine
   (`engine_pause_s`) and releases its memory; it joins training (`trainer_join_s`): the core's replica is
   resident, a satellite pulls the current weights from the core over Mooncake and claims micro-steps.
 - training -> rollout: a satellite leaves the trainer; the cell loads the latest published weights into its
@@ -195,8 +198,10 @@ class RemoteCell:
     """A cell process's actuator: decisions and train steps as ordered commands, completions as events."""
 
     def __init__(self, cell_id: str, *, commands: Commands, transfers: Transfers, sink: EventSink,
-                 fail: Callable[[BaseException], None], upto: Callable[[], int]) -> None:
+                 fail: Callable[[BaseException], None], upto: Callable[[], int], cut: bool = False) -> None:
+        """``cut``: the run's policy uses partial rollouts: what a leaving cell does not redirect is cut."""
         self.cell_id = cell_id
+        self.cut = cut
         self.commands, self.transfers, self.sink, self.fail = commands, transfers, sink, fail
         self.live: LiveRun = transfers.live
         self.upto = upto
@@ -282,7 +287,9 @@ class RemoteCell:
     def redirect(self, decision: RoleSwitchRequested) -> tuple[int, float | None]:
         calls = [gyre_pb2.CallRedirect(call_id=r.call_id, execution_id=r.execution_id, to_cell_id=r.to_cell_id)
                  for r in decision.redirects]
-        done = self.commands.proxy("redirect", redirect=gyre_pb2.RedirectCell(from_cell_id=self.cell_id, calls=calls))
+        done = self.commands.proxy("redirect", redirect=gyre_pb2.RedirectCell(
+            from_cell_id=self.cell_id, calls=calls, cut=self.cut,
+            resume_version=self.transfers.latest().version if self.cut else 0))
         if done is None:  # a lost proxy: its restart has no calls in flight
             return 0, 0.0
         return int(done.figures["redirected_calls"]), done.figures["redirect_s"]

@@ -109,6 +109,8 @@ class ProxyNode:
         self.stopped = False
         self._held: set[str] = set()
         """Executions submitted to the runner and not ended (their harness, or its evaluation, still runs)."""
+        self._specs: dict[str, gyre_pb2.ExecutionSpec] = {}
+        """The held executions as queued: a cut one is queued again with the same batch and attempt."""
         self._urls: dict[str, str] = {}
 
     def start(self) -> None:
@@ -190,6 +192,7 @@ class ProxyNode:
         proxy, runner = parts.proxy, parts.runner
         for spec in queue.executions:
             self._held.add(spec.execution_id)
+            self._specs[spec.execution_id] = spec
             proxy.register_execution(spec.execution_id, spec.token, cell_id=UNPLACED,
                                      policy_version=spec.policy_version, attempt=spec.attempt)
             step = None if spec.step < 0 else spec.step  # held-out: outside the steps
@@ -204,6 +207,7 @@ class ProxyNode:
 
     def _ended(self, execution_id: str) -> None:
         self._held.discard(execution_id)
+        self._specs.pop(execution_id, None)
         parts = self.parts
         if parts is None:
             return
@@ -215,10 +219,30 @@ class ProxyNode:
         planned = {c.call_id: c.to_cell_id for c in redirect.calls}
         executions = {c.execution_id: c.to_cell_id for c in redirect.calls if c.execution_id}
         started = time.perf_counter()
+        cut = self._cut(parts, redirect, set(executions)) if redirect.cut else 0
         calls, moved = parts.server.call(
             parts.proxy.redirect_plan(redirect.from_cell_id, planned, executions))
         return {"redirect_s": time.perf_counter() - started, "redirected_calls": float(calls),
-                "moved_executions": float(len(moved))}
+                "moved_executions": float(len(moved)), "cut_executions": float(cut)}
+
+    def _cut(self, parts: _Components, redirect: gyre_pb2.RedirectCell, kept: set[str]) -> int:
+        """Partial rollouts: cut every execution on the leaving cell that the plan does not move, before the
+        plan moves the rest (its `execution_queued` again, as the simulator records a cut: same batch and
+        attempt, the latest published version). Returns how many were cut."""
+        from gyre.events.models import ExecutionQueued
+
+        on_cell = [e for e in parts.proxy.router.pinned_on(redirect.from_cell_id) if e not in kept]
+        queued = []
+        for execution_id in on_cell:
+            spec = self._specs.get(execution_id)
+            if spec is None:  # ended meanwhile (its runner is unregistering it): nothing to cut
+                continue
+            queued.append(ExecutionQueued(execution_id=execution_id, task_id=spec.task_id, group_id=spec.group_id,
+                                          step=None if spec.step < 0 else spec.step, attempt=spec.attempt,
+                                          policy_version=redirect.resume_version))
+        if queued:
+            parts.server.call(parts.proxy.cut(redirect.from_cell_id, queued, redirect.resume_version))
+        return len(queued)
 
     def _require(self) -> _Components:
         if self.parts is None:

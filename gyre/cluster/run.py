@@ -282,7 +282,7 @@ class Cluster:
     def _actuator(self, cell_id: str) -> RemoteCell:
         actuator = RemoteCell(cell_id, commands=self.commands, transfers=self.transfers,
                               sink=self.host.sink.producer(f"actuator:{cell_id}"), fail=self.controller.fail,
-                              upto=lambda: self.controller.folded_seq)
+                              upto=lambda: self.controller.folded_seq, cut=self.host.params.partial_rollouts)
         actuator.on_lost_train = self.controller.forget_training
         self.controller.cells[cell_id] = actuator
         self._closers.append(actuator.close)

@@ -262,12 +262,12 @@ class Controller:
             self.rollouts.queue(step, view.trainer.policy_version)
             self._fold_new()
         if self._training is None:
-            step = next_step_to_train(view, self.plan.stream)
+            step = next_step_to_train(view, self.plan.stream, self.plan)
             if step is not None:
                 core = view.core
                 assert core is not None
                 self._training = step
-                self.cells[core.cell_id].train(step, step_groups(view, step))
+                self.cells[core.cell_id].train(step, step_groups(view, step, self.plan))
 
 
 def decisions_of(events: list[Event]) -> list[RoleSwitchRequested]:

@@ -36,7 +36,14 @@ from gyre.engine import (
     GenerateResult,
     SamplingParams,
 )
-from gyre.events.models import CallRedirected, ModelCallFinished, ModelCallStarted
+from gyre.events.models import (
+    CallRedirected,
+    Event,
+    ExecutionQueued,
+    ExecutionStarted,
+    ModelCallFinished,
+    ModelCallStarted,
+)
 from gyre.proxy.branches import Agent
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.conversation import Conversation, Message
@@ -55,6 +62,7 @@ log = logging.getLogger(__name__)
 
 _RETRY_BACKOFF_S = 0.05
 LOST_REASON = "source engine lost"
+CUT_REASON = "cut (partial rollouts): resumed by a re-prefill"
 """How a `call_redirected` event's `kv_refused` starts when the call left a lost engine."""
 
 
@@ -167,7 +175,7 @@ class Proxy:
         """Mark every call in flight on ``from_cell`` to continue on ``target(flight)`` (else where its execution
         is pinned), then abort it there; the call itself resubmits. Returns how many there were."""
         engine = self.router.engine(from_cell)
-        flights = self.router.flights_on(from_cell)
+        flights = [f for f in self.router.flights_on(from_cell) if not f.cut]  # a cut call waits to be placed
         for flight in flights:
             flight.redirect_to = target(flight) or self._continuation(flight.execution_id)
         for flight in flights:
@@ -198,6 +206,50 @@ class Proxy:
         moved = self.router.repin_plan(from_cell, executions or {})
         calls = await self._abort_flights(from_cell, lambda f: planned.get(f.call_id))
         return calls, moved
+
+    async def cut(self, from_cell: str, queued: list[Event], version: int) -> int:
+        """Partial rollouts (the cluster path, after `redirect_plan`): the executions ``queued`` names (their
+        `execution_queued` again, as the simulator records a cut) leave ``from_cell`` without a redirect: each
+        releases its slot and its call in flight is aborted; the call keeps its tokens and continues — its
+        conversation and those tokens re-sent, a re-prefill, so the prefix tree keeps one trajectory — once
+        its execution is placed again on an admitting cell holding ``version`` or newer (`_resume_cut`); a
+        harness between calls waits there at its next call. Returns how many calls were in flight."""
+        cut = {e.execution_id for e in queued if isinstance(e, ExecutionQueued)}
+        self.router.set_route(from_cell, 0, admitting=False)  # none of them is placed there again
+        self.sink.record(queued)  # before any resume of theirs (the same producer): the fold unplaces them
+        for execution_id in sorted(cut):
+            self.router.cut(execution_id, version)
+        flights = [f for f in self.router.flights_on(from_cell) if f.execution_id in cut]
+        engine = self.router.engine(from_cell)
+        for flight in flights:
+            flight.cut = True
+        for flight in flights:
+            try:
+                await engine.abort(flight.rid)
+            except EngineError as e:
+                log.warning("cut: aborting %s on %s failed: %s", flight.rid, from_cell, e)
+        return len(flights)
+
+    async def _resume_cut(self, state: ExecutionState, call: ActiveCall | None = None) -> str:
+        """Where a cut execution continues: placed again once a cell admits it (waits up to `weights_wait_s`,
+        woken by routing changes); recorded as its `execution_started` there and, for its call in flight, a
+        `call_redirected` that names the cut and the tokens re-prefilled."""
+        execution_id = state.execution_id
+
+        def give_up() -> EngineLostError:
+            return EngineLostError(UNPLACED, f"cut execution {execution_id!r} was not placed again within "
+                                             f"{self.config.weights_wait_s:g} s")
+
+        cell = await self._await_route(lambda: self.router.place_cut(execution_id), self.config.weights_wait_s,
+                                       give_up)
+        self.sink.record(ExecutionStarted(execution_id=execution_id, cell_id=cell))
+        if call is not None:
+            call.redirects += 1
+            self.sink.record(CallRedirected(
+                execution_id=execution_id, call_id=call.call_id, cell_id=cell, from_cell_id=call.cell_id,
+                to_cell_id=cell, tokens_done=len(call.output_ids),
+                tokens_recomputed=call.record.prompt_len + len(call.output_ids), kv_refused=CUT_REASON))
+        return cell
 
     async def _confirm_lost(self, flight: Flight, engine: GenerateEngine) -> bool:
         """``flight`` failed unreachable on ``engine``: True when the cell is (now) down. The engine is asked
@@ -322,6 +374,8 @@ class Proxy:
     ) -> ActiveCall:
         """`begin`, after learning the engine's context length so that an overlong prompt is refused first.
         An execution pinned to a down cell moves first when a live cell admits it (else its call waits)."""
+        if self.router.is_cut(state.execution_id):
+            await self._resume_cut(state)
         cell = self.router.relocate(state.execution_id) or self.router.cell_of(state.execution_id)
         limit = await self.context_length(cell)
         return self.begin(state, conversation, settings, stream=stream, context_length=limit,
@@ -462,6 +516,8 @@ class ActiveCall:
                 self.finish = FinishReason(type="length", length=len(self.output_ids))
                 yield Generation(list(self.output_ids), self.finish)
                 return
+            if router.is_cut(execution):
+                await proxy._resume_cut(self.state, self)
             cell = router.cell_of(execution)
             if router.is_down(cell):
                 cell = await proxy.live_cell(execution, lost)
@@ -484,6 +540,8 @@ class ActiveCall:
                 self.finish = finish
                 yield Generation(list(self.output_ids), finish)
                 return
+            if flight.cut:
+                continue  # the loop's top waits until the execution is placed again
             if flight.redirect_to is not None:
                 await self._redirected(flight)
                 continue
@@ -522,7 +580,7 @@ class ActiveCall:
             else:
                 self._last = await engine.generate(prompt, params, flight.rid, routing_key=self.state.execution_id)
         except EngineError as e:
-            if flight.redirect_to is None:
+            if flight.redirect_to is None and not flight.cut:
                 if not isinstance(e, EngineUnreachableError):
                     raise  # the engine answered (an error status, a bad body) or timed out: not a loss
                 log.warning("call %s: engine of %s unreachable: %s", self.call_id, flight.cell_id, e)

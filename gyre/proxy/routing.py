@@ -49,6 +49,8 @@ class Flight:
     """Set by `redirect`: the request is being aborted and the call continues on this cell."""
     lost: EngineError | None = None
     """Set when the request failed because its engine could not be reached (refused, reset, stream cut)."""
+    cut: bool = False
+    """Set by `Proxy.cut` (partial rollouts): aborted; the call continues once its execution is placed again."""
 
 
 class Router:
@@ -68,6 +70,8 @@ class Router:
         checked (engines without a controller)."""
         self._need: dict[str, int] = {}
         """The version each placed execution was queued with: it runs only where the engine holds that or newer."""
+        self._cut: set[str] = set()
+        """Executions cut off a cell leaving rollout (partial rollouts), not yet placed again."""
         self._routed = False
         """Whether a controller ever routed (`set_route`); without one every live cell may take an execution."""
         self._down: set[str] = set()
@@ -236,6 +240,8 @@ class Router:
             best = max(free, key=lambda c: free[c], default=None)
             if best is None or free[best] <= 0:
                 return None
+            if execution_id not in self._cut and self._cut_fits_locked():
+                return None  # cut executions are placed first (slime's buffer is consumed first)
             self._pins[execution_id] = best
             self._need[execution_id] = version
         self._changed()
@@ -279,10 +285,39 @@ class Router:
             self._pins[execution_id] = cell_id
         return cell_id
 
+    def cut(self, execution_id: str, version: int) -> None:
+        """Partial rollouts: ``execution_id`` releases its slot and waits to be placed again (`place_cut`) on
+        a cell holding ``version`` or newer."""
+        with self._lock:
+            self._pins.pop(execution_id, None)
+            self._need[execution_id] = version
+            self._cut.add(execution_id)
+        self._changed()
+
+    def _cut_fits_locked(self) -> bool:
+        """Some cut execution waiting to be placed again has a free slot now."""
+        for execution_id in self._cut:
+            free = self._free_locked(self._need.get(execution_id, 0))
+            if any(n > 0 for n in free.values()):
+                return True
+        return False
+
+    def is_cut(self, execution_id: str) -> bool:
+        return execution_id in self._cut
+
+    def place_cut(self, execution_id: str) -> str | None:
+        """A cut execution placed again (`place`'s rule, at the version it was cut with), or None for now."""
+        cell = self.place(execution_id, self._need.get(execution_id, 0))
+        if cell is not None:
+            with self._lock:
+                self._cut.discard(execution_id)
+        return cell
+
     def unpin(self, execution_id: str) -> None:
         with self._lock:
             self._pins.pop(execution_id, None)
             self._need.pop(execution_id, None)
+            self._cut.discard(execution_id)
         self._changed()
 
     def cell_of(self, execution_id: str) -> str:
@@ -290,6 +325,11 @@ class Router:
             return self._pins[execution_id]
         except KeyError:
             raise UnknownCellError(f"execution {execution_id!r} is not placed on any cell yet") from None
+
+    def pinned_on(self, cell_id: str) -> list[str]:
+        """The executions pinned to ``cell_id``, by id."""
+        with self._lock:
+            return sorted(e for e, cell in self._pins.items() if cell == cell_id)
 
     def pin_of(self, execution_id: str) -> str | None:
         return self._pins.get(execution_id)

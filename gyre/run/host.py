@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from gyre.controller import Controller, RunPlan
-from gyre.controller.plan import rollouts_to_resubmit
+from gyre.controller.plan import batch_parts, rollouts_to_resubmit
 from gyre.errors import ConfigError
 from gyre.events.codec import decode_kinds
 from gyre.events.models import Event, RunFinished, RunStarted, TrainStepFinished
@@ -40,7 +40,7 @@ from gyre.log import LogWriter
 from gyre.run.build import PlannedExecution, rollout_tasks, step_plan
 from gyre.run.history import RoleSpan, config_differences, queued_attempts, role_timeline, run_start
 from gyre.run.live import LiveRun
-from gyre.scheduler import SchedulerView, get_policy
+from gyre.scheduler import PolicyParams, SchedulerView, get_policy
 from gyre.sink import LogSink
 from gyre.state import BatchColumns
 from gyre.state.run import RunState
@@ -139,6 +139,22 @@ class Topology(Protocol):
         ...
 
 
+def run_plan(config: TrainConfig, params: PolicyParams) -> RunPlan:
+    """The run's plan from its config and policy params: streamed steps where the trainer can plan them
+    (``trajectory.micro_steps_per_group``), partial rollouts and over-sampling as `gyre sim` takes them."""
+    rollout = config.rollout
+    if params.partial_rollouts and config.evaluation.every:
+        raise ConfigError("partial_rollouts with held-out evaluation (evaluation.every): held-out groups would "
+                          "join the pool a partial step takes its groups from; set evaluation.every = 0")
+    try:
+        return RunPlan(steps=config.steps, staleness=config.scheduler.staleness,
+                       stream=params.stream_micro_steps and config.trajectory.micro_steps_per_group is not None,
+                       partial=params.partial_rollouts, oversample=params.oversample_groups,
+                       batch_executions=rollout.groups_per_step * rollout.group_size, groups=rollout.groups_per_step)
+    except ValueError as error:
+        raise ConfigError(f"scheduler.params: {error}") from error
+
+
 class RunHost:
     """One run: its log, its controller and the rules above, over a `Topology`."""
 
@@ -181,9 +197,7 @@ class RunHost:
         self.sink = LogSink(LogWriter(self.log_path, run_id=self.run_id))
         try:
             self.controller = Controller(self.sink, self.policy, self.params,
-                                         RunPlan(steps=config.steps, staleness=config.scheduler.staleness,
-                                                 stream=self.params.stream_micro_steps
-                                                 and config.trajectory.micro_steps_per_group is not None),
+                                         run_plan(config, self.params),
                                          cells={}, rollouts=self)
             self.controller.observe(self.live.apply, at_record=True, kinds=self.live.kinds,
                                     columns=self.live.apply_columns)
@@ -215,7 +229,11 @@ class RunHost:
         return step_plan(self.run_id, self.config.rollout, self.task_ids, step)
 
     def queue(self, step: int, policy_version: int) -> None:
-        executions = [Queued(e.execution_id, e.group_id, e.task_id, step, policy_version) for e in self.plan(step)]
+        """Queue ``step``'s batch (with partial rollouts and over-sampling: `gyre.controller.plan.batch_parts`)."""
+        size = self.config.rollout.group_size
+        executions = [Queued(e.execution_id, e.group_id, e.task_id, batch, policy_version)
+                      for batch, groups in batch_parts(self.controller.plan, step)
+                      for i, e in enumerate(self.plan(batch)) if i // size in groups]
         self.topology.queue(executions)
         self.progress("rollout", {"step": step, "queued": len(executions), "version": policy_version})
 

@@ -308,3 +308,40 @@ def test_a_call_aborted_before_any_token_needs_no_served_version(tmp_path):
     report = audit(write(tmp_path, events), expected_steps=2)
     assert report.ok, report.problems
     assert (report.calls_unserved, report.calls_unversioned, report.calls_versioned) == (1, 0, 6)
+
+
+def test_partial_rollouts_a_carried_group_lags_by_the_step_that_trained_it_one_more_allowed(tmp_path):
+    """Group g0b of batch 0 runs past step 0 and is trained by step 1 (the fold's assignment): its v0 call is
+    one version behind step 1's weights — allowed with partial rollouts at staleness 0, as the simulator
+    counts it; without partial rollouts the same lag is over the staleness."""
+    def run(partial: bool) -> list[tuple[str, Event]]:
+        params = json.dumps({"partial_rollouts": partial})
+        out: list[tuple[str, Event]] = [
+            ("controller", RunStarted(run_id=RUN, name="t", policy="async", policy_version="1",
+                                      policy_params=params)),
+            ("controller", CellRegistered(cell_id="cell0", role="training", slots=2, is_core=True)),
+            ("controller", CellRegistered(cell_id="cell1", role="rollout", slots=2))]
+        queue = [("s0-a", "g0a", 0, 0), ("s0-b", "g0b", 0, 0), ("s0-c", "g0c", 0, 0)]
+        out += [("controller", ExecutionQueued(execution_id=e, task_id="hello", group_id=g, step=s, policy_version=v))
+                for e, g, s, v in queue]
+        for e in ("s0-a", "s0-c"):
+            out += [("proxy", call(e)), ("harness", finished(e)), ("harness", reward(e))]
+        out += [("trainer", TrainStepStarted(step=0, policy_version=0, planned_micro_steps=2, groups=2)),
+                ("trainer", TrainStepFinished(step=0, policy_version=1, micro_steps=2)),
+                ("trainer", WeightsPublished(policy_version=1)),
+                ("controller", ExecutionQueued(execution_id="s1-a", task_id="hello", group_id="g1a", step=1,
+                                               policy_version=1))]
+        for e in ("s0-b", "s1-a"):  # the carried one finishes under step 1
+            out += [("proxy", call(e)), ("harness", finished(e)), ("harness", reward(e))]
+        out += [("trainer", TrainStepStarted(step=1, policy_version=1, planned_micro_steps=2, groups=2)),
+                ("trainer", TrainStepFinished(step=1, policy_version=2, micro_steps=2)),
+                ("trainer", WeightsPublished(policy_version=2)),
+                ("controller", RunFinished(run_id=RUN, status="completed"))]
+        return out
+
+    carried = audit(write(tmp_path / "partial", run(True)), expected_steps=2)
+    assert carried.max_version_lag == 1 and carried.calls_overlagged == 0
+    assert not [p for p in carried.problems if p.startswith("versions")], carried.problems
+    without = audit(write(tmp_path / "whole", run(False)), expected_steps=2)
+    # without partial rollouts s0-b counts against its own batch's step 0 (lag 0) — no carried step exists
+    assert without.max_version_lag == 0

@@ -263,12 +263,16 @@ class CallRedirect(_message.Message):
     def __init__(self, call_id: _Optional[str] = ..., execution_id: _Optional[str] = ..., to_cell_id: _Optional[str] = ...) -> None: ...
 
 class RedirectCell(_message.Message):
-    __slots__ = ("from_cell_id", "calls")
+    __slots__ = ("from_cell_id", "calls", "cut", "resume_version")
     FROM_CELL_ID_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_VERSION_FIELD_NUMBER: _ClassVar[int]
     from_cell_id: str
     calls: _containers.RepeatedCompositeFieldContainer[CallRedirect]
-    def __init__(self, from_cell_id: _Optional[str] = ..., calls: _Optional[_Iterable[_Union[CallRedirect, _Mapping]]] = ...) -> None: ...
+    cut: bool
+    resume_version: int
+    def __init__(self, from_cell_id: _Optional[str] = ..., calls: _Optional[_Iterable[_Union[CallRedirect, _Mapping]]] = ..., cut: _Optional[bool] = ..., resume_version: _Optional[int] = ...) -> None: ...
 
 class ExecutionSpec(_message.Message):
     __slots__ = ("execution_id", "group_id", "task_id", "step", "policy_version", "attempt", "token")
