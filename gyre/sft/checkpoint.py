@@ -78,7 +78,8 @@ def save_base(directory: Path, texts: Iterable[str], *, vocab_size: int, seed: i
     config = TinyModelConfig(vocab_size=(len(tokenizer) + 63) // 64 * 64, hidden_size=hidden_size,
                              intermediate_size=intermediate_size, num_hidden_layers=layers,
                              num_attention_heads=heads, num_key_value_heads=kv_heads,
-                             max_position_embeddings=context, pad_token_id=ids[1], eos_token_ids=tuple(ids))
+                             max_position_embeddings=context, pad_token_id=ids[1], eos_token_ids=tuple(ids),
+                             initializer_range=0.02)  # trained from scratch by SFT: the usual init, not the toy's 0.1
     directory.mkdir(parents=True, exist_ok=True)
     build_tiny_model(seed, config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)

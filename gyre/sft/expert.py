@@ -30,7 +30,8 @@ from gyre.sft.families import FamilyTask, fresh_training_tasks
 AGENT_DIR = Path(__file__).resolve().parents[2] / "agents" / "toy_agent"
 TOOLS = ("write_file", "read_file", "run")
 """The tools the toy agent offers with ``--no-subagent`` (agents/toy_agent/harness-learn.toml)."""
-FINAL_ANSWER = "Done."
+FINAL_ANSWER = "Done: {answer}"
+"""The final reply repeats what was written: more copying to learn from (the answer file is what is graded)."""
 
 
 def load_agent_module(name: str) -> ModuleType:
@@ -93,7 +94,7 @@ class Expert:
                      "function": {"name": name, "arguments": json.dumps(arguments)}}]})
                 messages.append({"role": "tool", "tool_call_id": call_id,
                                  "content": workspace.call(name, arguments)})
-        messages.append({"role": "assistant", "content": FINAL_ANSWER})
+        messages.append({"role": "assistant", "content": FINAL_ANSWER.format(answer=answer)})
         return {"messages": messages, "tools": self.tools, "task_id": task.id, "correct": not wrong}
 
 
