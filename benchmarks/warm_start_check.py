@@ -4,12 +4,15 @@ per execution per step.
 
     python benchmarks/warm_start_check.py --model runs/learn/sft/model --seeds 1 --steps 10 --json
     python benchmarks/warm_start_check.py --model runs/learn/sft/model --steps 10 --shuffle-rewards   # control
+    python benchmarks/warm_start_check.py --model runs/learn/sft/model --probe 4    # a minute: does it copy?
 
 Each seed is a fresh `gyre train` of examples/learn-cpu.toml (its run directory under a temporary root, or
 ``--keep``); rewards per execution come from the run's log (``reward_recorded``), calls per execution from the
-toy agent's final JSON line (`harness.stdout`) of each execution. ``--shuffle-rewards`` runs the control of
-`trajectory.shuffle_rewards` (rewards permuted within each group before advantages): same steps, same
-rollouts, no reward signal.
+toy agent's final JSON line (`harness.stdout`) of each execution. ``--probe K`` runs no RL: it renders each
+held-out task up to the model's ``write_file`` turn with the expert's real tool results, samples K
+continuations and counts those holding the exact answer (the content skill alone, no harness, no engine).
+``--shuffle-rewards`` runs the control of `trajectory.shuffle_rewards` (rewards permuted within each group
+before advantages): same steps, same rollouts, no reward signal.
 """
 
 import argparse
@@ -27,6 +30,7 @@ from gyre.log.reader import LogReader
 from gyre.train.inprocess import TrainingRun
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "learn-cpu.toml"
+HELDOUT = Path(__file__).resolve().parents[1] / "tasks" / "toy" / "learn-heldout.toml"
 
 
 def agent_stats(executions: Path) -> dict[str, dict[str, float]]:
@@ -69,6 +73,37 @@ def heldout_passes(log: Path, threshold: float = 1.0) -> dict[int, dict[str, Any
     return out
 
 
+def probe(model: str, samples: int, tasks: Path = HELDOUT) -> dict[str, Any]:
+    """Share of sampled ``write_file`` turns that write the exact answer, per family (see the module doc)."""
+    import torch
+
+    from gyre.model.tiny import load_tiny
+    from gyre.sft.expert import Expert, family_tasks
+
+    torch.set_num_threads(1)
+    policy, tokenizer = load_tiny(Path(model))
+    policy.eval()
+    expert = Expert(error_rate=0.0, skip_check_rate=1.0)
+    hits: dict[str, list[float]] = defaultdict(list)
+    for task in family_tasks(tasks):
+        record = expert.demonstrate(task)
+        messages = record["messages"]
+        turn = next(i for i, m in enumerate(messages) if m["role"] == "assistant"
+                    and m.get("tool_calls") and m["tool_calls"][0]["function"]["name"] == "write_file")
+        ids = torch.tensor([tokenizer.apply_chat_template(messages[:turn], tools=record["tools"], tokenize=True,
+                                                          add_generation_prompt=True, return_dict=False)])
+        wanted, found = json.dumps(task.solution), 0
+        for sample in range(samples):
+            torch.manual_seed(sample)
+            out = policy.generate(ids, max_new_tokens=64, do_sample=True, temperature=1.0, top_k=0,
+                                  pad_token_id=tokenizer.pad_token_id)
+            found += wanted in tokenizer.decode(out[0, ids.shape[1]:])
+        hits[task.family].append(found / samples)
+    return {"samples": samples, "tasks": sum(map(len, hits.values())),
+            "right_content": round(statistics.mean(x for v in hits.values() for x in v), 4),
+            "per_family": {f: round(statistics.mean(v), 3) for f, v in sorted(hits.items())}}
+
+
 def run_seed(model: str, seed: int, steps: int, every: int, root: Path, *, samples: int = 1,
              shuffle_rewards: bool = False, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     run_dir = root / f"seed{seed}{'-shuffled' if shuffle_rewards else ''}"
@@ -95,8 +130,13 @@ def main() -> None:
                         help="a config override, e.g. trainer.lr=3e-4 or rollout.groups_per_step=8")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
+    parser.add_argument("--probe", type=int, default=0, metavar="K",
+                        help="no RL: sample K write_file turns per held-out task and count exact answers")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.probe:
+        print(json.dumps({"model": args.model, **probe(args.model, args.probe)}))
+        return
     overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
     with tempfile.TemporaryDirectory(prefix="gyre-warm-") as tmp:
         root = args.keep or Path(tmp)
