@@ -1,10 +1,18 @@
 """Warm-start learning check (#29): RL from the SFT checkpoint on the task families' training split, with the
-held-out pass@1 every few steps, training reward and model calls / tool calls per execution per step.
+held-out pass@1 (and pass@k with ``--samples k``) every few steps, training reward and model calls / tool calls
+per execution per step.
 
     python benchmarks/warm_start_check.py --model runs/learn/sft/model --seeds 1 --steps 10 --json
+    python benchmarks/warm_start_check.py --model runs/learn/sft/model --steps 10 --shuffle-rewards   # control
+    python benchmarks/warm_start_check.py --model runs/learn/sft/model --probe 4    # a minute: does it copy?
 
-Each seed is a fresh `gyre train` of examples/learn-cpu.toml (its run directory under a temporary root); calls
-per execution come from the toy agent's final JSON line (`harness.stdout`) of each execution.
+Each seed is a fresh `gyre train` of examples/learn-cpu.toml (its run directory under a temporary root, or
+``--keep``); rewards per execution come from the run's log (``reward_recorded``), calls per execution from the
+toy agent's final JSON line (`harness.stdout`) of each execution. ``--probe K`` runs no RL: it renders each
+held-out task up to the model's ``write_file`` turn with the expert's real tool results, samples K
+continuations and counts those holding the exact answer (the content skill alone, no harness, no engine).
+``--shuffle-rewards`` runs the control of `trajectory.shuffle_rewards` (rewards permuted within each group
+before advantages): same steps, same rollouts, no reward signal.
 """
 
 import argparse
@@ -17,9 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config import TrainConfig
+from gyre.evaluation.heldout import GROUP_PREFIX
+from gyre.log.reader import LogReader
 from gyre.train.inprocess import TrainingRun
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "learn-cpu.toml"
+HELDOUT = Path(__file__).resolve().parents[1] / "tasks" / "toy" / "learn-heldout.toml"
 
 
 def agent_stats(executions: Path) -> dict[str, dict[str, float]]:
@@ -33,23 +44,77 @@ def agent_stats(executions: Path) -> dict[str, dict[str, float]]:
         name = stdout.parent.name
         key = name.split("-heldout")[0] if name.startswith("heldout-") else name.split(".")[-1].split("-")[0]
         calls[key].append((result.get("model_calls", 0), result.get("tool_calls", 0)))
-    return {k: {"executions": len(v), "model_calls": statistics.mean(c for c, _ in v),
-                "tool_calls": statistics.mean(t for _, t in v),
-                "multi_turn_share": sum(c >= 3 and t >= 2 for c, t in v) / len(v)} for k, v in sorted(calls.items())}
+    return {k: {"executions": len(v), "model_calls": round(statistics.mean(c for c, _ in v), 3),
+                "tool_calls": round(statistics.mean(t for _, t in v), 3),
+                "multi_turn_share": round(sum(c >= 3 and t >= 2 for c, t in v) / len(v), 3)}
+            for k, v in sorted(calls.items())}
 
 
-def run_seed(model: str, seed: int, steps: int, every: int, root: Path) -> dict[str, Any]:
-    config = TrainConfig.load(CONFIG, {"seed": seed, "steps": steps, "run_dir": str(root / f"seed{seed}"),
-                                       "engine.model": model, "evaluation.every": every})
-    heldout: dict[int, float | None] = {}
+def heldout_passes(log: Path, threshold: float = 1.0) -> dict[int, dict[str, Any]]:
+    """Per held-out evaluation (by step): pass@1 (mean over samples), pass@k (share of tasks with a pass among
+    its k samples) and pass@1 per family, from the log's rewards of the ``heldout-s{step}-{task}-e{i}``
+    executions."""
+    by_step: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for event in LogReader(log).events(kinds=["reward_recorded"]):
+        if not event.execution_id.startswith(GROUP_PREFIX):
+            continue
+        step, rest = event.execution_id.removeprefix(GROUP_PREFIX + "s").split("-", 1)
+        by_step[int(step)][rest.rsplit("-e", 1)[0]].append(event.reward)
+    out = {}
+    for step, tasks in sorted(by_step.items()):
+        passes = {task: [r >= threshold for r in rewards] for task, rewards in tasks.items()}
+        families: dict[str, list[bool]] = defaultdict(list)
+        for task, p in passes.items():
+            families[task.split("-")[1]] += p
+        out[step] = {"tasks": len(passes), "samples": max(len(p) for p in passes.values()),
+                     "pass@1": round(statistics.mean(x for p in passes.values() for x in p), 4),
+                     "pass@k": round(statistics.mean(any(p) for p in passes.values()), 4),
+                     "family_pass@1": {f: round(statistics.mean(p), 3) for f, p in sorted(families.items())}}
+    return out
 
-    def progress(kind: str, fields: dict) -> None:
-        if kind == "heldout":
-            heldout[fields["event"].step] = fields["event"].pass_rate
 
+def probe(model: str, samples: int, tasks: Path = HELDOUT) -> dict[str, Any]:
+    """Share of sampled ``write_file`` turns that write the exact answer, per family (see the module doc)."""
+    import torch
+
+    from gyre.model.tiny import load_tiny
+    from gyre.sft.expert import Expert, family_tasks
+
+    torch.set_num_threads(1)
+    policy, tokenizer = load_tiny(Path(model))
+    policy.eval()
+    expert = Expert(error_rate=0.0, skip_check_rate=1.0)
+    hits: dict[str, list[float]] = defaultdict(list)
+    for task in family_tasks(tasks):
+        record = expert.demonstrate(task)
+        messages = record["messages"]
+        turn = next(i for i, m in enumerate(messages) if m["role"] == "assistant"
+                    and m.get("tool_calls") and m["tool_calls"][0]["function"]["name"] == "write_file")
+        ids = torch.tensor([tokenizer.apply_chat_template(messages[:turn], tools=record["tools"], tokenize=True,
+                                                          add_generation_prompt=True, return_dict=False)])
+        wanted, found = json.dumps(task.solution), 0
+        for sample in range(samples):
+            torch.manual_seed(sample)
+            out = policy.generate(ids, max_new_tokens=64, do_sample=True, temperature=1.0, top_k=0,
+                                  pad_token_id=tokenizer.pad_token_id)
+            found += wanted in tokenizer.decode(out[0, ids.shape[1]:])
+        hits[task.family].append(found / samples)
+    return {"samples": samples, "tasks": sum(map(len, hits.values())),
+            "right_content": round(statistics.mean(x for v in hits.values() for x in v), 4),
+            "per_family": {f: round(statistics.mean(v), 3) for f, v in sorted(hits.items())}}
+
+
+def run_seed(model: str, seed: int, steps: int, every: int, root: Path, *, samples: int = 1,
+             shuffle_rewards: bool = False, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    run_dir = root / f"seed{seed}{'-shuffled' if shuffle_rewards else ''}"
+    config = TrainConfig.load(CONFIG, {"seed": seed, "steps": steps, "run_dir": str(run_dir),
+                                       "engine.model": model, "evaluation.every": every,
+                                       "evaluation.samples": samples, "trajectory.shuffle_rewards": shuffle_rewards,
+                                       **(overrides or {})})
     started = time.monotonic()
-    summary = TrainingRun(config, progress).run()
-    return {"heldout_pass_rate": heldout, "rewards": [r.reward_mean for r in summary.steps],
+    summary = TrainingRun(config).run()
+    return {"shuffle_rewards": shuffle_rewards, "heldout": heldout_passes(config.run_dir / "log"),
+            "rewards": [round(r.reward_mean, 4) for r in summary.steps],
             "agent": agent_stats(config.run_dir / "executions"), "seconds": round(time.monotonic() - started, 1)}
 
 
@@ -59,14 +124,30 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--every", type=int, default=5, help="held-out evaluation every N steps")
+    parser.add_argument("--samples", type=int, default=1, help="held-out samples per task (pass@k with k of them)")
+    parser.add_argument("--shuffle-rewards", action="store_true", help="the control: rewards permuted in groups")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                        help="a config override, e.g. trainer.lr=3e-4 or rollout.groups_per_step=8")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
+    parser.add_argument("--probe", type=int, default=0, metavar="K",
+                        help="no RL: sample K write_file turns per held-out task and count exact answers")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.probe:
+        print(json.dumps({"model": args.model, **probe(args.model, args.probe)}))
+        return
+    overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
     with tempfile.TemporaryDirectory(prefix="gyre-warm-") as tmp:
         root = args.keep or Path(tmp)
-        result = {"model": args.model, "steps": args.steps,
-                  "per_seed": {s: run_seed(args.model, s, args.steps, args.every, root) for s in args.seeds}}
-    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+        result = {"model": args.model, "steps": args.steps, "overrides": overrides,
+                  "per_seed": {s: run_seed(args.model, s, args.steps, args.every, root, samples=args.samples,
+                                           shuffle_rewards=args.shuffle_rewards, overrides=overrides)
+                               for s in args.seeds}}
+    text = json.dumps(result) if args.json else json.dumps(result, indent=2)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ class TrajectorySection(_Section):
     micro_steps_per_group: PositiveInt | None = Field(
         None, description="cut each group into this many micro-steps, balanced by tokens (the simulator's model; "
                           "a streamed step needs it: stream_micro_steps). None: token_budget alone cuts")
+    shuffle_rewards: bool = Field(False, description="control run: permute rewards within each group before "
+                                                     "advantages (a gain that survives is not the reward's)")
 
 
 class TrainerSection(_Section):

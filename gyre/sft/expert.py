@@ -6,8 +6,8 @@ OpenAI message format by default, Anthropic with ``--format anthropic``): read e
 answer file, check it with ``cat``, then a short final answer without a tool call.
 
 Imperfect on purpose: with probability ``error_rate`` a demonstration writes a plausible wrong answer (a
-family-specific slip: an off-by-one sum, a half-reversed word, ``x + K`` for ``x * K``), and sometimes skips
-the check. A policy cloned from it solves a task sometimes, not always, which is where RL helps.
+family-specific slip: a dropped last letter, an off-by-one sum, a half-reversed word, ``x + K`` for ``x * K``),
+and sometimes skips the check. A policy cloned from it solves a task sometimes, not always, which is where RL helps.
 
     python -m gyre.sft.expert tasks/toy/learn-train.toml runs/learn/demos.jsonl --per-task 8 --fresh 2000 --seed 0
 """
@@ -30,7 +30,8 @@ from gyre.sft.families import FamilyTask, fresh_training_tasks
 AGENT_DIR = Path(__file__).resolve().parents[2] / "agents" / "toy_agent"
 TOOLS = ("write_file", "read_file", "run")
 """The tools the toy agent offers with ``--no-subagent`` (agents/toy_agent/harness-learn.toml)."""
-FINAL_ANSWER = "Done."
+FINAL_ANSWER = "Done: {answer}"
+"""The final reply repeats what was written: more copying to learn from (the answer file is what is graded)."""
 
 
 def load_agent_module(name: str) -> ModuleType:
@@ -48,6 +49,8 @@ def load_agent_module(name: str) -> ModuleType:
 def mistake(task: FamilyTask, rng: random.Random) -> str:
     """A plausible wrong answer for ``task``."""
     s = task.solution
+    if task.family == "copy":
+        return s[:-1]
     if task.family == "upper":
         return s[0].lower() + s[1:]
     if task.family == "reverse":
@@ -91,7 +94,7 @@ class Expert:
                      "function": {"name": name, "arguments": json.dumps(arguments)}}]})
                 messages.append({"role": "tool", "tool_call_id": call_id,
                                  "content": workspace.call(name, arguments)})
-        messages.append({"role": "assistant", "content": FINAL_ANSWER})
+        messages.append({"role": "assistant", "content": FINAL_ANSWER.format(answer=answer)})
         return {"messages": messages, "tools": self.tools, "task_id": task.id, "correct": not wrong}
 
 

@@ -1,8 +1,8 @@
 """Parameterised task families with a training split and a held-out split, graded by the toy grader.
 
 Every task puts its input in a file, so solving it takes tool calls: read the input, write the answer, check
-it, answer. Five families (string transforms, arithmetic, a small Python function checked by unit tests, a
-two-file edit), each over file names and words drawn from a seeded generator. The held-out split has words
+it, answer. Six families (copying a word, string transforms, arithmetic, a small Python function checked by
+unit tests, a two-file edit), each over file names and words drawn from a seeded generator. The held-out split has words
 and numbers the training split never uses (unseen parameters) and family x file-name pairs it never pairs
 (unseen combinations).
 
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("upper", "reverse", "add", "pyfunc", "concat")
+FAMILIES = ("copy", "upper", "reverse", "add", "pyfunc", "concat")
 INPUT_FILES = ("input.txt", "data.txt", "word.txt")
-HELDOUT_PAIRS = {("upper", "word.txt"), ("reverse", "data.txt"), ("add", "input.txt")}
+HELDOUT_PAIRS = {("copy", "data.txt"), ("upper", "word.txt"), ("reverse", "data.txt"), ("add", "input.txt")}
 """Family x input-file combinations that only the held-out split has."""
 SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "zi", "pe", "sa", "do", "fu")
 
@@ -50,10 +50,10 @@ def _word(rng: random.Random) -> str:
 
 def make_task(task_id: str, family: str, source: str, rng: random.Random) -> FamilyTask:
     """A task of ``family`` reading ``source`` (concat reads two files), parameters from ``rng``."""
-    if family in ("upper", "reverse"):
+    if family in ("copy", "upper", "reverse"):
         word = _word(rng)
-        how = "in capital letters" if family == "upper" else "spelled backwards"
-        solution = word.upper() if family == "upper" else word[::-1]
+        how = {"copy": "unchanged", "upper": "in capital letters", "reverse": "spelled backwards"}[family]
+        solution = {"copy": word, "upper": word.upper(), "reverse": word[::-1]}[family]
         return FamilyTask(task_id, family, f"Write the word in {source} {how} into answer.txt.",
                           {source: word + "\n"}, "answer.txt", {"kind": "text", "expected": solution}, solution,
                           (source,))
@@ -142,8 +142,8 @@ def task_set_toml(split: str, tasks: list[FamilyTask]) -> str:
         f"# The {split} split of the task families of the learning run (gyre.sft.families); the held-out split",
         "# has words and numbers the training split never uses, and family x file pairs it never pairs.",
         f'name = "toy-learn-{split}"',
-        'description = "Five task families that need tool calls (string transforms, sums, a Python function, '
-        'two-file edits)."',
+        'description = "Six task families that need tool calls (copying, string transforms, sums, a Python '
+        'function, two-file edits)."',
         "",
         "[evaluator]",
         'type = "command"',

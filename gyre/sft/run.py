@@ -11,6 +11,7 @@ checkpoint directory: ``[engine] model = "RUN_DIR/model"`` starts `gyre train` f
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import time
@@ -19,7 +20,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+)
 
 from gyre.errors import ConfigError
 
@@ -59,6 +69,8 @@ class SftConfig(_Section):
     steps: PositiveInt = 200
     batch_size: PositiveInt = 8
     lr: PositiveFloat = 3e-3
+    min_lr: NonNegativeFloat | None = Field(None, description="when set: the lr decays from `lr` to this on a "
+                                                             "cosine over the run's steps (None: constant)")
     max_grad_norm: PositiveFloat = 1.0
     checkpoint_every: PositiveInt = 50
     threads: PositiveInt = 1
@@ -81,6 +93,12 @@ class SftConfig(_Section):
             return cls.model_validate(data)
         except ValidationError as e:
             raise ConfigError(f"invalid sft config {path}: {e}") from e
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of ``step`` (a function of the step alone, so a resumed run takes the same steps)."""
+        if self.min_lr is None:
+            return self.lr
+        return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1 + math.cos(math.pi * step / self.steps))
 
 
 def _base(config: SftConfig, records: list[dict[str, Any]]) -> Path:
@@ -157,11 +175,14 @@ def run_sft(config: SftConfig, *, resume: bool = False,
                 ids[row, :n] = torch.tensor(e.input_ids)
                 attention[row, :n] = 1
                 labels[row, :n] = torch.where(torch.tensor(e.assistant), torch.tensor(e.input_ids), IGNORE)
+            for group in backend.optimizer.param_groups:
+                group["lr"] = config.lr_at(step)
             backend.model.train()
             loss = backend.model(input_ids=ids, attention_mask=attention, labels=labels).loss
             loss.backward()
             result = backend.optimizer_step(normalizer=1.0)  # the loss is already a mean over assistant tokens
             line = {"step": step, "loss": round(float(loss.detach()), 5), "grad_norm": round(result.grad_norm, 4),
+                    "lr": config.lr_at(step),
                     "tokens": int(attention.sum()), "trained_tokens": int((labels != IGNORE).sum()),
                     "seconds": round(time.monotonic() - started, 3)}
             log.write(json.dumps(line) + "\n")

@@ -94,7 +94,8 @@ class LocalCoreTrainer:
         section = self.config.trajectory
         return BatchBuilder(TrajectoryConfig(cap=section.cap, min_valid_per_group=section.min_valid_per_group,
                                              token_budget=section.token_budget, form=section.form,
-                                             micro_steps_per_group=section.micro_steps_per_group))
+                                             micro_steps_per_group=section.micro_steps_per_group,
+                                             shuffle_rewards=section.shuffle_rewards))
 
     def _log(self) -> LiveLogSource:
         if self._source is None:

@@ -4,6 +4,7 @@ The builder is the one place that decides what is excluded, and it counts every 
 ``BuildReport``. It does no I/O: groups come from ``gyre.trajectory.source`` (or from tests).
 """
 
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -80,6 +81,8 @@ class BatchBuilder:
         report.groups_used += 1
         report.rewards.add(rewards)
         report.group_reward_std.add([rewards.std()])
+        if self.config.shuffle_rewards:
+            rewards = np.random.default_rng(zlib.crc32(group.group_id.encode())).permutation(rewards)
         group_advantages = advantages(rewards, self.config.advantage_eps)
         report.advantages.add(group_advantages)
         plans = []

@@ -34,6 +34,9 @@ class TrajectoryConfig:
     micro_steps_per_group: int | None = None
     strict: bool = False
     """Raise on a malformed execution instead of excluding and counting it."""
+    shuffle_rewards: bool = False
+    """A control, never for real training: each group's rewards are permuted among its executions (seeded by
+    the group id) before advantages, so a gain that survives it is not the reward's."""
 
     def __post_init__(self) -> None:
         if self.cap is not None and self.cap < 1:

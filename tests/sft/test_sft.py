@@ -67,7 +67,7 @@ def test_loss_mask_covers_assistant_output_only_in_both_formats():
     example = render(record, tokenizer)
     assert render(json.loads(json.dumps(to_anthropic(record))), tokenizer) == example
     trained = tokenizer.decode([t for t, m in zip(example.input_ids, example.assistant, strict=True) if m])
-    assert trained.count("<|im_end|>") == 4 and trained.endswith("Done.<|im_end|>")
+    assert trained.count("<|im_end|>") == 4 and trained.endswith(f"Done: {task.solution}<|im_end|>")
     assert task.prompt not in trained and "<|im_start|>" not in trained and "exit code" not in trained
     assert f'"content": "{task.solution}"' in trained
 

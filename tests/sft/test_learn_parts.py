@@ -1,0 +1,61 @@
+"""The learning run's parts outside SFT itself: a tokenizer that spells words it never saw the same way in
+every context, the cosine lr schedule, and the shuffled-rewards control of the trajectory builder."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from gyre.model import build_tokenizer
+from gyre.sft.checkpoint import train_bpe
+from gyre.sft.data import conversation
+from gyre.sft.expert import Expert, family_tasks
+from gyre.sft.run import SftConfig
+from gyre.trajectory import TrajectoryConfig, build
+
+TOY = Path(__file__).resolve().parents[2] / "tasks" / "toy"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trajectory"))
+from trajectory_helpers import call, calls, group, outcome, rows  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    expert = Expert(error_rate=0.0, seed=0)
+    renderer = build_tokenizer()
+    records = [expert.demonstrate(task) for task in family_tasks(TOY / "learn-train.toml")]
+    texts = [renderer.apply_chat_template(m, tools=t, tokenize=False) for m, t in map(conversation, records)]
+    return train_bpe(texts, 600)
+
+
+def test_unseen_words_are_spelled_alike_everywhere_and_protocol_words_stay_whole(tokenizer):
+    word = "qwyxb"  # letters no demonstration has
+    pieces = {context: tokenizer.tokenize(context.format(word)) for context in
+              ("<tool_response>\n{}\n</tool_response>", '{{"content": "{}"}}', "exit code 0\n{}\n")}
+    spelled = [tokenizer.tokenize(letter)[0] for letter in word]
+    for context, tokens in pieces.items():
+        at = tokens.index(spelled[0])
+        assert tokens[at:at + len(word)] == spelled, context
+    assert len(tokenizer.tokenize("write_file")) <= 2 and tokenizer.tokenize("content") == ["content"]
+    assert tokenizer.tokenize("12") == ["1", "2"]
+
+
+def test_cosine_lr_decays_from_lr_to_min_lr():
+    config = SftConfig.model_validate({"steps": 100, "lr": 1e-3, "min_lr": 1e-4, "demonstrations": {"path": "x"}})
+    assert config.lr_at(0) == pytest.approx(1e-3) and config.lr_at(50) == pytest.approx(5.5e-4)
+    assert config.lr_at(99) == pytest.approx(1e-4, rel=0.01)
+    assert SftConfig.model_validate({"lr": 1e-3, "demonstrations": {"path": "x"}}).lr_at(7) == 1e-3
+
+
+def test_shuffled_rewards_permute_advantages_within_a_group():
+    rewards = [1.0, 0.0, 0.0, 0.0, 0.25, 0.5, 0.75, 0.0]
+    members = [(outcome(f"e{i}", reward=r), calls(call("a", delta=[1, 2], out=[7, 8], execution=f"e{i}")))
+               for i, r in enumerate(rewards)]
+
+    def advantages(shuffle: bool) -> list[float]:
+        batches, _ = build([group(members)], TrajectoryConfig(shuffle_rewards=shuffle))
+        by_execution = {row["execution_id"]: row["advantages"][0] for row in rows(batches)}
+        return [by_execution[f"e{i}"] for i in range(len(rewards))]
+
+    plain, shuffled = advantages(False), advantages(True)
+    assert sorted(plain) == pytest.approx(sorted(shuffled)) and plain != pytest.approx(shuffled)
+    assert advantages(True) == shuffled  # seeded by the group id: the same control every time
