@@ -92,3 +92,9 @@ def process_gone(pid: int) -> bool:
     except (FileNotFoundError, IndexError):
         return True
     return state in ("Z", "X")
+
+
+def install_dir(program: str) -> Path:
+    """What a sandbox must bind for an npm-installed CLI to run: its install (`node_modules`), else its folder."""
+    resolved = Path(program).resolve()
+    return next((p for p in resolved.parents if p.name == "node_modules"), resolved.parent)

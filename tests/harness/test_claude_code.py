@@ -25,6 +25,7 @@ from gyre.harness.relay import ProxyRelay
 from gyre.log import LogReader, LogWriter
 from gyre.proxy import Proxy, ProxyConfig, ProxyServer
 from gyre.sink import LogSink
+from tests.harness.harness_helpers import install_dir
 from tests.proxy.proxy_helpers import Seen, capture
 from tests.proxy.test_proxy_tito_log import REASSEMBLE
 
@@ -48,12 +49,6 @@ def claude(tmp_path_factory: pytest.TempPathFactory) -> str:
         timeout=600,
     )
     return str(prefix / "node_modules" / ".bin" / "claude")
-
-
-def install_dir(claude: str) -> Path:
-    """What the sandbox must bind for `claude` to run: its npm install (`node_modules`), else its directory."""
-    resolved = Path(claude).resolve()
-    return next((p for p in resolved.parents if p.name == "node_modules"), resolved.parent)
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from gyre.harness import Execution, HarnessConfig, HarnessRunner, TaskSet
 from gyre.proxy import Proxy, ProxyConfig, ProxyServer
 from gyre.sink import MemorySink
 from tests.harness.codex_session import FINAL, run_session, script
-from tests.harness.harness_helpers import REPO, TOY_TASKS
+from tests.harness.harness_helpers import REPO, TOY_TASKS, install_dir
 from tests.hf_checkpoint import save_checkpoint
 from tests.proxy.scripted_engine import ScriptedEngine
 
@@ -111,8 +111,7 @@ def test_codex_harness_config_earns_the_reward(tmp_path: Path, monkeypatch: pyte
     """agents/codex/harness.toml through the runner, sandboxed: the model's patch writes the toy task's answer."""
     assert CODEX
     monkeypatch.setenv("GYRE_CODEX", CODEX)
-    resolved = Path(CODEX).resolve()
-    install = next((p for p in resolved.parents if p.name == "node_modules"), resolved.parent)
+    install = install_dir(CODEX)
     config = HarnessConfig.load(REPO / "agents" / "codex" / "harness.toml").model_copy(
         update={"ro_mounts": (str(install),)})
     engine = ScriptedEngine()

@@ -24,7 +24,7 @@ from gyre.proxy import Proxy, ProxyConfig, ProxyServer
 from gyre.proxy.branches import OPENCODE_SUMMARY_REQUEST
 from gyre.sink import MemorySink
 from tests.harness.codex_session import Relay
-from tests.harness.harness_helpers import REPO, TOY_TASKS
+from tests.harness.harness_helpers import REPO, TOY_TASKS, install_dir
 from tests.proxy.scripted_engine import ScriptedEngine
 
 OPENCODE = os.environ.get("GYRE_OPENCODE")
@@ -115,8 +115,7 @@ def test_opencode_harness_config_earns_the_reward(tmp_path: Path, monkeypatch: p
     """agents/opencode/harness.toml through the runner, sandboxed: the model's shell call writes the answer."""
     assert OPENCODE
     monkeypatch.setenv("GYRE_OPENCODE", OPENCODE)
-    resolved = Path(OPENCODE).resolve()
-    install = next((p for p in resolved.parents if p.name == "node_modules"), resolved.parent)
+    install = install_dir(OPENCODE)
     config = HarnessConfig.load(REPO / "agents" / "opencode" / "harness.toml").model_copy(
         update={"ro_mounts": (str(install),)})
     engine = ScriptedEngine()
