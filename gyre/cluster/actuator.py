@@ -123,6 +123,31 @@ class Commands:
         self.stopping = threading.Event()
         """Set when the run stops: retries end, their commands abandoned."""
         self.wait = wait if wait is not None else self.stopping.wait
+        self._routing = threading.Condition()
+        self._routes_asked = self._routes_sent = 0
+        self._routing_in_flight = False
+
+    def route(self) -> None:
+        """Tell the proxy what the log says of every cell now. A routing is a snapshot, so asks are coalesced:
+        one that finds a routing in flight waits for the next, which is built after it asked and so carries
+        its change (at 256 cells a publish made each rollout cell's actuator send the whole table in turn)."""
+        assert self.live is not None, "routing needs the run's cells"
+        with self._routing:
+            self._routes_asked += 1
+            ticket = self._routes_asked
+            while self._routes_sent < ticket:
+                if self._routing_in_flight:
+                    self._routing.wait()
+                    continue
+                self._routing_in_flight, covers = True, self._routes_asked
+                self._routing.release()
+                try:
+                    self.proxy("routing", routing=routing(self.live))
+                finally:
+                    self._routing.acquire()
+                    self._routing_in_flight = False
+                    self._routing.notify_all()
+                self._routes_sent = max(self._routes_sent, covers)
 
     def cell(self, cell_id: str, what: str, *, obsolete: Callable[[], str | None] | None = None,
              **body: object) -> gyre_pb2.CommandDone:
@@ -219,8 +244,7 @@ class RemoteCell:
         return cell
 
     def _route(self) -> None:
-        """Tell the proxy what the log says of every cell now."""
-        self.commands.proxy("routing", routing=routing(self.live))
+        self.commands.route()
 
     # -- the actuator interface -----------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from gyre import auth
-from gyre.cluster.actuator import Commands, RemoteCell, Transfers, execution_spec, routing, wait_done
+from gyre.cluster.actuator import Commands, RemoteCell, Transfers, execution_spec, wait_done
 from gyre.cluster.address import resolve, split_host_port
 from gyre.cluster.auth import SECRET_ENV, secret_from_env
 from gyre.cluster.config import ClusterConfig
@@ -289,7 +289,7 @@ class Cluster:
         return actuator
 
     def _route(self) -> None:
-        self.commands.proxy("routing", routing=routing(self.live))
+        self.commands.route()
 
     def _proxy_back(self, incarnation: str) -> None:
         """A restarted proxy: it gets the routing, and (on the controller's thread) the executions it lost

@@ -105,3 +105,42 @@ def test_a_cell_lost_during_a_resumes_sync_is_synced_again_once_it_is_back() -> 
     cluster.hub = lost_again  # type: ignore[assignment]
     with pytest.raises(PeerLost):  # lost at every attempt: the resume fails, naming it
         cluster._synced("c2", lost_again.command_cell("c2", gyre_pb2.CellCommand(sync=gyre_pb2.Sync())), attempts=2)
+
+
+def test_routings_asked_while_one_is_in_flight_go_as_one_that_carries_their_changes() -> None:
+    """A routing is a snapshot: asks made while one is in flight are answered by one more routing, built after
+    they asked (so it holds what they recorded), not by one each (256 cells: a publish made every rollout
+    cell's actuator send the whole table in turn, queued on the proxy's one stream)."""
+    import time
+
+    sink = ListSink()
+    sink.record([CellRegistered(cell_id="c0", role="rollout", is_core=True, slots=2, incarnation="a")])
+    hub = FakeHub()
+    sent: list[list[str]] = []
+    first_sent, release = threading.Event(), threading.Event()
+    answer = hub.command_proxy
+
+    def command_proxy(command: gyre_pb2.ProxyCommand):
+        sent.append([route.cell_id for route in command.routing.cells])
+        if len(sent) == 1:
+            first_sent.set()
+            assert release.wait(10)
+        return answer(command)
+
+    hub.command_proxy = command_proxy  # type: ignore[method-assign]
+    commands = Commands(hub, sink.live, sink)  # type: ignore[arg-type]
+    first = threading.Thread(target=commands.route)
+    first.start()
+    assert first_sent.wait(10)
+    sink.record([CellRegistered(cell_id="c1", role="rollout", is_core=False, slots=2, incarnation="b")])
+    later = [threading.Thread(target=commands.route) for _ in range(5)]
+    for thread in later:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while commands._routes_asked < 6 and time.monotonic() < deadline:  # every ask is in before the release
+        time.sleep(0.01)
+    release.set()
+    for thread in [first, *later]:
+        thread.join(10)
+        assert not thread.is_alive()
+    assert sent == [["c0"], ["c0", "c1"]]
