@@ -147,7 +147,7 @@ class Commands:
                     self._routing.acquire()
                     self._routing_in_flight = False
                     self._routing.notify_all()
-                self._routes_sent = max(self._routes_sent, covers)
+                self._routes_sent = covers  # one in flight at a time: what each covers only grows
 
     def cell(self, cell_id: str, what: str, *, obsolete: Callable[[], str | None] | None = None,
              **body: object) -> gyre_pb2.CommandDone:

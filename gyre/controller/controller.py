@@ -23,6 +23,7 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import pyarrow as pa
 
@@ -47,6 +48,11 @@ class _Batch:
 
     def __len__(self) -> int:
         return self.batch.num_rows
+
+    @cached_property
+    def columns(self) -> BatchColumns:
+        """The batch's columns, read once for the fold and every observer that takes them."""
+        return BatchColumns(self.batch)
 
 
 _Appended = tuple[int, "list[Event] | _Batch"]
@@ -226,7 +232,7 @@ class Controller:
                 raise ControllerError(f"the controller folded up to seq {self.folded_seq} but was handed "
                                       f"events from seq {first}: the sink's order is broken")
             if isinstance(events, _Batch):  # folded as columns, then observed
-                self.fold.apply_batch(events.batch)
+                self.fold.apply_batch(events.batch, events.columns)
                 _tell_batch(self._observers, first, events)
             else:
                 for seq, event in enumerate(events, start=first):
@@ -318,12 +324,10 @@ class _Observer:
 
 def _tell_batch(observers: list[_Observer], first_seq: int, appended: _Batch) -> None:
     """Each observer its batch: the columns (read once for all that take them), or the decoded rows."""
-    columns: BatchColumns | None = None
     for observer in observers:
         if observer.columns is not None:
-            columns = columns or BatchColumns(appended.batch)
-            if observer.kinds is None or not observer.kinds.isdisjoint(columns.present):
-                observer.columns(first_seq, columns)
+            if observer.kinds is None or not observer.kinds.isdisjoint(appended.columns.present):
+                observer.columns(first_seq, appended.columns)
         else:
             for seq, event in appended.observed:
                 observer.tell(seq, event)

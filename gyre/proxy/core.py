@@ -62,8 +62,9 @@ log = logging.getLogger(__name__)
 
 _RETRY_BACKOFF_S = 0.05
 LOST_REASON = "source engine lost"
-CUT_REASON = "cut (partial rollouts): resumed by a re-prefill"
 """How a `call_redirected` event's `kv_refused` starts when the call left a lost engine."""
+CUT_REASON = "cut (partial rollouts): resumed by a re-prefill"
+"""A `call_redirected` event's `kv_refused` when the call's execution was cut and placed again."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,16 +175,20 @@ class Proxy:
     async def _abort_flights(self, from_cell: str, target: Callable[[Flight], str | None]) -> int:
         """Mark every call in flight on ``from_cell`` to continue on ``target(flight)`` (else where its execution
         is pinned), then abort it there; the call itself resubmits. Returns how many there were."""
-        engine = self.router.engine(from_cell)
         flights = [f for f in self.router.flights_on(from_cell) if not f.cut]  # a cut call waits to be placed
         for flight in flights:
             flight.redirect_to = target(flight) or self._continuation(flight.execution_id)
+        await self._abort(from_cell, flights, "redirect")
+        return len(flights)
+
+    async def _abort(self, from_cell: str, flights: list[Flight], why: str) -> None:
+        """Abort ``flights`` (already marked: each call goes on by itself) on ``from_cell``'s engine."""
+        engine = self.router.engine(from_cell)
         for flight in flights:
             try:
                 await engine.abort(flight.rid)
             except EngineError as e:  # a dead cell: the request fails by itself and the call moves on
-                log.warning("redirect: aborting %s on %s failed: %s", flight.rid, from_cell, e)
-        return len(flights)
+                log.warning("%s: aborting %s on %s failed: %s", why, flight.rid, from_cell, e)
 
     def _continuation(self, execution_id: str) -> str | None:
         """Where a call moved off a leaving cell continues when the plan does not say: its execution's pin;
@@ -220,14 +225,9 @@ class Proxy:
         for execution_id in sorted(cut):
             self.router.cut(execution_id, version)
         flights = [f for f in self.router.flights_on(from_cell) if f.execution_id in cut]
-        engine = self.router.engine(from_cell)
         for flight in flights:
             flight.cut = True
-        for flight in flights:
-            try:
-                await engine.abort(flight.rid)
-            except EngineError as e:
-                log.warning("cut: aborting %s on %s failed: %s", flight.rid, from_cell, e)
+        await self._abort(from_cell, flights, "cut")
         return len(flights)
 
     async def _resume_cut(self, state: ExecutionState, call: ActiveCall | None = None) -> str:

@@ -399,13 +399,14 @@ class SchedulerFold:
         for projection, state in zip(self.projections, self.states, strict=True):
             projection.apply(state, event)
 
-    def apply_batch(self, batch: pa.RecordBatch) -> None:
+    def apply_batch(self, batch: pa.RecordBatch, columns: BatchColumns | None = None) -> None:
         """Fold a batch of the log (as columns: no event objects), rows in seq order. A small batch (the
-        controller's live ones) is read once for the three projections."""
+        controller's live ones) is read once for the three projections (``columns``: already read, by the
+        controller's observers of the same batch)."""
         if batch.num_rows >= SKIP_PAIRS_FROM_ROWS:
             for projection, state in zip(self.projections, self.states, strict=True):
                 projection.apply_batch(state, batch)
             return
-        columns = BatchColumns(batch)
+        columns = columns if columns is not None else BatchColumns(batch)
         for projection, state in zip(self.projections, self.states, strict=True):
             projection.apply_columns(state, columns)
