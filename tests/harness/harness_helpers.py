@@ -14,11 +14,15 @@ from gyre.harness import (
     EvaluationContext,
     Evaluator,
     Execution,
+    ExecutionResult,
     HarnessConfig,
+    HarnessRunner,
     PythonEvaluator,
     Task,
+    TaskSet,
     TaskSpec,
 )
+from gyre.sink import MemorySink
 from tests.harness.graders import (  # noqa: F401 - re-exported for the tests
     allocates_forever,
     constant,
@@ -98,3 +102,30 @@ def install_dir(program: str) -> Path:
     """What a sandbox must bind for an npm-installed CLI to run: its install (`node_modules`), else its folder."""
     resolved = Path(program).resolve()
     return next((p for p in resolved.parents if p.name == "node_modules"), resolved.parent)
+
+
+def run_installed_agent(agent: str, program: str, replies: list[str], root: Path,
+                        execution_id: str) -> tuple[ExecutionResult, MemorySink]:
+    """``agents/AGENT/harness.toml`` with its npm-installed ``program`` bound read-only, on the toy `hello`
+    task, sandboxed, through a real proxy to a scripted model that says ``replies``: the execution's result
+    and the proxy's events."""
+    from gyre.proxy import Proxy, ProxyConfig, ProxyServer
+    from tests.proxy.scripted_engine import ScriptedEngine
+
+    config = HarnessConfig.load(REPO / "agents" / agent / "harness.toml").model_copy(
+        update={"ro_mounts": (str(install_dir(program)),)})
+    engine = ScriptedEngine()
+    engine.start()
+    engine.say(*replies)
+    events = MemorySink()
+    server = ProxyServer(Proxy(ProxyConfig(engines={"cell0": engine.url}), sink=events))
+    server.start()
+    try:
+        task = TaskSet.load(TOY_TASKS)["hello"]
+        token = server.register_execution(execution_id, None).token
+        with HarnessRunner(config, sink=MemorySink(), proxy_url=server.url, root=root) as runner:
+            [result] = runner.run_group([Execution(execution_id, task, "g0", token=token, cell_id="cell0")])
+    finally:
+        server.stop()
+        engine.stop()
+    return result, events

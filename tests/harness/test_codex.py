@@ -25,13 +25,10 @@ from pathlib import Path
 import pytest
 
 from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
-from gyre.harness import Execution, HarnessConfig, HarnessRunner, TaskSet
-from gyre.proxy import Proxy, ProxyConfig, ProxyServer
-from gyre.sink import MemorySink
 from tests.harness.codex_session import FINAL, run_session, script
-from tests.harness.harness_helpers import REPO, TOY_TASKS, install_dir
+from tests.harness.harness_helpers import run_installed_agent
 from tests.hf_checkpoint import save_checkpoint
-from tests.proxy.scripted_engine import ScriptedEngine
+from tests.proxy.scripted_engine import ScriptedEngine, tool_call
 
 CODEX = os.environ.get("GYRE_CODEX")
 pytestmark = pytest.mark.skipif(not CODEX, reason="opt-in: set GYRE_CODEX to a codex binary")
@@ -111,34 +108,13 @@ def test_codex_harness_config_earns_the_reward(tmp_path: Path, monkeypatch: pyte
     """agents/codex/harness.toml through the runner, sandboxed: the model's patch writes the toy task's answer."""
     assert CODEX
     monkeypatch.setenv("GYRE_CODEX", CODEX)
-    install = install_dir(CODEX)
-    config = HarnessConfig.load(REPO / "agents" / "codex" / "harness.toml").model_copy(
-        update={"ro_mounts": (str(install),)})
-    engine = ScriptedEngine()
-    engine.start()
     patch = "*** Begin Patch\n*** Add File: answer.txt\n+hello\n*** End Patch\n"
-    engine.say(f"<tool_call>{json.dumps({'name': 'apply_patch', 'arguments': {'input': patch}})}</tool_call>",
-               "Done.")
-    events = MemorySink()
-    server = ProxyServer(Proxy(ProxyConfig(engines={"cell0": engine.url}), sink=events))
-    server.start()
-    try:
-        task = TaskSet.load(TOY_TASKS)["hello"]
-        token = server.register_execution("cx-0", None).token
-        sink = MemorySink()
-        with HarnessRunner(config, sink=sink, proxy_url=server.url, root=tmp_path / "executions") as runner:
-            [result] = runner.run_group([Execution("cx-0", task, "g0", token=token, cell_id="cell0")])
-    finally:
-        server.stop()
-        engine.stop()
+    result, events = run_installed_agent("codex", CODEX, [tool_call("apply_patch", {"input": patch}), "Done."],
+                                         tmp_path / "executions", "cx-0")
     assert result.status == "completed", result.message
     assert result.reward == 1.0, result
     finished = [e for e in events.events if e.kind == "model_call_finished"]
     assert len(finished) == 2 and finished[1].drift_tokens == 0
-
-
-def _call(name: str, arguments: dict[str, object]) -> str:
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
 def _calls(session) -> list[tuple[str, str | None]]:
@@ -159,11 +135,11 @@ def test_codex_sub_agent_is_its_own_branch(tmp_path: Path) -> None:
         if spawned not in prompt:  # a first call: the main agent's, or the sub-agent's
             if "SUBTASK" in prompt.rsplit("<|im_start|>user", 1)[-1]:
                 return "Sub done."
-            return _call("multi_agent_v1.spawn_agent", {"message": "SUBTASK: say hi"})
+            return tool_call("multi_agent_v1.spawn_agent", {"message": "SUBTASK: say hi"})
         if '<tool_call>{"name": "multi_agent_v1.wait_agent"' not in prompt:
             agent = re.search(r'agent_id\W+([0-9a-f-]{36})', prompt)
             assert agent, prompt[-2000:]
-            return _call("multi_agent_v1.wait_agent", {"targets": [agent.group(1)], "timeout_ms": 600000})
+            return tool_call("multi_agent_v1.wait_agent", {"targets": [agent.group(1)], "timeout_ms": 600000})
         return "Main done."
 
     engine = ScriptedEngine()
@@ -189,7 +165,7 @@ def test_codex_compaction_is_a_summary_branch(tmp_path: Path) -> None:
         if "CONTEXT CHECKPOINT COMPACTION" in last:
             return "Summary: listed the files."
         if '<tool_call>{"name": "exec_command"' not in prompt and "produced a summary" not in prompt:
-            return _call("exec_command", {"cmd": "ls"})
+            return tool_call("exec_command", {"cmd": "ls"})
         return "Done."
 
     engine = ScriptedEngine()

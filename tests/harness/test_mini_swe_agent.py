@@ -8,7 +8,6 @@ submit. Run it here with `GYRE_MINI=/path/to/venv/bin/mini pytest tests/harness/
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -20,7 +19,7 @@ from gyre.harness import Execution, HarnessConfig, HarnessRunner
 from gyre.proxy import Proxy, ProxyConfig, ProxyServer
 from gyre.sink import MemorySink
 from tests.harness.harness_helpers import make_task
-from tests.proxy.scripted_engine import ScriptedEngine
+from tests.proxy.scripted_engine import ScriptedEngine, tool_call
 
 MINI = os.environ.get("GYRE_MINI") or shutil.which("mini")
 pytestmark = pytest.mark.skipif(MINI is None, reason="mini-swe-agent (`mini`) is not installed; set GYRE_MINI")
@@ -29,7 +28,7 @@ SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 
 def bash(command: str) -> str:
     """What the scripted model says: one call of mini's `bash` tool, in the chat template's tool-call syntax."""
-    return f"<tool_call>{json.dumps({'name': 'bash', 'arguments': {'command': command}})}</tool_call>"
+    return tool_call("bash", {"command": command})
 
 
 def test_mini_swe_agent_solves_a_task_in_the_sandbox(tmp_path: Path) -> None:

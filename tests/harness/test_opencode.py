@@ -10,7 +10,6 @@ the runner test earns the toy task's reward, sandboxed.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import threading
@@ -19,23 +18,18 @@ from pathlib import Path
 import pytest
 
 from agents.opencode.launch import OFFLINE, write_config
-from gyre.harness import Execution, HarnessConfig, HarnessRunner, TaskSet
 from gyre.proxy import Proxy, ProxyConfig, ProxyServer
 from gyre.proxy.branches import OPENCODE_SUMMARY_REQUEST
 from gyre.sink import MemorySink
 from tests.harness.codex_session import Relay
-from tests.harness.harness_helpers import REPO, TOY_TASKS, install_dir
-from tests.proxy.scripted_engine import ScriptedEngine
+from tests.harness.harness_helpers import run_installed_agent
+from tests.proxy.scripted_engine import ScriptedEngine, tool_call
 
 OPENCODE = os.environ.get("GYRE_OPENCODE")
 pytestmark = pytest.mark.skipif(not OPENCODE, reason="opt-in: set GYRE_OPENCODE to an opencode binary")
 
 
-def call(name: str, arguments: dict[str, object]) -> str:
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
-
-
-WRITE = call("bash", {"command": "printf hello > answer.txt", "description": "Write the answer"})
+WRITE = tool_call("bash", {"command": "printf hello > answer.txt", "description": "Write the answer"})
 
 
 def run_opencode(engine: ScriptedEngine, tmp_path: Path, prompt: str, api: str = "chat",
@@ -68,7 +62,7 @@ def run_opencode(engine: ScriptedEngine, tmp_path: Path, prompt: str, api: str =
 def test_opencode_delegates_to_a_sub_agent_through_the_proxy(api: str, tmp_path: Path) -> None:
     engine = ScriptedEngine()
     engine.start()
-    engine.say(call("task", {"description": "Write answer", "prompt": "Write hello into answer.txt.",
+    engine.say(tool_call("task", {"description": "Write answer", "prompt": "Write hello into answer.txt.",
                              "subagent_type": "general"}),
                WRITE, "Written.", "Done.")
     done, exchanges, events, workspace = run_opencode(engine, tmp_path, "Delegate writing hello into answer.txt.",
@@ -96,8 +90,8 @@ def test_opencode_compaction_is_a_summary_branch(tmp_path: Path) -> None:
             return "Done."
         written = prompt.count('<tool_call>{"name": "bash"')  # calls the model wrote (the tool list has none)
         if written == 0:
-            return call("bash", {"command": "seq 1 3000", "description": "Count"})
-        return call("bash", {"command": "ls", "description": "List"}) if written == 1 else "Done."
+            return tool_call("bash", {"command": "seq 1 3000", "description": "Count"})
+        return tool_call("bash", {"command": "ls", "description": "List"}) if written == 1 else "Done."
 
     engine = ScriptedEngine()
     engine.respond = respond
@@ -115,23 +109,7 @@ def test_opencode_harness_config_earns_the_reward(tmp_path: Path, monkeypatch: p
     """agents/opencode/harness.toml through the runner, sandboxed: the model's shell call writes the answer."""
     assert OPENCODE
     monkeypatch.setenv("GYRE_OPENCODE", OPENCODE)
-    install = install_dir(OPENCODE)
-    config = HarnessConfig.load(REPO / "agents" / "opencode" / "harness.toml").model_copy(
-        update={"ro_mounts": (str(install),)})
-    engine = ScriptedEngine()
-    engine.start()
-    engine.say(WRITE, "Done.")
-    events = MemorySink()
-    server = ProxyServer(Proxy(ProxyConfig(engines={"cell0": engine.url}), sink=events))
-    server.start()
-    try:
-        task = TaskSet.load(TOY_TASKS)["hello"]
-        token = server.register_execution("oc-0", None).token
-        with HarnessRunner(config, sink=MemorySink(), proxy_url=server.url, root=tmp_path / "executions") as runner:
-            [result] = runner.run_group([Execution("oc-0", task, "g0", token=token, cell_id="cell0")])
-    finally:
-        server.stop()
-        engine.stop()
+    result, events = run_installed_agent("opencode", OPENCODE, [WRITE, "Done."], tmp_path / "executions", "oc-0")
     assert result.status == "completed", result.message
     assert result.reward == 1.0, result
     assert len([e for e in events.events if e.kind == "model_call_finished"]) == 2

@@ -6,7 +6,6 @@ Optional integration: skipped when the proxy (another package, still moving) can
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,10 +19,7 @@ from tests.harness.harness_helpers import TOY_HARNESS, TOY_TASKS
 proxy = pytest.importorskip("gyre.proxy")
 scripted_engine = pytest.importorskip("tests.proxy.scripted_engine")
 local_engine = pytest.importorskip("gyre.engine.local")
-
-
-def call(name: str, arguments: dict[str, str]) -> str:
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+call = scripted_engine.tool_call
 
 
 def serve(engine_url: str) -> tuple[object, object]:

@@ -21,6 +21,11 @@ from gyre.model.tokenizer import build_tokenizer
 EOS = 258
 
 
+def tool_call(name: str, arguments: dict[str, Any]) -> str:
+    """What the scripted model says to call a tool: the chat template's tool-call syntax."""
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
 class ScriptedEngine:
     def __init__(self, tokenizer: Any = None, eos: int = EOS) -> None:
         self.tokenizer = tokenizer if tokenizer is not None else build_tokenizer()

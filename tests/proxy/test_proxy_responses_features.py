@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.proxy.proxy_helpers import TOKEN, Running
-from tests.proxy.scripted_engine import ScriptedEngine
+from tests.proxy.scripted_engine import ScriptedEngine, tool_call
 
 FUNCTION = {"type": "function", "name": "read_file", "description": "Read a file", "strict": False,
             "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}
@@ -25,10 +25,6 @@ CUSTOM = {"type": "custom", "name": "apply_patch", "description": "Edit files. A
 LOCAL_SHELL = {"type": "local_shell"}
 HOSTED = [{"type": "web_search", "external_web_access": False},
           {"type": "mcp", "server_label": "deepwiki", "server_url": "https://example.invalid/mcp"}]
-
-
-def tool_call(name: str, arguments: dict[str, Any]) -> str:
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
 def post(p: Running, body: dict[str, Any], token: str = TOKEN) -> httpx.Response:
