@@ -49,9 +49,9 @@ FAST_TIER := not integration and not slow and not harness_claude_code
 test: $(STAMP)
 	$(BIN)/ruff check gyre tests benchmarks agents tasks scripts
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -m "not serial and not harness_claude_code" -n 2; rc=$$?; if [ $$rc -ne 0 ]; then \
+	$(BIN)/python -m pytest -m "not serial and not harness_claude_code" -n 2 --durations=10; rc=$$?; if [ $$rc -ne 0 ]; then \
 	  [ $$rc -eq 5 ] && echo "no tests collected"; exit 1; fi
-	$(BIN)/python -m pytest -m "serial and not harness_claude_code"; rc=$$?; if [ $$rc -ne 0 ]; then \
+	$(BIN)/python -m pytest -m "serial and not harness_claude_code" --durations=25; rc=$$?; if [ $$rc -ne 0 ]; then \
 	  [ $$rc -eq 5 ] && echo "no tests collected"; exit 1; fi
 
 lint: $(STAMP)
