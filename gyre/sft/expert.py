@@ -83,6 +83,23 @@ class Expert:
         calls.append(("write_file", {"path": task.answer_file, "content": answer}))
         if self.rng.random() >= self.skip_check_rate:
             calls.append(("run", {"command": f"cat {task.answer_file}"}))
+        messages += self._play(task, calls)
+        messages.append({"role": "assistant", "content": FINAL_ANSWER.format(answer=answer)})
+        return {"messages": messages, "tools": self.tools, "task_id": task.id, "correct": not wrong}
+
+    def drill(self, task: FamilyTask) -> dict[str, Any]:
+        """A short conversation that only copies: the task, its input files read, the right answer written,
+        the final reply — no system prompt, no tool schemas, no check, never a mistake (~70 tokens against a
+        demonstration's ~450, so a step sees several times more copies)."""
+        calls = [("read_file", {"path": p}) for p in task.inputs]
+        calls.append(("write_file", {"path": task.answer_file, "content": task.solution}))
+        messages = [{"role": "user", "content": task.prompt}, *self._play(task, calls),
+                    {"role": "assistant", "content": FINAL_ANSWER.format(answer=task.solution)}]
+        return {"messages": messages, "task_id": task.id, "correct": True}
+
+    def _play(self, task: FamilyTask, calls: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+        """The assistant turns making ``calls`` and the real results of the workspace tools on ``task``'s files."""
+        messages: list[dict[str, Any]] = []
         with tempfile.TemporaryDirectory(prefix="gyre-expert-") as root:
             workspace = self.tools_module.WorkspaceTools(Path(root))
             for name, content in task.files.items():
@@ -94,8 +111,7 @@ class Expert:
                      "function": {"name": name, "arguments": json.dumps(arguments)}}]})
                 messages.append({"role": "tool", "tool_call_id": call_id,
                                  "content": workspace.call(name, arguments)})
-        messages.append({"role": "assistant", "content": FINAL_ANSWER.format(answer=answer)})
-        return {"messages": messages, "tools": self.tools, "task_id": task.id, "correct": not wrong}
+        return messages
 
 
 def family_tasks(tasks_path: Path) -> list[FamilyTask]:

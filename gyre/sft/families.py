@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,14 +45,26 @@ class FamilyTask:
     """The files to read, in order."""
 
 
+DRILL_FAMILIES = ("copy", "upper", "reverse", "concat")
+"""The families whose answer is the input rewritten letter by letter: what a copy drill exercises."""
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
 def _word(rng: random.Random) -> str:
     return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3)))
 
 
-def make_task(task_id: str, family: str, source: str, rng: random.Random) -> FamilyTask:
-    """A task of ``family`` reading ``source`` (concat reads two files), parameters from ``rng``."""
+def _letters(rng: random.Random) -> str:
+    """A random string of letters: nothing in it can be predicted except by reading it."""
+    return "".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 8)))
+
+
+def make_task(task_id: str, family: str, source: str, rng: random.Random,
+              word: Callable[[random.Random], str] = _word) -> FamilyTask:
+    """A task of ``family`` reading ``source`` (concat reads two files), parameters from ``rng``, words from
+    ``word``."""
     if family in ("copy", "upper", "reverse"):
-        word = _word(rng)
+        word = word(rng)
         how = {"copy": "unchanged", "upper": "in capital letters", "reverse": "spelled backwards"}[family]
         solution = {"copy": word, "upper": word.upper(), "reverse": word[::-1]}[family]
         return FamilyTask(task_id, family, f"Write the word in {source} {how} into answer.txt.",
@@ -70,7 +83,7 @@ def make_task(task_id: str, family: str, source: str, rng: random.Random) -> Fam
                                            "returns x times K.", {source: f"{k}\n"}, "solution.py",
                           {"kind": "python", "checks": checks, "reference": solution}, solution, (source,))
     if family == "concat":
-        first, second = _word(rng), _word(rng)
+        first, second = word(rng), word(rng)
         other = "b.txt"
         return FamilyTask(task_id, family, f"Write the word in {source}, a space, then the word in {other} "
                                            "into answer.txt.", {source: first + "\n", other: second + "\n"},
@@ -124,6 +137,23 @@ def fresh_training_tasks(count: int, seed: int) -> list[FamilyTask]:
         family, source = pairs[len(out) % len(pairs)]
         task = make_task(f"fresh-{family}-{len(out)}", family, source, rng)
         if family == "pyfunc" or not parameters(task) & unseen:
+            out.append(task)
+    return out
+
+
+def drill_tasks(count: int, seed: int) -> list[FamilyTask]:
+    """``count`` copy drills: tasks of the letter-rewriting families over random letter strings, on the training
+    split's family x file pairs only. A syllable word can be half guessed from the family's word distribution;
+    a random string can only be copied, so these teach the model to read the tool result (issue #29)."""
+    _, heldout = generate()
+    unseen = set().union(*(parameters(t) for t in heldout if t.family != "pyfunc"))
+    pairs = [(f, s) for f in DRILL_FAMILIES for s in INPUT_FILES if (f, s) not in HELDOUT_PAIRS]
+    rng = random.Random(seed)
+    out: list[FamilyTask] = []
+    while len(out) < count:
+        family, source = pairs[rng.randrange(len(pairs))]
+        task = make_task(f"drill-{family}-{len(out)}", family, source, rng, word=_letters)
+        if not parameters(task) & unseen:
             out.append(task)
     return out
 

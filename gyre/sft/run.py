@@ -48,6 +48,8 @@ class DemonstrationsSection(_Section):
     fresh: NonNegativeInt = Field(0, description="also demonstrate this many new tasks of the training split's "
                                                  "families and files (never a held-out word or number)")
     error_rate: float = Field(0.3, ge=0, le=1, description="share of demonstrations with a wrong answer")
+    drills: NonNegativeInt = Field(0, description="short copy drills made at start (gyre.sft.families.drill_tasks: "
+                                                  "random letter strings read, rewritten and written, never wrong)")
 
 
 class ModelSection(_Section):
@@ -72,6 +74,10 @@ class SftConfig(_Section):
     min_lr: NonNegativeFloat | None = Field(None, description="when set: the lr decays from `lr` to this on a "
                                                              "cosine over the run's steps (None: constant)")
     max_grad_norm: PositiveFloat = 1.0
+    drill_share: float = Field(0.0, ge=0, lt=1, description="share of steps that train a batch of drills "
+                                                            "instead of demonstrations")
+    drill_batch_size: PositiveInt = Field(48, description="conversations in a drill step (a drill is ~1/6 of a "
+                                                          "demonstration's tokens)")
     checkpoint_every: PositiveInt = 50
     threads: PositiveInt = 1
     demonstrations: DemonstrationsSection
@@ -90,9 +96,13 @@ class SftConfig(_Section):
                 table = table.setdefault(section, {})
             table[name] = value
         try:
-            return cls.model_validate(data)
+            config = cls.model_validate(data)
         except ValidationError as e:
             raise ConfigError(f"invalid sft config {path}: {e}") from e
+        if config.drill_share > 0 and config.demonstrations.drills == 0:
+            raise ConfigError(f"invalid sft config {path}: drill_share = {config.drill_share} needs "
+                              "[demonstrations] drills > 0")
+        return config
 
     def lr_at(self, step: int) -> float:
         """The learning rate of ``step`` (a function of the step alone, so a resumed run takes the same steps)."""
@@ -118,6 +128,18 @@ def _base(config: SftConfig, records: list[dict[str, Any]]) -> Path:
                   layers=m.layers, heads=m.heads, kv_heads=m.kv_heads, intermediate_size=m.intermediate_size,
                   context=m.context)
     return base
+
+
+def _drills(config: SftConfig, tokenizer: Any) -> list[Any]:
+    """The run's copy drills, rendered (made from the run's seed: the same drills on a resume)."""
+    if config.demonstrations.drills == 0:
+        return []
+    from gyre.sft.data import render
+    from gyre.sft.expert import Expert
+    from gyre.sft.families import drill_tasks
+
+    expert = Expert(seed=config.seed)
+    return [render(expert.drill(task), tokenizer) for task in drill_tasks(config.demonstrations.drills, config.seed)]
 
 
 def run_sft(config: SftConfig, *, resume: bool = False,
@@ -148,6 +170,7 @@ def run_sft(config: SftConfig, *, resume: bool = False,
     base = _base(config, records)
     model, tokenizer = load_tiny(base)
     examples = [render(r, tokenizer) for r in records]
+    drills = _drills(config, tokenizer)
     backend = TorchBackend(model, TorchBackendConfig(optimizer=OptimizerConfig(
         lr=config.lr, max_grad_norm=config.max_grad_norm)))
     checkpoints = run_dir / "checkpoints"
@@ -165,7 +188,9 @@ def run_sft(config: SftConfig, *, resume: bool = False,
         for step in range(start, config.steps):
             started = time.monotonic()
             rng = random.Random(config.seed * 1_000_003 + step)
-            batch = [examples[rng.randrange(len(examples))] for _ in range(config.batch_size)]
+            drilling = config.drill_share > 0 and rng.random() < config.drill_share
+            pool, size = (drills, config.drill_batch_size) if drilling else (examples, config.batch_size)
+            batch = [pool[rng.randrange(len(pool))] for _ in range(size)]
             width = max(len(e.input_ids) for e in batch)
             ids = torch.full((len(batch), width), pad, dtype=torch.long)
             labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
@@ -181,7 +206,8 @@ def run_sft(config: SftConfig, *, resume: bool = False,
             loss = backend.model(input_ids=ids, attention_mask=attention, labels=labels).loss
             loss.backward()
             result = backend.optimizer_step(normalizer=1.0)  # the loss is already a mean over assistant tokens
-            line = {"step": step, "loss": round(float(loss.detach()), 5), "grad_norm": round(result.grad_norm, 4),
+            line = {"step": step, "batch": "drills" if drilling else "demonstrations",
+                    "loss": round(float(loss.detach()), 5), "grad_norm": round(result.grad_norm, 4),
                     "lr": config.lr_at(step),
                     "tokens": int(attention.sum()), "trained_tokens": int((labels != IGNORE).sum()),
                     "seconds": round(time.monotonic() - started, 3)}

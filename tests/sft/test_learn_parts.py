@@ -59,3 +59,28 @@ def test_shuffled_rewards_permute_advantages_within_a_group():
     plain, shuffled = advantages(False), advantages(True)
     assert sorted(plain) == pytest.approx(sorted(shuffled)) and plain != pytest.approx(shuffled)
     assert advantages(True) == shuffled  # seeded by the group id: the same control every time
+
+
+def test_copy_drills_are_right_random_and_stay_off_the_heldout_split(tmp_path):
+    from gyre.errors import ConfigError
+    from gyre.sft.families import HELDOUT_PAIRS, drill_tasks, generate, parameters
+
+    drills = drill_tasks(200, seed=3)
+    assert drills == drill_tasks(200, seed=3) and drills != drill_tasks(200, seed=4)
+    _, heldout = generate()
+    unseen = set().union(*(parameters(t) for t in heldout if t.family != "pyfunc"))
+    expert = Expert(seed=0)
+    for task in drills:
+        source = task.inputs[0]
+        assert (task.family, source) not in HELDOUT_PAIRS and not parameters(task) & unseen
+        messages = expert.drill(task)["messages"]
+        assert messages[0]["role"] == "user" and all(m["role"] != "system" for m in messages)
+        read = [m["content"] for m in messages if m["role"] == "tool"][: len(task.inputs)]
+        assert read == [task.files[p] for p in task.inputs]  # real tool results
+        written = [c for m in messages for c in m.get("tool_calls", []) if c["function"]["name"] == "write_file"]
+        assert f'"content": "{task.solution}"' in written[0]["function"]["arguments"]  # never a mistake
+    assert len({t.solution for t in drills}) >= 195  # random letter strings, not the families' syllable words
+    config = tmp_path / "sft.toml"
+    config.write_text('drill_share = 0.5\n[demonstrations]\npath = "x"\n')
+    with pytest.raises(ConfigError, match="drills > 0"):
+        SftConfig.load(config)
