@@ -212,9 +212,9 @@ class CellNode:
                                      follow=lambda seq, poll_s, stop: self.log.follow(seq, poll_s, stop))
         if folded is not None:
             self._restore(coordinator, *folded[1:])
-        hub = self.trainer_service.attach(coordinator, self.core)
-        # the weights the next step trains from (initially v0): a satellite may join before the step opens
-        hub.publish(self.backend.policy_version, dict(self.backend.named_tensors()))
+        # serves the core's trainer once the weights the next step trains from (initially v0) are published: a
+        # satellite may join before the step opens
+        self.trainer_service.attach(coordinator, self.core)
         self._closers.append(self.core.close)
 
     def _fold(self) -> tuple[TrainerState, SchedulerView, RunState]:

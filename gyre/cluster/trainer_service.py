@@ -172,12 +172,15 @@ class TrainerServer:
         cell = core_cell if core_cell is not None else core.cell_id
         sizes = [g.numel() for g in backend.gradient_buffers()]
         backend.zero_grad()
-        self.hub = TrainerHub(coordinator, self.endpoint, core_cell=cell, gradient_sizes=sizes, lease_s=self.lease_s)
-        # the weights as they are now, so a satellite (or engine) can pull before the first step opens
-        self.hub.publish(backend.policy_version, list(backend.named_tensors()))
+        hub = TrainerHub(coordinator, self.endpoint, core_cell=cell, gradient_sizes=sizes, lease_s=self.lease_s)
+        # the weights as they are now, so a satellite (or engine) can pull before the first step opens. Served
+        # only once they are: a Join that found the hub with nothing published was refused for good (chaos seed
+        # 8: a satellite joined a restarted core between the two), where "not ready yet" is retried
+        hub.publish(backend.policy_version, list(backend.named_tensors()))
+        self.hub = hub
         if core is not None:
-            core.satellites = self.hub
-        return self.hub
+            core.satellites = hub
+        return hub
 
     def release_cell(self, cell_id: str, reason: str) -> list[int]:
         """The controller lost ``cell_id`` (or took it back): release its micro-steps now, not after its lease."""

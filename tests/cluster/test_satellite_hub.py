@@ -191,3 +191,36 @@ def test_two_satellites_over_grpc_one_leaving_mid_step(data, tmp_path) -> None:
         for s in sats:
             s.leave("test over")
         core.close()
+
+
+def test_the_trainer_is_served_only_once_its_weights_are_published(data, tmp_path, monkeypatch) -> None:
+    """A Join that found the hub before the core's first publish was refused for good ("no weights are
+    published yet", FAILED_PRECONDITION: chaos seed 8); until the hub is served, a Join is told "not ready yet"
+    (UNAVAILABLE), which the controller retries."""
+    from gyre.trainer.hub import TrainerHub
+
+    seen: list[object] = []
+    publish = TrainerHub.publish
+
+    def watched(hub: TrainerHub, *args, **kwargs):
+        seen.append(core_server[0].hub)  # what a Join arriving now would be served
+        return publish(hub, *args, **kwargs)
+
+    monkeypatch.setattr(TrainerHub, "publish", watched)
+    from gyre.cluster import trainer_service
+
+    core_server: list[trainer_service.TrainerServer] = []
+    real = trainer_service.TrainerServer.attach
+
+    def attach(server, *args, **kwargs):
+        core_server.append(server)
+        return real(server, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_service.TrainerServer, "attach", attach)
+    model_dir, _, _ = data
+    core = Core.start(tmp_path, model_dir, lease_s=60)
+    try:
+        assert seen == [None]  # published once, before the hub was served
+        assert core.server.hub is core.hub and core.hub.publisher.versions == [0]
+    finally:
+        core.close()
