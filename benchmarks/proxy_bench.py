@@ -570,9 +570,10 @@ def cpu_ab(roots: dict[str, str], rounds: int = 3, *, log: bool = False) -> dict
 
 
 if __name__ == "__main__":  # pragma: no cover
-    if "--ab" in sys.argv:  # python -m benchmarks.proxy_bench --ab ROOT_A ROOT_B
+    if "--ab" in sys.argv:  # python -m benchmarks.proxy_bench --ab ROOT_A ROOT_B [--rounds N]
         a, b = sys.argv[sys.argv.index("--ab") + 1 : sys.argv.index("--ab") + 3]
+        rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
         roots = {"a": a, "b": b}  # with and without the durable log, each A/B alternated in one run
-        print(json.dumps({"without_log": cpu_ab(roots), "with_log": cpu_ab(roots, log=True)}))
+        print(json.dumps({"without_log": cpu_ab(roots, rounds), "with_log": cpu_ab(roots, rounds, log=True)}))
     else:
         print(json.dumps(run_benchmark(quick="--quick" in sys.argv)))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from starlette.requests import Request
@@ -10,6 +9,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gyre.proxy.anthropic_models import CountTokensRequest, MessagesRequest
+from gyre.proxy.conversation import tojson
 from gyre.proxy.core import ActiveCall, CallSettings, Generation, Proxy
 from gyre.proxy.errors import ApiError
 from gyre.proxy.http import ANTHROPIC_TYPES, execution_of, read_model, request_id
@@ -19,7 +19,7 @@ from gyre.proxy.turn import answer
 
 
 def sse(event: str, data: dict[str, Any]) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"event: {event}\ndata: {tojson(data)}\n\n"
 
 
 def stop_reason(final: Generation, text: FinalText, reply: Reply) -> str:

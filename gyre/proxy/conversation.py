@@ -15,6 +15,16 @@ from typing import Any, Literal
 Role = Literal["system", "user", "assistant", "tool"]
 
 
+_TOJSON = json.JSONEncoder(ensure_ascii=False)
+
+
+def tojson(value: object) -> str:
+    """transformers' `tojson` filter (no HTML escaping, non-ASCII kept, default separators): the same text as
+    `json.dumps(value, ensure_ascii=False)`, whose non-default options build a new encoder every call (a
+    rendering dumps every tool call of the re-sent conversation, so that was most of its cost)."""
+    return _TOJSON.encode(value)
+
+
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     """A function call made by the model. `arguments` is a JSON object (Anthropic `input`) or the JSON text
@@ -28,7 +38,7 @@ class ToolCall:
         """The arguments as the chat template writes them (`tojson`, or the string verbatim)."""
         if isinstance(self.arguments, str):
             return self.arguments
-        return json.dumps(self.arguments, ensure_ascii=False)
+        return tojson(self.arguments)
 
     def arguments_object(self) -> dict[str, Any]:
         """The arguments as an object (Anthropic `input`); a string that is not a JSON object becomes {}."""

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gyre.proxy.conversation import tojson
 from gyre.proxy.core import ActiveCall, CallSettings, Generation, Proxy
 from gyre.proxy.errors import ApiError
 from gyre.proxy.http import error_body, execution_of, read_model, request_id
@@ -92,7 +93,7 @@ class _ChatCompletion:
         }
         if self.include_usage:
             data["usage"] = None
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return f"data: {tojson(data)}\n\n"
 
     def opening(self) -> list[str]:
         return [self._chunk({"role": "assistant", "content": ""})]

@@ -15,12 +15,11 @@ TemplateRenderer`, which renders that jinja template and cuts it into units with
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from gyre.proxy.conversation import Conversation, Message
+from gyre.proxy.conversation import Conversation, Message, tojson
 
 UnitKind = Literal["context", "gen", "body"]
 
@@ -70,11 +69,6 @@ TOOLS_POSTAMBLE = (
 )
 
 
-def _tojson(value: object) -> str:
-    """transformers' `tojson` filter (no HTML escaping, non-ASCII kept, default separators)."""
-    return json.dumps(value, ensure_ascii=False)
-
-
 class ChatMLRenderer:
     """The tiny model's chat template, unit by unit. Stateless and cheap: O(characters rendered)."""
 
@@ -89,7 +83,7 @@ class ChatMLRenderer:
             text = f"{IM_START}system\n"
             if system is not None:
                 text += system + "\n\n"
-            text += TOOLS_PREAMBLE + "".join("\n" + _tojson(t.template_dict()) for t in conversation.tools)
+            text += TOOLS_PREAMBLE + "".join("\n" + tojson(t.template_dict()) for t in conversation.tools)
             return text + TOOLS_POSTAMBLE + IM_END
         if system is not None:
             return f"{IM_START}system\n{system}{IM_END}"
@@ -99,7 +93,7 @@ class ChatMLRenderer:
         text = f"<think>\n{message.reasoning}\n</think>\n\n" if message.reasoning else ""
         text += message.content
         for call in message.tool_calls:
-            text += f'<tool_call>{{"name": {_tojson(call.name)}, "arguments": {call.arguments_json()}}}</tool_call>'
+            text += f'<tool_call>{{"name": {tojson(call.name)}, "arguments": {call.arguments_json()}}}</tool_call>'
         return text + IM_END
 
     def render(self, conversation: Conversation) -> Rendering:

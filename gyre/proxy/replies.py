@@ -9,12 +9,11 @@ that its echo is recognised.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from gyre.engine import FinishReason
-from gyre.proxy.conversation import Message, ToolCall
+from gyre.proxy.conversation import Message, ToolCall, tojson
 from gyre.proxy.output import OutputParser, Piece, TextPiece, new_tool_id, visible_text
 from gyre.proxy.tokens import TokenCodec
 
@@ -109,7 +108,7 @@ class Reply:
         start = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
         events.append(("content_block_start", {"type": "content_block_start", "index": index, "content_block": start}))
         events.append(
-            _delta(index, {"type": "input_json_delta", "partial_json": json.dumps(arguments, ensure_ascii=False)})
+            _delta(index, {"type": "input_json_delta", "partial_json": tojson(arguments)})
         )
         events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
         return events

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gyre.proxy.conversation import tojson
 from gyre.proxy.core import ActiveCall, CallSettings, Generation, Proxy
 from gyre.proxy.errors import ApiError
 from gyre.proxy.http import error_body, execution_of, read_model, request_id
@@ -97,7 +98,7 @@ class ResponseBuilder:
     def event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return f"event: {kind}\ndata: {tojson(data)}\n\n"
 
     def translate(self, events: list[Event]) -> list[str]:
         out: list[str] = []

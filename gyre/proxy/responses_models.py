@@ -18,14 +18,13 @@ as the chat template renders it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gyre.proxy.conversation import Conversation, Message, ToolCall, ToolSpec
+from gyre.proxy.conversation import Conversation, Message, ToolCall, ToolSpec, tojson
 from gyre.proxy.errors import ApiError
 
 _TEXT_PARTS = {"input_text", "output_text", "text", "refusal"}
@@ -359,7 +358,7 @@ def shell_action(arguments: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(command, str):
         command = ["bash", "-lc", command]
     elif not isinstance(command, list) or not all(isinstance(part, str) for part in command):
-        command = ["bash", "-lc", json.dumps(command, ensure_ascii=False)]
+        command = ["bash", "-lc", tojson(command)]
     workdir = arguments.get("workdir")
     timeout = arguments.get("timeout_ms")
     return {
@@ -387,7 +386,7 @@ def custom_input(arguments: Mapping[str, Any]) -> str:
     value = arguments.get("input")
     if isinstance(value, str) and set(arguments) == {"input"}:
         return value
-    return json.dumps(dict(arguments), ensure_ascii=False)
+    return tojson(dict(arguments))
 
 
 def _reasoning(item: dict[str, Any], where: str) -> list[str]:

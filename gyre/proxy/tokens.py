@@ -56,9 +56,9 @@ class TokenCodec:
         return self._backend.encode(text, add_special_tokens=False).ids
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
-        if len(texts) <= 16:  # a batch goes through a thread pool: slower than a loop for a few units
-            return [self._backend.encode(t, add_special_tokens=False).ids for t in texts]
-        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+        # the `_fast` batch skips the character offsets that `encode` tracks and the proxy never reads:
+        # ~25% less CPU for a call's new units, even for one text
+        return [e.ids for e in self._backend.encode_batch_fast(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=False)

@@ -2,8 +2,9 @@
 
 A call in a 700K-token execution sends 700K ids. Serialising them afresh costs tens of milliseconds of the
 proxy's single event loop per call; but all but the newest few are the recorded ids of earlier calls, which
-never change. So each finished call keeps the JSON text of its own tokens (`CallRecord.wire`), and a prompt
-goes out as those fragments joined (a memcpy) plus the JSON of what is new: O(new tokens) of real work.
+never change. So each finished call keeps the JSON text of the part of its own tokens its children reuse
+(`CallRecord.wire`: usually all but the end-of-turn tokens, which the template renders anew), and a prompt goes
+out as those fragments joined (a memcpy) plus the JSON of what is new: O(new tokens) of real work.
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ def prompt_of(record: CallRecord, extra: Sequence[int] = ()) -> Prompt:
     """`record`'s prompt (plus `extra` ids: the partial output of a continued call) as a `Prompt`."""
     fragments: list[bytes] = []
     for rec, lo, hi in record.spans(0, record.prompt_len):
-        if lo == 0 and hi == len(rec.tokens) and rec.finished:
-            if not isinstance(rec.wire, bytes):
-                rec.wire = ids_json(rec.tokens)
-            piece = rec.wire
+        if lo == 0 and rec.finished:  # an ancestor: its child usually reuses all but its end-of-turn tokens
+            cached = rec.wire
+            if isinstance(cached, tuple) and cached[0] == hi:
+                piece = cached[1]
+            else:
+                piece = ids_json(rec.tokens[:hi])
+                rec.wire = (hi, piece)
         else:
             piece = ids_json(rec.tokens[lo:hi])
         if piece:

@@ -88,3 +88,24 @@ def test_planning_is_read_only_and_harness_turns_are_context() -> None:
     assert before.parent is None and tree.plan(RENDER.units(conv)).delta == before.delta
     record = _call(tree, conv, "c1", [EOS])
     assert record.parent is None and record.delta.tolist() == CODEC.encode("".join(u.text for u in RENDER.units(conv)))
+
+
+def test_prompt_json_reuses_a_drifted_ancestors_cached_prefix() -> None:
+    """`prompt_of` sends exactly the recorded prompt ids, and caches the JSON of the prefix a child reuses
+    even when that is not all of the ancestor's tokens (its echoed turn drifted), so later calls do not
+    serialise it again."""
+    import json
+
+    from gyre.engine.client import ids_json
+    from gyre.proxy.transport import prompt_of
+
+    tree = CallTree(CODEC)
+    first = _call(tree, _conv(("user", "a")), "c1", [*CODEC.encode("x "), EOS], shown="x")  # echo drops the space
+    turns: list[tuple[str, str]] = [("user", "a"), ("assistant", "x"), ("user", "b")]
+    second = _call(tree, _conv(*turns), "c2", [*CODEC.encode("y"), EOS])
+    assert second.parent is first and second.prefix_len < first.full_len  # a drifted prefix
+    third = _call(tree, _conv(*turns, ("assistant", "y"), ("user", "c")), "c3", [*CODEC.encode("z"), EOS])
+    for record in (second, third):
+        prompt = prompt_of(record)
+        assert json.loads(prompt.json()) == _prompt(record) and prompt.length == record.prompt_len
+    assert first.wire == (second.prefix_len, ids_json(first.ids(0, second.prefix_len)))
