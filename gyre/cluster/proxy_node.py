@@ -20,11 +20,13 @@ durable: in the controller's log, or — while the controller is down — in thi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -110,7 +112,10 @@ class ProxyNode:
         self._held: set[str] = set()
         """Executions submitted to the runner and not ended (their harness, or its evaluation, still runs)."""
         self._specs: dict[str, gyre_pb2.ExecutionSpec] = {}
-        """The held executions as queued: a cut one is queued again with the same batch and attempt."""
+        """The executions whose harness still runs, as queued: a cut one is queued again with the same batch and
+        attempt. One whose harness ended (scored or being scored) is not running: there is nothing to cut."""
+        self._cutting = threading.Lock()
+        """Orders a cut against executions' ends: an execution is cut before it finishes, or not at all."""
         self._urls: dict[str, str] = {}
 
     def start(self) -> None:
@@ -163,7 +168,7 @@ class ProxyNode:
         harness = harness.model_copy(update=overrides)
         gate = PlacementGate(proxy.router)
         runner = HarnessRunner(harness, sink=self.link.producer("harness"), proxy_url=url,
-                               root=Path(config.run_dir) / "executions", gate=gate)
+                               root=Path(config.run_dir) / "executions", gate=gate, finishing=self._finishing)
         tasks = rollout_tasks(config.rollout)[0]
         heldout = TaskSet.load(config.evaluation.tasks) if config.evaluation.tasks is not None else tasks
         return _Components(proxy, server, runner, gate, tasks, heldout)
@@ -205,6 +210,15 @@ class ProxyNode:
         runner.sink.commit()  # every execution_queued is durable
         return {"queued": float(len(queue.executions))}
 
+    @contextlib.contextmanager
+    def _finishing(self, execution_id: str) -> Iterator[None]:
+        """Around an execution's `execution_finished`: after it, a cut leaves the execution alone (a cut that
+        re-queued an execution already finished, its evaluation still running, broke the attempt order:
+        tests/cluster/test_cluster_partial.py on a loaded machine)."""
+        with self._cutting:
+            self._specs.pop(execution_id, None)
+            yield
+
     def _ended(self, execution_id: str) -> None:
         self._held.discard(execution_id)
         self._specs.pop(execution_id, None)
@@ -232,16 +246,17 @@ class ProxyNode:
         from gyre.events.models import ExecutionQueued
 
         on_cell = [e for e in parts.proxy.router.pinned_on(redirect.from_cell_id) if e not in kept]
-        queued = []
-        for execution_id in on_cell:
-            spec = self._specs.get(execution_id)
-            if spec is None:  # ended meanwhile (its runner is unregistering it): nothing to cut
-                continue
-            queued.append(ExecutionQueued(execution_id=execution_id, task_id=spec.task_id, group_id=spec.group_id,
-                                          step=None if spec.step < 0 else spec.step, attempt=spec.attempt,
-                                          policy_version=redirect.resume_version))
-        if queued:
-            parts.server.call(parts.proxy.cut(redirect.from_cell_id, queued, redirect.resume_version))
+        with self._cutting:  # no harness records its end until the cut is recorded
+            queued = []
+            for execution_id in on_cell:
+                spec = self._specs.get(execution_id)
+                if spec is None:  # its harness ended (it is being scored, or unregistered): nothing to cut
+                    continue
+                queued.append(ExecutionQueued(execution_id=execution_id, task_id=spec.task_id,
+                                              group_id=spec.group_id, step=None if spec.step < 0 else spec.step,
+                                              attempt=spec.attempt, policy_version=redirect.resume_version))
+            if queued:
+                parts.server.call(parts.proxy.cut(redirect.from_cell_id, queued, redirect.resume_version))
         return len(queued)
 
     def _require(self) -> _Components:

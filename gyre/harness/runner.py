@@ -19,6 +19,7 @@ harness reaches it through the environment (base URL and the execution's token),
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -161,8 +162,12 @@ class HarnessRunner:
     """Runs executions with bounded concurrency and records their events in `sink`."""
 
     def __init__(self, config: HarnessConfig, *, sink: EventSink, proxy_url: str, root: str | os.PathLike[str],
-                 gate: Gate | None = None) -> None:
+                 gate: Gate | None = None,
+                 finishing: Callable[[str], contextlib.AbstractContextManager[object]] | None = None) -> None:
+        """``finishing(execution_id)``: held while an execution's `execution_finished` is recorded, so an owner
+        that re-queues running executions (a cut) can order itself against their end."""
         self.config = config
+        self.finishing = finishing if finishing is not None else (lambda execution_id: contextlib.nullcontext())
         self.sink = sink
         self.gate = gate
         self.proxy_url = proxy_url.rstrip("/")
@@ -366,8 +371,10 @@ class HarnessRunner:
                 duration_s: float, message: str, evaluate: bool,
                 sandbox: SandboxSpec | None = None) -> ExecutionResult:
         message = message[-self.config.message_chars:]
-        position = self.sink.record(ExecutionFinished(execution_id=execution.execution_id, status=status,
-                                                      duration_s=duration_s, exit_code=exit_code, message=message))
+        with self.finishing(execution.execution_id):
+            position = self.sink.record(ExecutionFinished(execution_id=execution.execution_id, status=status,
+                                                          duration_s=duration_s, exit_code=exit_code,
+                                                          message=message))
         outcome = None
         if evaluate:
             scoring = None if sandbox is None else replace(sandbox, writable=(dirs.evaluation,))

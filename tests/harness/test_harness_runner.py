@@ -243,3 +243,25 @@ def test_every_documented_placeholder_expands(tmp_path: Path) -> None:
     assert values["workspace"] == str(result.workspace) and values["group_id"] == "grp"
     assert values["policy_version"] == "2" and values["timeout_s"] == "600" and values["attempt"] == "0"
     assert values["config_dir"] and values["python"] and values["home"] == str(result.dirs.home)
+
+
+def test_an_executions_end_is_recorded_inside_its_finishing_hook(tmp_path: Path) -> None:
+    """The cluster's proxy orders a cut against executions' ends with this hook: `execution_finished` is recorded
+    while the hook is held, and the evaluation that follows is not."""
+    import contextlib
+
+    sink = MemorySink()
+    inside: list[list[str]] = []
+
+    @contextlib.contextmanager
+    def finishing(execution_id: str):
+        before = len(sink.events)
+        yield
+        inside.append([execution_id, *(e.kind for e in sink.events[before:])])
+
+    task = make_task()
+    with HarnessRunner(shell("printf hello > answer.txt"), sink=sink, proxy_url=URL, root=tmp_path / "executions",
+                       finishing=finishing) as r:
+        result = r.run(execution(task))
+    assert inside == [[result.execution_id, "execution_finished"]]
+    assert [e.kind for e in sink.events][-1] == "reward_recorded"
