@@ -125,12 +125,20 @@ def generate(seed: int = 0, train_per_pair: int = 6, heldout_per_pair: int = 3) 
     return train, heldout
 
 
+def _heldout_parameters() -> set[str]:
+    """The held-out split's words and numbers (pyfunc's K aside: it has 8 values), never used in training."""
+    _, heldout = generate()
+    return set().union(*(parameters(t) for t in heldout if t.family != "pyfunc"))
+
+
+def _training_pairs(families: tuple[str, ...]) -> list[tuple[str, str]]:
+    return [(f, s) for f in families for s in INPUT_FILES if (f, s) not in HELDOUT_PAIRS]
+
+
 def fresh_training_tasks(count: int, seed: int) -> list[FamilyTask]:
     """``count`` new tasks from the training distribution (training family x file pairs, parameters never in
     the held-out split): what the expert demonstrates, so a policy learns the families, not 72 answers."""
-    _, heldout = generate()
-    unseen = set().union(*(parameters(t) for t in heldout if t.family != "pyfunc"))
-    pairs = [(f, s) for f in FAMILIES for s in INPUT_FILES if (f, s) not in HELDOUT_PAIRS]
+    unseen, pairs = _heldout_parameters(), _training_pairs(FAMILIES)
     rng = random.Random(seed)
     out: list[FamilyTask] = []
     while len(out) < count:
@@ -145,9 +153,7 @@ def drill_tasks(count: int, seed: int) -> list[FamilyTask]:
     """``count`` copy drills: tasks of the letter-rewriting families over random letter strings, on the training
     split's family x file pairs only. A syllable word can be half guessed from the family's word distribution;
     a random string can only be copied, so these teach the model to read the tool result (issue #29)."""
-    _, heldout = generate()
-    unseen = set().union(*(parameters(t) for t in heldout if t.family != "pyfunc"))
-    pairs = [(f, s) for f in DRILL_FAMILIES for s in INPUT_FILES if (f, s) not in HELDOUT_PAIRS]
+    unseen, pairs = _heldout_parameters(), _training_pairs(DRILL_FAMILIES)
     rng = random.Random(seed)
     out: list[FamilyTask] = []
     while len(out) < count:
