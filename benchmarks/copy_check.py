@@ -28,8 +28,7 @@ from gyre.model.tiny import load_tiny
 from gyre.sft.data import render
 from gyre.sft.expert import Expert
 from gyre.sft.families import LETTERS, drill_tasks
-
-IGNORE = -100
+from gyre.sft.run import IGNORE
 
 
 def synthetic(base: Path, lr: float, steps: int, seed: int = 0, batch: int = 64, length: int = 8) -> dict[str, Any]:
