@@ -13,8 +13,14 @@ For each call, in order:
    tokenizer): the first call's as the task, the others' as a tool output after the previous reply. A
    ``compaction`` call starts a fresh conversation instead (system prompt + a summary of that size): a new
    root of the trajectory tree;
-3. it asks for ``max_tokens = ceil(output_tokens / token_scale)`` (at least 1) and keeps the reply, verbatim,
-   as the assistant message the next call extends.
+3. it asks for ``max_tokens`` so that its outputs so far add up to the plan's outputs so far over
+   ``token_scale`` (at least 1 a call), and keeps the reply, verbatim, as the assistant message the next call
+   extends.
+The real counts follow the plan's, not just each call's own: where the reply reports ``usage``, a tool
+output's filler is sized so that the next prompt holds the plan's context over ``token_scale`` real tokens,
+the chat template's tokens (roles, headers) and any shortfall of earlier calls included. Sized per call
+instead, a tool output of 20 real tokens gains ~30 of template, and each ``ceil`` a fraction of a token: live
+runs at ``token_scale`` 100 forwarded +33% prompt and +10% output tokens over their plan.
 Then it writes the last reply to the answer file and exits 0; a description with ``crash`` exits 3 after its
 calls, without an answer (a harness error). Which execution: ``--execution-id`` (or ``$GYRE_EXECUTION_ID``)
 matched exactly, else by the step, group and rollout numbers at its end (``s0-g1-e2``, ``s000-g001-r02``).
@@ -27,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -149,6 +154,9 @@ def run(description: dict[str, Any], client: Client, log: Any) -> dict[str, Any]
     messages: list[dict[str, Any]] = [system]
     made: list[dict[str, Any]] = []
     waited, last = 0.0, ""
+    plan_context = plan_out = real_out = 0  # the plan's context after the previous call, outputs so far; real outputs
+    previous: tuple[int, int] | None = None  # the previous call's real (prompt, completion) tokens, from usage
+    overhead = 0.0  # real tokens a tool output adds beyond its filler (template, header): the last turn's
     for i, call in enumerate(description["calls"]):
         wait = float(call["wait_s"]) / time_scale
         time.sleep(wait)
@@ -156,22 +164,39 @@ def run(description: dict[str, Any], client: Client, log: Any) -> dict[str, Any]
         if call.get("stall"):  # a hung tool: the runner's timeout ends the run in it
             log("stall", call=i, waited_s=round(wait, 3))
             break
-        chars = round(int(call["prompt_delta_tokens"]) / token_scale * chars_per_token)
+        delta, root = int(call["prompt_delta_tokens"]), bool(call.get("compaction")) or i == 0
+        plan_prompt = (0 if call.get("compaction") else plan_context) + delta
+        chars, body = round(delta / token_scale * chars_per_token), 0
         if call.get("compaction"):
             messages = [system, {"role": "user", "content": CONTINUATION + filler(chars - len(CONTINUATION), i)}]
         elif i == 0:
             messages.append({"role": "user", "content": filler(chars, i)})
         else:
-            messages.append({"role": "user", "content": f"Tool output {i}:\n" + filler(chars - 15, i)})
-        max_tokens = max(1, math.ceil(int(call["output_tokens"]) / token_scale))
+            header = f"Tool output {i}:\n"
+            body = chars - len(header)
+            if previous is not None:  # the real prompt so far, the reply, the header and template: filler is the rest
+                need = plan_prompt / token_scale - sum(previous) - overhead
+                body = max(0, round(need * chars_per_token))
+            chars = len(header) + body
+            messages.append({"role": "user", "content": header + filler(body, i)})
+        plan_out += int(call["output_tokens"])
+        max_tokens = max(1, round(plan_out / token_scale) - real_out)
         reply = client.complete(messages, max_tokens)
         message = reply["choices"][0].get("message") or {}
         last = message.get("content") or ""
         messages.append({"role": "assistant", "content": last})
         usage = reply.get("usage") or {}
+        completion = usage.get("completion_tokens")
+        real_out += max_tokens if completion is None else int(completion)
+        prompt = usage.get("prompt_tokens")
+        if prompt:  # an engine that reports no prompt count leaves the sizing to the plan alone
+            if not root and previous is not None:
+                overhead = int(prompt) - sum(previous) - body / chars_per_token
+            previous = (int(prompt), max_tokens if completion is None else int(completion))
+        plan_context = plan_prompt + int(call["output_tokens"])
         made.append({"max_tokens": max_tokens, "prompt_chars": chars, "compaction": bool(call.get("compaction")),
-                     "completion_tokens": usage.get("completion_tokens")})
-        log("call", call=i, max_tokens=max_tokens, prompt_chars=chars, waited_s=round(wait, 3),
+                     "prompt_tokens": prompt, "completion_tokens": completion})
+        log("call", call=i, max_tokens=max_tokens, prompt_chars=chars, prompt_tokens=prompt, waited_s=round(wait, 3),
             finish_reason=reply["choices"][0].get("finish_reason"))
     return {"calls": made, "waited_s": round(waited, 3), "answer": last}
 

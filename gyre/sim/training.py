@@ -1,8 +1,10 @@
 """Trainer mechanics: batch admission under the staleness bound, streamed micro-steps, optimizer, publish.
 
 Mechanism shared by every policy: GSPO needs a whole group, so a group's data becomes trainable when every
-member is scored or excluded; it is then cut into ``micro_steps_per_group`` equal micro-steps, taken in the
-order groups complete. Any settled training cell that has joined the step claims the next ready one.
+member is scored or excluded; it is then cut into ``micro_steps_per_group`` micro-steps as the live
+trainer cuts it (`gyre.trajectory.batches.balanced`: an execution is one packed row, never split, so a group
+of 2 executions makes 2 full micro-steps and 2 empty ones), taken in the order groups complete. Any
+settled training cell that has joined the step claims the next ready one.
 A step starts once the core is training and its first micro-step is ready (or, without streaming, once
 the whole batch is), ends with the optimizer, then the new weights are published to the rollout engines.
 Batch ``s`` is queued once the published version is at least ``s - staleness``.
@@ -36,6 +38,7 @@ from gyre.events.models import (
 )
 from gyre.sim.clock import US, to_us
 from gyre.sim.workload import ExecutionSpec
+from gyre.trajectory.batches import balanced
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -116,7 +119,8 @@ class Trainer:
         self.joined: set[str] = set()
         self.busy: dict[str, int] = {}
         self.leaving: dict[str, Callable[[], None]] = {}
-        self.group_tokens: dict[str, int] = {}
+        self.group_tokens: dict[str, list[int]] = {}
+        """Per group, its trained executions' tokens in completion order (the rows `balanced` bins)."""
         self.group_samples: dict[str, int] = {}
         self.link = SharedLink(sim) if sim.scenario.training.share_core_link else None
         sc = sim.scenario
@@ -145,7 +149,7 @@ class Trainer:
 
     def data_done(self, spec: ExecutionSpec) -> None:
         if spec.trained:
-            self.group_tokens[spec.group_id] = self.group_tokens.get(spec.group_id, 0) + spec.tokens
+            self.group_tokens.setdefault(spec.group_id, []).append(spec.tokens)
             self.group_samples[spec.group_id] = self.group_samples.get(spec.group_id, 0) + 1
 
     def _complete_groups(self, step: int) -> list[str]:
@@ -200,8 +204,8 @@ class Trainer:
         per_group = sim.scenario.batch.micro_steps_per_group
         group = self._complete_groups(step.step)[m // per_group]
         share = m % per_group
-        tokens = self.group_tokens.get(group, 0) * (share + 1) // per_group
-        tokens -= self.group_tokens.get(group, 0) * share // per_group
+        rows = self.group_tokens.get(group, [])
+        tokens = sum(rows[i] for i in balanced(rows, per_group)[share])
         step.tokens += tokens
         if share == 0:
             step.samples += self.group_samples.get(group, 0)

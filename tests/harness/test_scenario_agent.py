@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import json
-import math
 import os
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from typing import Any
 import pytest
 
 from gyre.harness import HarnessConfig
-from gyre.sim.calls import describe_workload, plan_calls
+from gyre.sim.calls import CallPlan, describe_workload, plan_calls
 from gyre.sim.scenario import load_scenario, with_values
 from gyre.sim.workload import Workload, sample_workload
 
@@ -31,9 +30,12 @@ KEY = "exec-token-scenario"
 class FakeOpenAI:
     """Chat Completions on a local port: records every request; the first ``fail`` answer 500."""
 
-    def __init__(self, fail: int = 0) -> None:
+    def __init__(self, fail: int = 0, template_tokens: int | None = None) -> None:
         self.requests: list[dict[str, Any]] = []
         self.fail = fail
+        self.template_tokens = template_tokens
+        """With it, replies report the prompt's tokens as a byte-level tokenizer with a chat template would:
+        one per character plus this many per message; without it, ``prompt_tokens`` is 0 (not reported)."""
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -49,7 +51,8 @@ class FakeOpenAI:
                 reply = {"id": f"c{len(fake.requests)}", "object": "chat.completion", "model": body["model"],
                          "choices": [{"index": 0, "finish_reason": "length",
                                       "message": {"role": "assistant", "content": content}}],
-                         "usage": {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n}}
+                         "usage": {"prompt_tokens": fake.prompt_tokens(body["messages"]), "completion_tokens": n,
+                                   "total_tokens": n}}
                 data = json.dumps(reply).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -63,6 +66,11 @@ class FakeOpenAI:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def prompt_tokens(self, messages: list[dict[str, Any]]) -> int:
+        if self.template_tokens is None:
+            return 0
+        return sum(len(m["content"]) + self.template_tokens for m in messages)
 
     def __enter__(self) -> FakeOpenAI:
         self.thread.start()
@@ -122,7 +130,11 @@ def test_it_makes_exactly_the_described_calls_with_growing_messages(fake: FakeOp
     assert len(requests) == len(calls) > 3
     assert all(r["path"] == "/v1/chat/completions" and r["auth"] == f"Bearer {KEY}" and r["model"] == "policy"
                for r in requests)
-    assert [r["max_tokens"] for r in requests] == [max(1, math.ceil(c["output_tokens"] / 20)) for c in calls]
+    planned = 0  # the outputs so far add up to the plan's over token_scale (each call at least 1)
+    for call, request in zip(calls, requests, strict=True):
+        planned += call["output_tokens"]
+        asked = sum(r["max_tokens"] for r in requests[:requests.index(request) + 1])
+        assert request["max_tokens"] >= 1 and (asked == round(planned / 20) or request["max_tokens"] == 1)
     for i, (call, request) in enumerate(zip(calls, requests, strict=True)):
         messages, new = request["messages"], request["messages"][-1]
         chars = round(call["prompt_delta_tokens"] / 20)
@@ -139,6 +151,29 @@ def test_it_makes_exactly_the_described_calls_with_growing_messages(fake: FakeOp
     assert report["model_calls"] == len(calls) and report["is_error"] is False
     assert report["waited_s"] == pytest.approx(sum(c["wait_s"] for c in calls) / 1e4, abs=1e-3)
     assert (tmp_path / "answer.txt").read_text().startswith(f"r{len(calls)} ")
+
+
+def test_with_usage_the_real_prompts_follow_the_plans_context_template_included(tmp_path: Path) -> None:
+    """A chat template adds tokens the plan does not hold; the agent learns them from ``usage`` and sizes the
+    next tool output so that each prompt holds the plan's context over token_scale, not that plus the
+    template (live at token_scale 100 the difference was +33% of prompt tokens)."""
+    path, d = workload_file(tmp_path, time_scale=1e4, token_scale=20)
+    plan = CallPlan.from_json(d)
+    with FakeOpenAI(template_tokens=12) as server:
+        done = agent(server.url, path, tmp_path, "--execution-id", d["execution_id"])
+        assert done.returncode == 0, done.stderr
+    real = [server.prompt_tokens(r["messages"]) for r in server.requests]
+    roots = [i for i, c in enumerate(d["calls"]) if i == 0 or c["compaction"]]
+    checked = shortened = 0
+    for i in range(len(real)):
+        if i - max(r for r in roots if r <= i) < 2:  # the root and the turn after it: template not learned yet
+            continue
+        target = plan.prompt_tokens(i) / 20
+        body = len(server.requests[i]["messages"][-1]["content"]) - len(f"Tool output {i}:\n")
+        shortened += body < round(d["calls"][i]["prompt_delta_tokens"] / 20) - len(f"Tool output {i}:\n")
+        assert abs(real[i] - target) <= 1 or (body == 0 and real[i] > target), (i, real[i], target)
+        checked += 1
+    assert checked >= 3 and shortened == checked  # every filler gave up the template's share
 
 
 def test_a_crash_a_stall_and_retries(tmp_path: Path) -> None:

@@ -145,6 +145,6 @@ def test_describe_writes_a_workloads_descriptions(tmp_path, capsys):
     out = tmp_path / "workload.json"
     assert describe_main(["terminal-bench-like-scaled", "--steps", "1", "--token-scale", "50", "--out", str(out)]) == 0
     document = json.loads(out.read_text())
-    assert document["format"] == "gyre-workload-set/1" and len(document["executions"]) == 32
+    assert document["format"] == "gyre-workload-set/1" and len(document["executions"]) == 64
     assert {d["token_scale"] for d in document["executions"]} == {50}
     assert describe_main(["tiny"]) == 2 and "no decode curve" in capsys.readouterr().err

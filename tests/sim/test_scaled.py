@@ -10,8 +10,8 @@ from gyre.sim.runner import compare
 from gyre.sim.scenario import Scenario, load_scenario
 
 ORIGINALS = {  # hours (elastic, colocate, async) and speedups, seed 0, 48 steps
-    "seed-2.4t": ((75.816, 91.046, 135.784), 1.2009, 1.791),
-    "terminal-bench-like": ((16.174, 24.555, 22.942), 1.5182, 1.4184),
+    "seed-2.4t": ((75.977, 91.374, 136.084), 1.2027, 1.7911),
+    "terminal-bench-like": ((16.238, 24.773, 23.087), 1.5257, 1.4218),
 }
 
 
