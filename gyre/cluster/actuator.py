@@ -258,8 +258,9 @@ class RemoteCell:
             self.on_lost_train()  # the core was lost as the step was handed over: it is trained again later
 
     def bring_up(self, role: str, incarnation: str, then: Callable[[], None] | None = None) -> None:
-        """A (re)started process, registered in ``role``: give it that role's state (engine weights and
-        admission for rollout; a paused engine, and a satellite replica, for training); then ``then()``
+        """A (re)started process, or one the policy starts in training (async's fixed pool), registered in
+        ``role``: give it that role's state (engine weights and admission for rollout; a paused and released
+        engine, and for a satellite a replica joined to the core's trainer, for training); then ``then()``
         (once its first command is done the process is ready: a restarted core has restored its trainer).
         Queued before its `cell_registered` is recorded (a decision for the new cell must follow it), it
         starts once the log holds ``incarnation``."""

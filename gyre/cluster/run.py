@@ -332,9 +332,9 @@ class Cluster:
         roles = self.host.policy.initial_roles(specs, self.host.params)
         self.controller.record([_registered(h, roles[h.cell_id]) for h in hellos])
         for h in hellos:
-            if roles[h.cell_id] == "training":
-                self.commands.cell(h.cell_id, "pause", pause=gyre_pb2.Pause(mode="abort"))
-            self._actuator(h.cell_id)
+            actuator = self._actuator(h.cell_id)
+            if roles[h.cell_id] == "training":  # paused and released; a satellite also joins the core's trainer
+                actuator.bring_up("training", h.incarnation)
         self._route()
 
     def _synced(self, cell_id: str, future: Future[gyre_pb2.CommandDone], attempts: int = 5) -> None:
