@@ -151,15 +151,14 @@ class _StandIns:
                 process.wait()
 
 
-PARTS = ("handover", "hub_loop", "down", "standin", "up", "resolve")
+PARTS = ("to_loop", "down", "standin", "up", "resolve")
 """A command's round trip, cut where it changes hands (stamps on one monotonic clock, shared by the processes of
-one machine): ``handover`` the caller's thread numbers it and hands it to the hub's loop (`Hub.command_cell`
-up to its ``call_soon_threadsafe``); ``hub_loop`` the loop gets to it and queues it on the stream; ``down``
-the loop writes it, gRPC carries it, the stand-in's loop reads it; ``standin`` the stand-in's own time (its
-queue of that cell's earlier commands; the proxy's wait for the events it recorded to be durable,
-``durable_wait``, is part of it); ``up`` the stand-in writes the done, gRPC carries it, the hub's loop reads
-it (behind that stream's event batch being ingested, if one is); ``resolve`` the hub resolves the caller's
-future."""
+one machine): ``to_loop`` the caller's thread hands it to the hub (`Hub.command_cell`) until the hub's loop
+queues it on the peer's stream; ``down`` the loop writes it, gRPC carries it, the stand-in's loop reads it;
+``standin`` the stand-in's own time (its queue of that cell's earlier commands; the proxy's wait for the events
+it recorded to be durable, ``durable_wait``, is part of it); ``up`` the stand-in writes the done, gRPC carries
+it, the hub's loop reads it (behind that stream's event batches being ingested, if any are); ``resolve`` the
+hub resolves the caller's future."""
 
 
 PROXY_KINDS = frozenset(f.name for f in gyre_pb2.ProxyCommand.DESCRIPTOR.oneofs_by_name["body"].fields)
@@ -173,7 +172,6 @@ class Timings:
         self.lock = threading.Lock()
         self.rtt: dict[str, list[float]] = collections.defaultdict(list)
         self.parts: dict[str, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
-        self.handed: dict[int, float] = {}
         self.queued: dict[int, float] = {}
         self.read: dict[int, float] = {}
         self.fold: list[float] = []
@@ -206,19 +204,18 @@ class Timings:
                     return
                 answer = future.result()
                 with self.lock:
-                    handed = self.handed.pop(answer.command_id, None)
                     queued = self.queued.pop(answer.command_id, None)
                     read = self.read.pop(answer.command_id, None)
                     if not self.recording:
                         return
                     self.rtt[kind].append(end - started)
                     figures = answer.figures
-                    if handed is None or queued is None or read is None or "bench_received_at" not in figures:
+                    if queued is None or read is None or "bench_received_at" not in figures:
                         return
                     received, answered = figures["bench_received_at"], figures["bench_answered_at"]
                     parts = self.parts[kind]
-                    for part, value in zip(PARTS, (handed - started, queued - handed, received - queued,
-                                                   answered - received, read - answered, end - read), strict=True):
+                    for part, value in zip(PARTS, (queued - started, received - queued, answered - received,
+                                                   read - answered, end - read), strict=True):
                         parts[part].append(value)
                     if "bench_handled_at" in figures:
                         parts["durable_wait"].append(answered - figures["bench_handled_at"])
@@ -227,15 +224,8 @@ class Timings:
         return timed
 
     def hub(self, hub: Any) -> None:
-        """Stamp when a command is handed to the hub's loop, when the loop queues it on its stream and when its
-        done is read."""
-        enqueue, on_done, call = hub._enqueue, hub._on_done, hub._thread.call
-
-        def timed_call(callback: Any, *args: Any) -> None:
-            if callback is timed_enqueue:
-                with self.lock:
-                    self.handed[args[1].command_id] = time.monotonic()
-            call(callback, *args)
+        """Stamp, on the hub's loop, when a command is queued on its peer's stream and when its done is read."""
+        enqueue, on_done = hub._enqueue, hub._on_done
 
         def timed_enqueue(key: Any, command: Any, *args: Any, **kwargs: Any) -> None:
             with self.lock:
@@ -246,7 +236,7 @@ class Timings:
             with self.lock:
                 self.read[done.command_id] = time.monotonic()
             on_done(peer, done)
-        hub._enqueue, hub._on_done, hub._thread.call = timed_enqueue, timed_on_done, timed_call
+        hub._enqueue, hub._on_done = timed_enqueue, timed_on_done
 
 
 class BenchCluster(Cluster):

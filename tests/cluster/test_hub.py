@@ -157,6 +157,41 @@ def test_commands_return_figures_and_errors_in_order_on_one_thread(cluster) -> N
     assert (done[4].detail, dict(done[4].figures), done[4].ok) == (b"weights", {"train_s": 2.0}, True)
 
 
+def test_commands_from_many_threads_at_once_arrive_numbered_in_order(cluster) -> None:
+    """As at a publish, when every actuator thread sends at once: each command reaches the cell once, a peer runs
+    its commands in command_id order, and each thread's own commands keep the order it sent them in."""
+    ran: list[tuple[int, int, int]] = []
+
+    def handler(command: gyre_pb2.CellCommand) -> None:
+        ran.append((command.command_id, command.join_step.weights.version, int(command.join_step.weights.location)))
+
+    cluster.link("c0", handler=handler)
+    threads, each = 16, 25
+    start = threading.Barrier(threads)
+    futures: dict[tuple[int, int], Any] = {}
+
+    def send(thread: int) -> None:
+        start.wait(5)
+        for i in range(each):
+            weights = gyre_pb2.WeightsRef(version=thread, location=str(i))
+            futures[thread, i] = cluster.hub.command_cell("c0", gyre_pb2.CellCommand(
+                join_step=gyre_pb2.JoinStep(weights=weights)))
+
+    senders = [threading.Thread(target=send, args=(t,)) for t in range(threads)]
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join(10)
+    done = {key: future.result(10) for key, future in futures.items()}
+    assert len(ran) == threads * each and all(d.ok for d in done.values())
+    ids = [command_id for command_id, _, _ in ran]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    for thread in range(threads):
+        assert [i for _, t, i in ran if t == thread] == list(range(each))
+        assert [done[thread, i].command_id for i in range(each)] == sorted(done[thread, i].command_id
+                                                                         for i in range(each))
+
+
 def test_a_command_pending_over_a_reconnect_runs_once(cluster) -> None:
     started, release = threading.Event(), threading.Event()
     runs: list[int] = []
