@@ -33,6 +33,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import gc
 import heapq
 import json
 import os
@@ -339,6 +340,25 @@ class LoopLag:
                 self.lags.append(time.perf_counter() - started - 0.01)
 
 
+class GcPauses:
+    """The controller's garbage-collector pauses by generation (every thread stops for one)."""
+
+    def __init__(self) -> None:
+        self.pauses: dict[int, list[float]] = collections.defaultdict(list)
+        self.recording = False
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self.recording:
+            self.pauses[info["generation"]].append(time.perf_counter() - self._started)
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -439,6 +459,7 @@ def measure(scenario: Scenario) -> dict[str, Any]:
                            columns=lambda first, columns: kinds.update(columns.kinds) if timings.recording else None)
         log_path = host.log_path
         lag = LoopLag(topology.hub._thread.loop)
+        pauses = GcPauses()
         threads_before: dict[str, float] = {}
         window: dict[str, float] = {}
         warm_until = time.perf_counter() + scenario.warmup_s
@@ -452,13 +473,14 @@ def measure(scenario: Scenario) -> dict[str, Any]:
                               bytes=_dir_bytes(log_path), decisions=controller.stats.decisions)
                 threads_before.update(_thread_cpu())
                 timings.clear()
-                timings.recording = lag.recording = True
+                timings.recording = lag.recording = pauses.recording = True
             elif window and now >= window["t"] + scenario.duration_s:
                 raise _Elapsed
 
         with contextlib.suppress(_Elapsed):
             controller.run(tick=tick, tick_s=topology.tick_s)
-        timings.recording = lag.recording = False
+        timings.recording = lag.recording = pauses.recording = False
+        pauses.close()
         window["mono_end"] = time.monotonic()
         lag.task.cancel()
         threads_cpu = {name: round((cpu - threads_before.get(name, 0.0)) / (time.perf_counter() - window["t"]), 3)
@@ -517,6 +539,7 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         "controller_threads": threads,
         "controller_cpu_cores_by_thread": {k: v for k, v in threads_cpu.items() if v >= 0.001},
         "hub_loop_lag_ms": _percentiles(lag.lags),
+        "gc_pause_ms_by_generation": {g: _percentiles(v) for g, v in sorted(pauses.pauses.items())},
         "log_mb_per_s": round(log_bytes / 2**20 / elapsed, 2),
         "log_bytes_per_call": round(log_bytes / max(1, calls)),
         "run": state,
@@ -717,9 +740,8 @@ class _ProxyStandIn:
                     policy_version=spec.policy_version, attempt=spec.attempt,
                     step=spec.step if spec.step >= 0 else None))
             return done, True
-        elif kind == "redirect":
+        elif kind == "redirect":  # its events go up before its done, not waited for (`gyre.cluster.proxy_node`)
             self._redirect(command.redirect, done)
-            return done, True
         elif kind == "sync":
             done.detail = json.dumps(sorted(self.running)).encode()
         return done, False

@@ -18,6 +18,7 @@ from gyre.cluster.hub import Hub
 from gyre.cluster.link import ControllerLink
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.events import CellLost, ModelCallFinished
+from gyre.events.wire import pack_events
 from gyre.sink import LogSink, Producer, SinkError
 
 
@@ -551,3 +552,56 @@ def test_a_batch_being_recorded_holds_no_other_stream(cluster) -> None:
     release.set()
     c0.sink.commit(position)
     assert _stamps(cluster.events()) == [("c0", 0), ("c0", 1)]
+
+
+def test_a_done_waits_for_the_batches_sent_before_it(cluster) -> None:
+    """The hub reads on while a batch is recorded, but a command's done sent after its events takes effect only
+    once they are in the log: the caller never learns of a command before what it recorded."""
+    entered, release, read = threading.Event(), threading.Event(), threading.Event()
+    recorded = cluster.sink.on_record
+
+    def slow(first: int, events: Any) -> None:
+        entered.set()
+        assert release.wait(10), "the test never released the batch"
+        recorded(first, events)
+
+    after_ingest = cluster.hub._after_ingest
+
+    def done_read(*args: Any) -> None:
+        after_ingest(*args)
+        read.set()
+
+    def handler(command: gyre_pb2.CellCommand) -> None:  # records, then is done: the done follows the events
+        link.producer("c0").record(_lost(2))
+
+    cluster.hub._after_ingest = done_read
+    cluster.sink.on_record = slow
+    link = cluster.link("c0", handler=handler)
+    future = cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve()))
+    assert entered.wait(5) and read.wait(5)  # the batch is being recorded, and the done behind it was read
+    assert not future.done()
+    release.set()
+    assert future.result(5).ok
+    assert _stamps(cluster.events()) == [("c0", 0), ("c0", 1)]
+
+
+def test_nothing_a_stream_sent_after_a_refused_batch_is_recorded(cluster) -> None:
+    """Batches read ahead of a refusal are dropped with it: the first is unstamped (refused), the second valid."""
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(cluster.address) as channel:
+            call = gyre_pb2_grpc.CellStub(channel).Connect(metadata=metadata(cluster.secret))
+            await call.write(gyre_pb2.CellUp(hello=gyre_pb2.CellHello(cell_id="c0", slots=1, incarnation="i",
+                                                                      producers=["c0"])))
+            assert (await call.read()).WhichOneof("body") == "welcome"
+            stamped = [e.model_copy(update={"producer": "c0", "producer_seq": 0, "run_id": "run-1"})
+                       for e in _lost(1)]
+            await call.write(gyre_pb2.CellUp(events=gyre_pb2.EventBatch(batch_id=1, arrow_ipc=pack_events(_lost(1)))))
+            await call.write(gyre_pb2.CellUp(events=gyre_pb2.EventBatch(batch_id=2, arrow_ipc=pack_events(stamped))))
+            ack = (await call.read()).ack
+            assert ack.batch_id == 1 and "has no producer stamp" in ack.error
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await call.read()
+            assert ended.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+    asyncio.run(main())
+    assert cluster.events() == []
