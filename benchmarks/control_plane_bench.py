@@ -156,8 +156,9 @@ PARTS = ("to_loop", "down", "standin", "up", "resolve")
 """A command's round trip, cut where it changes hands (stamps on one monotonic clock, shared by the processes of
 one machine): ``to_loop`` the caller's thread hands it to the hub (`Hub.command_cell`) until the hub's loop
 queues it on the peer's stream; ``down`` the loop writes it, gRPC carries it, the stand-in's loop reads it;
-``standin`` the stand-in's own time (its queue of that cell's earlier commands; the proxy's wait for the events
-it recorded to be durable, ``durable_wait``, is part of it); ``up`` the stand-in writes the done, gRPC carries
+``standin`` the stand-in's own time (its queue of that cell's earlier commands; the proxy's ``events_wait`` is
+part of it: sending the events the command recorded ahead of its done, and for a queue, as the real proxy does,
+waiting for them to be durable); ``up`` the stand-in writes the done, gRPC carries
 it, the hub's loop reads it (behind that stream's event batches being ingested, if any are); ``resolve`` the
 hub resolves the caller's future."""
 
@@ -219,7 +220,7 @@ class Timings:
                                                    read - answered, end - read), strict=True):
                         parts[part].append(value)
                     if "bench_handled_at" in figures:
-                        parts["durable_wait"].append(answered - figures["bench_handled_at"])
+                        parts["events_wait"].append(answered - figures["bench_handled_at"])
             future.add_done_callback(done)
             return future
         return timed
