@@ -109,6 +109,9 @@ class Scenario:
     warmup_s: float = 10.0
     """Run before the window opens: the first batch is queued and placed, the call stream has ramped up."""
     seed: int = 0
+    gc_freeze: bool = False
+    """An experiment: `gc.freeze()` in the controller once the cells are registered, so that its collections skip
+    everything the start made (imports, the registration). Not what `gyre run` does."""
 
     @property
     def calls_per_s(self) -> float:
@@ -388,6 +391,8 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         registered_started = time.perf_counter()
         host = RunHost(bench_config(scenario, work / "run"), topology)  # starts the stand-ins; registers the cells
         registered_s = time.perf_counter() - registered_started
+        if scenario.gc_freeze:
+            gc.freeze()
         controller = host.controller
         policy = controller.policy
 
@@ -975,7 +980,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cells", default="64,256", help="cell counts, comma-separated")
     for field in dataclasses.fields(Scenario):
         if field.name not in ("cells",):
-            parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
+            flag = f"--{field.name.replace('_', '-')}"
+            if isinstance(field.default, bool):
+                parser.add_argument(flag, action="store_true")
+            else:
+                parser.add_argument(flag, type=type(field.default), default=field.default)
     parser.add_argument("--profile", type=Path, help="sample each controller with py-spy; stacks go here")
     controller = sub.add_parser("controller")
     controller.add_argument("--scenario", required=True)
