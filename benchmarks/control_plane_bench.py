@@ -15,11 +15,15 @@ cell holding its version, and each execution makes model calls — ``model_call_
 number of calls and is rewarded; it follows Routing and RedirectCell as the real proxy does. Every event is stamped
 and packed as Arrow (`pack_events`), so the hub does exactly the work it does in a live run.
 
-Each cell count runs in its own controller process (so RSS and CPU are that run's); the stand-ins are two more
-processes (all cells in one asyncio loop; the proxy in another). What is measured over the window after every
-cell registered: events ingested per second (folded by the controller), command round trips (hub send ->
-`CommandDone` back, by kind), controller CPU (process time of every controller thread) and RSS per cell, log
-bytes per second, and each controller round: fold of what arrived, then decide + act (`Controller.step`).
+Each cell count runs in its own controller process (so RSS and CPU are that run's); the cell stand-ins are
+spread over ``cell_processes`` more processes (one asyncio loop each: with all 256 in one loop a command waited
+there behind every other stand-in's work) and the proxy's is one more. What is measured over the window after
+every cell registered: events ingested per second (folded by the controller), command round trips (hub send ->
+`CommandDone` back, by kind) cut into their parts (`PARTS`: the hub's queue, down, the stand-in, up, resolve;
+stamped on the one monotonic clock the processes of a machine share) and each stand-in process's loop lag, so
+the controller's share of a round trip is named; controller CPU (process time of every controller thread) and
+RSS per cell, log bytes per second, and each controller round: fold of what arrived, then decide + act
+(`Controller.step`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import gc
 import heapq
 import json
 import os
@@ -97,10 +102,16 @@ class Scenario:
     train_s: float = 2.0
     batch_s: float = 0.05
     """How often the proxy stand-in sends what it recorded (the real one coalesces records the same way)."""
+    cell_processes: int = 4
+    """Processes the cell stand-ins are spread over (each hosts a share, one asyncio loop each): with all of them
+    in one loop, a command waited there behind every other stand-in's heartbeats and answers."""
     duration_s: float = 40.0
     warmup_s: float = 10.0
     """Run before the window opens: the first batch is queued and placed, the call stream has ramped up."""
     seed: int = 0
+    gc_freeze: bool = False
+    """An experiment: `gc.freeze()` in the controller once the cells are registered, so that its collections skip
+    everything the start made (imports, the registration). Not what `gyre run` does."""
 
     @property
     def calls_per_s(self) -> float:
@@ -114,11 +125,11 @@ class Scenario:
 
 
 class _StandIns:
-    """What `Cluster` asks of its supervisor, over the two stand-in processes (no restarts: none are lost)."""
+    """What `Cluster` asks of its supervisor, over the stand-in processes (no restarts: none are lost)."""
 
-    def __init__(self, cells: subprocess.Popen[bytes], proxy: subprocess.Popen[bytes]) -> None:
+    def __init__(self, cells: dict[str, subprocess.Popen[bytes]], proxy: subprocess.Popen[bytes]) -> None:
         self.cells, self.proxy = cells, proxy
-        self.processes = [cells, proxy]
+        self.processes = [*{id(p): p for p in cells.values()}.values(), proxy]
 
     def starts(self, name: str) -> int:
         return 1
@@ -130,7 +141,7 @@ class _StandIns:
         return None
 
     def alive(self, name: str) -> bool:
-        return (self.proxy if name == "proxy" else self.cells).poll() is None
+        return (self.proxy if name == "proxy" else self.cells[name]).poll() is None
 
     def stop_watching(self) -> None:
         return None
@@ -144,12 +155,30 @@ class _StandIns:
                 process.wait()
 
 
+PARTS = ("to_loop", "down", "standin", "up", "resolve")
+"""A command's round trip, cut where it changes hands (stamps on one monotonic clock, shared by the processes of
+one machine): ``to_loop`` the caller's thread hands it to the hub (`Hub.command_cell`) until the hub's loop
+queues it on the peer's stream; ``down`` the loop writes it, gRPC carries it, the stand-in's loop reads it;
+``standin`` the stand-in's own time (its queue of that cell's earlier commands; the proxy's ``events_wait`` is
+part of it: sending the events the command recorded ahead of its done, and for a queue, as the real proxy does,
+waiting for them to be durable); ``up`` the stand-in writes the done, gRPC carries
+it, the hub's loop reads it (behind that stream's event batches being ingested, if any are); ``resolve`` the
+hub resolves the caller's future."""
+
+
+PROXY_KINDS = frozenset(f.name for f in gyre_pb2.ProxyCommand.DESCRIPTOR.oneofs_by_name["body"].fields)
+"""The proxy's command kinds (routing, redirect, queue, sync, stop); the rest go to cells."""
+
+
 class Timings:
-    """Command round trips by kind, and each controller round's fold and decide+act, in seconds."""
+    """Command round trips by kind (and their parts), and each controller round's fold and decide+act, in s."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.rtt: dict[str, list[float]] = collections.defaultdict(list)
+        self.parts: dict[str, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+        self.queued: dict[int, float] = {}
+        self.read: dict[int, float] = {}
         self.fold: list[float] = []
         self.step: list[float] = []
         self.decide: list[float] = []
@@ -163,6 +192,7 @@ class Timings:
     def clear(self) -> None:
         with self.lock:
             self.rtt.clear()
+            self.parts.clear()
             for values in (self.fold, self.step, self.decide, self.rounds, self.ticks, self.commit, self.fsync,
                            self.decisions_durable):
                 values.clear()
@@ -170,16 +200,48 @@ class Timings:
     def command(self, send: Callable[..., Future[Any]]) -> Callable[..., Future[Any]]:
         def timed(*args: Any, **kwargs: Any) -> Future[Any]:
             kind = args[-1].WhichOneof("body") or "?"  # command_cell(cell_id, command), command_proxy(command)
-            started = time.perf_counter()
+            started = time.monotonic()
             future = send(*args, **kwargs)
 
             def done(_: Future[Any]) -> None:
-                if self.recording:
-                    with self.lock:
-                        self.rtt[kind].append(time.perf_counter() - started)
+                end = time.monotonic()
+                if future.cancelled() or future.exception() is not None:
+                    return
+                answer = future.result()
+                with self.lock:
+                    queued = self.queued.pop(answer.command_id, None)
+                    read = self.read.pop(answer.command_id, None)
+                    if not self.recording:
+                        return
+                    self.rtt[kind].append(end - started)
+                    figures = answer.figures
+                    if queued is None or read is None or "bench_received_at" not in figures:
+                        return
+                    received, answered = figures["bench_received_at"], figures["bench_answered_at"]
+                    parts = self.parts[kind]
+                    for part, value in zip(PARTS, (queued - started, received - queued, answered - received,
+                                                   read - answered, end - read), strict=True):
+                        parts[part].append(value)
+                    if "bench_handled_at" in figures:
+                        parts["events_wait"].append(answered - figures["bench_handled_at"])
             future.add_done_callback(done)
             return future
         return timed
+
+    def hub(self, hub: Any) -> None:
+        """Stamp, on the hub's loop, when a command is queued on its peer's stream and when its done is read."""
+        enqueue, on_done = hub._enqueue, hub._on_done
+
+        def timed_enqueue(key: Any, command: Any, *args: Any, **kwargs: Any) -> None:
+            with self.lock:
+                self.queued[command.command_id] = time.monotonic()
+            enqueue(key, command, *args, **kwargs)
+
+        def timed_on_done(peer: Any, done: Any) -> None:
+            with self.lock:
+                self.read[done.command_id] = time.monotonic()
+            on_done(peer, done)
+        hub._enqueue, hub._on_done = timed_enqueue, timed_on_done
 
 
 class BenchCluster(Cluster):
@@ -193,17 +255,23 @@ class BenchCluster(Cluster):
         super().open(host)
         self.hub.command_cell = self.timings.command(self.hub.command_cell)  # type: ignore[method-assign]
         self.hub.command_proxy = self.timings.command(self.hub.command_proxy)  # type: ignore[method-assign]
+        self.timings.hub(self.hub)
 
     def _spawn(self, adopt: bool) -> dict[str, str]:
         scenario = json.dumps(dataclasses.asdict(self.scenario))
         env = {**os.environ, SECRET_ENV: self.secret}
         base = [sys.executable, "-m", "benchmarks.control_plane_bench", "standin", "--address", self.address,
                 "--scenario", scenario, "--core", self.config.cluster.core]
-        processes = [subprocess.Popen([*base, "--cells", ",".join(self.config.cluster.cell_ids),
-                                       "--stats", str(self.stats_dir / "cells.json")], env=env, cwd=ROOT),
-                     subprocess.Popen([*base, "--proxy", "--stats", str(self.stats_dir / "proxy.json")],
-                                      env=env, cwd=ROOT)]
-        self.supervisor = _StandIns(*processes)  # type: ignore[assignment]
+        cell_ids = self.config.cluster.cell_ids
+        n = max(1, min(self.scenario.cell_processes, len(cell_ids)))
+        cells: dict[str, subprocess.Popen[bytes]] = {}
+        for i in range(n):
+            share = cell_ids[i::n]
+            process = subprocess.Popen([*base, "--cells", ",".join(share),
+                                        "--stats", str(self.stats_dir / f"cells-{i}.json")], env=env, cwd=ROOT)
+            cells.update(dict.fromkeys(share, process))
+        proxy = subprocess.Popen([*base, "--proxy", "--stats", str(self.stats_dir / "proxy.json")], env=env, cwd=ROOT)
+        self.supervisor = _StandIns(cells, proxy)  # type: ignore[assignment]
         self._closers.append(self.supervisor.reap)
         return {}
 
@@ -212,15 +280,41 @@ class _Elapsed(Exception):
     """The measurement window is over: ends the controller's loop."""
 
 
-def _percentiles(values: list[float], scale: float = 1e3) -> dict[str, float | int]:
+def _percentiles(values: list[float], scale: float = 1e3, *, summary: bool = False) -> dict[str, float | int]:
+    """n, p50, p99, max and mean (with ``summary``: p50 and p99 only) of ``values``, times ``scale``."""
     if not values:
         return {"n": 0}
     ordered = sorted(values)
 
     def at(q: float) -> float:
         return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * scale, 3)
+    if summary:
+        return {"p50": at(0.50), "p99": at(0.99)}
     return {"n": len(ordered), "p50": at(0.50), "p99": at(0.99), "max": round(ordered[-1] * scale, 3),
             "mean": round(statistics.fmean(ordered) * scale, 3)}
+
+
+def _standin_stats(work: Path, start: float, end: float) -> dict[str, Any]:
+    """The stand-in processes' reports: the cell processes' counts summed, each process's CPU and its loop's lag
+    inside the measurement window (``start``..``end``, monotonic)."""
+    def lag(report: dict[str, Any]) -> dict[str, float | int]:
+        return _percentiles([value for at, value in report.pop("loop_lag", []) if start <= at <= end])
+
+    result: dict[str, Any] = {}
+    proxy = work / "proxy.json"
+    if proxy.exists():
+        report = json.loads(proxy.read_text())
+        loop_lag = lag(report)
+        result["proxy"] = {**report, "loop_lag_ms": loop_lag}
+    cells: collections.Counter[str] = collections.Counter()
+    processes = []
+    for path in sorted(work.glob("cells-*.json")):
+        report = json.loads(path.read_text())
+        processes.append({"cpu_s": report.pop("cpu_s", 0.0), "loop_lag_ms": lag(report)})
+        cells.update(report)
+    if processes:
+        result["cells"] = {**cells, "processes": processes}
+    return result
 
 
 def _thread_cpu() -> dict[str, float]:
@@ -248,6 +342,25 @@ class LoopLag:
             await asyncio.sleep(0.01)
             if self.recording:
                 self.lags.append(time.perf_counter() - started - 0.01)
+
+
+class GcPauses:
+    """The controller's garbage-collector pauses by generation (every thread stops for one)."""
+
+    def __init__(self) -> None:
+        self.pauses: dict[int, list[float]] = collections.defaultdict(list)
+        self.recording = False
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self.recording:
+            self.pauses[info["generation"]].append(time.perf_counter() - self._started)
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def _dir_bytes(path: Path) -> int:
@@ -278,6 +391,8 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         registered_started = time.perf_counter()
         host = RunHost(bench_config(scenario, work / "run"), topology)  # starts the stand-ins; registers the cells
         registered_s = time.perf_counter() - registered_started
+        if scenario.gc_freeze:
+            gc.freeze()
         controller = host.controller
         policy = controller.policy
 
@@ -350,6 +465,7 @@ def measure(scenario: Scenario) -> dict[str, Any]:
                            columns=lambda first, columns: kinds.update(columns.kinds) if timings.recording else None)
         log_path = host.log_path
         lag = LoopLag(topology.hub._thread.loop)
+        pauses = GcPauses()
         threads_before: dict[str, float] = {}
         window: dict[str, float] = {}
         warm_until = time.perf_counter() + scenario.warmup_s
@@ -359,17 +475,19 @@ def measure(scenario: Scenario) -> dict[str, Any]:
             round_.update(open=False, fold=now - round_["started"] if round_["open"] else 0.0)
             topology.tick(view)
             if not window and now >= warm_until:  # the workload has ramped up: the window opens
-                window.update(t=now, cpu=time.process_time(), folded=controller.stats.folded,
+                window.update(t=now, mono=time.monotonic(), cpu=time.process_time(), folded=controller.stats.folded,
                               bytes=_dir_bytes(log_path), decisions=controller.stats.decisions)
                 threads_before.update(_thread_cpu())
                 timings.clear()
-                timings.recording = lag.recording = True
+                timings.recording = lag.recording = pauses.recording = True
             elif window and now >= window["t"] + scenario.duration_s:
                 raise _Elapsed
 
         with contextlib.suppress(_Elapsed):
             controller.run(tick=tick, tick_s=topology.tick_s)
-        timings.recording = lag.recording = False
+        timings.recording = lag.recording = pauses.recording = False
+        pauses.close()
+        window["mono_end"] = time.monotonic()
         lag.task.cancel()
         threads_cpu = {name: round((cpu - threads_before.get(name, 0.0)) / (time.perf_counter() - window["t"]), 3)
                        for name, cpu in sorted(_thread_cpu().items(), key=lambda kv: -kv[1])}
@@ -392,13 +510,13 @@ def measure(scenario: Scenario) -> dict[str, Any]:
             host.close()
         else:
             topology.close()
-    standins = {name: json.loads((work / f"{name}.json").read_text())
-                for name in ("cells", "proxy") if (work / f"{name}.json").exists()}
+    standins = _standin_stats(work, window.get("mono", 0.0), window.get("mono_end", 0.0))
     shutil.rmtree(work, ignore_errors=True)
     rtt = {kind: _percentiles(values) for kind, values in sorted(timings.rtt.items())}
-    proxy_kinds = {f.name for f in gyre_pb2.ProxyCommand.DESCRIPTOR.oneofs_by_name["body"].fields} - {"stop", "sync"}
-    cell = [v for kind, values in timings.rtt.items() if kind not in proxy_kinds and kind != "train" for v in values]
-    proxy = [v for kind, values in timings.rtt.items() if kind in proxy_kinds for v in values]
+    parts = {kind: {part: _percentiles(values, summary=True) for part, values in by_part.items()}
+             for kind, by_part in sorted(timings.parts.items())}
+    cell = [v for kind, values in timings.rtt.items() if kind not in PROXY_KINDS and kind != "train" for v in values]
+    proxy = [v for kind, values in timings.rtt.items() if kind in PROXY_KINDS for v in values]
     return {
         "cells": scenario.cells,
         "window_s": round(elapsed, 2),
@@ -411,6 +529,7 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         "cell_command_rtt_ms": _percentiles(cell),
         "proxy_command_rtt_ms": _percentiles(proxy),
         "command_rtt_ms_by_kind": rtt,
+        "command_parts_ms_by_kind": parts,
         "tick_ms": _percentiles(timings.ticks),
         "fold_ms": _percentiles(timings.fold),
         "round_ms": _percentiles(timings.rounds),
@@ -426,6 +545,7 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         "controller_threads": threads,
         "controller_cpu_cores_by_thread": {k: v for k, v in threads_cpu.items() if v >= 0.001},
         "hub_loop_lag_ms": _percentiles(lag.lags),
+        "gc_pause_ms_by_generation": {g: _percentiles(v) for g, v in sorted(pauses.pauses.items())},
         "log_mb_per_s": round(log_bytes / 2**20 / elapsed, 2),
         "log_bytes_per_call": round(log_bytes / max(1, calls)),
         "run": state,
@@ -497,6 +617,15 @@ CELL_FIGURES = {"serve": {"engine_resume_s": 0.0}, "pause": {"engine_pause_s": 0
                 "load_weights": {"weights_bytes": 0.0, "weights_s": 0.0}, "join_step": {"trainer_join_s": 0.0}}
 
 
+async def _probe_lag(lags: list[tuple[float, float]]) -> None:
+    """How late a stand-in process's loop runs a 10 ms timer (its share of a round trip), with when, on the
+    monotonic clock: the controller keeps those inside its window."""
+    while True:
+        started = time.monotonic()
+        await asyncio.sleep(0.01)
+        lags.append((started, time.monotonic() - started - 0.01))
+
+
 async def _cell(channel: grpc.aio.Channel, secret: str, cell_id: str, core: bool, scenario: Scenario,
                 stats: dict[str, int]) -> None:
     stub = gyre_pb2_grpc.CellStub(channel)
@@ -505,7 +634,7 @@ async def _cell(channel: grpc.aio.Channel, secret: str, cell_id: str, core: bool
                                engine_url=f"http://stand-in/{cell_id}", trainer_endpoint="stand-in:0" if core else "",
                                incarnation=uuid.uuid4().hex, producers=stream.producers)
     await stream.write(gyre_pb2.CellUp(hello=hello))
-    commands: asyncio.Queue[gyre_pb2.CellCommand | None] = asyncio.Queue()
+    commands: asyncio.Queue[tuple[gyre_pb2.CellCommand, float] | None] = asyncio.Queue()
 
     async def beat() -> None:
         while True:
@@ -513,12 +642,15 @@ async def _cell(channel: grpc.aio.Channel, secret: str, cell_id: str, core: bool
             await stream.write(gyre_pb2.CellUp(heartbeat=gyre_pb2.Heartbeat(sent_us=time.time_ns() // 1000)))
 
     async def work() -> None:  # one command at a time, in order, as a cell's link runs them
-        while (command := await commands.get()) is not None:
+        while (item := await commands.get()) is not None:
+            command, received = item
             kind = command.WhichOneof("body")
             stats[kind] = stats.get(kind, 0) + 1
-            done = gyre_pb2.CommandDone(command_id=command.command_id, ok=True, figures=CELL_FIGURES.get(kind, {}))
+            figures = {**CELL_FIGURES.get(kind, {}), "bench_received_at": received}
+            done = gyre_pb2.CommandDone(command_id=command.command_id, ok=True, figures=figures)
             if kind == "train":
                 done.detail = (await _train(stream, command.train, scenario)).SerializeToString()
+            done.figures["bench_answered_at"] = time.monotonic()
             await stream.write(gyre_pb2.CellUp(done=done))
             if kind == "stop":
                 await stream.close()
@@ -533,7 +665,7 @@ async def _cell(channel: grpc.aio.Channel, secret: str, cell_id: str, core: bool
             elif body == "ack":
                 stream.acked(message.ack)
             elif body == "command":
-                commands.put_nowait(message.command)
+                commands.put_nowait((message.command, time.monotonic()))
     except grpc.aio.AioRpcError:
         pass  # the controller went away: the benchmark is over
     finally:
@@ -614,9 +746,8 @@ class _ProxyStandIn:
                     policy_version=spec.policy_version, attempt=spec.attempt,
                     step=spec.step if spec.step >= 0 else None))
             return done, True
-        elif kind == "redirect":
+        elif kind == "redirect":  # its events go up before its done, not waited for (`gyre.cluster.proxy_node`)
             self._redirect(command.redirect, done)
-            return done, True
         elif kind == "sync":
             done.detail = json.dumps(sorted(self.running)).encode()
         return done, False
@@ -714,13 +845,16 @@ async def _proxy(channel: grpc.aio.Channel, secret: str, scenario: Scenario, sta
                                                     incarnation=uuid.uuid4().hex, producers=stream.producers)))
     stopping = asyncio.Event()
 
-    async def answer(command: gyre_pb2.ProxyCommand) -> None:
+    async def answer(command: gyre_pb2.ProxyCommand, received: float) -> None:
         done, durable = proxy.command(command)
+        done.figures["bench_received_at"] = received
+        done.figures["bench_handled_at"] = time.monotonic()
         events = proxy.take()
         if events:
             ack = await stream.send(up, events)
             if durable:
                 await ack
+        done.figures["bench_answered_at"] = time.monotonic()
         await stream.write(up(done=done))
         if command.WhichOneof("body") == "stop":
             stopping.set()
@@ -749,7 +883,7 @@ async def _proxy(channel: grpc.aio.Channel, secret: str, scenario: Scenario, sta
             elif body == "ack":
                 stream.acked(message.ack)
             elif body == "command":
-                answers.append(asyncio.create_task(answer(message.command)))
+                answers.append(asyncio.create_task(answer(message.command, time.monotonic())))
     except grpc.aio.AioRpcError:
         pass
     finally:
@@ -764,8 +898,16 @@ def standin_main(args: argparse.Namespace) -> None:
     secret = auth.from_env(SECRET_ENV, "run secret")
     stats: dict[str, Any] = {}
     started = time.process_time()
+    lags: list[tuple[float, float]] = []
 
     async def main() -> None:
+        probe = asyncio.create_task(_probe_lag(lags))
+        try:
+            await serve()
+        finally:
+            probe.cancel()
+
+    async def serve() -> None:
         if args.proxy:
             async with grpc.aio.insecure_channel(args.address, options=GRPC_OPTIONS) as channel:
                 await _proxy(channel, secret, scenario, stats)
@@ -780,6 +922,7 @@ def standin_main(args: argparse.Namespace) -> None:
 
     asyncio.run(main())
     stats["cpu_s"] = round(time.process_time() - started, 2)
+    stats["loop_lag"] = lags
     Path(args.stats).write_text(json.dumps(stats))
 
 
@@ -837,7 +980,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cells", default="64,256", help="cell counts, comma-separated")
     for field in dataclasses.fields(Scenario):
         if field.name not in ("cells",):
-            parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
+            flag = f"--{field.name.replace('_', '-')}"
+            if isinstance(field.default, bool):
+                parser.add_argument(flag, action="store_true")
+            else:
+                parser.add_argument(flag, type=type(field.default), default=field.default)
     parser.add_argument("--profile", type=Path, help="sample each controller with py-spy; stacks go here")
     controller = sub.add_parser("controller")
     controller.add_argument("--scenario", required=True)

@@ -11,7 +11,8 @@ from benchmarks import control_plane_bench as cpb
 @pytest.mark.integration  # a controller and two stand-in processes over gRPC, ~10 s
 def test_a_tiny_run_measures_every_figure() -> None:
     scenario = cpb.Scenario(cells=3, slots=2, call_interval_s=0.4, call_s=0.1, calls_mean=2, prompt_delta_tokens=50,
-                            output_tokens=20, heartbeat_s=0.5, train_s=0.05, warmup_s=1.5, duration_s=3.0)
+                            output_tokens=20, heartbeat_s=0.5, train_s=0.05, warmup_s=1.5, duration_s=3.0,
+                            cell_processes=2)
     result = cpb.measure(scenario)
     assert result["cells"] == 3 and result["window_s"] >= 3.0
     kinds = result["events_by_kind"]
@@ -23,6 +24,13 @@ def test_a_tiny_run_measures_every_figure() -> None:
     standins = result["standins"]
     assert standins["proxy"]["calls_finished"] >= kinds["model_call_finished"]
     assert standins["cells"]["stop"] == 3  # every cell stand-in was told to stop, and reported back
+    assert len(standins["cells"]["processes"]) == 2  # three cells over two processes
+    assert standins["proxy"]["loop_lag_ms"]["n"] > 0
+    parts = result["command_parts_ms_by_kind"]
+    assert set(parts) == set(result["command_rtt_ms_by_kind"])  # every command timed was cut into its parts
+    for kind, by_part in parts.items():  # the proxy also says how long it waited to send its events
+        assert set(by_part) == ({*cpb.PARTS, "events_wait"} if kind in cpb.PROXY_KINDS else set(cpb.PARTS)), kind
+        assert all(values["p50"] >= 0 for values in by_part.values()), (kind, by_part)  # stamps in order
 
 
 def test_the_profile_summary_groups_threads_and_counts_self_and_total(tmp_path: Path) -> None:

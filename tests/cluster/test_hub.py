@@ -18,6 +18,7 @@ from gyre.cluster.hub import Hub
 from gyre.cluster.link import ControllerLink
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.events import CellLost, ModelCallFinished
+from gyre.events.wire import pack_events
 from gyre.sink import LogSink, Producer, SinkError
 
 
@@ -155,6 +156,41 @@ def test_commands_return_figures_and_errors_in_order_on_one_thread(cluster) -> N
     assert dict(done[1].figures) == {"load_s": 0.25, "bytes": 1024.0}
     assert done[2].error == "RuntimeError: cannot pause (abort)"
     assert (done[4].detail, dict(done[4].figures), done[4].ok) == (b"weights", {"train_s": 2.0}, True)
+
+
+def test_commands_from_many_threads_at_once_arrive_numbered_in_order(cluster) -> None:
+    """As at a publish, when every actuator thread sends at once: each command reaches the cell once, a peer runs
+    its commands in command_id order, and each thread's own commands keep the order it sent them in."""
+    ran: list[tuple[int, int, int]] = []
+
+    def handler(command: gyre_pb2.CellCommand) -> None:
+        ran.append((command.command_id, command.join_step.weights.version, int(command.join_step.weights.location)))
+
+    cluster.link("c0", handler=handler)
+    threads, each = 16, 25
+    start = threading.Barrier(threads)
+    futures: dict[tuple[int, int], Any] = {}
+
+    def send(thread: int) -> None:
+        start.wait(5)
+        for i in range(each):
+            weights = gyre_pb2.WeightsRef(version=thread, location=str(i))
+            futures[thread, i] = cluster.hub.command_cell("c0", gyre_pb2.CellCommand(
+                join_step=gyre_pb2.JoinStep(weights=weights)))
+
+    senders = [threading.Thread(target=send, args=(t,)) for t in range(threads)]
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join(10)
+    done = {key: future.result(10) for key, future in futures.items()}
+    assert len(ran) == threads * each and all(d.ok for d in done.values())
+    ids = [command_id for command_id, _, _ in ran]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    for thread in range(threads):
+        assert [i for _, t, i in ran if t == thread] == list(range(each))
+        assert [done[thread, i].command_id for i in range(each)] == sorted(done[thread, i].command_id
+                                                                         for i in range(each))
 
 
 def test_a_command_pending_over_a_reconnect_runs_once(cluster) -> None:
@@ -516,3 +552,56 @@ def test_a_batch_being_recorded_holds_no_other_stream(cluster) -> None:
     release.set()
     c0.sink.commit(position)
     assert _stamps(cluster.events()) == [("c0", 0), ("c0", 1)]
+
+
+def test_a_done_waits_for_the_batches_sent_before_it(cluster) -> None:
+    """The hub reads on while a batch is recorded, but a command's done sent after its events takes effect only
+    once they are in the log: the caller never learns of a command before what it recorded."""
+    entered, release, read = threading.Event(), threading.Event(), threading.Event()
+    recorded = cluster.sink.on_record
+
+    def slow(first: int, events: Any) -> None:
+        entered.set()
+        assert release.wait(10), "the test never released the batch"
+        recorded(first, events)
+
+    after_ingest = cluster.hub._after_ingest
+
+    def done_read(*args: Any) -> None:
+        after_ingest(*args)
+        read.set()
+
+    def handler(command: gyre_pb2.CellCommand) -> None:  # records, then is done: the done follows the events
+        link.producer("c0").record(_lost(2))
+
+    cluster.hub._after_ingest = done_read
+    cluster.sink.on_record = slow
+    link = cluster.link("c0", handler=handler)
+    future = cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve()))
+    assert entered.wait(5) and read.wait(5)  # the batch is being recorded, and the done behind it was read
+    assert not future.done()
+    release.set()
+    assert future.result(5).ok
+    assert _stamps(cluster.events()) == [("c0", 0), ("c0", 1)]
+
+
+def test_nothing_a_stream_sent_after_a_refused_batch_is_recorded(cluster) -> None:
+    """Batches read ahead of a refusal are dropped with it: the first is unstamped (refused), the second valid."""
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(cluster.address) as channel:
+            call = gyre_pb2_grpc.CellStub(channel).Connect(metadata=metadata(cluster.secret))
+            await call.write(gyre_pb2.CellUp(hello=gyre_pb2.CellHello(cell_id="c0", slots=1, incarnation="i",
+                                                                      producers=["c0"])))
+            assert (await call.read()).WhichOneof("body") == "welcome"
+            stamped = [e.model_copy(update={"producer": "c0", "producer_seq": 0, "run_id": "run-1"})
+                       for e in _lost(1)]
+            await call.write(gyre_pb2.CellUp(events=gyre_pb2.EventBatch(batch_id=1, arrow_ipc=pack_events(_lost(1)))))
+            await call.write(gyre_pb2.CellUp(events=gyre_pb2.EventBatch(batch_id=2, arrow_ipc=pack_events(stamped))))
+            ack = (await call.read()).ack
+            assert ack.batch_id == 1 and "has no producer stamp" in ack.error
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await call.read()
+            assert ended.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+    asyncio.run(main())
+    assert cluster.events() == []
