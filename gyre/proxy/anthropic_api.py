@@ -8,11 +8,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gyre.proxy.anthropic_models import CountTokensRequest, MessagesRequest
+from gyre.proxy.anthropic_models import CountTokensRequest, MessagesRequest, translate
 from gyre.proxy.conversation import tojson
 from gyre.proxy.core import ActiveCall, CallSettings, Generation, Proxy
 from gyre.proxy.errors import ApiError
-from gyre.proxy.http import ANTHROPIC_TYPES, execution_of, read_model, request_id
+from gyre.proxy.http import ANTHROPIC_TYPES, execution_of, read_model, read_resent_model, request_id
 from gyre.proxy.output import Piece
 from gyre.proxy.replies import FinalText, Reply
 from gyre.proxy.turn import answer
@@ -88,8 +88,10 @@ def anthropic_routes(proxy: Proxy) -> list[Route]:
 
     async def messages(request: Request) -> Response:
         state = execution_of(proxy, request)
-        body = await read_model(request, MessagesRequest, config.max_body_bytes)
-        conversation = body.conversation()
+        resent = await read_resent_model(request, MessagesRequest, "messages", state, config.max_body_bytes)
+        body = resent.body
+        conversation, items = translate(body, resent.start, resent.earlier)
+        resent.remember(items)
         settings = CallSettings(
             max_tokens=body.max_tokens,
             temperature=body.temperature,
