@@ -53,6 +53,10 @@ class _Messages:
         events = reply.add(pieces) + (reply.close() if last else [])
         return [sse(*event) for event in events]
 
+    def settle(self, reply: Reply, pieces: list[Piece]) -> None:
+        reply.add(pieces)
+        reply.close()
+
     def closing(self, final: Generation, text: FinalText, reply: Reply) -> list[str]:
         delta = {
             "type": "message_delta",

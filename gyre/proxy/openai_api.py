@@ -113,6 +113,10 @@ class _ChatCompletion:
                 first_call += 1
         return out
 
+    def settle(self, reply: Reply, pieces: list[Piece]) -> None:
+        reply.add(pieces)
+        reply.close()
+
     def closing(self, final: Generation, text: FinalText, reply: Reply) -> list[str]:
         out = [self._chunk({}, _finish_reason(final, reply))]
         if self.include_usage:
