@@ -569,11 +569,68 @@ def cpu_ab(roots: dict[str, str], rounds: int = 3, *, log: bool = False) -> dict
     return {name: {"cpu_ms_per_call": v, "median": statistics.median(v)} for name, v in out.items()}
 
 
+
+def read_cost(calls: int = 30, long_chars: int = 400_000, reps: int = 100) -> dict[str, Any]:
+    """CPU microseconds (process clock, median of `reps`) of reading one call's request in-process —
+    validating, translating and rendering the re-sent conversation, and the call tree's lookup of each unit by
+    its text — whole (as without `gyre.proxy.resend`)
+    and with the execution's kept arrays and units (its previous request read just before), for the bench's
+    session shape at its `calls`-th call and for a session of 20 calls holding ~`long_chars` characters. No
+    server, deterministic work: the firm figure for that cut on a shared machine."""
+    from gyre.proxy.anthropic_models import MessagesRequest, to_conversation, translate
+    from gyre.proxy.http import parse_model
+    from gyre.proxy.render import ChatMLRenderer, Rendered
+    from gyre.proxy.resend import ResendCache, read_resent
+
+    renderer = ChatMLRenderer()
+
+    def _look_up(rendering: Any) -> None:  # what the call tree's walk costs per unit: a dict lookup by text
+        for unit in rendering.units:
+            hash(unit.text)
+    reply = {"content": [{"type": "text", "text": "On it."},
+                         {"type": "tool_use", "id": "toolu_0", "name": "bash", "input": {"cmd": "ls"}}]}
+
+    def whole(raw: bytes) -> None:
+        _look_up(renderer.render(to_conversation(parse_model(MessagesRequest, raw))))
+
+    def cached(raw: bytes, cache: ResendCache, kept: list[Rendered]) -> None:
+        resent = read_resent(raw, MessagesRequest, "messages", cache, lambda data: parse_model(MessagesRequest, data))
+        conversation, items = translate(resent.body, resent.start, resent.earlier)
+        resent.remember(items)
+        _look_up(renderer.render(conversation, kept))
+
+    def measure(result_chars: int, calls: int) -> dict[str, float]:
+        session = Session.new(0, result_chars)
+        for _ in range(calls - 2):
+            session.extend(reply)
+        before = json.dumps(session.body()).encode()
+        session.extend(reply)
+        raw = json.dumps(session.body()).encode()
+        primed, primed_kept = ResendCache(), []  # type: ignore[var-annotated]
+        cached(before, primed, primed_kept)  # the execution's previous request
+        times: dict[str, list[float]] = {"whole": [], "cached": []}
+        for _ in range(reps):
+            start = time.process_time()
+            whole(raw)
+            times["whole"].append(time.process_time() - start)
+            cache, kept = ResendCache(), list(primed_kept)  # as primed: what was kept is never changed
+            cache._seen = list(primed._seen)
+            start = time.process_time()
+            cached(raw, cache, kept)
+            times["cached"].append(time.process_time() - start)
+        out = {"messages": len(session.messages), "body_bytes": len(raw)}
+        return out | {f"{name}_us": statistics.median(t) * 1e6 for name, t in times.items()}
+
+    return {f"call_{calls}": measure(400, calls), "long_context": measure(long_chars // 20, 20)}
+
+
 if __name__ == "__main__":  # pragma: no cover
     if "--ab" in sys.argv:  # python -m benchmarks.proxy_bench --ab ROOT_A ROOT_B [--rounds N]
         a, b = sys.argv[sys.argv.index("--ab") + 1 : sys.argv.index("--ab") + 3]
         rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
         roots = {"a": a, "b": b}  # with and without the durable log, each A/B alternated in one run
         print(json.dumps({"without_log": cpu_ab(roots, rounds), "with_log": cpu_ab(roots, rounds, log=True)}))
+    elif "--read" in sys.argv:  # python -m benchmarks.proxy_bench --read: the re-sent conversation's cost
+        print(json.dumps(read_cost()))
     else:
         print(json.dumps(run_benchmark(quick="--quick" in sys.argv)))

@@ -44,11 +44,11 @@ class _Seen:
     """One request's array, as sent, and its elements' translations."""
 
     model: type[BaseModel]
-    before: str
+    before: bytes
     """The body up to and including the array's `[`."""
-    after: str
+    after: bytes
     """The body from the array's `]` on."""
-    head: str
+    head: bytes
     """The array from its `[` through the end of its last element."""
     ends: list[int]
     """Offsets in `head` just past each element."""
@@ -86,55 +86,70 @@ class Resent(Generic[M]):
 
 
 def read_resent(
-    raw: bytes, model: type[M], field: str, cache: ResendCache, validate: Callable[[bytes | str], M]
+    raw: bytes, model: type[M], field: str, cache: ResendCache, validate: Callable[[bytes], M]
 ) -> Resent[M]:
     """`raw` validated by `validate` (the model's usual validation, raising `ApiError`), its array `field`
     cut to what `cache` has not seen; see the module docstring."""
     try:
-        return _read(raw.decode(), model, field, cache, validate)
+        return _read(raw, model, field, cache, validate)
     except (_Unusable, ApiError, UnicodeDecodeError, ValueError, IndexError):
         pass
     body = validate(raw)  # the whole body: the result (or error) the harness would get without the cache
     return Resent(body, 0, [], _whole(raw, model, field, cache))
 
 
-def _read(text: str, model: type[M], field: str, cache: ResendCache, validate: Callable[[bytes | str], M]) -> Resent[M]:
+def _read(raw: bytes, model: type[M], field: str, cache: ResendCache, validate: Callable[[bytes], M]) -> Resent[M]:
+    """The cut read; byte offsets throughout (the body is decoded only where it is parsed, past what is
+    reused, so a long conversation costs a few memcmp and one copy of what is kept)."""
     seen = cache._of(model)
-    at = _array_at(text, field, seen)
+    at = _array_at(raw, field, seen)
     best, start = None, 0
     for candidate in seen:
-        k = _reused(text, at, candidate)
+        k = _reused(raw, at, candidate)
         if k > start:
             best, start = candidate, k
     while True:
         head_end = at + best.ends[start - 1] if best is not None and start else at + 1
-        starts, ends, stop = _elements(text, head_end, first=start == 0)
+        starts, ends, stop = _elements(raw, head_end, first=start == 0)
         if starts or start == 0:
             break
         start -= 1  # nothing new (a retry): the last element is validated again, so the array is never empty
     if not starts:
         raise _Unusable("an empty array")
-    if not any(len(text) - stop + 1 == len(s.after) and text.startswith(s.after, stop - 1) for s in seen):
-        _check_rest(text, stop, field)  # a tail not seen before: the array must be the only `field`
-    body = validate(text[: at + 1] + text[starts[0] : stop] + text[stop:])
+    if not any(len(raw) - stop + 1 == len(s.after) and raw.endswith(s.after) for s in seen):
+        _check_rest(raw, stop, field)  # a tail not seen before: the array must be the only `field`
+    body = validate(raw[: at + 1] + raw[starts[0] : stop] + raw[stop:])
     earlier = best.items[:start] if best is not None else []
     offsets = [*(best.ends[:start] if best is not None else []), *(e - at for e in ends)]
 
     def remember(items: list[Any]) -> None:
         if len(items) != len(starts):
             raise ValueError(f"{len(items)} translations for {len(starts)} new elements")
-        cache._keep(_Seen(model, text[: at + 1], text[stop - 1 :], text[at : at + offsets[-1]], offsets,
+        cache._keep(_Seen(model, raw[: at + 1], raw[stop - 1 :], raw[at : at + offsets[-1]], offsets,
                           [*earlier, *items]), best)
 
     return Resent(body, start, earlier, remember)
 
 
-def _array_at(text: str, field: str, seen: Sequence[_Seen]) -> int:
+def _bytes_at(text: str, positions: list[int]) -> list[int]:
+    """Ascending character offsets in `text` as offsets in its UTF-8 encoding."""
+    if text.isascii():
+        return positions
+    out, size, done = [], 0, 0
+    for p in positions:
+        size += len(text[done:p].encode())
+        done = p
+        out.append(size)
+    return out
+
+
+def _array_at(raw: bytes, field: str, seen: Sequence[_Seen]) -> int:
     """Where the top-level `field` array's `[` is: where a remembered body's is, when this body starts with
-    the same text; else found by walking the object's keys (values before it are skipped by parsing)."""
+    the same bytes; else found by walking the object's keys (values before it are skipped by parsing)."""
     for candidate in seen:
-        if text.startswith(candidate.before):
+        if raw.startswith(candidate.before):
             return len(candidate.before) - 1
+    text = raw.decode()
     i = _WS(text, 0).end()
     if text[i] != "{":
         raise _Unusable("not an object")
@@ -144,7 +159,7 @@ def _array_at(text: str, field: str, seen: Sequence[_Seen]) -> int:
         if key == field:
             if text[i] != "[":
                 raise _Unusable(f"{field} is not an array")
-            return i
+            return _bytes_at(text, [i])[0]
         _, i = _DECODER.raw_decode(text, i)
         i = _WS(text, i).end()
         if text[i] != ",":
@@ -163,8 +178,11 @@ def _key(text: str, i: int) -> tuple[str, int]:
     return key, _WS(text, i + 1).end()
 
 
-def _check_rest(text: str, i: int, field: str) -> None:
-    """The body after the array (from `i`): more keys, none of them `field` again, then the object's end."""
+def _check_rest(raw: bytes, stop: int, field: str) -> None:
+    """The body after the array (from byte `stop`): more keys, none of them `field` again, then the
+    object's end."""
+    text = raw[stop:].decode()
+    i = 0
     while True:
         i = _WS(text, i).end()
         if text[i] == "}":
@@ -179,42 +197,44 @@ def _check_rest(text: str, i: int, field: str) -> None:
         _, i = _DECODER.raw_decode(text, i)
 
 
-def _reused(text: str, at: int, seen: _Seen) -> int:
+def _reused(raw: bytes, at: int, seen: _Seen) -> int:
     """How many leading elements of the array at `at` are, separators included, those of `seen`."""
-    if text.startswith(seen.head, at):
+    if raw.startswith(seen.head, at):
         return len(seen.ends)
     k = done = 0
     for end in seen.ends:
-        if not text.startswith(seen.head[done:end], at + done):
+        if not raw.startswith(seen.head[done:end], at + done):
             break
         k, done = k + 1, end
     return k
 
 
-def _elements(text: str, i: int, *, first: bool) -> tuple[list[int], list[int], int]:
-    """Starts and ends of the array's elements from `i` (just past the `[` when `first`, else just past an
-    element), and the index just past its `]`. Every element must be an object."""
+def _elements(raw: bytes, offset: int, *, first: bool) -> tuple[list[int], list[int], int]:
+    """Byte offsets of the starts and ends of the array's elements from `offset` (just past the `[` when
+    `first`, else just past an element), and of just past its `]`. Every element must be an object."""
+    text = raw[offset:].decode()  # `offset` follows `[` or `}`: a character boundary
     starts: list[int] = []
     ends: list[int] = []
-    i = _WS(text, i).end()
-    if text[i] == "]":
-        return starts, ends, i + 1
-    if not first:
-        if text[i] != ",":
-            raise _Unusable("no comma")
-        i = _WS(text, i + 1).end()
-    while True:
-        if text[i] != "{":
-            raise _Unusable("an element is not an object")
-        _, end = _DECODER.raw_decode(text, i)
-        starts.append(i)
-        ends.append(end)
-        i = _WS(text, end).end()
-        if text[i] == "]":
-            return starts, ends, i + 1
-        if text[i] != ",":
-            raise _Unusable("no comma")
-        i = _WS(text, i + 1).end()
+    i = _WS(text, 0).end()
+    if text[i] != "]":
+        if not first:
+            if text[i] != ",":
+                raise _Unusable("no comma")
+            i = _WS(text, i + 1).end()
+        while True:
+            if text[i] != "{":
+                raise _Unusable("an element is not an object")
+            _, end = _DECODER.raw_decode(text, i)
+            starts.append(i)
+            ends.append(end)
+            i = _WS(text, end).end()
+            if text[i] == "]":
+                break
+            if text[i] != ",":
+                raise _Unusable("no comma")
+            i = _WS(text, i + 1).end()
+    positions = _bytes_at(text, [p for pair in zip(starts, ends, strict=True) for p in pair] + [i + 1])
+    return [offset + p for p in positions[0:-1:2]], [offset + p for p in positions[1:-1:2]], offset + positions[-1]
 
 
 def _whole(raw: bytes, model: type[BaseModel], field: str, cache: ResendCache) -> Callable[[list[Any]], None]:
@@ -222,15 +242,14 @@ def _whole(raw: bytes, model: type[BaseModel], field: str, cache: ResendCache) -
 
     def remember(items: list[Any]) -> None:
         try:
-            text = raw.decode()
-            at = _array_at(text, field, ())
-            starts, ends, stop = _elements(text, at + 1, first=True)
-            _check_rest(text, stop, field)
+            at = _array_at(raw, field, ())
+            starts, ends, stop = _elements(raw, at + 1, first=True)
+            _check_rest(raw, stop, field)
         except (_Unusable, UnicodeDecodeError, ValueError, IndexError):
             return
         if not starts or len(items) != len(starts):
             return
         offsets = [e - at for e in ends]
-        cache._keep(_Seen(model, text[: at + 1], text[stop - 1 :], text[at : at + offsets[-1]], offsets, items), None)
+        cache._keep(_Seen(model, raw[: at + 1], raw[stop - 1 :], raw[at : at + offsets[-1]], offsets, items), None)
 
     return remember

@@ -282,3 +282,16 @@ def test_a_changed_earlier_message_reaches_the_engine(api: str, scripted, start_
 def _post(http: httpx.Client, api: str, history: list[str]) -> httpx.Response:
     path, body = _request(api, history)
     return http.post(path, json=body)
+
+
+@pytest.mark.parametrize("ensure_ascii", [False, True])
+def test_non_ascii_text_is_reused_too(ensure_ascii: bool) -> None:
+    """Offsets are bytes of the UTF-8 body: text with multi-byte characters, raw or escaped, still matches."""
+    cache = ResendCache()
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Corrige le test é 🚀."}]
+    for i in range(3):
+        turn = [{"role": "assistant", "content": f"ça marche {i} ✓"}, {"role": "user", "content": "encore"}]
+        messages = [*messages, *turn]
+        text = json.dumps({**_body(messages), "metadata": {"user_id": "ü"}}, ensure_ascii=ensure_ascii)
+        resent, conversation = _read(cache, text)
+        assert conversation == _whole(text) and resent.start == (len(messages) - 2 if i else 0)
