@@ -47,7 +47,7 @@ class ExecutionState:
     resent: ResendCache = field(default_factory=ResendCache)
     """The message arrays of its last requests (`gyre.proxy.resend`)."""
     rendered: list[Rendered] = field(default_factory=list)
-    """Its last conversations' units, for the renderer to extend (`ChatRenderer.render`'s `previous`)."""
+    """Its last conversations' units, for the renderer to extend (`ChatRenderer.render`'s `kept`)."""
 
     @property
     def execution_id(self) -> str:
