@@ -534,39 +534,111 @@ def run_benchmark(*, quick: bool = False, directory: Path | None = None) -> dict
     return results
 
 
-def cpu_ab(roots: dict[str, str], rounds: int = 3, *, log: bool = False) -> dict[str, dict[str, Any]]:
-    """A/B of the proxy's CPU per call between source trees (name -> checkout root), alternating them
-    `rounds` times against one engine and client: 480 calls a round, 4 sessions back to back. With `log`
-    the proxy writes its durable log (fsync before each answer) in a fresh directory each round. The figure
-    for a cut measured on a shared machine, where latencies are noise."""
+def cpu_ab(roots: dict[str, str], rounds: int = 3, *, log: bool = False) -> dict[str, Any]:
+    """A/B of the proxy's CPU per call between source trees (name -> checkout root), side by side: each round
+    starts one proxy per tree against one engine and drives the same load at both at once (480 calls each,
+    4 sessions back to back), so both run under the same machine conditions; `ratio` is each round's second
+    tree over the first. With `log` each proxy writes its durable log (fsync before each answer) in a fresh
+    directory. The figure for a cut measured on a shared machine, where latencies are noise (taking turns
+    instead, rounds of one tree spread +-20% with the load of the moment)."""
     engine = _spawn("from benchmarks.proxy_bench import run_instant_engine; run_instant_engine()")
     assert engine.stdin is not None and engine.stdout is not None
     engine_url = f"http://127.0.0.1:{engine.stdout.readline().strip()}"
     out: dict[str, list[float]] = {name: [] for name in roots}
     try:
         for _ in range(rounds):
-            for name, root in roots.items():
-                with tempfile.TemporaryDirectory(prefix="gyre-proxy-ab-") as directory:
-                    log_dir = str(Path(directory) / "log") if log else None
-                    code = (f"from benchmarks.proxy_bench import run_proxy_process; "
-                            f"run_proxy_process({engine_url!r}, 40, {log_dir!r})")
-                    env = {**os.environ, "PYTHONPATH": root}
-                    proxy = subprocess.Popen(
-                        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                        cwd=root, env=env,
-                    )
-                    assert proxy.stdin is not None and proxy.stdout is not None
-                    url = proxy.stdout.readline().strip()
-                    asyncio.run(_run_sessions(url, 1, range(0, 2), 10, 0.0, direct=False, seed=0))  # warm-up
-                    cpu = _cpu_s(proxy.pid)
-                    calls = asyncio.run(_run_sessions(url, 4, range(2, 34), 15, 0.0, direct=False, seed=0))
-                    out[name].append((_cpu_s(proxy.pid) - cpu) / len(calls) * 1e3)
-                    proxy.stdin.close()
-                    proxy.wait(30)
+            with tempfile.TemporaryDirectory(prefix="gyre-proxy-ab-") as directory:
+                proxies: dict[str, tuple[subprocess.Popen[str], str]] = {}
+                try:
+                    for name, root in roots.items():
+                        log_dir = str(Path(directory) / f"log-{name}") if log else None
+                        code = (f"from benchmarks.proxy_bench import run_proxy_process; "
+                                f"run_proxy_process({engine_url!r}, 40, {log_dir!r})")
+                        proxy = subprocess.Popen(
+                            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=root, env={**os.environ, "PYTHONPATH": root},
+                        )
+                        assert proxy.stdout is not None
+                        proxies[name] = proxy, proxy.stdout.readline().strip()
+                    for name, cpu_ms in asyncio.run(_side_by_side(proxies)).items():
+                        out[name].append(cpu_ms)
+                finally:
+                    for proxy, _ in proxies.values():
+                        assert proxy.stdin is not None
+                        proxy.stdin.close()
+                        proxy.wait(30)
     finally:
         engine.stdin.close()
         engine.wait(30)
-    return {name: {"cpu_ms_per_call": v, "median": statistics.median(v)} for name, v in out.items()}
+    first, second = out.values()
+    ratios = [b / a for a, b in zip(first, second, strict=True)]
+    return {**{name: {"cpu_ms_per_call": v, "median": statistics.median(v)} for name, v in out.items()},
+            "ratio": ratios, "median_ratio": statistics.median(ratios), "load_average": os.getloadavg()[0]}
+
+
+async def _side_by_side(proxies: dict[str, tuple[subprocess.Popen[str], str]]) -> dict[str, float]:
+    """CPU ms per call of each proxy, all driven at once with the same sessions (after a warm-up)."""
+    await asyncio.gather(*(_run_sessions(url, 1, range(0, 2), 10, 0.0, direct=False, seed=0)
+                           for _, url in proxies.values()))
+    before = {name: _cpu_s(proxy.pid) for name, (proxy, _) in proxies.items()}
+    calls = await asyncio.gather(*(_run_sessions(url, 4, range(2, 34), 15, 0.0, direct=False, seed=0)
+                                   for _, url in proxies.values()))
+    return {name: (_cpu_s(proxy.pid) - before[name]) / len(done) * 1e3
+            for (name, (proxy, _)), done in zip(proxies.items(), calls, strict=True)}
+
+
+def read_cost(calls: int = 30, long_chars: int = 400_000, reps: int = 100) -> dict[str, Any]:
+    """CPU microseconds (process clock, median of `reps`) of reading one call's request in-process —
+    validating, translating and rendering the re-sent conversation, and the call tree's lookup of each unit by
+    its text — whole (as without `gyre.proxy.resend`)
+    and with the execution's kept arrays and units (its previous request read just before), for the bench's
+    session shape at its `calls`-th call and for a session of 20 calls holding ~`long_chars` characters. No
+    server, deterministic work: the firm figure for that cut on a shared machine."""
+    from gyre.proxy.anthropic_models import MessagesRequest, to_conversation, translate
+    from gyre.proxy.http import parse_model
+    from gyre.proxy.render import ChatMLRenderer, Rendered
+    from gyre.proxy.resend import ResendCache, read_resent
+
+    renderer = ChatMLRenderer()
+
+    def _look_up(rendering: Any) -> None:  # what the call tree's walk costs per unit: a dict lookup by text
+        for unit in rendering.units:
+            hash(unit.text)
+    reply = {"content": [{"type": "text", "text": "On it."},
+                         {"type": "tool_use", "id": "toolu_0", "name": "bash", "input": {"cmd": "ls"}}]}
+
+    def whole(raw: bytes) -> None:
+        _look_up(renderer.render(to_conversation(parse_model(MessagesRequest, raw))))
+
+    def cached(raw: bytes, cache: ResendCache, kept: list[Rendered]) -> None:
+        resent = read_resent(raw, MessagesRequest, "messages", cache, lambda data: parse_model(MessagesRequest, data))
+        conversation, items = translate(resent.body, resent.start, resent.earlier)
+        resent.remember(items)
+        _look_up(renderer.render(conversation, kept))
+
+    def measure(result_chars: int, calls: int) -> dict[str, float]:
+        session = Session.new(0, result_chars)
+        for _ in range(calls - 2):
+            session.extend(reply)
+        before = json.dumps(session.body()).encode()
+        session.extend(reply)
+        raw = json.dumps(session.body()).encode()
+        primed, primed_kept = ResendCache(), []  # type: ignore[var-annotated]
+        cached(before, primed, primed_kept)  # the execution's previous request
+        times: dict[str, list[float]] = {"whole": [], "cached": []}
+        for _ in range(reps):
+            start = time.process_time()
+            whole(raw)
+            times["whole"].append(time.process_time() - start)
+            cache, kept = ResendCache(), list(primed_kept)  # as primed: what was kept is never changed
+            cache._seen = list(primed._seen)
+            start = time.process_time()
+            cached(raw, cache, kept)
+            times["cached"].append(time.process_time() - start)
+        out = {"messages": len(session.messages), "body_bytes": len(raw)}
+        return out | {f"{name}_us": statistics.median(t) * 1e6 for name, t in times.items()}
+
+    return {f"call_{calls}": measure(400, calls), "long_context": measure(long_chars // 20, 20)}
 
 
 if __name__ == "__main__":  # pragma: no cover
@@ -575,5 +647,7 @@ if __name__ == "__main__":  # pragma: no cover
         rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
         roots = {"a": a, "b": b}  # with and without the durable log, each A/B alternated in one run
         print(json.dumps({"without_log": cpu_ab(roots, rounds), "with_log": cpu_ab(roots, rounds, log=True)}))
+    elif "--read" in sys.argv:  # python -m benchmarks.proxy_bench --read: the re-sent conversation's cost
+        print(json.dumps(read_cost()))
     else:
         print(json.dumps(run_benchmark(quick="--quick" in sys.argv)))

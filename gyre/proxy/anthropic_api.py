@@ -8,11 +8,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gyre.proxy.anthropic_models import CountTokensRequest, MessagesRequest
+from gyre.proxy.anthropic_models import CountTokensRequest, MessagesRequest, translate
 from gyre.proxy.conversation import tojson
 from gyre.proxy.core import ActiveCall, CallSettings, Generation, Proxy
 from gyre.proxy.errors import ApiError
-from gyre.proxy.http import ANTHROPIC_TYPES, execution_of, read_model, request_id
+from gyre.proxy.http import ANTHROPIC_TYPES, execution_of, read_model, read_resent_model, request_id
 from gyre.proxy.output import Piece
 from gyre.proxy.replies import FinalText, Reply
 from gyre.proxy.turn import answer
@@ -53,6 +53,10 @@ class _Messages:
         events = reply.add(pieces) + (reply.close() if last else [])
         return [sse(*event) for event in events]
 
+    def settle(self, reply: Reply, pieces: list[Piece]) -> None:
+        reply.add(pieces)
+        reply.close()
+
     def closing(self, final: Generation, text: FinalText, reply: Reply) -> list[str]:
         delta = {
             "type": "message_delta",
@@ -88,8 +92,10 @@ def anthropic_routes(proxy: Proxy) -> list[Route]:
 
     async def messages(request: Request) -> Response:
         state = execution_of(proxy, request)
-        body = await read_model(request, MessagesRequest, config.max_body_bytes)
-        conversation = body.conversation()
+        resent = await read_resent_model(request, MessagesRequest, "messages", state, config.max_body_bytes)
+        body = resent.body
+        conversation, items = translate(body, resent.start, resent.earlier)
+        resent.remember(items)
         settings = CallSettings(
             max_tokens=body.max_tokens,
             temperature=body.temperature,

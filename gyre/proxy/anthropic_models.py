@@ -7,6 +7,7 @@ which matters for a 700K-token conversation re-sent on every call. Unknown top-l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, NotRequired
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -133,23 +134,35 @@ def _text_of(blocks: list[Any], where: str) -> str:
 def to_conversation(request: _Prompt) -> Conversation:
     """Blocks become template messages: tool results become `tool` messages (in order), text becomes a user
     message, thinking becomes the assistant turn's reasoning, tool_use its tool calls."""
+    return translate(request)[0]
+
+
+def translate(
+    request: _Prompt, start: int = 0, earlier: Sequence[tuple[Message, ...]] = ()
+) -> tuple[Conversation, list[tuple[Message, ...]]]:
+    """`to_conversation` of a request whose `messages` begin at index `start` (`gyre.proxy.resend`), the
+    messages before translated into `earlier`; also each of its own messages' translation, one tuple each
+    (a message depends on nothing else)."""
     messages: list[Message] = []
     if request.system is not None:
         system = request.system if isinstance(request.system, str) else _text_of(request.system, "system")
         messages.append(Message("system", system))
-    for index, param in enumerate(request.messages):
+    items: list[tuple[Message, ...]] = []
+    for index, param in enumerate(request.messages, start):
         where = f"messages.{index}.content"
         content = param["content"]
         if param["role"] == "assistant":
-            messages.append(_assistant(content, where))
+            items.append((_assistant(content, where),))
         elif param["role"] == "system":
-            messages.append(Message("system", content if isinstance(content, str) else _text_of(content, where)))
+            items.append((Message("system", content if isinstance(content, str) else _text_of(content, where)),))
         elif isinstance(content, str):
-            messages.append(Message("user", content))
+            items.append((Message("user", content),))
         else:
-            messages.extend(_user(content, where))
+            items.append(tuple(_user(content, where)))
+    for item in (*earlier, *items):
+        messages.extend(item)
     tools = tuple(ToolSpec(t["name"], t.get("description"), t.get("input_schema") or {}) for t in request.tools or ())
-    return Conversation(tuple(messages), tools)
+    return Conversation(tuple(messages), tools), items
 
 
 def _user(blocks: list[Any], where: str) -> list[Message]:

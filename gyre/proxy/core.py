@@ -398,7 +398,7 @@ class Proxy:
         wording, which Claude Code does not retry) and records nothing: no engine call was made.
         """
         params = self._sampling(settings)
-        rendering = self.renderer.render(conversation)
+        rendering = self.renderer.render(conversation, state.rendered)
         plan = state.tree.plan(rendering.units)
         if context_length is not None and plan.prompt_len >= context_length:
             raise ApiError(

@@ -17,6 +17,7 @@ from gyre.http_server import Refusal
 from gyre.proxy.core import Proxy
 from gyre.proxy.errors import ApiError, ErrorKind
 from gyre.proxy.registry import ExecutionState
+from gyre.proxy.resend import Resent, read_resent
 
 Api = Literal["anthropic", "openai"]
 M = TypeVar("M", bound=BaseModel)
@@ -101,6 +102,11 @@ def from_engine(error: EngineError) -> ApiError:
 
 async def read_model(request: Request, model: type[M], limit: int) -> M:
     """The body validated as `model`; every failure is a typed `ApiError` naming the field."""
+    return parse_model(model, await read_body(request, limit))
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, at most `limit` bytes (`ApiError` beyond), not empty."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -117,10 +123,23 @@ async def read_model(request: Request, model: type[M], limit: int) -> M:
     raw = b"".join(chunks)
     if not raw.strip():
         raise ApiError("invalid_request", "request body is empty; send a JSON object", "body")
+    return raw
+
+
+def parse_model(model: type[M], raw: bytes | str) -> M:
+    """`raw` (JSON) validated as `model`; a failure is the `ApiError` naming the field."""
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
         raise validation_error(e) from e
+
+
+async def read_resent_model(request: Request, model: type[M], field: str, state: ExecutionState,
+                            limit: int) -> Resent[M]:
+    """The body validated as `model`, its message array `field` cut to what the execution has not sent
+    before (`gyre.proxy.resend`); failures as `read_model`'s."""
+    raw = await read_body(request, limit)
+    return read_resent(raw, model, field, state.resent, lambda data: parse_model(model, data))
 
 
 def validation_error(error: ValidationError) -> ApiError:

@@ -13,7 +13,7 @@ from starlette.routing import Route
 from gyre.proxy.conversation import tojson
 from gyre.proxy.core import ActiveCall, CallSettings, Generation, Proxy
 from gyre.proxy.errors import ApiError
-from gyre.proxy.http import error_body, execution_of, read_model, request_id
+from gyre.proxy.http import error_body, execution_of, read_resent_model, request_id
 from gyre.proxy.openai_models import ChatCompletionRequest
 from gyre.proxy.output import Piece, TextPiece
 from gyre.proxy.replies import FinalText, Reply
@@ -113,6 +113,10 @@ class _ChatCompletion:
                 first_call += 1
         return out
 
+    def settle(self, reply: Reply, pieces: list[Piece]) -> None:
+        reply.add(pieces)
+        reply.close()
+
     def closing(self, final: Generation, text: FinalText, reply: Reply) -> list[str]:
         out = [self._chunk({}, _finish_reason(final, reply))]
         if self.include_usage:
@@ -167,9 +171,11 @@ def openai_routes(proxy: Proxy) -> list[Route]:
 
     async def chat_completions(request: Request) -> Response:
         state = execution_of(proxy, request)
-        body = await read_model(request, ChatCompletionRequest, config.max_body_bytes)
+        resent = await read_resent_model(request, ChatCompletionRequest, "messages", state, config.max_body_bytes)
+        body = resent.body
         body.check_supported()
-        conversation = body.conversation()
+        conversation, items = body.translate(resent.start, resent.earlier)
+        resent.remember(items)
         max_tokens = body.max_completion_tokens or body.max_tokens or config.default_max_tokens
         settings = CallSettings(
             max_tokens=max_tokens,

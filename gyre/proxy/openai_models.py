@@ -6,6 +6,7 @@ top_logprobs, penalties, structured output) are a 400 that names them rather tha
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, NotRequired
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -142,12 +143,17 @@ class ChatCompletionRequest(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def conversation(self) -> Conversation:
-        messages = [_message(m, f"messages.{i}") for i, m in enumerate(self.messages)]
+        return self.translate()[0]
+
+    def translate(self, start: int = 0, earlier: Sequence[Message] = ()) -> tuple[Conversation, list[Message]]:
+        """`conversation` of a request whose `messages` begin at index `start` (`gyre.proxy.resend`), those
+        before translated into `earlier`; also its own messages' translations (each depends on nothing else)."""
+        items = [_message(m, f"messages.{i}") for i, m in enumerate(self.messages, start)]
         tools = tuple(
             ToolSpec(t["function"]["name"], t["function"].get("description"), t["function"].get("parameters") or {})
             for t in self.tools or ()
         )
-        return Conversation(tuple(messages), tools)
+        return Conversation((*earlier, *items), tools), items
 
 
 def _text(content: str | list[Any] | None, where: str) -> str:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from gyre import auth
 from gyre.proxy.branches import AgentBook, MarkersConfig
 from gyre.proxy.errors import UnknownExecutionError
+from gyre.proxy.render import Rendered
+from gyre.proxy.resend import ResendCache
 from gyre.proxy.response_store import ResponseStore
 from gyre.proxy.tito import CallTree, Codec
 
@@ -31,8 +33,8 @@ class Registration:
 
 @dataclass(eq=False)
 class ExecutionState:
-    """Everything the proxy keeps per execution: the call tree (exact ids), agents, counters, and the
-    Responses API's stored responses."""
+    """Everything the proxy keeps per execution: the call tree (exact ids), agents, counters, the
+    Responses API's stored responses, and what its last requests were read and rendered as."""
 
     registration: Registration
     tree: CallTree
@@ -42,6 +44,10 @@ class ExecutionState:
     drifted_calls: int = 0
     roots: int = 0
     responses: ResponseStore = field(default_factory=ResponseStore)
+    resent: ResendCache = field(default_factory=ResendCache)
+    """The message arrays of its last requests (`gyre.proxy.resend`)."""
+    rendered: list[Rendered] = field(default_factory=list)
+    """Its last conversations' units, for the renderer to extend (`ChatRenderer.render`'s `kept`)."""
 
     @property
     def execution_id(self) -> str:

@@ -73,6 +73,9 @@ class ResponseBuilder:
     def deltas(self, reply: Reply, pieces: list[Piece], *, last: bool) -> list[str]:
         return self.translate(reply.add(pieces) + (reply.close() if last else []))
 
+    def settle(self, reply: Reply, pieces: list[Piece]) -> None:
+        self.deltas(reply, pieces, last=True)  # the events build `items`, which the answer is made of
+
     def closing(self, final: Generation, text: FinalText, reply: Reply) -> list[str]:
         self.keep()
         response = self.response(final)

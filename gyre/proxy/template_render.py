@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from gyre.proxy.conversation import Conversation, Message, ToolCall, ToolSpec
 from gyre.proxy.errors import ProxyError
 from gyre.proxy.output import TOOL_CLOSE, TOOL_OPEN, parse_tool_call
-from gyre.proxy.render import ChatMLRenderer, ChatRenderer, Rendering, Unit
+from gyre.proxy.render import ChatMLRenderer, ChatRenderer, Rendered, Rendering, Unit
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -129,7 +129,8 @@ class TemplateRenderer:
         assert isinstance(text, str)
         return text
 
-    def render(self, conversation: Conversation) -> Rendering:
+    def render(self, conversation: Conversation, kept: list[Rendered] | None = None) -> Rendering:
+        """`kept` is not used: this renderer remembers prefixes itself, across executions (`_memo`)."""
         messages = template_messages(conversation)
         tools = conversation.tools
         n = len(messages)

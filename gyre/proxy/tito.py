@@ -73,7 +73,7 @@ class CallRecord:
         self.gen_node: Node | None = None
         self.finished = False
         self.wire: object = None
-        """Free for a transport to cache its encoding of a prefix of `tokens` once the call is finished."""
+        """Free for a transport to cache its encoding of a prefix of `tokens` (only ever appended to)."""
 
     @property
     def delta(self) -> array:

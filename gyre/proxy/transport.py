@@ -2,9 +2,10 @@
 
 A call in a 700K-token execution sends 700K ids. Serialising them afresh costs tens of milliseconds of the
 proxy's single event loop per call; but all but the newest few are the recorded ids of earlier calls, which
-never change. So each finished call keeps the JSON text of the part of its own tokens its children reuse
-(`CallRecord.wire`: usually all but the end-of-turn tokens, which the template renders anew), and a prompt goes
-out as those fragments joined (a memcpy) plus the JSON of what is new: O(new tokens) of real work.
+never change. So each call keeps the JSON text of a prefix of its own tokens (`CallRecord.wire`): its prompt
+delta once sent, extended by its output to what its children reuse (usually all but the end-of-turn tokens,
+which the template renders anew), and a prompt goes out as those fragments joined (a memcpy) plus the JSON of
+what is new: O(new tokens) of real work.
 """
 
 from __future__ import annotations
@@ -23,20 +24,29 @@ def prompt_of(record: CallRecord, extra: Sequence[int] = ()) -> Prompt:
     """`record`'s prompt (plus `extra` ids: the partial output of a continued call) as a `Prompt`."""
     fragments: list[bytes] = []
     for rec, lo, hi in record.spans(0, record.prompt_len):
-        if lo == 0 and rec.finished:  # an ancestor: its child usually reuses all but its end-of-turn tokens
-            cached = rec.wire
-            if isinstance(cached, tuple) and cached[0] == hi:
-                piece = cached[1]
-            else:
-                piece = ids_json(rec.tokens[:hi])
-                rec.wire = (hi, piece)
-        else:
-            piece = ids_json(rec.tokens[lo:hi])
+        piece = _leading(rec, hi) if lo == 0 else ids_json(rec.tokens[lo:hi])
         if piece:
             fragments.append(piece)
     if extra:
         fragments.append(ids_json(extra))
     return Prompt(tuple(fragments), record.prompt_len + len(extra))
+
+
+def _leading(record: CallRecord, n: int) -> bytes:
+    """The JSON of `record`'s first `n` tokens, kept in `record.wire` as (n, bytes): a call's own prompt delta
+    when it is sent, then (its child reusing all but its end-of-turn tokens) that plus its output, which only
+    the new part costs. Tokens are only ever appended to a record, so a kept prefix never goes stale."""
+    cached = record.wire
+    if isinstance(cached, tuple) and cached[0] <= n:
+        have, piece = cached
+        if have == n:
+            return piece
+        rest = ids_json(record.tokens[have:n])
+        piece = piece + b"," + rest if piece else rest
+    else:
+        piece = ids_json(record.tokens[:n])
+    record.wire = (n, piece)
+    return piece
 
 
 class GenerateEngine(Protocol):

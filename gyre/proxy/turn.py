@@ -39,6 +39,11 @@ class FrontEnd(Protocol):
         """Add `pieces` to `reply` (closing it when `last`) and return their stream events."""
         ...
 
+    def settle(self, reply: Reply, pieces: list[Piece]) -> None:
+        """Add a plain answer's `pieces` to `reply` and close it: `deltas` without rendering stream events
+        nobody reads, where the answer needs none of them."""
+        ...
+
     def closing(self, final: Generation, text: FinalText, reply: Reply) -> list[str]:
         """Stream events after the call is durable."""
         ...
@@ -86,7 +91,7 @@ async def answer(request: Request, proxy: Proxy, call: ActiveCall, front: FrontE
         assert final.finish is not None
         reply = Reply(keep_blank_text=front.keep_blank_text)
         text = final_text(proxy.codec, final.output_ids, final.finish)
-        front.deltas(reply, _parser(proxy, front).feed(text.text, final=True), last=True)
+        front.settle(reply, _parser(proxy, front).feed(text.text, final=True))
         await call.complete(reply.message())
     except ClientGone:
         return Response(status_code=499)

@@ -98,6 +98,16 @@ def test_bench_json_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "fsync_floor_ms 0.25" in text.output and "empty_asgi: saturated 900 calls/s" in text.output
 
 
+def test_bench_read_cost_reads_both_ways() -> None:
+    """`python -m benchmarks.proxy_bench --read`: the same request read whole and with the cache, both timed."""
+    import benchmarks.proxy_bench as bench
+
+    result = bench.read_cost(calls=4, long_chars=20_000, reps=3)
+    assert set(result) == {"call_4", "long_context"}
+    for row in result.values():
+        assert row["whole_us"] > 0 and row["cached_us"] > 0 and row["messages"] > 4
+
+
 def test_token_command_mints_into_a_private_file(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.toml"
     result = CliRunner().invoke(app, ["proxy", "token", "a", "b", "-f", str(tokens)])

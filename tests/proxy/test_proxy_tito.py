@@ -109,3 +109,31 @@ def test_prompt_json_reuses_a_drifted_ancestors_cached_prefix() -> None:
         prompt = prompt_of(record)
         assert json.loads(prompt.json()) == _prompt(record) and prompt.length == record.prompt_len
     assert first.wire == (second.prefix_len, ids_json(first.ids(0, second.prefix_len)))
+
+
+def test_a_calls_prompt_json_is_kept_when_sent_and_extended_by_its_output() -> None:
+    """The JSON of a call's own prompt, serialised when it is sent (before it finishes), is kept and only
+    its output's is added when its child reuses it; every prompt is still exactly the recorded ids."""
+    import json
+
+    from gyre.engine.client import ids_json
+    from gyre.proxy.transport import prompt_of
+
+    tree = CallTree(CODEC)
+    turns: list[tuple[str, str]] = [("user", "a")]
+    parent = None
+    for i in range(3):
+        record = tree.start(tree.plan(RENDER.units(_conv(*turns))), f"c{i}")
+        assert record.parent is parent
+        for extra in ((), [7, 8]):  # a continued call sends its partial output too
+            prompt = prompt_of(record, extra)
+            assert json.loads(prompt.json()) == [*record.ids().tolist(), *extra]
+        assert record.wire == (record.prompt_len - record.prefix_len, ids_json(record.delta))
+        output = [*CODEC.encode(f"r{i}"), EOS]
+        tree.finish(record, output, RENDER.assistant_body(Message("assistant", f"r{i}")))
+        turns += [("assistant", f"r{i}"), ("user", f"q{i}")]
+        parent = record
+    assert parent is not None and parent.parent is not None
+    grand = parent.parent
+    reused = parent.prefix_len - grand.prefix_len  # the grandparent's tokens its child reused, kept as sent
+    assert grand.wire == (reused, ids_json(grand.tokens[:reused]))
