@@ -205,10 +205,12 @@ COPY_CHECKS = "copy_checks.jsonl"
 """The written-letter checks of phases with `check_every` or `until_written_loss` (gyre.sft.copying)."""
 
 
-def _kept(path: Path, start: int) -> Path:
-    """``path`` (a JSONL of ``step``-keyed lines) cut to the lines before ``start``, the resumed step."""
+def _kept(path: Path, start: int, *, after_step: bool = False) -> Path:
+    """``path`` (a JSONL of ``step``-keyed lines) cut to what the checkpoint resumed from (``start`` steps done)
+    had seen: lines of the steps before ``start``, or with ``after_step`` (``step`` counts the steps done, a
+    check of the weights after them) up to and including ``start``."""
     kept = [line for line in (path.read_text().splitlines() if path.exists() else [])
-            if json.loads(line)["step"] < start]
+            if json.loads(line)["step"] < start + after_step]
     path.write_text("".join(line + "\n" for line in kept))
     return path
 
@@ -272,7 +274,7 @@ def run_sft(config: SftConfig, *, resume: bool = False,
     plan = config.plan()
     early = _early_ends(run_dir / EARLY_ENDS, plan, start)
     curve = _kept(run_dir / "loss.jsonl", start)
-    checks = _kept(run_dir / COPY_CHECKS, start)
+    checks = _kept(run_dir / COPY_CHECKS, start, after_step=True)
     pad = tokenizer.pad_token_id
     step, phase_start = start, 0
     with curve.open("a") as log, checks.open("a") as check_log:
