@@ -6,6 +6,11 @@ Progress: one line per step on the console and in ``RUN_DIR/loss.jsonl`` (the lo
 steps; ``--resume`` loads the last one and trains the rest with the same batches (each step's batch is drawn
 from a generator seeded by the run's seed and the step). The result, ``RUN_DIR/model``, is a Hugging Face
 checkpoint directory: ``[engine] model = "RUN_DIR/model"`` starts `gyre train` from it.
+
+A curriculum (``[[phases]]``) runs its phases in order, each with its own steps, lr and share of copy drills; a
+phase with ``until_written_loss`` ends at the first written-letter check under it (`gyre.sft.copying`), an end
+recorded in ``RUN_DIR/phase_ends.jsonl`` so that a resume knows where each phase began (issue #29: the model
+learns to copy only on drills alone, then keeps it through the demonstrations).
 """
 
 from __future__ import annotations
@@ -234,6 +239,30 @@ def _early_ends(path: Path, plan: list[Phase], start: int) -> dict[str, int]:
     return ends
 
 
+def _train_step(backend: Any, batch: list[Any], pad: int, lr: float) -> dict[str, Any]:
+    """One optimizer step on ``batch`` (rendered examples, right-padded) at ``lr``: mean loss over its assistant
+    tokens; the loss curve's figures."""
+    import torch
+
+    width = max(len(e.input_ids) for e in batch)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
+    attention = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, e in enumerate(batch):
+        n = len(e.input_ids)
+        ids[row, :n] = torch.tensor(e.input_ids)
+        attention[row, :n] = 1
+        labels[row, :n] = torch.where(torch.tensor(e.assistant), torch.tensor(e.input_ids), IGNORE)
+    for group in backend.optimizer.param_groups:
+        group["lr"] = lr
+    backend.model.train()
+    loss = backend.model(input_ids=ids, attention_mask=attention, labels=labels).loss
+    loss.backward()
+    result = backend.optimizer_step(normalizer=1.0)  # the loss is already a mean over assistant tokens
+    return {"loss": round(float(loss.detach()), 5), "grad_norm": round(result.grad_norm, 4), "lr": lr,
+            "tokens": int(attention.sum()), "trained_tokens": int((labels != IGNORE).sum())}
+
+
 def run_sft(config: SftConfig, *, resume: bool = False,
             progress: Callable[[dict[str, Any]], None] = lambda line: None) -> Path:
     """Train; returns the HF checkpoint directory written (``RUN_DIR/model``)."""
@@ -292,25 +321,8 @@ def run_sft(config: SftConfig, *, resume: bool = False,
                 drilling = phase.drill_share > 0 and rng.random() < phase.drill_share
                 pool, size = (drills, config.drill_batch_size) if drilling else (examples, config.batch_size)
                 batch = [pool[rng.randrange(len(pool))] for _ in range(size)]
-                width = max(len(e.input_ids) for e in batch)
-                ids = torch.full((len(batch), width), pad, dtype=torch.long)
-                labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
-                attention = torch.zeros((len(batch), width), dtype=torch.long)
-                for row, e in enumerate(batch):
-                    n = len(e.input_ids)
-                    ids[row, :n] = torch.tensor(e.input_ids)
-                    attention[row, :n] = 1
-                    labels[row, :n] = torch.where(torch.tensor(e.assistant), torch.tensor(e.input_ids), IGNORE)
-                for group in backend.optimizer.param_groups:
-                    group["lr"] = phase.lr_at(local)
-                backend.model.train()
-                loss = backend.model(input_ids=ids, attention_mask=attention, labels=labels).loss
-                loss.backward()
-                result = backend.optimizer_step(normalizer=1.0)  # the loss is already a mean over assistant tokens
                 line = {"step": step, "phase": phase.name, "batch": "drills" if drilling else "demonstrations",
-                        "loss": round(float(loss.detach()), 5), "grad_norm": round(result.grad_norm, 4),
-                        "lr": phase.lr_at(local),
-                        "tokens": int(attention.sum()), "trained_tokens": int((labels != IGNORE).sum()),
+                        **_train_step(backend, batch, pad, phase.lr_at(local)),
                         "seconds": round(time.monotonic() - started, 3)}
                 log.write(json.dumps(line) + "\n")
                 log.flush()
