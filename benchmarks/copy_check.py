@@ -17,7 +17,6 @@ import argparse
 import json
 import random
 import shutil
-import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,9 +24,8 @@ from typing import Any
 import torch
 
 from gyre.model.tiny import load_tiny
-from gyre.sft.data import render
-from gyre.sft.expert import Expert
-from gyre.sft.families import LETTERS, drill_tasks
+from gyre.sft.copying import written_letter_loss
+from gyre.sft.families import LETTERS
 from gyre.sft.run import IGNORE
 
 
@@ -64,39 +62,14 @@ def synthetic(base: Path, lr: float, steps: int, seed: int = 0, batch: int = 64,
     return {"lr": lr, "steps": steps, "final_loss": curve[-1][1], "curve": curve}
 
 
-def drills(base: Path, checkpoint: Path, count: int = 40, seed: int = 99) -> dict[str, Any]:
-    """Mean loss of the written letters and of the other assistant tokens, over ``count`` drills."""
+def drills(base: Path, checkpoint: Path, count: int = 40) -> dict[str, Any]:
+    """`gyre.sft.copying.written_letter_loss` of a `gyre sft` checkpoint (the base's tokenizer and config)."""
     with tempfile.TemporaryDirectory(prefix="gyre-copy-check-") as tmp:
         model_dir = Path(tmp) / "model"
         shutil.copytree(base, model_dir)
         shutil.copy(checkpoint / "model.safetensors", model_dir / "model.safetensors")
         model, tokenizer = load_tiny(model_dir)
-    model.eval()
-    expert = Expert(seed=0)
-    losses: dict[str, list[float]] = {"written_letters": [], "other_assistant_tokens": []}
-    by_family: dict[str, list[float]] = {}
-    for task in drill_tasks(count, seed):
-        example = render(expert.drill(task), tokenizer)
-        ids = torch.tensor([example.input_ids])
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0]
-        token_loss = -torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None])[:, 0]
-        pieces = [tokenizer.decode([i]) for i in example.input_ids]
-        start = "".join(pieces).index('"content": "') + len('"content": "')
-        written, at = set(), 0
-        for k, piece in enumerate(pieces):
-            if start <= at < start + len(task.solution):
-                written.add(k)
-            at += len(piece)
-        for k in range(1, len(pieces)):
-            if example.assistant[k]:
-                value = token_loss[k - 1].item()
-                losses["written_letters" if k in written else "other_assistant_tokens"].append(value)
-                if k in written:
-                    by_family.setdefault(task.family, []).append(value)
-    return {"checkpoint": str(checkpoint), **{k: round(statistics.mean(v), 3) for k, v in losses.items()},
-            "written_letters_by_family": {f: round(statistics.mean(v), 3) for f, v in sorted(by_family.items())},
-            "guessing": 3.258}
+    return {"checkpoint": str(checkpoint), **written_letter_loss(model, tokenizer, count)}
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ per execution per step.
     python benchmarks/warm_start_check.py --model runs/learn/sft/model --seeds 1 --steps 10 --json
     python benchmarks/warm_start_check.py --model runs/learn/sft/model --steps 10 --shuffle-rewards   # control
     python benchmarks/warm_start_check.py --model runs/learn/sft/model --probe 4    # a minute: does it copy?
+    python benchmarks/warm_start_check.py --model runs/learn/sft/model --warm-start 8   # pass@1, pass@8, calls
 
 Each seed is a fresh `gyre train` of examples/learn-cpu.toml (its run directory under a temporary root, or
 ``--keep``); rewards per execution come from the run's log (``reward_recorded``), calls per execution from the
@@ -50,16 +51,16 @@ def agent_stats(executions: Path) -> dict[str, dict[str, float]]:
             for k, v in sorted(calls.items())}
 
 
-def heldout_passes(log: Path, threshold: float = 1.0) -> dict[int, dict[str, Any]]:
+def heldout_passes(log: Path, threshold: float = 1.0, *, pooled: bool = False) -> dict[int, dict[str, Any]]:
     """Per held-out evaluation (by step): pass@1 (mean over samples), pass@k (share of tasks with a pass among
     its k samples) and pass@1 per family, from the log's rewards of the ``heldout-s{step}-{task}-e{i}``
-    executions."""
+    executions. ``pooled``: every evaluation's samples as one, under step 0 (evaluations of the same weights)."""
     by_step: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for event in LogReader(log).events(kinds=["reward_recorded"]):
         if not event.execution_id.startswith(GROUP_PREFIX):
             continue
         step, rest = event.execution_id.removeprefix(GROUP_PREFIX + "s").split("-", 1)
-        by_step[int(step)][rest.rsplit("-e", 1)[0]].append(event.reward)
+        by_step[0 if pooled else int(step)][rest.rsplit("-e", 1)[0]].append(event.reward)
     out = {}
     for step, tasks in sorted(by_step.items()):
         passes = {task: [r >= threshold for r in rewards] for task, rewards in tasks.items()}
@@ -104,8 +105,28 @@ def probe(model: str, samples: int, tasks: Path = HELDOUT) -> dict[str, Any]:
             "per_family": {f: round(statistics.mean(v), 3) for f, v in sorted(hits.items())}}
 
 
+# The warm start alone: a run evaluates its initial and its final policy, so one step that changes nothing (a
+# negligible lr on two rollouts) gives two evaluations of the same weights, pooled.
+WARM_START = {"trainer.lr": 1e-12, "rollout.groups_per_step": 1, "rollout.group_size": 2}
+
+
+def warm_start(model: str, samples: int, root: Path) -> dict[str, Any]:
+    """Held-out pass@1, pass@``samples`` and calls per execution of the warm start itself (no RL)."""
+    if samples % 2:
+        raise SystemExit(f"--warm-start takes an even number of samples (half per evaluation), got {samples}")
+    result = run_seed(model, 0, 1, 1, root, samples=samples // 2, overrides=WARM_START, pooled=True)
+    agent = result["agent"]
+    evaluations = [v for k, v in agent.items() if k.startswith("heldout")]
+    executions = sum(v["executions"] for v in evaluations)
+    return {"heldout": result["heldout"][0], "seconds": result["seconds"], "heldout_agent": {
+        "executions": executions,
+        **{k: round(sum(v[k] * v["executions"] for v in evaluations) / executions, 3)
+           for k in ("model_calls", "tool_calls", "multi_turn_share")}}}
+
+
 def run_seed(model: str, seed: int, steps: int, every: int, root: Path, *, samples: int = 1,
-             shuffle_rewards: bool = False, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+             shuffle_rewards: bool = False, overrides: dict[str, Any] | None = None,
+             pooled: bool = False) -> dict[str, Any]:
     run_dir = root / f"seed{seed}{'-shuffled' if shuffle_rewards else ''}"
     config = TrainConfig.load(CONFIG, {"seed": seed, "steps": steps, "run_dir": str(run_dir),
                                        "engine.model": model, "evaluation.every": every,
@@ -113,7 +134,7 @@ def run_seed(model: str, seed: int, steps: int, every: int, root: Path, *, sampl
                                        **(overrides or {})})
     started = time.monotonic()
     summary = TrainingRun(config).run()
-    return {"shuffle_rewards": shuffle_rewards, "heldout": heldout_passes(config.run_dir / "log"),
+    return {"shuffle_rewards": shuffle_rewards, "heldout": heldout_passes(config.run_dir / "log", pooled=pooled),
             "rewards": [round(r.reward_mean, 4) for r in summary.steps],
             "agent": agent_stats(config.run_dir / "executions"), "seconds": round(time.monotonic() - started, 1)}
 
@@ -132,10 +153,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
     parser.add_argument("--probe", type=int, default=0, metavar="K",
                         help="no RL: sample K write_file turns per held-out task and count exact answers")
+    parser.add_argument("--warm-start", type=int, default=0, metavar="K",
+                        help="no RL: the warm start's held-out pass@1, pass@K and calls per execution (K even)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.probe:
         print(json.dumps({"model": args.model, **probe(args.model, args.probe)}))
+        return
+    if args.warm_start:
+        with tempfile.TemporaryDirectory(prefix="gyre-warm-") as tmp:
+            result = {"model": args.model, **warm_start(args.model, args.warm_start, args.keep or Path(tmp))}
+        print(json.dumps(result))
         return
     overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
     with tempfile.TemporaryDirectory(prefix="gyre-warm-") as tmp:

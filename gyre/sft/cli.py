@@ -15,7 +15,7 @@ console = Console()
 
 def sft(config: Annotated[Path, typer.Argument(help="the SFT config (TOML), e.g. examples/learn-cpu-sft.toml")],
         resume: Annotated[bool, typer.Option(help="continue the run in its run_dir from its last checkpoint")] = False,
-        steps: Annotated[int | None, typer.Option(help="override the config's steps")] = None) -> None:
+        steps: Annotated[int | None, typer.Option(help="override the steps (no [[phases]])")] = None) -> None:
     """Supervised warm start from demonstrations; writes RUN_DIR/model, an HF checkpoint `gyre train` starts from."""
     from gyre.sft.run import SftConfig, run_sft
 
@@ -23,7 +23,12 @@ def sft(config: Annotated[Path, typer.Argument(help="the SFT config (TOML), e.g.
         loaded = SftConfig.load(config, {"steps": steps} if steps is not None else None)
 
         def show(line: dict) -> None:
-            if line["step"] % 10 == 0 or line["step"] + 1 == loaded.steps:
+            if line.get("phase_starts"):
+                console.print(f"phase {line['phase']} from step {line['step']}")
+            elif "written_letters" in line:
+                console.print(f"step {line['step']:>5}  written letters' loss {line['written_letters']:.3f} "
+                              f"(guessing {line['guessing']})")
+            elif line["step"] % 10 == 0:
                 console.print(f"step {line['step']:>5}  loss {line['loss']:.4f}  grad {line['grad_norm']:.3f}  "
                               f"{line['trained_tokens']}/{line['tokens']} tokens  {line['seconds']:.2f}s")
 

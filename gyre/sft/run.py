@@ -6,6 +6,11 @@ Progress: one line per step on the console and in ``RUN_DIR/loss.jsonl`` (the lo
 steps; ``--resume`` loads the last one and trains the rest with the same batches (each step's batch is drawn
 from a generator seeded by the run's seed and the step). The result, ``RUN_DIR/model``, is a Hugging Face
 checkpoint directory: ``[engine] model = "RUN_DIR/model"`` starts `gyre train` from it.
+
+A curriculum (``[[phases]]``) runs its phases in order, each with its own steps, lr and share of copy drills; a
+phase with ``until_written_loss`` ends at the first written-letter check under it (`gyre.sft.copying`), an end
+recorded in ``RUN_DIR/phase_ends.jsonl`` so that a resume knows where each phase began (issue #29: the model
+learns to copy only on drills alone, then keeps it through the demonstrations).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    model_validator,
 )
 
 from gyre.errors import ConfigError
@@ -64,6 +70,39 @@ class ModelSection(_Section):
     context: PositiveInt = 4096
 
 
+class Phase(_Section):
+    """One stage of a curriculum (`[[phases]]`): its steps, learning rate and mix of drills."""
+
+    name: str = Field(min_length=1)
+    steps: PositiveInt = Field(description="the phase's steps (its cap when `until_written_loss` is set)")
+    lr: PositiveFloat
+    min_lr: NonNegativeFloat | None = Field(None, description="when set: the lr decays from `lr` to this on a "
+                                                             "cosine over the phase's steps (None: constant)")
+    drill_share: float = Field(0.0, ge=0, le=1, description="share of steps that train a batch of drills "
+                                                            "instead of demonstrations (1: drills only)")
+    until_written_loss: PositiveFloat | None = Field(
+        None, description="end the phase early once the written letters' loss on held-back drills "
+                          "(gyre.sft.copying) is under this; checked every `check_every` steps of the phase")
+    check_every: PositiveInt | None = Field(None, description="measure the written letters' loss every N steps "
+                                                              "of the phase (RUN_DIR/copy_checks.jsonl); "
+                                                              "None: 50 with `until_written_loss`, else never")
+
+    @property
+    def checks(self) -> int | None:
+        """Steps between the phase's written-letter checks (None: no check)."""
+        return self.check_every or (50 if self.until_written_loss is not None else None)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of the phase's ``step``-th step (a function of the step alone: a resume takes the
+        same steps)."""
+        if self.min_lr is None:
+            return self.lr
+        return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1 + math.cos(math.pi * step / self.steps))
+
+
+_PER_PHASE = ("steps", "lr", "min_lr", "drill_share")
+
+
 class SftConfig(_Section):
     name: str = "sft"
     run_dir: Path = Path("runs/sft")
@@ -78,10 +117,29 @@ class SftConfig(_Section):
                                                             "instead of demonstrations")
     drill_batch_size: PositiveInt = Field(48, description="conversations in a drill step (a drill is ~1/6 of a "
                                                           "demonstration's tokens)")
+    phases: list[Phase] = Field(default_factory=list, description="a curriculum, run in order (`[[phases]]`); "
+                                                                  "empty: one phase of the top-level steps, lr, "
+                                                                  "min_lr and drill_share")
     checkpoint_every: PositiveInt = 50
     threads: PositiveInt = 1
     demonstrations: DemonstrationsSection
     model: ModelSection = ModelSection()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SftConfig:
+        if self.phases:
+            if clash := [f for f in _PER_PHASE if f in self.model_fields_set]:
+                raise ValueError(f"{', '.join(clash)} set at the top level and [[phases]] given: with phases, set "
+                                 f"{', '.join(_PER_PHASE)} in each phase")
+            names = [p.name for p in self.phases]
+            if len(set(names)) != len(names):
+                raise ValueError(f"phase names must be unique: {names}")
+        if self.demonstrations.drills == 0:
+            for phase in self.plan():
+                if phase.drill_share > 0:
+                    raise ValueError(f"drill_share = {phase.drill_share} (phase {phase.name!r}) needs "
+                                     "[demonstrations] drills > 0")
+        return self
 
     @classmethod
     def load(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> SftConfig:
@@ -96,19 +154,23 @@ class SftConfig(_Section):
                 table = table.setdefault(section, {})
             table[name] = value
         try:
-            config = cls.model_validate(data)
+            return cls.model_validate(data)
         except ValidationError as e:
             raise ConfigError(f"invalid sft config {path}: {e}") from e
-        if config.drill_share > 0 and config.demonstrations.drills == 0:
-            raise ConfigError(f"invalid sft config {path}: drill_share = {config.drill_share} needs "
-                              "[demonstrations] drills > 0")
-        return config
+
+    def plan(self) -> list[Phase]:
+        """The phases the run trains, in order."""
+        return self.phases or [Phase(name="sft", steps=self.steps, lr=self.lr, min_lr=self.min_lr,
+                                     drill_share=self.drill_share)]
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of ``step`` (a function of the step alone, so a resumed run takes the same steps)."""
-        if self.min_lr is None:
-            return self.lr
-        return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1 + math.cos(math.pi * step / self.steps))
+        """The learning rate of the run's ``step`` when no phase ends early."""
+        local = step
+        for phase in self.plan():
+            if local < phase.steps:
+                return phase.lr_at(local)
+            local -= phase.steps
+        raise ValueError(f"step {step} is past the run's last phase")
 
 
 def _base(config: SftConfig, records: list[dict[str, Any]]) -> Path:
@@ -142,6 +204,65 @@ def _drills(config: SftConfig, tokenizer: Any) -> list[Any]:
     return [render(expert.drill(task), tokenizer) for task in drill_tasks(config.demonstrations.drills, config.seed)]
 
 
+EARLY_ENDS = "phase_ends.jsonl"
+"""Phases that ended before their steps (`until_written_loss`): ``{"phase", "end"}`` per line."""
+COPY_CHECKS = "copy_checks.jsonl"
+"""The written-letter checks of phases with `check_every` or `until_written_loss` (gyre.sft.copying)."""
+
+
+def _kept(path: Path, start: int, *, after_step: bool = False) -> Path:
+    """``path`` (a JSONL of ``step``-keyed lines) cut to what the checkpoint resumed from (``start`` steps done)
+    had seen: lines of the steps before ``start``, or with ``after_step`` (``step`` counts the steps done, a
+    check of the weights after them) up to and including ``start``."""
+    kept = [line for line in (path.read_text().splitlines() if path.exists() else [])
+            if json.loads(line)["step"] < start + after_step]
+    path.write_text("".join(line + "\n" for line in kept))
+    return path
+
+
+def _early_ends(path: Path, plan: list[Phase], start: int) -> dict[str, int]:
+    """Per phase, the step it ended at early, as far as the checkpoint resumed from (``start``) knows."""
+    names = {p.name for p in plan}
+    ends: dict[str, int] = {}
+    kept = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        record = json.loads(line)
+        if record["end"] > start:
+            continue
+        if record["phase"] not in names:
+            raise ConfigError(f"{path}: phase {record['phase']!r} ended early in this run but is not in the "
+                              f"config's phases {sorted(names)}")
+        ends[record["phase"]] = record["end"]
+        kept.append(line)
+    if path.exists():
+        path.write_text("".join(line + "\n" for line in kept))
+    return ends
+
+
+def _train_step(backend: Any, batch: list[Any], pad: int, lr: float) -> dict[str, Any]:
+    """One optimizer step on ``batch`` (rendered examples, right-padded) at ``lr``: mean loss over its assistant
+    tokens; the loss curve's figures."""
+    import torch
+
+    width = max(len(e.input_ids) for e in batch)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
+    attention = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, e in enumerate(batch):
+        n = len(e.input_ids)
+        ids[row, :n] = torch.tensor(e.input_ids)
+        attention[row, :n] = 1
+        labels[row, :n] = torch.where(torch.tensor(e.assistant), torch.tensor(e.input_ids), IGNORE)
+    for group in backend.optimizer.param_groups:
+        group["lr"] = lr
+    backend.model.train()
+    loss = backend.model(input_ids=ids, attention_mask=attention, labels=labels).loss
+    loss.backward()
+    result = backend.optimizer_step(normalizer=1.0)  # the loss is already a mean over assistant tokens
+    return {"loss": round(float(loss.detach()), 5), "grad_norm": round(result.grad_norm, 4), "lr": lr,
+            "tokens": int(attention.sum()), "trained_tokens": int((labels != IGNORE).sum())}
+
+
 def run_sft(config: SftConfig, *, resume: bool = False,
             progress: Callable[[dict[str, Any]], None] = lambda line: None) -> Path:
     """Train; returns the HF checkpoint directory written (``RUN_DIR/model``)."""
@@ -172,50 +293,57 @@ def run_sft(config: SftConfig, *, resume: bool = False,
     examples = [render(r, tokenizer) for r in records]
     drills = _drills(config, tokenizer)
     backend = TorchBackend(model, TorchBackendConfig(optimizer=OptimizerConfig(
-        lr=config.lr, max_grad_norm=config.max_grad_norm)))
+        lr=config.plan()[0].lr, max_grad_norm=config.max_grad_norm)))
     checkpoints = run_dir / "checkpoints"
     done = sorted(checkpoints.glob("step-*[0-9]")) if resume else []
     start = 0
     if done:
         backend.load_checkpoint(done[-1])
         start = backend.policy_version  # = steps trained
-    curve = run_dir / "loss.jsonl"
-    kept = [line for line in (curve.read_text().splitlines() if curve.exists() else [])
-            if json.loads(line)["step"] < start]
-    curve.write_text("".join(line + "\n" for line in kept))
+    plan = config.plan()
+    early = _early_ends(run_dir / EARLY_ENDS, plan, start)
+    curve = _kept(run_dir / "loss.jsonl", start)
+    checks = _kept(run_dir / COPY_CHECKS, start, after_step=True)
     pad = tokenizer.pad_token_id
-    with curve.open("a") as log:
-        for step in range(start, config.steps):
-            started = time.monotonic()
-            rng = random.Random(config.seed * 1_000_003 + step)
-            drilling = config.drill_share > 0 and rng.random() < config.drill_share
-            pool, size = (drills, config.drill_batch_size) if drilling else (examples, config.batch_size)
-            batch = [pool[rng.randrange(len(pool))] for _ in range(size)]
-            width = max(len(e.input_ids) for e in batch)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
-            attention = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, e in enumerate(batch):
-                n = len(e.input_ids)
-                ids[row, :n] = torch.tensor(e.input_ids)
-                attention[row, :n] = 1
-                labels[row, :n] = torch.where(torch.tensor(e.assistant), torch.tensor(e.input_ids), IGNORE)
-            for group in backend.optimizer.param_groups:
-                group["lr"] = config.lr_at(step)
-            backend.model.train()
-            loss = backend.model(input_ids=ids, attention_mask=attention, labels=labels).loss
-            loss.backward()
-            result = backend.optimizer_step(normalizer=1.0)  # the loss is already a mean over assistant tokens
-            line = {"step": step, "batch": "drills" if drilling else "demonstrations",
-                    "loss": round(float(loss.detach()), 5), "grad_norm": round(result.grad_norm, 4),
-                    "lr": config.lr_at(step),
-                    "tokens": int(attention.sum()), "trained_tokens": int((labels != IGNORE).sum()),
-                    "seconds": round(time.monotonic() - started, 3)}
-            log.write(json.dumps(line) + "\n")
-            log.flush()
-            progress(line)
-            if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-                backend.save_checkpoint(checkpoints / f"step-{step + 1:06d}")
+    step, phase_start = start, 0
+    with curve.open("a") as log, checks.open("a") as check_log:
+        for phase in plan:
+            end = early.get(phase.name, phase_start + phase.steps)
+            if step >= end:
+                phase_start = end
+                continue
+            if step == phase_start:
+                progress({"step": step, "phase": phase.name, "phase_starts": True})
+            while step < end:
+                started = time.monotonic()
+                local = step - phase_start
+                rng = random.Random(config.seed * 1_000_003 + step)
+                drilling = phase.drill_share > 0 and rng.random() < phase.drill_share
+                pool, size = (drills, config.drill_batch_size) if drilling else (examples, config.batch_size)
+                batch = [pool[rng.randrange(len(pool))] for _ in range(size)]
+                line = {"step": step, "phase": phase.name, "batch": "drills" if drilling else "demonstrations",
+                        **_train_step(backend, batch, pad, phase.lr_at(local)),
+                        "seconds": round(time.monotonic() - started, 3)}
+                log.write(json.dumps(line) + "\n")
+                log.flush()
+                progress(line)
+                step += 1
+                if phase.checks is not None and (step - phase_start) % phase.checks == 0:
+                    from gyre.sft.copying import written_letter_loss
+
+                    check = {"step": step, "phase": phase.name, **written_letter_loss(backend.model, tokenizer)}
+                    check_log.write(json.dumps(check) + "\n")
+                    check_log.flush()
+                    progress(check)
+                    if phase.until_written_loss is not None and check["written_letters"] < phase.until_written_loss \
+                            and step < end:
+                        end = step
+                        # recorded before the checkpoint: a resume from an earlier one drops it and decides again
+                        with (run_dir / EARLY_ENDS).open("a") as ends:
+                            ends.write(json.dumps({"phase": phase.name, "end": step}) + "\n")
+                if step % config.checkpoint_every == 0 or step == end:
+                    backend.save_checkpoint(checkpoints / f"step-{step:06d}")
+            phase_start = end
     out = run_dir / "model"
     if out.exists():
         shutil.rmtree(out)
