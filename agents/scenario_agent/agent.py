@@ -187,12 +187,13 @@ def run(description: dict[str, Any], client: Client, log: Any) -> dict[str, Any]
         messages.append({"role": "assistant", "content": last})
         usage = reply.get("usage") or {}
         completion = usage.get("completion_tokens")
-        real_out += max_tokens if completion is None else int(completion)
+        got = max_tokens if completion is None else int(completion)
+        real_out += got
         prompt = usage.get("prompt_tokens")
         if prompt:  # an engine that reports no prompt count leaves the sizing to the plan alone
             if not root and previous is not None:
                 overhead = int(prompt) - sum(previous) - body / chars_per_token
-            previous = (int(prompt), max_tokens if completion is None else int(completion))
+            previous = (int(prompt), got)
         plan_context = plan_prompt + int(call["output_tokens"])
         made.append({"max_tokens": max_tokens, "prompt_chars": chars, "compaction": bool(call.get("compaction")),
                      "prompt_tokens": prompt, "completion_tokens": completion})

@@ -121,7 +121,6 @@ class Trainer:
         self.leaving: dict[str, Callable[[], None]] = {}
         self.group_tokens: dict[str, list[int]] = {}
         """Per group, its trained executions' tokens in completion order (the rows `balanced` bins)."""
-        self.group_samples: dict[str, int] = {}
         self.link = SharedLink(sim) if sim.scenario.training.share_core_link else None
         sc = sim.scenario
         self.s_per_mtoken = sc.training.cell_s_per_mtoken(sc.cluster.gpus_per_cell)
@@ -150,7 +149,6 @@ class Trainer:
     def data_done(self, spec: ExecutionSpec) -> None:
         if spec.trained:
             self.group_tokens.setdefault(spec.group_id, []).append(spec.tokens)
-            self.group_samples[spec.group_id] = self.group_samples.get(spec.group_id, 0) + 1
 
     def _complete_groups(self, step: int) -> list[str]:
         if self.partial:
@@ -208,7 +206,7 @@ class Trainer:
         tokens = sum(rows[i] for i in balanced(rows, per_group)[share])
         step.tokens += tokens
         if share == 0:
-            step.samples += self.group_samples.get(group, 0)
+            step.samples += len(rows)
         self.busy[cell] = m
         step.cells.add(cell)
         sim.emit(MicroStepClaimed(ts=sim.ts, step=step.step, cell_id=cell, micro_step=m, tokens=tokens))
