@@ -6,8 +6,12 @@ or ``gyre-workload-set/1``, a list of them), and makes exactly the described mod
 OpenAI Chat Completions API at ``$OPENAI_BASE_URL`` with ``$OPENAI_API_KEY``, over plain HTTP (stdlib only).
 
 For each call, in order:
-1. it sleeps the call's tool/environment wait, ``wait_s / time_scale`` (a stall's wait is the whole
-   timeout: the harness runner's timeout, set to ``timeout_s / time_scale``, ends the run in it);
+1. it sleeps the call's tool/environment wait, ``wait_s / time_scale``, counted from when the previous reply
+   arrived, or for the first call from ``--started-at`` (when the runner began the execution): its own
+   start-up (sandbox, interpreter) is part of the environment's start the plan's first wait stands for, not
+   time on top of it, which ``time_scale`` would multiply. Where the start-up outlasts that wait, the excess is
+   reported as ``late_s`` (a stall's wait is the whole timeout: the harness runner's timeout, set to
+   ``timeout_s / time_scale``, ends the run in it);
 2. it appends the call's prompt growth to the conversation as filler text of about
    ``prompt_delta_tokens / token_scale`` tokens (``chars_per_token`` characters each; 1 for a byte-level
    tokenizer): the first call's as the task, the others' as a tool output after the previous reply. A
@@ -143,8 +147,9 @@ class Client:
             time.sleep(delay)
 
 
-def run(description: dict[str, Any], client: Client, log: Any) -> dict[str, Any]:
-    """Make the described calls; return what happened (for the report)."""
+def run(description: dict[str, Any], client: Client, log: Any, started_at: float | None = None) -> dict[str, Any]:
+    """Make the described calls; return what happened (for the report). ``started_at``: when the execution
+    began (Unix seconds; default now), which the first call's wait counts from."""
     time_scale = float(description.get("time_scale", 1.0))
     token_scale = float(description.get("token_scale", 1.0))
     chars_per_token = float(description.get("chars_per_token", 1.0))
@@ -153,13 +158,16 @@ def run(description: dict[str, Any], client: Client, log: Any) -> dict[str, Any]
     system = {"role": "system", "content": SYSTEM_PROMPT}
     messages: list[dict[str, Any]] = [system]
     made: list[dict[str, Any]] = []
-    waited, last = 0.0, ""
+    waited, late, last = 0.0, 0.0, ""
+    anchor = time.time() if started_at is None else started_at  # what the next wait counts from
     plan_context = plan_out = real_out = 0  # the plan's context after the previous call, outputs so far; real outputs
     previous: tuple[int, int] | None = None  # the previous call's real (prompt, completion) tokens, from usage
     overhead = 0.0  # real tokens a tool output adds beyond its filler (template, header): the last turn's
     for i, call in enumerate(description["calls"]):
         wait = float(call["wait_s"]) / time_scale
-        time.sleep(wait)
+        behind = time.time() - anchor  # spent since the anchor: start-up, or the reply's own handling
+        time.sleep(max(0.0, wait - behind))
+        late += max(0.0, behind - wait)
         waited += wait
         if call.get("stall"):  # a hung tool: the runner's timeout ends the run in it
             log("stall", call=i, waited_s=round(wait, 3))
@@ -181,7 +189,9 @@ def run(description: dict[str, Any], client: Client, log: Any) -> dict[str, Any]
             messages.append({"role": "user", "content": header + filler(body, i)})
         plan_out += int(call["output_tokens"])
         max_tokens = max(1, round(plan_out / token_scale) - real_out)
+        sent = time.time()
         reply = client.complete(messages, max_tokens)
+        anchor = time.time()
         message = reply["choices"][0].get("message") or {}
         last = message.get("content") or ""
         messages.append({"role": "assistant", "content": last})
@@ -198,8 +208,9 @@ def run(description: dict[str, Any], client: Client, log: Any) -> dict[str, Any]
         made.append({"max_tokens": max_tokens, "prompt_chars": chars, "compaction": bool(call.get("compaction")),
                      "prompt_tokens": prompt, "completion_tokens": completion})
         log("call", call=i, max_tokens=max_tokens, prompt_chars=chars, prompt_tokens=prompt, waited_s=round(wait, 3),
-            finish_reason=reply["choices"][0].get("finish_reason"))
-    return {"calls": made, "waited_s": round(waited, 3), "answer": last}
+            finish_reason=reply["choices"][0].get("finish_reason"), sent=round(sent, 4),
+            received=round(anchor, 4))
+    return {"calls": made, "waited_s": round(waited, 3), "late_s": round(late, 3), "answer": last}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -208,6 +219,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--execution-id", default=os.environ.get("GYRE_EXECUTION_ID"),
                         help="which execution of a set (default: $GYRE_EXECUTION_ID)")
     parser.add_argument("--answer-file", default="answer.txt", help="where the last reply is written")
+    parser.add_argument("--started-at", type=float, default=None,
+                        help="when the execution began, Unix seconds (the runner's {started_at}; default: now)")
     parser.add_argument("--model", default=os.environ.get("OPENAI_MODEL", "gyre-policy"))
     parser.add_argument("--max-retries", type=int, default=3)
     parser.add_argument("--retry-backoff-s", type=float, default=0.5)
@@ -219,6 +232,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     started = time.monotonic()
+    print(json.dumps({"event": "started", "t": round(time.time(), 4)}), file=sys.stderr, flush=True)
 
     def log(event: str, **fields: Any) -> None:
         print(json.dumps({"event": event, **fields}, default=str), file=sys.stderr, flush=True)
@@ -230,7 +244,7 @@ def main(argv: list[str]) -> int:
         description = select(json.loads(args.workload.read_text()), args.execution_id)
         client = Client(base_url, api_key, args.model, max_retries=args.max_retries, backoff_s=args.retry_backoff_s,
                         timeout_s=args.request_timeout_s, ignore_eos=args.ignore_eos, log=log)
-        outcome = run(description, client, log)
+        outcome = run(description, client, log, args.started_at)
     except (UsageError, OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         print(f"scenario-agent: {e}", file=sys.stderr)
         return 2
@@ -248,7 +262,8 @@ def main(argv: list[str]) -> int:
                       "max_tokens": [c["max_tokens"] for c in outcome["calls"]],
                       "completion_tokens": sum(c["completion_tokens"] or 0 for c in outcome["calls"]),
                       "compactions": sum(c["compaction"] for c in outcome["calls"]),
-                      "waited_s": outcome["waited_s"], "duration_s": round(time.monotonic() - started, 3)}),
+                      "waited_s": outcome["waited_s"], "late_s": outcome["late_s"],
+                      "duration_s": round(time.monotonic() - started, 3)}),
           flush=True)
     if crash:
         log("crash", message="the description says this run crashes (harness_error)")

@@ -188,14 +188,14 @@ class CellNode:
                 return
 
     def _build_core(self) -> None:
-        from gyre.cluster.faults import CrashingProducer, crash_points
+        from gyre.cluster.faults import NOT_EVENTS, CrashingProducer, crash_points
         from gyre.trainer import StepCoordinator
         from gyre.trainer.core import LocalCoreTrainer
         from gyre.trainer.weights import WeightStore
 
         log_path = self.run_dir / "log"  # names the log in errors only: it is read through the controller
         producer: Any = self.link.producer("trainer")
-        crash_at = crash_points(self.cell_id) - {"claim"}
+        crash_at = crash_points(self.cell_id) - NOT_EVENTS
         if crash_at:  # fault injection (tests): die at a moment too short to hit from outside
             producer = CrashingProducer(producer, crash_at, self.run_dir, self.cell_id)
         restarted = producer.next_seq > 0  # the log holds a predecessor's trainer events
@@ -214,7 +214,8 @@ class CellNode:
             self._restore(coordinator, *folded[1:])
         # serves the core's trainer once the weights the next step trains from (initially v0) are published: a
         # satellite may join before the step opens
-        self.trainer_service.attach(coordinator, self.core)
+        hub = self.trainer_service.attach(coordinator, self.core)
+        hub.yield_to_satellites = "yield" in crash_points(self.cell_id)  # fault injection (tests)
         self._closers.append(self.core.close)
 
     def _fold(self) -> tuple[TrainerState, SchedulerView, RunState]:

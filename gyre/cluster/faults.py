@@ -8,7 +8,10 @@ names them in the environment of `gyre run`, which every process it starts inher
 - ``<cell>:<event kind>[@n]``: the cell kills itself once the n-th (default first) event of that kind it
   recorded is durable (the core's trainer records every step's events: ``train_step_started``,
   ``micro_step_finished`` of every replica, ...);
-- ``<cell>:claim``: a satellite kills itself right after it claimed a micro-step, before the work.
+- ``<cell>:claim``: a satellite kills itself right after it claimed a micro-step, before the work;
+- ``<cell>:yield``: not a crash: the core's replica claims a step's micro-steps only once every satellite
+  joined at the step's start has claimed one (or left), so a test whose satellites must claim (to die at
+  ``claim``) does not race a core that trains a tiny micro-step in milliseconds.
 
 Each point fires once per run: a marker ``<run_dir>/processes/<cell>.crashed-<point>`` is written first, so
 the restarted process does not crash again. Unset, nothing here runs.
@@ -23,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 CRASH_ENV = "GYRE_CRASH_AT"
+NOT_EVENTS = frozenset({"claim", "yield"})
+"""Points that are not ``<event kind>[@n]`` (a `CrashingProducer` never watches for them)."""
 
 
 def crash_points(cell_id: str, environ: dict[str, str] | None = None) -> set[str]:

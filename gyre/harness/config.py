@@ -43,6 +43,8 @@ HARNESS_PLACEHOLDERS: dict[str, str] = {
     "python": "the Python interpreter running Gyre (sys.executable)",
     "config_dir": "the directory of the configuration file (the current directory when built in code)",
     "timeout_s": "the execution's wall-clock limit in seconds",
+    "started_at": "when the runner began the execution (Unix seconds, before its workspace and sandbox were made): "
+                  "what a harness that paces itself measures its start-up from",
 }
 """Placeholders of `HarnessConfig.command` and `HarnessConfig.env`."""
 

@@ -289,7 +289,7 @@ class HarnessRunner:
                 self._uids.release(uid)
 
     def _execute_as(self, execution: Execution, uid: int | None) -> ExecutionResult:
-        began = time.monotonic()
+        began, began_at = time.monotonic(), time.time()
         dirs = ExecutionDirs.for_execution(self.root, execution.execution_id, execution.attempt)
 
         def not_started(message: str) -> ExecutionResult:
@@ -302,7 +302,7 @@ class HarnessRunner:
         except WorkspaceError as e:
             return not_started(str(e))
         timeout_s = min(self.config.timeout_s, execution.task.spec.timeout_s or self.config.timeout_s)
-        values = self._values(execution, dirs, timeout_s)
+        values = self._values(execution, dirs, timeout_s, began_at)
         argv = expand_all(self.config.command, values, where=f"harness {self.config.name!r} command")
         env = self._env(execution, dirs, values)
         relay_socket = None
@@ -402,7 +402,8 @@ class HarnessRunner:
 
     # -- what the harness sees ------------------------------------------------------------------------------
 
-    def _values(self, execution: Execution, dirs: ExecutionDirs, timeout_s: float) -> dict[str, str]:
+    def _values(self, execution: Execution, dirs: ExecutionDirs, timeout_s: float,
+                started_at: float) -> dict[str, str]:
         spec = execution.task.spec
         return {
             "prompt": spec.prompt,
@@ -421,6 +422,7 @@ class HarnessRunner:
             "python": sys.executable,
             "config_dir": self.config.config_dir or os.getcwd(),
             "timeout_s": f"{timeout_s:g}",
+            "started_at": f"{started_at:.4f}",
         }
 
     def _home(self, dirs: ExecutionDirs) -> str:

@@ -128,6 +128,9 @@ class TrainerHub:
         """Gradients of satellites that left with everything landed during the open step (flat fp32)."""
         self._absorbed_steps: set[int] = set()
         self._free_after_close: list[str] = []
+        self.yield_to_satellites = False
+        """Fault injection (`gyre.cluster.faults`, point ``yield``): the core claims a step's micro-steps only
+        once each satellite joined at its start has claimed one or left."""
 
     # -- weights ----------------------------------------------------------------------------------------------
 
@@ -169,6 +172,8 @@ class TrainerHub:
         expiring meanwhile hand micro-steps back to it), then sums the satellites' slots into its gradients.
         ``coordinator``: what the core's replica claims through (a streamed step's feed; default the hub's)."""
         deadline = time.monotonic() + timeout_s
+        if self.yield_to_satellites:
+            self._let_satellites_claim(deadline)
         done: list[MicroStepResult] = []
         while True:
             done += work(backend, coordinator or self.coordinator, self.core_cell, batch_of,
@@ -180,6 +185,18 @@ class TrainerHub:
                                         f"{self.describe_pending()}")
             self.expire_leases()
             self.coordinator.wait_for_work(0.1)
+
+    def _let_satellites_claim(self, deadline: float) -> None:
+        with self._lock:
+            waiting = set(self._members)
+        while waiting and time.monotonic() < deadline:
+            self.expire_leases()
+            with self._lock:
+                waiting = {c for c in waiting if c in self._members and self._members[c].step != self._step}
+                step = open_step(self.coordinator.state)
+                if step is None or len(step.claimed) >= step.planned_micro_steps:
+                    return  # nothing left for them to claim
+                self.coordinator.wait_for_work(0.05)
 
     def complete(self) -> bool:
         """Every micro-step finished, and each one a satellite finished is in that satellite's landed slot."""

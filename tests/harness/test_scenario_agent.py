@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -193,6 +194,24 @@ def test_a_crash_a_stall_and_retries(tmp_path: Path) -> None:
         done = agent(server.url, single, tmp_path)
         assert done.returncode == 0 and len(server.requests) == 2  # the stall's call is never sent
         assert json.loads(done.stdout.strip().splitlines()[-1])["waited_s"] >= 0.05
+
+
+def test_the_first_wait_counts_from_the_executions_start_and_later_ones_from_each_reply(tmp_path: Path) -> None:
+    """A harness's own start-up is part of the environment start the first wait stands for: begun 1,000 s
+    ago, the agent does not sleep its 30 s first wait (or this test times out) and reports the excess as
+    late; each later wait is still slept whole after its reply."""
+    _, d = workload_file(tmp_path, time_scale=1e4, token_scale=50)
+    one = {**d, "time_scale": 1.0, "calls": [{**d["calls"][0], "wait_s": 30.0}, {**d["calls"][1], "wait_s": 0.2}]}
+    single = tmp_path / "one.json"
+    single.write_text(json.dumps(one))
+    with FakeOpenAI() as server:
+        done = agent(server.url, single, tmp_path, "--started-at", str(time.time() - 1000), timeout=25)
+        assert done.returncode == 0, done.stderr
+        assert len(server.requests) == 2
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert 970 <= report["late_s"] <= 1000 + 25
+    calls = [json.loads(line) for line in done.stderr.splitlines() if line.startswith('{"event": "call"')]
+    assert calls[1]["sent"] - calls[0]["received"] >= 0.2
 
 
 def test_bad_usage_is_exit_2(fake: FakeOpenAI, tmp_path: Path) -> None:
