@@ -169,6 +169,7 @@ class ProxyNode:
         gate = PlacementGate(proxy.router)
         runner = HarnessRunner(harness, sink=self.link.producer("harness"), proxy_url=url,
                                root=Path(config.run_dir) / "executions", gate=gate, finishing=self._finishing)
+        proxy.on_placed_again = runner.holds.release  # a cut execution's timeout runs again once it is placed
         tasks = rollout_tasks(config.rollout)[0]
         heldout = TaskSet.load(config.evaluation.tasks) if config.evaluation.tasks is not None else tasks
         return _Components(proxy, server, runner, gate, tasks, heldout)
@@ -256,6 +257,8 @@ class ProxyNode:
                                               group_id=spec.group_id, step=None if spec.step < 0 else spec.step,
                                               attempt=spec.attempt, policy_version=redirect.resume_version))
             if queued:
+                for event in queued:  # its timeout does not run while it is cut (`HarnessRunner.holds`)
+                    parts.runner.holds.hold(event.execution_id)
                 parts.server.call(parts.proxy.cut(redirect.from_cell_id, queued, redirect.resume_version))
         return len(queued)
 

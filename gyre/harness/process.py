@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,14 +173,17 @@ class GroupProcess:
         return self._popen.pid
 
     def wait(self, timeout_s: float | None, *, grace_s: float, cancel: threading.Event | None = None,
-             kill_leftovers: bool = True) -> ProcessOutcome:
+             kill_leftovers: bool = True, held: Callable[[], float] | None = None) -> ProcessOutcome:
         """Wait for the leader to exit, at most `timeout_s` (or until `cancel` is set), then reap it.
 
         On timeout or cancel: SIGTERM to the group, `grace_s` for it to exit, then SIGKILL to the group and
         to every process that left it (`kill_tagged`). After a normal exit, leftovers get the same SIGKILL
-        when `kill_leftovers` (the default).
+        when `kill_leftovers` (the default). ``held``: seconds the timeout does not count so far, asked again
+        while waiting (it may grow: an execution cut by the scheduler waits to be placed again).
         """
-        deadline = None if timeout_s is None else self._started + timeout_s
+        def deadline() -> float | None:
+            return None if timeout_s is None else self._started + timeout_s + (held() if held else 0.0)
+
         timed_out = cancelled = False
         if not self._poll_until(deadline, cancel):
             cancelled = cancel is not None and cancel.is_set()
@@ -191,7 +194,8 @@ class GroupProcess:
                         os.kill(pid, signal.SIGTERM)
             else:
                 self._signal_group(signal.SIGTERM)
-            self._poll_until(time.monotonic() + grace_s, None)
+            grace_end = time.monotonic() + grace_s
+            self._poll_until(lambda: grace_end, None)
             self._signal_group(signal.SIGKILL)
             kill_tagged(self.tag, self.pid)
         elif kill_leftovers:
@@ -207,13 +211,13 @@ class GroupProcess:
         except ChildProcessError:  # already reaped: cannot happen here, but then it has certainly exited
             return True
 
-    def _poll_until(self, deadline: float | None, cancel: threading.Event | None) -> bool:
-        """True once the leader exited; False at the deadline or when `cancel` is set."""
+    def _poll_until(self, deadline_at: Callable[[], float | None], cancel: threading.Event | None) -> bool:
+        """True once the leader exited; False at the deadline (asked each round) or when `cancel` is set."""
         delay = POLL_MIN_S
         while not self._exited():
             if cancel is not None and cancel.is_set():
                 return False
-            now = time.monotonic()
+            now, deadline = time.monotonic(), deadline_at()
             if deadline is not None and now >= deadline:
                 return False
             pause = delay if deadline is None else min(delay, deadline - now)

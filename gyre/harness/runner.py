@@ -158,6 +158,37 @@ class Gate:
             self._cond.notify_all()
 
 
+class Holds:
+    """Time each execution spends held by the scheduler — cut (partial rollouts) and waiting to be placed
+    again — which its timeout does not count: ``timeout_s`` bounds an execution's time on cells, as the
+    simulator's does (a cut there pauses the timeout), so a cut never turns into a timeout. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since: dict[str, float] = {}
+        self._total: dict[str, float] = {}
+
+    def hold(self, execution_id: str) -> None:
+        with self._lock:
+            self._since.setdefault(execution_id, time.monotonic())
+
+    def release(self, execution_id: str) -> None:
+        with self._lock:
+            since = self._since.pop(execution_id, None)
+            if since is not None:
+                self._total[execution_id] = self._total.get(execution_id, 0.0) + time.monotonic() - since
+
+    def held_s(self, execution_id: str) -> float:
+        with self._lock:
+            since = self._since.get(execution_id)
+            return self._total.get(execution_id, 0.0) + (time.monotonic() - since if since is not None else 0.0)
+
+    def forget(self, execution_id: str) -> None:
+        with self._lock:
+            self._since.pop(execution_id, None)
+            self._total.pop(execution_id, None)
+
+
 class HarnessRunner:
     """Runs executions with bounded concurrency and records their events in `sink`."""
 
@@ -194,6 +225,8 @@ class HarnessRunner:
         self._queued = 0
         self._running = 0
         self._closed = False
+        self.holds = Holds()
+        """Time the scheduler holds an execution (a cut), which its timeout does not count."""
 
     # -- the training loop's API -------------------------------------------------------------------------
 
@@ -331,7 +364,8 @@ class HarnessRunner:
                 return not_started(f"cannot start harness {argv[0]!r}: {e}")
             self.sink.record(ExecutionStarted(execution_id=execution.execution_id, cell_id=execution.cell_id,
                                               workspace=str(dirs.workspace), pid=process.pid))
-            ended = process.wait(timeout_s, grace_s=self.config.kill_grace_s, cancel=self._cancel)
+            ended = process.wait(timeout_s, grace_s=self.config.kill_grace_s, cancel=self._cancel,
+                                 held=lambda: self.holds.held_s(execution.execution_id))
         finally:
             if relay_socket is not None:
                 assert self._relay is not None
@@ -375,6 +409,7 @@ class HarnessRunner:
             position = self.sink.record(ExecutionFinished(execution_id=execution.execution_id, status=status,
                                                           duration_s=duration_s, exit_code=exit_code,
                                                           message=message))
+        self.holds.forget(execution.execution_id)  # after `finishing`: no cut holds an ended execution
         outcome = None
         if evaluate:
             scoring = None if sandbox is None else replace(sandbox, writable=(dirs.evaluation,))

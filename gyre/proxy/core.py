@@ -139,6 +139,9 @@ class Proxy:
         self._active: dict[str, ActiveCall] = {}
         self._context: dict[str, int | None] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self.on_placed_again: Callable[[str], None] | None = None
+        """Told the id of each cut execution once it is placed again (a cluster's harness runner stops holding
+        its timeout there)."""
 
     # -- the runner's API ------------------------------------------------------------------------------
 
@@ -243,6 +246,8 @@ class Proxy:
         cell = await self._await_route(lambda: self.router.place_cut(execution_id), self.config.weights_wait_s,
                                        give_up)
         self.sink.record(ExecutionStarted(execution_id=execution_id, cell_id=cell))
+        if self.on_placed_again is not None:
+            self.on_placed_again(execution_id)
         if call is not None:
             call.redirects += 1
             self.sink.record(CallRedirected(

@@ -265,3 +265,23 @@ def test_an_executions_end_is_recorded_inside_its_finishing_hook(tmp_path: Path)
         result = r.run(execution(task))
     assert inside == [[result.execution_id, "execution_finished"]]
     assert [e.kind for e in sink.events][-1] == "reward_recorded"
+
+
+def test_time_held_by_the_scheduler_does_not_count_toward_the_timeout(tmp_path: Path) -> None:
+    """A cut execution (partial rollouts) waits to be placed again; its timeout bounds its time on cells, as
+    the simulator's does, so the wait is not counted: held from before it starts, a harness with a 0.5 s
+    timeout is still running 2 s on; released, its clock runs again and it times out after its 0.5 s."""
+    sink = MemorySink()
+    task = make_task()
+    with runner(shell("while :; do sleep 0.05; done", timeout_s=0.5, sandbox="none"), tmp_path, sink) as r:
+        held = execution(task)
+        r.holds.hold(held.execution_id)
+        future = r.submit(held)
+        wait_for(lambda: any(e.kind == "execution_started" for e in sink.events), what="the harness to start")
+        time.sleep(2.0)  # four timeouts' worth of held time: not a race, a lower bound on the held time
+        assert not future.done(), "the harness timed out while the scheduler held it"
+        r.holds.release(held.execution_id)
+        result = future.result(timeout=120)
+    assert result.status == "timed_out"
+    assert result.duration_s >= 2.0 + 0.5
+    assert r.holds.held_s(held.execution_id) == 0.0  # forgotten once it ended
