@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.stream_live import measure
 from gyre.cluster.config import ClusterConfig
-from gyre.cluster.emulated import scenario_overrides
+from gyre.cluster.emulated import measure, scenario_overrides
 from gyre.cluster.run import ClusterRun
 from gyre.log import LogReader
 from gyre.sim.calls import CallTiming, plan_calls
