@@ -21,12 +21,13 @@ durable: in the controller's log, or — while the controller is down — in thi
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,35 +54,71 @@ LINK_CLOSE_S = 30.0
 class PlacementGate(Gate):
     """Admits an execution once an admitting cell whose engine holds the execution's policy version (or a
     newer one) has a free slot, and places it there (`Router.place`) in the same step, so no other execution
-    takes the slot in between. A routing update (a cell loaded a version, joined or left rollout) or an
-    execution leaving its cell wakes the waiters (`interrupt`).
+    takes the slot in between. Waiting executions are placed in the order they were queued (`expect`), as the
+    simulator places them, whichever harness thread wakes first: whoever re-checks places every waiter that
+    fits, oldest first. A routing update (a cell loaded a version, joined or left rollout) or an execution
+    leaving its cell wakes the waiters (`interrupt`).
     """
 
     def __init__(self, router: Router) -> None:
         super().__init__(is_open=True)
         self.router = router
         self._placed: dict[str, str] = {}
+        self._order: dict[str, int] = {}
+        """Queue position of each execution told of (`expect`) or waiting, until it is placed or gives up."""
+        self._waiting: dict[str, int] = {}
+        """Executions whose harness thread waits here, with the policy version each was queued with."""
+        self._tickets = itertools.count()
+
+    @property
+    def waiting(self) -> int:
+        """How many harness threads wait here to be placed."""
+        with self._cond:
+            return len(self._waiting)
+
+    def expect(self, execution_ids: Iterable[str]) -> None:
+        """The order executions were queued in (the controller's), which placement follows."""
+        with self._cond:
+            for execution_id in execution_ids:
+                self._order.setdefault(execution_id, next(self._tickets))
 
     def enter(self, stop: Callable[[], bool], execution_id: str = "", version: int = 0) -> bool:
-        def placed() -> bool:
-            cell = self.router.place(execution_id, version)
-            if cell is not None:
-                self._placed[execution_id] = cell
-            return cell is not None
-
         with self._cond:
-            self._cond.wait_for(lambda: stop() or placed())
+            self._order.setdefault(execution_id, next(self._tickets))
+            self._waiting[execution_id] = version
+            try:
+                self._cond.wait_for(lambda: stop() or self._place_in_order(execution_id))
+            finally:
+                del self._waiting[execution_id]
             if execution_id not in self._placed:
+                self._order.pop(execution_id, None)
                 return False
             if stop():
                 self.router.unpin(execution_id)
                 del self._placed[execution_id]
+                self._order.pop(execution_id, None)
                 return False
             self._inside += 1
             return True
 
+    def _place_in_order(self, execution_id: str) -> bool:
+        """Place every waiting execution that fits, oldest first (under the lock); True once ``execution_id``
+        is placed. Those placed on another's behalf are woken."""
+        others = False
+        for waiting in sorted(self._waiting, key=self._order.__getitem__):
+            if waiting in self._placed:
+                continue
+            cell = self.router.place(waiting, self._waiting[waiting])
+            if cell is not None:
+                self._placed[waiting] = cell
+                others |= waiting != execution_id
+        if others:
+            self._cond.notify_all()
+        return execution_id in self._placed
+
     def place(self, execution_id: str) -> str | None:
         with self._cond:
+            self._order.pop(execution_id, None)
             return self._placed.pop(execution_id)
 
 
@@ -162,7 +199,9 @@ class ProxyNode:
         url = server.start()
         harness = HarnessConfig.load(config.rollout.harness)
         slots = config.cluster.cells * config.cluster.slots
-        overrides = {"max_concurrency": slots}
+        # placement is the gate's (slots on admitting cells); a harness thread stays busy while its execution
+        # is scored, after its slot was freed: one more thread per slot lets the next execution start meanwhile
+        overrides = {"max_concurrency": 2 * slots}
         if config.rollout.timeout_s is not None:
             overrides["timeout_s"] = config.rollout.timeout_s
         harness = harness.model_copy(update=overrides)
@@ -196,6 +235,7 @@ class ProxyNode:
 
         parts = self._require()
         proxy, runner = parts.proxy, parts.runner
+        parts.gate.expect(spec.execution_id for spec in queue.executions)
         for spec in queue.executions:
             self._held.add(spec.execution_id)
             self._specs[spec.execution_id] = spec
@@ -219,15 +259,24 @@ class ProxyNode:
         with self._cutting:
             self._specs.pop(execution_id, None)
             yield
+        self._release(execution_id)
+
+    def _release(self, execution_id: str) -> None:
+        """The harness ended: its token is revoked and its slot freed — while it is scored, as the simulator
+        frees it (the evaluator makes no model call; holding the slot kept the next execution ~eval_s late)."""
+        from gyre.proxy.errors import UnknownExecutionError
+
+        parts = self.parts
+        if parts is None:
+            return
+        with contextlib.suppress(UnknownExecutionError):  # released already
+            parts.proxy.unregister_execution(execution_id)
+        parts.gate.interrupt()  # its slot is free
 
     def _ended(self, execution_id: str) -> None:
         self._held.discard(execution_id)
         self._specs.pop(execution_id, None)
-        parts = self.parts
-        if parts is None:
-            return
-        parts.proxy.unregister_execution(execution_id)
-        parts.gate.interrupt()  # its slot is free
+        self._release(execution_id)
 
     def _redirect(self, redirect: gyre_pb2.RedirectCell) -> Mapping[str, float]:
         parts = self._require()

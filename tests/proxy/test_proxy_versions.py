@@ -4,6 +4,7 @@ with (or a newer one), and each call records the version its engine reported ser
 from __future__ import annotations
 
 import threading
+import time
 
 import openai
 import pytest
@@ -66,6 +67,40 @@ def test_the_gate_places_an_execution_once_a_cell_holds_its_version() -> None:
     gate.interrupt()
     worker.join(30)
     assert placed == ["b"]
+
+
+def test_the_gate_places_waiting_executions_in_the_order_they_were_queued() -> None:
+    """As the simulator does, whichever harness thread reached the gate (or wakes) first."""
+    router = _router("a")
+    router.set_route("a", 1, admitting=True, version=0)
+    gate = PlacementGate(router)
+    gate.expect(["e0", "e1", "e2", "e3"])
+    assert gate.enter(lambda: False, "e0", 0) and gate.place("e0") == "a"  # the only slot
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def run(execution_id: str) -> None:
+        assert gate.enter(lambda: False, execution_id, 0)
+        with lock:
+            order.append(execution_id)
+        gate.place(execution_id)
+
+    workers = [threading.Thread(target=run, args=(e,)) for e in ("e3", "e2", "e1")]  # the youngest arrives first
+    for worker in workers:
+        worker.start()
+    deadline = time.monotonic() + 30
+    while gate.waiting < 3:
+        assert time.monotonic() < deadline, "the three executions never all waited at the gate"
+        time.sleep(0.01)
+    for done in ("e0", "e1", "e2"):  # each leaves its slot; the oldest waiting execution takes it
+        while done not in order and done != "e0":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        router.unpin(done)
+        gate.interrupt()
+    for worker in workers:
+        worker.join(30)
+    assert order == ["e1", "e2", "e3"]
 
 
 def test_the_gate_lets_a_stopping_runner_go_without_placing() -> None:
