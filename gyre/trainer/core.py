@@ -126,8 +126,11 @@ class LocalCoreTrainer:
         plan is then fixed up front (groups times ``micro_steps_per_group``) and the optimizer step, once
         every micro-step is trained, divides by every execution of the step, as a whole batch would."""
         started = time.monotonic()
+        host_started = self.pacer.clock() if self.pacer is not None else 0.0
         self.coordinator.sink.commit()  # every reward the fold has seen is on disk before the query
         builder, batches, waiting = self._batches(groups)
+        if self.pacer is not None:  # an emulated accelerator (a `PacedBackend`): the query overlaps its time
+            self.backend.host_work(self.pacer.clock() - host_started)  # type: ignore[attr-defined]
         per_group = self.config.trajectory.micro_steps_per_group
         if waiting and per_group is None:
             raise TrainerError(f"step {step} streams ({len(waiting)} of its groups are not complete yet) but "

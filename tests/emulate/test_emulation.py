@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gyre.cluster.config import ClusterConfig
-from gyre.emulate import Accelerator, Emulation, Pacer
+from gyre.emulate import Accelerator, Emulation, PacedBackend, Pacer
 from gyre.engine import SamplingParams, SyncHttpEngineClient
 from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
 from gyre.errors import ConfigError
@@ -57,6 +57,33 @@ def test_the_pacer_waits_out_the_emulated_time_and_counts_what_overran() -> None
     s = pacer.snapshot()
     assert (s["holds"], s["overruns"]) == (2, 1) and s["emulated_s"] == pytest.approx(10.0)
     assert s["overrun_s"] == pytest.approx(0.5) and s["overrun_share"] == pytest.approx(0.5)
+
+
+def test_a_steps_batch_building_overlaps_its_next_micro_steps_accelerator_time() -> None:
+    """Host work before a micro-step (its batch, built from the log) counts inside that micro-step's hold, as
+    a data loader's work overlaps the accelerator's; once only: the micro-step after pays its whole time."""
+    now, slept = [0.0], []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    class Backend:
+        def forward_backward(self, batch: object) -> str:
+            now[0] += 0.1  # real compute
+            return "done"
+
+    class Batch:
+        tokens = 100_000  # 5 emulated seconds at 50 s per Mtoken: 0.5 s of wall time at time_scale 10
+
+    paced = PacedBackend(Backend(), Pacer(Emulation(accelerator=ACCEL, time_scale=10), sleep=sleep,
+                                          clock=lambda: now[0]))
+    now[0] += 0.3  # building the step's batch
+    paced.host_work(0.3)
+    assert paced.forward_backward(Batch()) == "done"
+    assert slept == [pytest.approx(0.1)]  # 0.5 s of wall, of which the build had 0.3 and the compute 0.1
+    paced.forward_backward(Batch())
+    assert slept[-1] == pytest.approx(0.4)
 
 
 def test_the_cpu_engine_charges_each_step_what_it_computed() -> None:
