@@ -260,7 +260,7 @@ def generate_json(
 ) -> bytes:
     """`generate_body` as JSON bytes, with a `Prompt`'s fragments copied once into it."""
     if not isinstance(input_ids, Prompt):
-        return json.dumps(generate_body(input_ids, sampling_params, rid, return_logprob, stream)).encode()
+        return orjson.dumps(generate_body(input_ids, sampling_params, rid, return_logprob, stream))
     rest = generate_body((), sampling_params, rid, return_logprob, stream)
     del rest["input_ids"]
     parts = [b'{"input_ids":[']
@@ -268,7 +268,7 @@ def generate_json(
         parts += (fragment, b",")
     if input_ids.fragments:
         parts.pop()
-    parts.append(b"]," + json.dumps(rest).encode()[1:])
+    parts.append(b"]," + orjson.dumps(rest)[1:])
     return b"".join(parts)
 
 
