@@ -125,13 +125,13 @@ def run_proxy_process(engine_url: str, executions: int, log_dir: str | None) -> 
 
 
 def run_empty_app_process() -> None:
-    """Serve an empty ASGI app behind the proxy's uvicorn stack (guarded h11 protocol, same limits and
-    socket options): it drains the body and answers a fixed Anthropic message. URL on stdout."""
+    """Serve an empty ASGI app behind the proxy's uvicorn stack (guarded httptools protocol, same limits,
+    socket options and event loop): it drains the body and answers a fixed Anthropic message. URL on stdout."""
     import threading
 
     import uvicorn
 
-    from gyre.http_server import listen, uvicorn_config
+    from gyre.http_server import listen, server_loop, uvicorn_config
     from gyre.proxy import ProxyConfig
     from gyre.proxy.http import refusal_parts
 
@@ -163,7 +163,11 @@ def run_empty_app_process() -> None:
     limits = ProxyConfig(engines={"cell0": "http://127.0.0.1:1"}).server_limits()
     sock = listen("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn_config(app, limits, refusal_parts, log_level="warning"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    def run() -> None:
+        with asyncio.Runner(loop_factory=server_loop) as runner:
+            runner.run(server.serve(sockets=[sock]))
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.005)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, Union, runtime_checkable
 
 import httpx
+import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gyre.engine.errors import (
@@ -167,8 +168,13 @@ class Prompt:
 
 
 def ids_json(ids: Sequence[int]) -> bytes:
-    """Token ids as one `Prompt` fragment."""
-    return ",".join(map(str, ids)).encode()
+    """Token ids as one `Prompt` fragment (orjson: ~20x joining `str`s, ~40 us a call's 500 new ids)."""
+    if not isinstance(ids, list):
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # array.array, numpy
+    try:
+        return orjson.dumps(ids)[1:-1]
+    except TypeError:  # ids that are not Python ints (numpy scalars in a list): what `str` makes of them
+        return ",".join(map(str, ids)).encode()
 
 
 # ---- request building and response parsing (shared by both faces) ----------------------------------------
@@ -254,7 +260,7 @@ def generate_json(
 ) -> bytes:
     """`generate_body` as JSON bytes, with a `Prompt`'s fragments copied once into it."""
     if not isinstance(input_ids, Prompt):
-        return json.dumps(generate_body(input_ids, sampling_params, rid, return_logprob, stream)).encode()
+        return orjson.dumps(generate_body(input_ids, sampling_params, rid, return_logprob, stream))
     rest = generate_body((), sampling_params, rid, return_logprob, stream)
     del rest["input_ids"]
     parts = [b'{"input_ids":[']
@@ -262,7 +268,7 @@ def generate_json(
         parts += (fragment, b",")
     if input_ids.fragments:
         parts.pop()
-    parts.append(b"]," + json.dumps(rest).encode()[1:])
+    parts.append(b"]," + orjson.dumps(rest)[1:])
     return b"".join(parts)
 
 
@@ -292,8 +298,13 @@ class _Answer:
         return self
 
     def json(self) -> Any:
+        content = self.ok().content
         try:
-            return json.loads(self.ok().content)
+            return orjson.loads(content)  # ~4x json.loads on a /generate answer
+        except orjson.JSONDecodeError:
+            pass  # perhaps NaN or Infinity, which Python's json writes and orjson refuses
+        try:
+            return json.loads(content)
         except ValueError as e:
             raise EngineProtocolError(f"{self.url} answered non-JSON: {self.text[:200]!r}") from e
 

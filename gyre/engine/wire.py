@@ -116,7 +116,8 @@ async def post_or_raise(pool: WirePool, path: str, body: bytes, headers: dict[st
     """`pool.post` with its failures as the engine errors httpx's would become: no answer within `timeout_s`
     is `EngineTimeoutError`, a failed or dropped connection `EngineUnreachableError` (`url` names the engine)."""
     try:
-        return await asyncio.wait_for(pool.post(path, body, headers), timeout_s)
+        async with asyncio.timeout(timeout_s):  # in this task (wait_for would start a second one per call)
+            return await pool.post(path, body, headers)
     except TimeoutError as e:
         raise EngineTimeoutError(url, timeout_s) from e
     except (WireError, OSError) as e:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from gyre.http_server import listen, uvicorn_config
+from gyre.http_server import listen, server_loop, uvicorn_config
 from gyre.proxy.app import build_app
 from gyre.proxy.core import Proxy, harness_env
 from gyre.proxy.errors import ProxyError
@@ -58,7 +58,7 @@ class ProxyServer:
         return self.url
 
     def _run(self, sock: socket.socket) -> None:
-        loop = asyncio.new_event_loop()
+        loop = server_loop()
         asyncio.set_event_loop(loop)
         self._loop = loop
         assert self._server is not None
@@ -110,4 +110,5 @@ def serve(proxy: Proxy, host: str = "127.0.0.1", port: int = 8080) -> None:
         finally:
             await proxy.aclose()
 
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=server_loop) as runner:
+        runner.run(main())

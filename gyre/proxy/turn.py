@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from gyre.engine import EngineError
 from gyre.proxy.core import ActiveCall, Generation, Proxy
 from gyre.proxy.errors import ApiError
-from gyre.proxy.http import ClientGone, from_engine, until_disconnect
+from gyre.proxy.http import ClientGone, FastJSONResponse, from_engine, until_disconnect
 from gyre.proxy.output import OutputParser, Piece
 from gyre.proxy.replies import FinalText, Reply, final_text, new_parser
 
@@ -99,7 +99,7 @@ async def answer(request: Request, proxy: Proxy, call: ActiveCall, front: FrontE
         raise from_engine(e) from e
     finally:
         call.abandon()
-    return JSONResponse(front.plain(final, text, reply), headers=front.headers)
+    return FastJSONResponse(front.plain(final, text, reply), headers=front.headers)
 
 
 async def _stream(proxy: Proxy, call: ActiveCall, front: FrontEnd) -> AsyncIterator[str]:

@@ -81,6 +81,26 @@ def test_bodies_and_heads_over_the_limit(proxy: Running) -> None:
     still_serves(proxy)
 
 
+def test_a_head_that_grows_past_the_limit_unfinished_is_refused(proxy: Running) -> None:
+    """The parser keeps a header until it is whole: an endless one is refused by the bytes read so far."""
+    with connect(proxy.url) as sock:
+        sock.sendall(b"POST /v1/messages HTTP/1.1\r\nhost: t\r\nx-padding: ")
+        sock.sendall(b"p" * 3000)  # no end of line: the head is never complete
+        assert "request head exceeds 2048 bytes" in anthropic_error(read_response(sock), 413, "request_too_large")
+    still_serves(proxy)
+
+
+def test_a_refusal_on_a_kept_alive_connection_is_answered(proxy: Running) -> None:
+    """A connection that was served answers its next request's refusal too (not a silent close)."""
+    with connect(proxy.url) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
+        assert read_response(sock).status == 200
+        sock.sendall(request("POST", "/v1/chat/completions", BODY, {**AUTH, "x-padding": "p" * 4096}))
+        assert "request head exceeds 2048 bytes" in openai_error(read_response(sock), 413, "request_too_large")
+        assert closed_by_server(sock)
+    still_serves(proxy)
+
+
 def test_a_stalled_body_is_dropped(impatient: Running) -> None:
     proxy = impatient
     with connect(proxy.url) as sock:
