@@ -467,6 +467,7 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         lag = LoopLag(topology.hub._thread.loop)
         pauses = GcPauses()
         threads_before: dict[str, float] = {}
+        received_before: collections.Counter[str] = collections.Counter()
         window: dict[str, float] = {}
         warm_until = time.perf_counter() + scenario.warmup_s
 
@@ -478,6 +479,7 @@ def measure(scenario: Scenario) -> dict[str, Any]:
                 window.update(t=now, mono=time.monotonic(), cpu=time.process_time(), folded=controller.stats.folded,
                               bytes=_dir_bytes(log_path), decisions=controller.stats.decisions)
                 threads_before.update(_thread_cpu())
+                received_before.update(topology.hub.received)
                 timings.clear()
                 timings.recording = lag.recording = pauses.recording = True
             elif window and now >= window["t"] + scenario.duration_s:
@@ -492,6 +494,8 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         threads_cpu = {name: round((cpu - threads_before.get(name, 0.0)) / (time.perf_counter() - window["t"]), 3)
                        for name, cpu in sorted(_thread_cpu().items(), key=lambda kv: -kv[1])}
         elapsed = time.perf_counter() - window["t"]
+        received = {kind: round((n - received_before[kind]) / elapsed, 1)
+                    for kind, n in sorted(topology.hub.received.items())}
         cpu_s = time.process_time() - window["cpu"]
         rss = me.memory_info().rss
         folded = controller.stats.folded - window["folded"]
@@ -545,6 +549,7 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         "controller_threads": threads,
         "controller_cpu_cores_by_thread": {k: v for k, v in threads_cpu.items() if v >= 0.001},
         "hub_loop_lag_ms": _percentiles(lag.lags),
+        "hub_messages_up_per_s": received,
         "gc_pause_ms_by_generation": {g: _percentiles(v) for g, v in sorted(pauses.pauses.items())},
         "log_mb_per_s": round(log_bytes / 2**20 / elapsed, 2),
         "log_bytes_per_call": round(log_bytes / max(1, calls)),
@@ -571,8 +576,11 @@ class _Stream:
         self.acks: dict[int, asyncio.Future[gyre_pb2.EventAck]] = {}
         self.ack_s: list[float] = []
         self.closed = False
+        self.last_up = time.monotonic()
+        """When the last message was handed to `write` (the heartbeat is due ``heartbeat_s`` after it)."""
 
     async def write(self, message: Any) -> None:
+        self.last_up = time.monotonic()
         async with self.write_lock:
             if not self.closed:
                 await self.call.write(message)
@@ -636,10 +644,13 @@ async def _cell(channel: grpc.aio.Channel, secret: str, cell_id: str, core: bool
     await stream.write(gyre_pb2.CellUp(hello=hello))
     commands: asyncio.Queue[tuple[gyre_pb2.CellCommand, float] | None] = asyncio.Queue()
 
-    async def beat() -> None:
+    async def beat() -> None:  # as `ControllerLink` does: once nothing else went up for heartbeat_s
         while True:
-            await asyncio.sleep(scenario.heartbeat_s)
-            await stream.write(gyre_pb2.CellUp(heartbeat=gyre_pb2.Heartbeat(sent_us=time.time_ns() // 1000)))
+            wait = stream.last_up + scenario.heartbeat_s - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            else:
+                await stream.write(gyre_pb2.CellUp(heartbeat=gyre_pb2.Heartbeat(sent_us=time.time_ns() // 1000)))
 
     async def work() -> None:  # one command at a time, in order, as a cell's link runs them
         while (item := await commands.get()) is not None:
@@ -869,7 +880,7 @@ async def _proxy(channel: grpc.aio.Channel, secret: str, scenario: Scenario, sta
             events = proxy.take()
             if events:
                 await stream.send(up, events)
-            else:
+            elif time.monotonic() - stream.last_up >= scenario.heartbeat_s:  # as `ControllerLink` beats
                 await stream.write(up(heartbeat=gyre_pb2.Heartbeat(sent_us=time.time_ns() // 1000)))
 
     playing = None

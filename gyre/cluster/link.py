@@ -2,7 +2,8 @@
 
 `ControllerLink` runs the stream on its own thread and event loop. Events go up through `RemoteSink`
 (an `EventSink`, so the proxy and the cell record exactly as they would into a local `LogSink`); each record
-is kept until the hub acknowledges it durable. A heartbeat goes up every ``Welcome.heartbeat_s``. When the
+is kept until the hub acknowledges it durable. A heartbeat goes up once nothing else has for
+``Welcome.heartbeat_s`` (any message tells the hub the process lives). When the
 stream breaks the link reconnects with jittered exponential backoff, says hello again (the same incarnation)
 and re-sends every record not yet acknowledged: the controller's sink drops what it already holds (producer
 stamps), so each event lands exactly once.
@@ -26,6 +27,7 @@ declared lost — stops: ``error`` says why, ``on_failed`` is told, and the sink
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -385,13 +387,20 @@ class RemoteSink:
 
 
 class _Conn:
-    """One connected call: the messages queued up it, and the last record it has been given."""
+    """One connected call: the messages queued up it, when the last was queued, and the last record it has
+    been given."""
 
     def __init__(self, call: Any) -> None:
         self.call = call
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.last_up = time.monotonic()  # the hello went up just now
         self.sent_upto = 0
         self.broken = False
+
+    def put(self, message: Any) -> None:
+        """Queue ``message`` up the call (the loop thread)."""
+        self.last_up = time.monotonic()
+        self.queue.put_nowait(message)
 
 
 class _Ended(Exception):
@@ -442,6 +451,8 @@ class ControllerLink:
         """Told, on the link's loop thread (it must not block), when the link stops for good."""
         self.connections = 0
         """Streams that reached their Welcome (1 + the reconnects so far)."""
+        self.sent: collections.Counter[str] = collections.Counter()
+        """Messages written up the stream after its hellos, by kind (events, done, heartbeat)."""
         self._thread = LoopThread(f"gyre-link-{self.peer_id}")
         self._ready = threading.Event()
         self._producers: dict[str, Producer] = {}
@@ -679,17 +690,25 @@ class ControllerLink:
                     await conn.call.done_writing()
                     return
                 await conn.call.write(message)
+                self.sent[message.WhichOneof("body")] += 1
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
             conn.broken = True  # the reader learns the call's status
             log.debug("%s %r: write failed: %r", self.kind, self.peer_id, e)
             conn.call.cancel()
 
     async def _beat(self, conn: _Conn, every_s: float) -> None:
+        """A heartbeat once nothing has gone up for ``every_s``: the hub takes any message as a sign of life,
+        so a link that sent an event batch or a done within ``every_s`` does not beat (at 256 cells heartbeats
+        were over half the messages the hub's loop moved)."""
         every_s = every_s if every_s > 0 else 1.0
         while True:
-            await asyncio.sleep(every_s)
-            if not self._silent:
-                conn.queue.put_nowait(self._up(heartbeat=gyre_pb2.Heartbeat(sent_us=time.time_ns() // 1000)))
+            wait = conn.last_up + every_s - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            elif self._silent:
+                await asyncio.sleep(every_s)
+            else:
+                conn.put(self._up(heartbeat=gyre_pb2.Heartbeat(sent_us=time.time_ns() // 1000)))
 
     def _notify(self) -> None:
         self._thread.call(self._pump)
@@ -707,7 +726,7 @@ class ControllerLink:
                                         f"{group[0].record_id}..{group[-1].record_id}: {e}"))
                 return
             last = group[-1].record_id
-            conn.queue.put_nowait(self._up(events=gyre_pb2.EventBatch(batch_id=last, arrow_ipc=data, wait=True)))
+            conn.put(self._up(events=gyre_pb2.EventBatch(batch_id=last, arrow_ipc=data, wait=True)))
             conn.sent_upto = last
 
     def _up(self, **body: Any) -> gyre_pb2.CellUp | gyre_pb2.ProxyUp:
@@ -732,7 +751,7 @@ class ControllerLink:
         command_id = command.command_id
         if command_id in self._done:
             if self._conn is not None:
-                self._conn.queue.put_nowait(self._up(done=self._done[command_id]))
+                self._conn.put(self._up(done=self._done[command_id]))
         elif command_id not in self._seen:
             self._seen.add(command_id)
             self._commands.put(command)
@@ -770,7 +789,7 @@ class ControllerLink:
         while len(self._done) > self.DONE_KEPT:
             del self._done[next(iter(self._done))]
         if self._conn is not None:
-            self._conn.queue.put_nowait(self._up(done=done))
+            self._conn.put(self._up(done=done))
 
 
 def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], error: BaseException | None) -> None:
