@@ -7,23 +7,29 @@ hub, the durable log (`LogSink` over `LogWriter`, fsync'd), the live folds, the 
 actuator per cell and the plan — with one change: instead of launching `gyre cell` and `gyre proxy` processes (a
 real cell process is over 300 MB with its imports alone, before its engine and trainer replica: 19 GB at 64 cells,
 77 GB at 256, on a 24 GB machine), it launches *stand-ins* that speak the same protocol (`schemas/gyre.proto`): a
-cell stand-in says hello, heartbeats, and answers every command at once (so a command's round trip is the control
-plane's own, with no engine work in it); the core's stand-in answers Train by recording the step's trainer events
-and publishing a version. The proxy stand-in plays the workload: it places each queued execution on an admitting
+cell stand-in says hello, heartbeats as a link does (once nothing else went up for ``heartbeat_s``), and answers
+every command at once (so a command's round trip is the control plane's own, with no engine work in it); the
+core's stand-in answers Train by recording the step's trainer events and publishing a version. The proxy stand-in
+is the real proxy's stream — a `ControllerLink` (its sink, its packing and coalescing, its one command thread)
+— with only the engines and harnesses played: a workload thread places each queued execution on an admitting
 cell holding its version, and each execution makes model calls — ``model_call_started``, then
 ``model_call_finished`` with real-sized token payloads — every ``call_interval_s``, finishes after a heavy-tailed
-number of calls and is rewarded; it follows Routing and RedirectCell as the real proxy does. Every event is stamped
-and packed as Arrow (`pack_events`), so the hub does exactly the work it does in a live run.
+number of calls and is rewarded, each event recorded on its own as the proxy and the harness runner record them;
+commands are answered as `gyre.cluster.proxy_node` answers them (routing, redirect, queue once durable). Every
+event is stamped and packed as Arrow by the link, so the hub does exactly the work it does in a live run. (An
+earlier proxy stand-in ran the workload, the packing and the stream on one asyncio loop, answered commands
+concurrently and sent a batch every 50 ms: its loop stalled behind its own event building, and the controller
+saw a quarter of the batches the real link sends.)
 
-Each cell count runs in its own controller process (so RSS and CPU are that run's); the cell stand-ins are
-spread over ``cell_processes`` more processes (one asyncio loop each: with all 256 in one loop a command waited
-there behind every other stand-in's work) and the proxy's is one more. What is measured over the window after
-every cell registered: events ingested per second (folded by the controller), command round trips (hub send ->
-`CommandDone` back, by kind) cut into their parts (`PARTS`: the hub's queue, down, the stand-in, up, resolve;
-stamped on the one monotonic clock the processes of a machine share) and each stand-in process's loop lag, so
-the controller's share of a round trip is named; controller CPU (process time of every controller thread) and
-RSS per cell, log bytes per second, and each controller round: fold of what arrived, then decide + act
-(`Controller.step`).
+Each cell count runs in its own controller process (so RSS and CPU are that run's); the cell stand-ins are spread
+over ``cell_processes`` more processes (one asyncio loop each: with all 256 in one loop a command waited there
+behind every other stand-in's work) and the proxy's is one more (its reported loop lag is its link's loop). What is
+measured over the window after every cell registered: events ingested per second (folded by the controller),
+command round trips (hub send -> `CommandDone` back, by kind) cut into their parts (`PARTS`: the hub's queue, down,
+the stand-in, up, behind the stream's earlier batches, resolve; stamped on the one monotonic clock the processes of
+a machine share) and each stand-in process's loop lag, so the controller's share of a round trip is named;
+controller CPU (process time of every controller thread) and RSS per cell, log bytes per second, and each
+controller round: fold of what arrived, then decide + act (`Controller.step`).
 """
 
 from __future__ import annotations
@@ -58,9 +64,11 @@ from gyre import auth
 from gyre.cluster.aio import GRPC_OPTIONS
 from gyre.cluster.auth import SECRET_ENV, metadata
 from gyre.cluster.config import ClusterConfig, ClusterSchedulerSection, ClusterSection
+from gyre.cluster.link import ControllerLink
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.cluster.run import Cluster
 from gyre.config import RolloutSection
+from gyre.errors import GyreError
 from gyre.events.models import (
     CallRedirected,
     Event,
@@ -100,8 +108,9 @@ class Scenario:
     output_tokens: int = 500
     heartbeat_s: float = 1.0
     train_s: float = 2.0
-    batch_s: float = 0.05
-    """How often the proxy stand-in sends what it recorded (the real one coalesces records the same way)."""
+    tick_s: float = 0.005
+    """The grid the proxy stand-in's calls and executions advance on: each event is recorded as its tick
+    comes, on its own, and the proxy's `ControllerLink` sends them as the real proxy's does."""
     cell_processes: int = 4
     """Processes the cell stand-ins are spread over (each hosts a share, one asyncio loop each): with all of them
     in one loop, a command waited there behind every other stand-in's heartbeats and answers."""
@@ -155,15 +164,15 @@ class _StandIns:
                 process.wait()
 
 
-PARTS = ("to_loop", "down", "standin", "up", "resolve")
+PARTS = ("to_loop", "down", "standin", "up", "behind", "resolve")
 """A command's round trip, cut where it changes hands (stamps on one monotonic clock, shared by the processes of
 one machine): ``to_loop`` the caller's thread hands it to the hub (`Hub.command_cell`) until the hub's loop
 queues it on the peer's stream; ``down`` the loop writes it, gRPC carries it, the stand-in's loop reads it;
 ``standin`` the stand-in's own time (its queue of that cell's earlier commands; the proxy's ``events_wait`` is
 part of it: sending the events the command recorded ahead of its done, and for a queue, as the real proxy does,
-waiting for them to be durable); ``up`` the stand-in writes the done, gRPC carries
-it, the hub's loop reads it (behind that stream's event batches being ingested, if any are); ``resolve`` the
-hub resolves the caller's future."""
+waiting for them to be durable); ``up`` the stand-in writes the done (behind what its stream has queued), gRPC
+carries it, the hub's loop reads it; ``behind`` the event batches that stream sent before it are recorded (a done
+takes effect after them); ``resolve`` the hub resolves the caller's future."""
 
 
 PROXY_KINDS = frozenset(f.name for f in gyre_pb2.ProxyCommand.DESCRIPTOR.oneofs_by_name["body"].fields)
@@ -179,6 +188,7 @@ class Timings:
         self.parts: dict[str, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
         self.queued: dict[int, float] = {}
         self.read: dict[int, float] = {}
+        self.arrived: dict[int, float] = {}
         self.fold: list[float] = []
         self.step: list[float] = []
         self.decide: list[float] = []
@@ -211,6 +221,7 @@ class Timings:
                 with self.lock:
                     queued = self.queued.pop(answer.command_id, None)
                     read = self.read.pop(answer.command_id, None)
+                    arrived = self.arrived.pop(answer.command_id, read)
                     if not self.recording:
                         return
                     self.rtt[kind].append(end - started)
@@ -220,7 +231,7 @@ class Timings:
                     received, answered = figures["bench_received_at"], figures["bench_answered_at"]
                     parts = self.parts[kind]
                     for part, value in zip(PARTS, (queued - started, received - queued, answered - received,
-                                                   read - answered, end - read), strict=True):
+                                                   arrived - answered, read - arrived, end - read), strict=True):
                         parts[part].append(value)
                     if "bench_handled_at" in figures:
                         parts["events_wait"].append(answered - figures["bench_handled_at"])
@@ -229,8 +240,14 @@ class Timings:
         return timed
 
     def hub(self, hub: Any) -> None:
-        """Stamp, on the hub's loop, when a command is queued on its peer's stream and when its done is read."""
-        enqueue, on_done = hub._enqueue, hub._on_done
+        """Stamp, on the hub's loop, when a command is queued on its peer's stream, when its done is read and
+        when it takes effect (after the batches sent before it)."""
+        enqueue, on_done, after_ingest = hub._enqueue, hub._on_done, hub._after_ingest
+
+        def timed_after_ingest(peer: Any, stream: Any, done: Any) -> None:
+            with self.lock:
+                self.arrived[done.command_id] = time.monotonic()
+            after_ingest(peer, stream, done)
 
         def timed_enqueue(key: Any, command: Any, *args: Any, **kwargs: Any) -> None:
             with self.lock:
@@ -241,7 +258,7 @@ class Timings:
             with self.lock:
                 self.read[done.command_id] = time.monotonic()
             on_done(peer, done)
-        hub._enqueue, hub._on_done = timed_enqueue, timed_on_done
+        hub._enqueue, hub._on_done, hub._after_ingest = timed_enqueue, timed_on_done, timed_after_ingest
 
 
 class BenchCluster(Cluster):
@@ -714,8 +731,8 @@ class _Execution:
 class _ProxyStandIn:
     """The proxy's side of the workload (see the module docstring)."""
 
-    def __init__(self, stream: _Stream, scenario: Scenario) -> None:
-        self.stream, self.s = stream, scenario
+    def __init__(self, scenario: Scenario) -> None:
+        self.s = scenario
         self.rng = random.Random(scenario.seed)
         self.tokens = [self.rng.randrange(150_000) for _ in range(1 << 16)]
         self.logprobs = [-self.rng.expovariate(1.0) for _ in range(1 << 16)]
@@ -840,68 +857,93 @@ class _ProxyStandIn:
                 RewardRecorded(execution_id=execution_id, reward=self.rng.random(), evaluator="stand-in")]
             self.stats["executions_finished"] += 1
 
-    def take(self) -> list[Event]:
-        """What was recorded since the last batch, stamped: the proxy's own first (calls before their fate)."""
-        events = self.stream.stamp("proxy", self.out["proxy"]) + self.stream.stamp("harness", self.out["harness"])
-        self.out = {"proxy": [], "harness": []}
-        return events
+    def take(self) -> dict[str, list[Event]]:
+        """What happened since the last take, by producer (``proxy``: calls; ``harness``: executions)."""
+        out, self.out = self.out, {"proxy": [], "harness": []}
+        return out
 
 
-async def _proxy(channel: grpc.aio.Channel, secret: str, scenario: Scenario, stats: dict[str, Any]) -> None:
-    stub = gyre_pb2_grpc.ProxyStub(channel)
-    stream = _Stream(stub.Connect, secret, ["proxy", "harness"])
-    proxy = _ProxyStandIn(stream, scenario)
-    up = lambda **b: gyre_pb2.ProxyUp(**b)  # noqa: E731
-    await stream.write(up(hello=gyre_pb2.ProxyHello(proxy_id="proxy", url="http://stand-in/proxy",
-                                                    incarnation=uuid.uuid4().hex, producers=stream.producers)))
-    stopping = asyncio.Event()
+def _proxy(address: str, secret: str, scenario: Scenario, stats: dict[str, Any],
+           lags: list[tuple[float, float]]) -> None:
+    """The proxy stand-in on the real proxy's stream: a `ControllerLink` (its loop packs and sends what was
+    recorded, coalescing what waits; its command thread runs one command at a time) fed by a workload thread
+    that records each event on its own, as the proxy's HTTP loop and the harness runner do. Only the engines
+    and harnesses are played (`_ProxyStandIn`); commands are answered as `gyre.cluster.proxy_node` answers
+    them (a queue once its events are durable, a sync once everything is)."""
+    state, recording = threading.Lock(), threading.Lock()
+    stopping = threading.Event()
+    proxy = _ProxyStandIn(scenario)
+    producers: dict[str, Any] = {}
 
-    async def answer(command: gyre_pb2.ProxyCommand, received: float) -> None:
-        done, durable = proxy.command(command)
+    def record(events: dict[str, list[Event]]) -> int:
+        """Each event recorded on its own, as the proxy and the runner record them; the last position."""
+        position = -1
+        for producer in ("proxy", "harness"):  # the calls before their executions' fate
+            for event in events[producer]:
+                position = producers[producer].record(event)
+        return position
+
+    def handle(command: gyre_pb2.ProxyCommand) -> gyre_pb2.CommandDone:
+        received = time.monotonic()
+        with state:
+            done, durable = proxy.command(command)
+            events = proxy.take()
+            recording.acquire()  # in the order they happened, but the workload goes on meanwhile
+        try:
+            position = record(events)
+        finally:
+            recording.release()
         done.figures["bench_received_at"] = received
         done.figures["bench_handled_at"] = time.monotonic()
-        events = proxy.take()
-        if events:
-            ack = await stream.send(up, events)
-            if durable:
-                await ack
-        done.figures["bench_answered_at"] = time.monotonic()
-        await stream.write(up(done=done))
+        if durable and position >= 0:
+            link.sink.commit(position)
+        elif command.WhichOneof("body") == "sync":
+            link.sink.commit(remote=True)
         if command.WhichOneof("body") == "stop":
             stopping.set()
-            await stream.close()
+        done.figures["bench_answered_at"] = time.monotonic()
+        return done
 
-    async def play() -> None:
+    link = ControllerLink(address, secret=secret, handler=handle, hello=gyre_pb2.ProxyHello(
+        proxy_id="proxy", url="http://stand-in/proxy", producers=["proxy", "harness"]))
+    link.start()
+    producers.update(proxy=link.producer("proxy"), harness=link.producer("harness"))
+    probe = asyncio.run_coroutine_threadsafe(_probe_lag(lags), link._thread.loop)  # the stream's loop
+    acks: list[float] = []
+
+    def play() -> None:  # the engines and harnesses: calls finish on a grid of tick_s
         next_at = time.perf_counter()
-        while not stopping.is_set():
-            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-            next_at += scenario.batch_s
-            proxy.advance(time.perf_counter())
-            events = proxy.take()
-            if events:
-                await stream.send(up, events)
-            elif time.monotonic() - stream.last_up >= scenario.heartbeat_s:  # as `ControllerLink` beats
-                await stream.write(up(heartbeat=gyre_pb2.Heartbeat(sent_us=time.time_ns() // 1000)))
+        while not stopping.wait(max(0.0, next_at - time.perf_counter())):
+            next_at += scenario.tick_s
+            with state:
+                proxy.advance(time.perf_counter())
+                events = proxy.take()
+                recording.acquire()
+            try:
+                record(events)
+            finally:
+                recording.release()
 
-    playing = None
-    answers: list[asyncio.Task[None]] = []
-    try:
-        while (message := await stream.call.read()) is not grpc.aio.EOF:
-            body = message.WhichOneof("body")
-            if body == "welcome":
-                stream.welcomed(message.welcome)
-                playing = playing or asyncio.create_task(play())
-            elif body == "ack":
-                stream.acked(message.ack)
-            elif body == "command":
-                answers.append(asyncio.create_task(answer(message.command, time.monotonic())))
-    except grpc.aio.AioRpcError:
-        pass
-    finally:
-        if playing is not None:
-            playing.cancel()
-        stats.update(proxy.stats)
-        stats["event_ack_ms"] = _percentiles(stream.ack_s)
+    def sample_acks() -> None:  # how long what was just recorded takes to be durable (a reply waits for it)
+        while not stopping.wait(0.1):
+            sent = time.perf_counter()
+            try:
+                link.sink.commit(remote=True, timeout_s=60)
+            except (GyreError, TimeoutError):
+                return
+            acks.append(time.perf_counter() - sent)
+
+    threads = [threading.Thread(target=play, daemon=True), threading.Thread(target=sample_acks, daemon=True)]
+    for thread in threads:
+        thread.start()
+    stopping.wait()
+    for thread in threads:
+        thread.join(10)
+    probe.cancel()
+    link.close(timeout_s=30)
+    stats.update(proxy.stats)
+    stats["event_ack_ms"] = _percentiles(acks)
+    stats["sent"] = dict(link.sent)
 
 
 def standin_main(args: argparse.Namespace) -> None:
@@ -919,10 +961,6 @@ def standin_main(args: argparse.Namespace) -> None:
             probe.cancel()
 
     async def serve() -> None:
-        if args.proxy:
-            async with grpc.aio.insecure_channel(args.address, options=GRPC_OPTIONS) as channel:
-                await _proxy(channel, secret, scenario, stats)
-            return
         channels = [grpc.aio.insecure_channel(args.address, options=GRPC_OPTIONS) for _ in args.cells.split(",")]
         try:
             await asyncio.gather(*(_cell(channel, secret, cell, cell == args.core, scenario, stats)
@@ -931,7 +969,10 @@ def standin_main(args: argparse.Namespace) -> None:
             for channel in channels:
                 await channel.close()
 
-    asyncio.run(main())
+    if args.proxy:
+        _proxy(args.address, secret, scenario, stats, lags)
+    else:
+        asyncio.run(main())
     stats["cpu_s"] = round(time.process_time() - started, 2)
     stats["loop_lag"] = lags
     Path(args.stats).write_text(json.dumps(stats))
