@@ -165,14 +165,15 @@ class _StandIns:
 
 
 PARTS = ("to_loop", "down", "standin", "up", "behind", "resolve")
-"""A command's round trip, cut where it changes hands (stamps on one monotonic clock, shared by the processes of
-one machine): ``to_loop`` the caller's thread hands it to the hub (`Hub.command_cell`) until the hub's loop
-queues it on the peer's stream; ``down`` the loop writes it, gRPC carries it, the stand-in's loop reads it;
-``standin`` the stand-in's own time (its queue of that cell's earlier commands; the proxy's ``events_wait`` is
-part of it: sending the events the command recorded ahead of its done, and for a queue, as the real proxy does,
-waiting for them to be durable); ``up`` the stand-in writes the done (behind what its stream has queued), gRPC
-carries it, the hub's loop reads it; ``behind`` the event batches that stream sent before it are recorded (a done
-takes effect after them); ``resolve`` the hub resolves the caller's future."""
+"""A command's round trip, cut where it changes hands (stamps on one monotonic clock, shared by the processes of one
+machine): ``to_loop`` the caller's thread hands it to the hub (`Hub.command_cell`) until the hub's loop queues it
+on the peer's stream; ``down`` the loop writes it, gRPC carries it, the stand-in's loop reads it; ``standin`` the
+stand-in's own time (its queue of that cell's earlier commands; the proxy's ``events_wait`` is part of it: sending
+the events the command recorded ahead of its done, and for a queue, as the real proxy does, waiting for them to be
+durable; the proxy's ``down`` includes ``turn_wait``, from its link's loop reading the command to its one command
+thread taking it up after the earlier ones); ``up`` the stand-in writes the done (behind what its stream has
+queued), gRPC carries it, the hub's loop reads it; ``behind`` the event batches that stream sent before it are
+recorded (a done takes effect after them); ``resolve`` the hub resolves the caller's future."""
 
 
 PROXY_KINDS = frozenset(f.name for f in gyre_pb2.ProxyCommand.DESCRIPTOR.oneofs_by_name["body"].fields)
@@ -235,6 +236,8 @@ class Timings:
                         parts[part].append(value)
                     if "bench_handled_at" in figures:
                         parts["events_wait"].append(answered - figures["bench_handled_at"])
+                    if "bench_read_at" in figures:
+                        parts["turn_wait"].append(received - figures["bench_read_at"])
             future.add_done_callback(done)
             return future
         return timed
@@ -883,6 +886,8 @@ def _proxy(address: str, secret: str, scenario: Scenario, stats: dict[str, Any],
                 position = producers[producer].record(event)
         return position
 
+    read_at: dict[int, float] = {}
+
     def handle(command: gyre_pb2.ProxyCommand) -> gyre_pb2.CommandDone:
         received = time.monotonic()
         with state:
@@ -894,6 +899,7 @@ def _proxy(address: str, secret: str, scenario: Scenario, stats: dict[str, Any],
         finally:
             recording.release()
         done.figures["bench_received_at"] = received
+        done.figures["bench_read_at"] = read_at.pop(command.command_id, received)
         done.figures["bench_handled_at"] = time.monotonic()
         if durable and position >= 0:
             link.sink.commit(position)
@@ -906,6 +912,12 @@ def _proxy(address: str, secret: str, scenario: Scenario, stats: dict[str, Any],
 
     link = ControllerLink(address, secret=secret, handler=handle, hello=gyre_pb2.ProxyHello(
         proxy_id="proxy", url="http://stand-in/proxy", producers=["proxy", "harness"]))
+    on_command = link._on_command
+
+    def timed_on_command(command: gyre_pb2.ProxyCommand) -> None:  # when the link's loop read it
+        read_at.setdefault(command.command_id, time.monotonic())
+        on_command(command)
+    link._on_command = timed_on_command  # type: ignore[method-assign]
     link.start()
     producers.update(proxy=link.producer("proxy"), harness=link.producer("harness"))
     probe = asyncio.run_coroutine_threadsafe(_probe_lag(lags), link._thread.loop)  # the stream's loop
