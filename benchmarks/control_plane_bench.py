@@ -15,7 +15,8 @@ is the real proxy's stream — a `ControllerLink` (its sink, its packing and coa
 cell holding its version, and each execution makes model calls — ``model_call_started``, then
 ``model_call_finished`` with real-sized token payloads — every ``call_interval_s``, finishes after a heavy-tailed
 number of calls and is rewarded, each event recorded on its own as the proxy and the harness runner record them;
-commands are answered as `gyre.cluster.proxy_node` answers them (routing, redirect, queue once durable). Every
+commands are answered as `gyre.cluster.proxy_node` answers them (routing, redirect, a queue's done once its
+events are durable). Every
 event is stamped and packed as Arrow by the link, so the hub does exactly the work it does in a live run. (An
 earlier proxy stand-in ran the workload, the packing and the stream on one asyncio loop, answered commands
 concurrently and sent a batch every 50 ms: its loop stalled behind its own event building, and the controller
@@ -64,7 +65,7 @@ from gyre import auth
 from gyre.cluster.aio import GRPC_OPTIONS
 from gyre.cluster.auth import SECRET_ENV, metadata
 from gyre.cluster.config import ClusterConfig, ClusterSchedulerSection, ClusterSection
-from gyre.cluster.link import ControllerLink
+from gyre.cluster.link import ControllerLink, Durable
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.cluster.run import Cluster
 from gyre.config import RolloutSection
@@ -168,9 +169,9 @@ PARTS = ("to_loop", "down", "standin", "up", "behind", "resolve")
 """A command's round trip, cut where it changes hands (stamps on one monotonic clock, shared by the processes of one
 machine): ``to_loop`` the caller's thread hands it to the hub (`Hub.command_cell`) until the hub's loop queues it
 on the peer's stream; ``down`` the loop writes it, gRPC carries it, the stand-in's loop reads it; ``standin`` the
-stand-in's own time (its queue of that cell's earlier commands; the proxy's ``events_wait`` is part of it: sending
-the events the command recorded ahead of its done, and for a queue, as the real proxy does, waiting for them to be
-durable; the proxy's ``down`` includes ``turn_wait``, from its link's loop reading the command to its one command
+stand-in's own time (its queue of that cell's earlier commands; the proxy's ``events_wait`` is part of it:
+recording the events the command made — a queue's done then waits for them to be durable, as the real proxy's does,
+in ``up``; the proxy's ``down`` includes ``turn_wait``, from its link's loop reading the command to its one command
 thread taking it up after the earlier ones); ``up`` the stand-in writes the done (behind what its stream has
 queued), gRPC carries it, the hub's loop reads it; ``behind`` the event batches that stream sent before it are
 recorded (a done takes effect after them); ``resolve`` the hub resolves the caller's future."""
@@ -888,7 +889,7 @@ def _proxy(address: str, secret: str, scenario: Scenario, stats: dict[str, Any],
 
     read_at: dict[int, float] = {}
 
-    def handle(command: gyre_pb2.ProxyCommand) -> gyre_pb2.CommandDone:
+    def handle(command: gyre_pb2.ProxyCommand) -> gyre_pb2.CommandDone | Durable:
         received = time.monotonic()
         with state:
             done, durable = proxy.command(command)
@@ -901,14 +902,13 @@ def _proxy(address: str, secret: str, scenario: Scenario, stats: dict[str, Any],
         done.figures["bench_received_at"] = received
         done.figures["bench_read_at"] = read_at.pop(command.command_id, received)
         done.figures["bench_handled_at"] = time.monotonic()
-        if durable and position >= 0:
-            link.sink.commit(position)
-        elif command.WhichOneof("body") == "sync":
+        if command.WhichOneof("body") == "sync":
             link.sink.commit(remote=True)
+            link.wait_deferred()
         if command.WhichOneof("body") == "stop":
             stopping.set()
         done.figures["bench_answered_at"] = time.monotonic()
-        return done
+        return Durable(done, position) if durable else done
 
     link = ControllerLink(address, secret=secret, handler=handle, hello=gyre_pb2.ProxyHello(
         proxy_id="proxy", url="http://stand-in/proxy", producers=["proxy", "harness"]))

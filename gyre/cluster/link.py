@@ -16,9 +16,10 @@ re-sends them first and numbers its producers after them. The controller stays t
 Commands run on one dedicated thread, in the order they arrive (a cell's commands never overlap). Each
 command id runs once per process; a repeat (the hub re-sends what was pending when the stream broke) is
 answered with the recorded `CommandDone`. The handler returns the command's figures (a mapping, or None),
-or a whole `CommandDone` when the command has a ``detail`` to return (ok unless its ``error`` is set); an
-exception is reported as ``ok=False`` with its text, and whether it is transient (``retryable``, from its type:
-`gyre.cluster.failures`).
+or a whole `CommandDone` when the command has a ``detail`` to return (ok unless its ``error`` is set), or either
+wrapped in `Durable` to have the done go up once what it recorded is durable without holding the command thread;
+an exception is reported as ``ok=False`` with its text, and whether it is transient (``retryable``, from its
+type: `gyre.cluster.failures`).
 
 A link that the controller refuses for good — a wrong secret, a protocol error, a refused batch, a process
 declared lost — stops: ``error`` says why, ``on_failed`` is told, and the sink's waiters fail with `SinkError`.
@@ -61,7 +62,19 @@ log = logging.getLogger(__name__)
 
 Hello = gyre_pb2.CellHello | gyre_pb2.ProxyHello
 Command = gyre_pb2.CellCommand | gyre_pb2.ProxyCommand
-Handler = Callable[[Any], Mapping[str, float] | gyre_pb2.CommandDone | None]
+
+
+@dataclass(frozen=True)
+class Durable:
+    """A handler's answer whose done goes up only once ``position`` (of the link's sink) is durable; the
+    command thread takes the next command meanwhile (the proxy's queue waited there for its executions'
+    events to be durable, and every routing and redirect behind it waited too)."""
+
+    answer: Mapping[str, float] | gyre_pb2.CommandDone | None
+    position: int
+
+
+Handler = Callable[[Any], Mapping[str, float] | gyre_pb2.CommandDone | Durable | None]
 
 CLIENT_OPTIONS: tuple[tuple[str, int], ...] = (
     *GRPC_OPTIONS,
@@ -379,6 +392,12 @@ class RemoteSink:
         self._spill.close()
 
     @property
+    def recorded(self) -> int:
+        """The position of the last event recorded so far (-1: none yet)."""
+        with self._lock:
+            return self._count - 1
+
+    @property
     def unacked(self) -> int:
         """Records sent or waiting to be sent that the controller has not acknowledged durable yet."""
         with self._lock:
@@ -478,6 +497,9 @@ class ControllerLink:
         self._command_thread = threading.Thread(target=self._command_loop, name=f"gyre-commands-{self.peer_id}",
                                                 daemon=True)
         self._done: dict[int, gyre_pb2.CommandDone] = {}
+        self._waiting: set[asyncio.Task[None]] = set()  # dones waiting for their events to be durable
+        self._deferred = 0  # how many: counted from the command thread, which hands them over
+        self._deferred_cond = threading.Condition()
         self._seen: set[int] = set()
         self._conn: _Conn | None = None
         self._run: Any = None
@@ -801,13 +823,45 @@ class ControllerLink:
             command = self._commands.get()
             if command is None:
                 return
-            done = self._execute(command)
-            self._thread.call(self._finished, done)
+            done, durable = self._execute(command)
+            if durable is None:
+                self._thread.call(self._finished, done)
+            else:
+                with self._deferred_cond:
+                    self._deferred += 1
+                self._thread.call(self._finish_when_durable, done, durable)
 
-    def _execute(self, command: Command) -> gyre_pb2.CommandDone:
+    def wait_deferred(self, timeout_s: float | None = None) -> bool:
+        """Block until every done that waits for its events to be durable (`Durable`) has been sent up, so a
+        done sent after this goes up after them (a Sync's promise: every earlier command is done). False if
+        some still wait after ``timeout_s``."""
+        with self._deferred_cond:
+            return self._deferred_cond.wait_for(lambda: self._deferred == 0, timeout_s)
+
+    def _finish_when_durable(self, done: gyre_pb2.CommandDone, position: int) -> None:
+        async def finish() -> None:
+            try:
+                try:
+                    await self.sink.durable(position)
+                except SinkError as e:  # the link failed: its done could not go up anyway
+                    done.CopyFrom(failed_done(done.command_id, e))
+                self._finished(done)
+            finally:  # (a cancelled wait too: the link is closing)
+                with self._deferred_cond:
+                    self._deferred -= 1
+                    self._deferred_cond.notify_all()
+        task = asyncio.get_running_loop().create_task(finish())
+        self._waiting.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._waiting.discard)
+
+    def _execute(self, command: Command) -> tuple[gyre_pb2.CommandDone, int | None]:
+        """The command's done, and the sink position it waits for (None: it goes up at once)."""
         body = command.WhichOneof("body")
+        durable = None
         try:
             result = self.handler(command)
+            if isinstance(result, Durable):
+                result, durable = result.answer, result.position
             done = gyre_pb2.CommandDone(ok=True)
             if isinstance(result, gyre_pb2.CommandDone):  # a command with a result (Train: its WeightsRef)
                 done.CopyFrom(result)
@@ -818,8 +872,8 @@ class ControllerLink:
             done.command_id = command.command_id
         except Exception as e:  # reported to the controller as ok=False, with the error and its class
             log.exception("%s %r: command %d (%s) failed", self.kind, self.peer_id, command.command_id, body)
-            return failed_done(command.command_id, e)
-        return done
+            return failed_done(command.command_id, e), None
+        return done, durable
 
     DONE_KEPT = 4096
     """Outcomes kept to answer a repeated command: the hub repeats only those pending when a stream broke."""

@@ -16,7 +16,7 @@ from gyre import auth
 from gyre.cluster.auth import metadata
 from gyre.cluster.errors import ClusterError, PeerLost
 from gyre.cluster.hub import Hub
-from gyre.cluster.link import ControllerLink
+from gyre.cluster.link import ControllerLink, Durable
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.events import CellLost, ModelCallFinished
 from gyre.events.wire import pack_events
@@ -242,6 +242,32 @@ def test_a_command_pending_over_a_reconnect_runs_once(cluster) -> None:
     assert cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())).result(5).ok
     assert len(runs) == len(set(runs)) == 2
     assert link.connections >= 2
+
+
+def test_a_done_that_waits_for_durable_events_does_not_hold_the_next_command(cluster) -> None:
+    """A handler's `Durable` answer goes up once what it recorded is durable, and the command thread takes the
+    next command meanwhile (a proxy's queue no longer holds the routings behind it); `wait_deferred` (a Sync)
+    waits for it."""
+    synced = threading.Event()
+
+    def handler(command: gyre_pb2.CellCommand) -> Durable | dict[str, float] | None:
+        if command.WhichOneof("body") == "serve":
+            return Durable({"queued": 1.0}, link.producer("c0").record(_lost(1, "queued")))
+        if command.WhichOneof("body") == "sync":
+            link.wait_deferred()
+            synced.set()
+        return None
+
+    link = cluster.link("c0", handler=handler)
+    cluster.sink.gate.clear()  # recorded, not yet durable
+    queued = cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve()))
+    cluster.wait_recorded(1)
+    assert cluster.hub.command_cell("c0", gyre_pb2.CellCommand(pause=gyre_pb2.Pause())).result(5).ok
+    sync = cluster.hub.command_cell("c0", gyre_pb2.CellCommand(sync=gyre_pb2.Sync()))
+    assert not queued.done() and not sync.done() and not synced.is_set()  # both wait for the event's ack
+    cluster.sink.gate.set()
+    assert queued.result(5).figures["queued"] == 1.0
+    assert sync.result(5).ok and synced.is_set()
 
 
 def test_a_silent_cell_is_lost_and_its_commands_fail(make_cluster) -> None:
