@@ -7,23 +7,30 @@ hub, the durable log (`LogSink` over `LogWriter`, fsync'd), the live folds, the 
 actuator per cell and the plan — with one change: instead of launching `gyre cell` and `gyre proxy` processes (a
 real cell process is over 300 MB with its imports alone, before its engine and trainer replica: 19 GB at 64 cells,
 77 GB at 256, on a 24 GB machine), it launches *stand-ins* that speak the same protocol (`schemas/gyre.proto`): a
-cell stand-in says hello, heartbeats, and answers every command at once (so a command's round trip is the control
-plane's own, with no engine work in it); the core's stand-in answers Train by recording the step's trainer events
-and publishing a version. The proxy stand-in plays the workload: it places each queued execution on an admitting
+cell stand-in says hello, heartbeats as a link does (once nothing else went up for ``heartbeat_s``), and answers
+every command at once (so a command's round trip is the control plane's own, with no engine work in it); the
+core's stand-in answers Train by recording the step's trainer events and publishing a version. The proxy stand-in
+is the real proxy's stream — a `ControllerLink` (its sink, its packing and coalescing, its one command thread)
+— with only the engines and harnesses played: a workload thread places each queued execution on an admitting
 cell holding its version, and each execution makes model calls — ``model_call_started``, then
 ``model_call_finished`` with real-sized token payloads — every ``call_interval_s``, finishes after a heavy-tailed
-number of calls and is rewarded; it follows Routing and RedirectCell as the real proxy does. Every event is stamped
-and packed as Arrow (`pack_events`), so the hub does exactly the work it does in a live run.
+number of calls and is rewarded, each event recorded on its own as the proxy and the harness runner record them;
+commands are answered as `gyre.cluster.proxy_node` answers them (routing, redirect, a queue's done once its
+events are durable). Every
+event is stamped and packed as Arrow by the link, so the hub does exactly the work it does in a live run. (An
+earlier proxy stand-in ran the workload, the packing and the stream on one asyncio loop, answered commands
+concurrently and sent a batch every 50 ms: its loop stalled behind its own event building, and the controller
+saw a quarter of the batches the real link sends.)
 
-Each cell count runs in its own controller process (so RSS and CPU are that run's); the cell stand-ins are
-spread over ``cell_processes`` more processes (one asyncio loop each: with all 256 in one loop a command waited
-there behind every other stand-in's work) and the proxy's is one more. What is measured over the window after
-every cell registered: events ingested per second (folded by the controller), command round trips (hub send ->
-`CommandDone` back, by kind) cut into their parts (`PARTS`: the hub's queue, down, the stand-in, up, resolve;
-stamped on the one monotonic clock the processes of a machine share) and each stand-in process's loop lag, so
-the controller's share of a round trip is named; controller CPU (process time of every controller thread) and
-RSS per cell, log bytes per second, and each controller round: fold of what arrived, then decide + act
-(`Controller.step`).
+Each cell count runs in its own controller process (so RSS and CPU are that run's); the cell stand-ins are spread
+over ``cell_processes`` more processes (one asyncio loop each: with all 256 in one loop a command waited there
+behind every other stand-in's work) and the proxy's is one more (its reported loop lag is its link's loop). What is
+measured over the window after every cell registered: events ingested per second (folded by the controller),
+command round trips (hub send -> `CommandDone` back, by kind) cut into their parts (`PARTS`: the hub's queue, down,
+the stand-in, up, behind the stream's earlier batches, resolve; stamped on the one monotonic clock the processes of
+a machine share) and each stand-in process's loop lag, so the controller's share of a round trip is named;
+controller CPU (process time of every controller thread) and RSS per cell, log bytes per second, and each
+controller round: fold of what arrived, then decide + act (`Controller.step`).
 """
 
 from __future__ import annotations
@@ -58,9 +65,11 @@ from gyre import auth
 from gyre.cluster.aio import GRPC_OPTIONS
 from gyre.cluster.auth import SECRET_ENV, metadata
 from gyre.cluster.config import ClusterConfig, ClusterSchedulerSection, ClusterSection
+from gyre.cluster.link import ControllerLink, Durable
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.cluster.run import Cluster
 from gyre.config import RolloutSection
+from gyre.errors import GyreError
 from gyre.events.models import (
     CallRedirected,
     Event,
@@ -100,8 +109,9 @@ class Scenario:
     output_tokens: int = 500
     heartbeat_s: float = 1.0
     train_s: float = 2.0
-    batch_s: float = 0.05
-    """How often the proxy stand-in sends what it recorded (the real one coalesces records the same way)."""
+    tick_s: float = 0.005
+    """The grid the proxy stand-in's calls and executions advance on: each event is recorded as its tick
+    comes, on its own, and the proxy's `ControllerLink` sends them as the real proxy's does."""
     cell_processes: int = 4
     """Processes the cell stand-ins are spread over (each hosts a share, one asyncio loop each): with all of them
     in one loop, a command waited there behind every other stand-in's heartbeats and answers."""
@@ -155,15 +165,16 @@ class _StandIns:
                 process.wait()
 
 
-PARTS = ("to_loop", "down", "standin", "up", "resolve")
-"""A command's round trip, cut where it changes hands (stamps on one monotonic clock, shared by the processes of
-one machine): ``to_loop`` the caller's thread hands it to the hub (`Hub.command_cell`) until the hub's loop
-queues it on the peer's stream; ``down`` the loop writes it, gRPC carries it, the stand-in's loop reads it;
-``standin`` the stand-in's own time (its queue of that cell's earlier commands; the proxy's ``events_wait`` is
-part of it: sending the events the command recorded ahead of its done, and for a queue, as the real proxy does,
-waiting for them to be durable); ``up`` the stand-in writes the done, gRPC carries
-it, the hub's loop reads it (behind that stream's event batches being ingested, if any are); ``resolve`` the
-hub resolves the caller's future."""
+PARTS = ("to_loop", "down", "standin", "up", "behind", "resolve")
+"""A command's round trip, cut where it changes hands (stamps on one monotonic clock, shared by the processes of one
+machine): ``to_loop`` the caller's thread hands it to the hub (`Hub.command_cell`) until the hub's loop queues it
+on the peer's stream; ``down`` the loop writes it, gRPC carries it, the stand-in's loop reads it; ``standin`` the
+stand-in's own time (its queue of that cell's earlier commands; the proxy's ``events_wait`` is part of it:
+recording the events the command made — a queue's done then waits for them to be durable, as the real proxy's does,
+in ``up``; the proxy's ``down`` includes ``turn_wait``, from its link's loop reading the command to its one command
+thread taking it up after the earlier ones); ``up`` the stand-in writes the done (behind what its stream has
+queued), gRPC carries it, the hub's loop reads it; ``behind`` the event batches that stream sent before it are
+recorded (a done takes effect after them); ``resolve`` the hub resolves the caller's future."""
 
 
 PROXY_KINDS = frozenset(f.name for f in gyre_pb2.ProxyCommand.DESCRIPTOR.oneofs_by_name["body"].fields)
@@ -179,6 +190,7 @@ class Timings:
         self.parts: dict[str, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
         self.queued: dict[int, float] = {}
         self.read: dict[int, float] = {}
+        self.arrived: dict[int, float] = {}
         self.fold: list[float] = []
         self.step: list[float] = []
         self.decide: list[float] = []
@@ -211,6 +223,7 @@ class Timings:
                 with self.lock:
                     queued = self.queued.pop(answer.command_id, None)
                     read = self.read.pop(answer.command_id, None)
+                    arrived = self.arrived.pop(answer.command_id, read)
                     if not self.recording:
                         return
                     self.rtt[kind].append(end - started)
@@ -220,17 +233,25 @@ class Timings:
                     received, answered = figures["bench_received_at"], figures["bench_answered_at"]
                     parts = self.parts[kind]
                     for part, value in zip(PARTS, (queued - started, received - queued, answered - received,
-                                                   read - answered, end - read), strict=True):
+                                                   arrived - answered, read - arrived, end - read), strict=True):
                         parts[part].append(value)
                     if "bench_handled_at" in figures:
                         parts["events_wait"].append(answered - figures["bench_handled_at"])
+                    if "bench_read_at" in figures:
+                        parts["turn_wait"].append(received - figures["bench_read_at"])
             future.add_done_callback(done)
             return future
         return timed
 
     def hub(self, hub: Any) -> None:
-        """Stamp, on the hub's loop, when a command is queued on its peer's stream and when its done is read."""
-        enqueue, on_done = hub._enqueue, hub._on_done
+        """Stamp, on the hub's loop, when a command is queued on its peer's stream, when its done is read and
+        when it takes effect (after the batches sent before it)."""
+        enqueue, on_done, after_ingest = hub._enqueue, hub._on_done, hub._after_ingest
+
+        def timed_after_ingest(peer: Any, stream: Any, done: Any) -> None:
+            with self.lock:
+                self.arrived[done.command_id] = time.monotonic()
+            after_ingest(peer, stream, done)
 
         def timed_enqueue(key: Any, command: Any, *args: Any, **kwargs: Any) -> None:
             with self.lock:
@@ -241,7 +262,7 @@ class Timings:
             with self.lock:
                 self.read[done.command_id] = time.monotonic()
             on_done(peer, done)
-        hub._enqueue, hub._on_done = timed_enqueue, timed_on_done
+        hub._enqueue, hub._on_done, hub._after_ingest = timed_enqueue, timed_on_done, timed_after_ingest
 
 
 class BenchCluster(Cluster):
@@ -467,6 +488,7 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         lag = LoopLag(topology.hub._thread.loop)
         pauses = GcPauses()
         threads_before: dict[str, float] = {}
+        received_before: collections.Counter[str] = collections.Counter()
         window: dict[str, float] = {}
         warm_until = time.perf_counter() + scenario.warmup_s
 
@@ -478,6 +500,7 @@ def measure(scenario: Scenario) -> dict[str, Any]:
                 window.update(t=now, mono=time.monotonic(), cpu=time.process_time(), folded=controller.stats.folded,
                               bytes=_dir_bytes(log_path), decisions=controller.stats.decisions)
                 threads_before.update(_thread_cpu())
+                received_before.update(topology.hub.received)
                 timings.clear()
                 timings.recording = lag.recording = pauses.recording = True
             elif window and now >= window["t"] + scenario.duration_s:
@@ -492,6 +515,8 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         threads_cpu = {name: round((cpu - threads_before.get(name, 0.0)) / (time.perf_counter() - window["t"]), 3)
                        for name, cpu in sorted(_thread_cpu().items(), key=lambda kv: -kv[1])}
         elapsed = time.perf_counter() - window["t"]
+        received = {kind: round((n - received_before[kind]) / elapsed, 1)
+                    for kind, n in sorted(topology.hub.received.items())}
         cpu_s = time.process_time() - window["cpu"]
         rss = me.memory_info().rss
         folded = controller.stats.folded - window["folded"]
@@ -545,6 +570,7 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         "controller_threads": threads,
         "controller_cpu_cores_by_thread": {k: v for k, v in threads_cpu.items() if v >= 0.001},
         "hub_loop_lag_ms": _percentiles(lag.lags),
+        "hub_messages_up_per_s": received,
         "gc_pause_ms_by_generation": {g: _percentiles(v) for g, v in sorted(pauses.pauses.items())},
         "log_mb_per_s": round(log_bytes / 2**20 / elapsed, 2),
         "log_bytes_per_call": round(log_bytes / max(1, calls)),
@@ -571,8 +597,11 @@ class _Stream:
         self.acks: dict[int, asyncio.Future[gyre_pb2.EventAck]] = {}
         self.ack_s: list[float] = []
         self.closed = False
+        self.last_up = time.monotonic()
+        """When the last message was handed to `write` (the heartbeat is due ``heartbeat_s`` after it)."""
 
     async def write(self, message: Any) -> None:
+        self.last_up = time.monotonic()
         async with self.write_lock:
             if not self.closed:
                 await self.call.write(message)
@@ -636,10 +665,13 @@ async def _cell(channel: grpc.aio.Channel, secret: str, cell_id: str, core: bool
     await stream.write(gyre_pb2.CellUp(hello=hello))
     commands: asyncio.Queue[tuple[gyre_pb2.CellCommand, float] | None] = asyncio.Queue()
 
-    async def beat() -> None:
+    async def beat() -> None:  # as `ControllerLink` does: once nothing else went up for heartbeat_s
         while True:
-            await asyncio.sleep(scenario.heartbeat_s)
-            await stream.write(gyre_pb2.CellUp(heartbeat=gyre_pb2.Heartbeat(sent_us=time.time_ns() // 1000)))
+            wait = stream.last_up + scenario.heartbeat_s - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            else:
+                await stream.write(gyre_pb2.CellUp(heartbeat=gyre_pb2.Heartbeat(sent_us=time.time_ns() // 1000)))
 
     async def work() -> None:  # one command at a time, in order, as a cell's link runs them
         while (item := await commands.get()) is not None:
@@ -703,8 +735,8 @@ class _Execution:
 class _ProxyStandIn:
     """The proxy's side of the workload (see the module docstring)."""
 
-    def __init__(self, stream: _Stream, scenario: Scenario) -> None:
-        self.stream, self.s = stream, scenario
+    def __init__(self, scenario: Scenario) -> None:
+        self.s = scenario
         self.rng = random.Random(scenario.seed)
         self.tokens = [self.rng.randrange(150_000) for _ in range(1 << 16)]
         self.logprobs = [-self.rng.expovariate(1.0) for _ in range(1 << 16)]
@@ -829,68 +861,101 @@ class _ProxyStandIn:
                 RewardRecorded(execution_id=execution_id, reward=self.rng.random(), evaluator="stand-in")]
             self.stats["executions_finished"] += 1
 
-    def take(self) -> list[Event]:
-        """What was recorded since the last batch, stamped: the proxy's own first (calls before their fate)."""
-        events = self.stream.stamp("proxy", self.out["proxy"]) + self.stream.stamp("harness", self.out["harness"])
-        self.out = {"proxy": [], "harness": []}
-        return events
+    def take(self) -> dict[str, list[Event]]:
+        """What happened since the last take, by producer (``proxy``: calls; ``harness``: executions)."""
+        out, self.out = self.out, {"proxy": [], "harness": []}
+        return out
 
 
-async def _proxy(channel: grpc.aio.Channel, secret: str, scenario: Scenario, stats: dict[str, Any]) -> None:
-    stub = gyre_pb2_grpc.ProxyStub(channel)
-    stream = _Stream(stub.Connect, secret, ["proxy", "harness"])
-    proxy = _ProxyStandIn(stream, scenario)
-    up = lambda **b: gyre_pb2.ProxyUp(**b)  # noqa: E731
-    await stream.write(up(hello=gyre_pb2.ProxyHello(proxy_id="proxy", url="http://stand-in/proxy",
-                                                    incarnation=uuid.uuid4().hex, producers=stream.producers)))
-    stopping = asyncio.Event()
+def _proxy(address: str, secret: str, scenario: Scenario, stats: dict[str, Any],
+           lags: list[tuple[float, float]]) -> None:
+    """The proxy stand-in on the real proxy's stream: a `ControllerLink` (its loop packs and sends what was
+    recorded, coalescing what waits; its command thread runs one command at a time) fed by a workload thread
+    that records each event on its own, as the proxy's HTTP loop and the harness runner do. Only the engines
+    and harnesses are played (`_ProxyStandIn`); commands are answered as `gyre.cluster.proxy_node` answers
+    them (a queue once its events are durable, a sync once everything is)."""
+    state, recording = threading.Lock(), threading.Lock()
+    stopping = threading.Event()
+    proxy = _ProxyStandIn(scenario)
+    producers: dict[str, Any] = {}
 
-    async def answer(command: gyre_pb2.ProxyCommand, received: float) -> None:
-        done, durable = proxy.command(command)
+    def record(events: dict[str, list[Event]]) -> int:
+        """Each event recorded on its own, as the proxy and the runner record them; the last position."""
+        position = -1
+        for producer in ("proxy", "harness"):  # the calls before their executions' fate
+            for event in events[producer]:
+                position = producers[producer].record(event)
+        return position
+
+    read_at: dict[int, float] = {}
+
+    def handle(command: gyre_pb2.ProxyCommand) -> gyre_pb2.CommandDone | Durable:
+        received = time.monotonic()
+        with state:
+            done, durable = proxy.command(command)
+            events = proxy.take()
+            recording.acquire()  # in the order they happened, but the workload goes on meanwhile
+        try:
+            position = record(events)
+        finally:
+            recording.release()
         done.figures["bench_received_at"] = received
+        done.figures["bench_read_at"] = read_at.pop(command.command_id, received)
         done.figures["bench_handled_at"] = time.monotonic()
-        events = proxy.take()
-        if events:
-            ack = await stream.send(up, events)
-            if durable:
-                await ack
-        done.figures["bench_answered_at"] = time.monotonic()
-        await stream.write(up(done=done))
+        if command.WhichOneof("body") == "sync":
+            link.sink.commit(remote=True)
+            link.wait_deferred()
         if command.WhichOneof("body") == "stop":
             stopping.set()
-            await stream.close()
+        done.figures["bench_answered_at"] = time.monotonic()
+        return Durable(done, position) if durable else done
 
-    async def play() -> None:
+    link = ControllerLink(address, secret=secret, handler=handle, hello=gyre_pb2.ProxyHello(
+        proxy_id="proxy", url="http://stand-in/proxy", producers=["proxy", "harness"]))
+    on_command = link._on_command
+
+    def timed_on_command(command: gyre_pb2.ProxyCommand) -> None:  # when the link's loop read it
+        read_at.setdefault(command.command_id, time.monotonic())
+        on_command(command)
+    link._on_command = timed_on_command  # type: ignore[method-assign]
+    link.start()
+    producers.update(proxy=link.producer("proxy"), harness=link.producer("harness"))
+    probe = asyncio.run_coroutine_threadsafe(_probe_lag(lags), link._thread.loop)  # the stream's loop
+    acks: list[float] = []
+
+    def play() -> None:  # the engines and harnesses: calls finish on a grid of tick_s
         next_at = time.perf_counter()
-        while not stopping.is_set():
-            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-            next_at += scenario.batch_s
-            proxy.advance(time.perf_counter())
-            events = proxy.take()
-            if events:
-                await stream.send(up, events)
-            else:
-                await stream.write(up(heartbeat=gyre_pb2.Heartbeat(sent_us=time.time_ns() // 1000)))
+        while not stopping.wait(max(0.0, next_at - time.perf_counter())):
+            next_at += scenario.tick_s
+            with state:
+                proxy.advance(time.perf_counter())
+                events = proxy.take()
+                recording.acquire()
+            try:
+                record(events)
+            finally:
+                recording.release()
 
-    playing = None
-    answers: list[asyncio.Task[None]] = []
-    try:
-        while (message := await stream.call.read()) is not grpc.aio.EOF:
-            body = message.WhichOneof("body")
-            if body == "welcome":
-                stream.welcomed(message.welcome)
-                playing = playing or asyncio.create_task(play())
-            elif body == "ack":
-                stream.acked(message.ack)
-            elif body == "command":
-                answers.append(asyncio.create_task(answer(message.command, time.monotonic())))
-    except grpc.aio.AioRpcError:
-        pass
-    finally:
-        if playing is not None:
-            playing.cancel()
-        stats.update(proxy.stats)
-        stats["event_ack_ms"] = _percentiles(stream.ack_s)
+    def sample_acks() -> None:  # how long what was just recorded takes to be durable (a reply waits for it)
+        while not stopping.wait(0.1):
+            sent = time.perf_counter()
+            try:
+                link.sink.commit(remote=True, timeout_s=60)
+            except (GyreError, TimeoutError):
+                return
+            acks.append(time.perf_counter() - sent)
+
+    threads = [threading.Thread(target=play, daemon=True), threading.Thread(target=sample_acks, daemon=True)]
+    for thread in threads:
+        thread.start()
+    stopping.wait()
+    for thread in threads:
+        thread.join(10)
+    probe.cancel()
+    link.close(timeout_s=30)
+    stats.update(proxy.stats)
+    stats["event_ack_ms"] = _percentiles(acks)
+    stats["sent"] = dict(link.sent)
 
 
 def standin_main(args: argparse.Namespace) -> None:
@@ -908,10 +973,6 @@ def standin_main(args: argparse.Namespace) -> None:
             probe.cancel()
 
     async def serve() -> None:
-        if args.proxy:
-            async with grpc.aio.insecure_channel(args.address, options=GRPC_OPTIONS) as channel:
-                await _proxy(channel, secret, scenario, stats)
-            return
         channels = [grpc.aio.insecure_channel(args.address, options=GRPC_OPTIONS) for _ in args.cells.split(",")]
         try:
             await asyncio.gather(*(_cell(channel, secret, cell, cell == args.core, scenario, stats)
@@ -920,7 +981,10 @@ def standin_main(args: argparse.Namespace) -> None:
             for channel in channels:
                 await channel.close()
 
-    asyncio.run(main())
+    if args.proxy:
+        _proxy(args.address, secret, scenario, stats, lags)
+    else:
+        asyncio.run(main())
     stats["cpu_s"] = round(time.process_time() - started, 2)
     stats["loop_lag"] = lags
     Path(args.stats).write_text(json.dumps(stats))

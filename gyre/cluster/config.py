@@ -47,7 +47,7 @@ class ClusterSection(_Section):
                              "placement group, or nobody (started by hand: `gyre cell --controller HOST:PORT`)")
     ray: RaySection = RaySection()
     tls: TlsSection | None = Field(None, description="gRPC over TLS (ca, cert, key PEM paths on every host)")
-    heartbeat_s: PositiveFloat = Field(1.0, description="how often a process tells the controller it lives")
+    heartbeat_s: PositiveFloat = Field(1.0, description="silence after which a process's heartbeat says it lives")
     dead_after_s: PositiveFloat = Field(30.0, description="silence after which a cell counts as lost")
     start_timeout_s: PositiveFloat = Field(180.0, description="how long the processes may take to connect")
     lease_s: PositiveFloat = Field(30.0, description="a satellite silent this long loses its claimed micro-steps "

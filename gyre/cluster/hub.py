@@ -119,7 +119,7 @@ class _Peer:
     peer_id: str
     hello: Hello
     stream: _Stream | None = None
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = 0.0  # on the hub's clock, set as it attaches
     disconnected_at: float | None = None
     disconnect_reason: str = ""
     pending: dict[int, tuple[Command, concurrent.futures.Future[gyre_pb2.CommandDone]]] = field(default_factory=dict)
@@ -138,9 +138,11 @@ class Hub:
     def __init__(self, sink: LogSink, *, run_id: str, secret: str, host: str = "127.0.0.1", port: int = 0,
                  heartbeat_s: float = 1.0, dead_after_s: float = 10.0,
                  status: Callable[[], gyre_pb2.StatusReply] | None = None, advertise: str = "",
-                 log_path: Path | None = None, tls: TlsSection | None = None) -> None:
+                 log_path: Path | None = None, tls: TlsSection | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``host`` is bound; ``advertise`` (default ``host``) is what `start` returns for peers to dial;
-        ``log_path``: the run's log, served to processes on other hosts (the Log service)."""
+        ``log_path``: the run's log, served to processes on other hosts (the Log service); ``clock``: what
+        ages a peer's silence, in seconds (tests of lost peers drive it by hand)."""
         if dead_after_s <= heartbeat_s:
             raise ValueError(f"dead_after_s ({dead_after_s}) must exceed heartbeat_s ({heartbeat_s}): "
                              "a peer would be declared lost between two heartbeats")
@@ -154,6 +156,11 @@ class Hub:
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self.status = status
+        self._clock = clock
+        self.received: collections.Counter[str] = collections.Counter()
+        """Messages read from the peers' streams after their hellos, by kind (events, done, heartbeat)."""
+        self.sweeps = 0
+        """Passes the monitor has made over the peers (each declares lost those silent for ``dead_after_s``)."""
         self.on_cell_hello: Callable[[gyre_pb2.CellHello], None] | None = None
         self.on_cell_lost: Callable[[str, str], None] | None = None
         self.on_proxy_hello: Callable[[gyre_pb2.ProxyHello], None] | None = None
@@ -254,7 +261,7 @@ class Hub:
         """Seconds since anything last arrived from the cell (None: it never connected)."""
         with self._cond:
             peer = self._peers.get(("cell", cell_id))
-            return None if peer is None else time.monotonic() - peer.last_seen
+            return None if peer is None else self._clock() - peer.last_seen
 
     def wait_for(self, cell_ids: Iterable[str], proxy: bool, timeout_s: float) -> None:
         """Block until every named cell (and the proxy, if ``proxy``) is connected; else `TimeoutError`."""
@@ -372,6 +379,14 @@ class Hub:
                     peer.stream.end(grpc.StatusCode.UNAVAILABLE, f"the hub dropped {peer.name}'s stream")
         self._thread.submit(drop()).result(timeout=10)
 
+    def swept(self, timeout_s: float = 10.0) -> None:
+        """Block until the monitor has made a whole pass over the peers begun after this call (tests of lost
+        peers: what the clock said by now has been acted on); `TimeoutError` after ``timeout_s``."""
+        with self._cond:
+            target = self.sweeps + 2  # the pass under way may have read the clock before this call
+            if not self._cond.wait_for(lambda: self.sweeps >= target, timeout_s):
+                raise TimeoutError(f"the hub's monitor made no pass within {timeout_s} s")
+
     # -- streams (the loop thread) -------------------------------------------------------------------------
 
     async def _connect(self, kind: str, context: grpc.aio.ServicerContext) -> None:
@@ -437,7 +452,7 @@ class Hub:
         with self._cond:
             self._peers[key] = peer
             peer.stream = stream
-            peer.last_seen = time.monotonic()
+            peer.last_seen = self._clock()
             peer.disconnected_at = None
             self._cond.notify_all()
         held = {p: self.sink.held(p) for p in hello.producers}
@@ -458,7 +473,7 @@ class Hub:
             if peer.stream is not stream:
                 return
             peer.stream = None
-            peer.disconnected_at = time.monotonic()
+            peer.disconnected_at = self._clock()
             peer.disconnect_reason = reason
             self._cond.notify_all()
         if self._stopping:
@@ -487,8 +502,9 @@ class Hub:
                     return
                 if stream.ended is not None:
                     return
-                peer.last_seen = time.monotonic()
+                peer.last_seen = self._clock()
                 body = message.WhichOneof("body")
+                self.received[body] += 1
                 if body == "heartbeat":
                     continue
                 if body == "events":
@@ -644,7 +660,7 @@ class Hub:
         interval = max(0.01, min(self.heartbeat_s, self.dead_after_s / 4))
         while True:
             await asyncio.sleep(interval)
-            now = time.monotonic()
+            now = self._clock()
             for peer in list(self._peers.values()):
                 if peer.lost is not None:
                     continue
@@ -655,6 +671,9 @@ class Hub:
                       and now - peer.disconnected_at > self.dead_after_s):
                     self._declare_lost(peer, f"its stream ended ({peer.disconnect_reason}) and it did not "
                                              f"reconnect within {self.dead_after_s} s")
+            with self._cond:
+                self.sweeps += 1
+                self._cond.notify_all()
 
     def _callback(self, name: str, callback: Callable[..., None] | None, *args: Any) -> None:
         if callback is None:
@@ -679,7 +698,7 @@ class Hub:
         return reply
 
     def _minimal_status(self) -> gyre_pb2.StatusReply:
-        now = time.monotonic()
+        now = self._clock()
         cells = [gyre_pb2.CellStatus(cell_id=p.peer_id, connected=p.stream is not None and p.lost is None,
                                      is_core=p.hello.is_core, slots=p.hello.slots,
                                      last_heartbeat_age_s=now - p.last_seen)

@@ -2,7 +2,8 @@
 
 `ControllerLink` runs the stream on its own thread and event loop. Events go up through `RemoteSink`
 (an `EventSink`, so the proxy and the cell record exactly as they would into a local `LogSink`); each record
-is kept until the hub acknowledges it durable. A heartbeat goes up every ``Welcome.heartbeat_s``. When the
+is kept until the hub acknowledges it durable. A heartbeat goes up once nothing else has for
+``Welcome.heartbeat_s`` (any message tells the hub the process lives). When the
 stream breaks the link reconnects with jittered exponential backoff, says hello again (the same incarnation)
 and re-sends every record not yet acknowledged: the controller's sink drops what it already holds (producer
 stamps), so each event lands exactly once.
@@ -15,9 +16,10 @@ re-sends them first and numbers its producers after them. The controller stays t
 Commands run on one dedicated thread, in the order they arrive (a cell's commands never overlap). Each
 command id runs once per process; a repeat (the hub re-sends what was pending when the stream broke) is
 answered with the recorded `CommandDone`. The handler returns the command's figures (a mapping, or None),
-or a whole `CommandDone` when the command has a ``detail`` to return (ok unless its ``error`` is set); an
-exception is reported as ``ok=False`` with its text, and whether it is transient (``retryable``, from its type:
-`gyre.cluster.failures`).
+or a whole `CommandDone` when the command has a ``detail`` to return (ok unless its ``error`` is set), or either
+wrapped in `Durable` to have the done go up once what it recorded is durable without holding the command thread;
+an exception is reported as ``ok=False`` with its text, and whether it is transient (``retryable``, from its
+type: `gyre.cluster.failures`).
 
 A link that the controller refuses for good — a wrong secret, a protocol error, a refused batch, a process
 declared lost — stops: ``error`` says why, ``on_failed`` is told, and the sink's waiters fail with `SinkError`.
@@ -26,6 +28,7 @@ declared lost — stops: ``error`` says why, ``on_failed`` is told, and the sink
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -59,7 +62,19 @@ log = logging.getLogger(__name__)
 
 Hello = gyre_pb2.CellHello | gyre_pb2.ProxyHello
 Command = gyre_pb2.CellCommand | gyre_pb2.ProxyCommand
-Handler = Callable[[Any], Mapping[str, float] | gyre_pb2.CommandDone | None]
+
+
+@dataclass(frozen=True)
+class Durable:
+    """A handler's answer whose done goes up only once ``position`` (of the link's sink) is durable; the
+    command thread takes the next command meanwhile (the proxy's queue waited there for its executions'
+    events to be durable, and every routing and redirect behind it waited too)."""
+
+    answer: Mapping[str, float] | gyre_pb2.CommandDone | None
+    position: int
+
+
+Handler = Callable[[Any], Mapping[str, float] | gyre_pb2.CommandDone | Durable | None]
 
 CLIENT_OPTIONS: tuple[tuple[str, int], ...] = (
     *GRPC_OPTIONS,
@@ -249,8 +264,13 @@ class RemoteSink:
 
     def _batches(self, after: int) -> list[list[_Record]]:
         """The records after record id ``after``, grouped into wire batches, in order."""
-        with self._lock:
-            records = [r for rid, r in self._unacked.items() if rid > after]
+        with self._lock:  # the newest only: a scan of every unacknowledged record made a backlog quadratic
+            records = []
+            for record_id in reversed(self._unacked):
+                if record_id <= after:
+                    break
+                records.append(self._unacked[record_id])
+        records.reverse()
         groups: list[list[_Record]] = []
         events = weight = 0
         for record in records:
@@ -372,6 +392,12 @@ class RemoteSink:
         self._spill.close()
 
     @property
+    def recorded(self) -> int:
+        """The position of the last event recorded so far (-1: none yet)."""
+        with self._lock:
+            return self._count - 1
+
+    @property
     def unacked(self) -> int:
         """Records sent or waiting to be sent that the controller has not acknowledged durable yet."""
         with self._lock:
@@ -385,13 +411,20 @@ class RemoteSink:
 
 
 class _Conn:
-    """One connected call: the messages queued up it, and the last record it has been given."""
+    """One connected call: the messages queued up it, when the last was queued, and the last record it has
+    been given."""
 
     def __init__(self, call: Any) -> None:
         self.call = call
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.last_up = time.monotonic()  # the hello went up just now
         self.sent_upto = 0
         self.broken = False
+
+    def put(self, message: Any) -> None:
+        """Queue ``message`` up the call (the loop thread)."""
+        self.last_up = time.monotonic()
+        self.queue.put_nowait(message)
 
 
 class _Ended(Exception):
@@ -402,6 +435,15 @@ class _Ended(Exception):
 
 
 _CLOSE = object()
+
+
+@dataclass
+class _Packed:
+    """An event batch in the call's queue: records ``first``..``last``, being packed on the packer thread."""
+
+    first: int
+    last: int
+    packed: asyncio.Future[bytes]
 
 
 class ControllerLink:
@@ -428,6 +470,7 @@ class ControllerLink:
         self.connect_timeout_s = connect_timeout_s
         self.peer_id = copy.cell_id if self.kind == "cell" else copy.proxy_id
         self._metadata = metadata(secret)
+        self._pump_due = False  # a wake-up to send what was recorded is on its way to the loop
         self.spill = None if spill_dir is None else Spill(spill_dir)
         """The local buffer of unacknowledged events (`gyre.cluster.spill`), or None: they live in memory only."""
         try:
@@ -442,7 +485,11 @@ class ControllerLink:
         """Told, on the link's loop thread (it must not block), when the link stops for good."""
         self.connections = 0
         """Streams that reached their Welcome (1 + the reconnects so far)."""
+        self.sent: collections.Counter[str] = collections.Counter()
+        """Messages written up the stream after its hellos, by kind (events, done, heartbeat)."""
         self._thread = LoopThread(f"gyre-link-{self.peer_id}")
+        self._packer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"gyre-pack-{self.peer_id}")
+        """Packs event batches off the loop; one thread, so they are packed in the order they were queued."""
         self._ready = threading.Event()
         self._producers: dict[str, Producer] = {}
         self._producers_lock = threading.Lock()
@@ -450,6 +497,9 @@ class ControllerLink:
         self._command_thread = threading.Thread(target=self._command_loop, name=f"gyre-commands-{self.peer_id}",
                                                 daemon=True)
         self._done: dict[int, gyre_pb2.CommandDone] = {}
+        self._waiting: set[asyncio.Task[None]] = set()  # dones waiting for their events to be durable
+        self._deferred = 0  # how many: counted from the command thread, which hands them over
+        self._deferred_cond = threading.Condition()
         self._seen: set[int] = set()
         self._conn: _Conn | None = None
         self._run: Any = None
@@ -538,6 +588,7 @@ class ControllerLink:
             except concurrent.futures.CancelledError:  # the loop was stopped under it (sever)
                 pass
         self._thread.stop()
+        self._packer.shutdown(wait=False)
         self.sink._stop_spill()  # after the stream's end, which spilled what the controller has not acknowledged
 
     def _begin_close(self) -> None:
@@ -561,6 +612,7 @@ class ControllerLink:
         self._closed = True
         self.sink._stop_spill(kill=True)
         self._thread.stop()
+        self._packer.shutdown(wait=False)
         self._commands.put(None)
 
     # -- the stream (the loop thread) ----------------------------------------------------------------------
@@ -678,37 +730,66 @@ class ControllerLink:
                 if message is _CLOSE:
                     await conn.call.done_writing()
                     return
+                if isinstance(message, _Packed):
+                    if self.error is not None:  # a batch could not be packed: none after it goes up either
+                        continue
+                    try:
+                        data = await message.packed
+                    except (GyreError, ValueError, pa.ArrowException) as e:  # a record that cannot be encoded
+                        self._fail(ClusterError(f"{self.kind} {self.peer_id!r} could not pack records "
+                                                f"{message.first}..{message.last}: {e}"))
+                        continue
+                    message = self._up(events=gyre_pb2.EventBatch(batch_id=message.last, arrow_ipc=data, wait=True))
                 await conn.call.write(message)
+                self.sent[message.WhichOneof("body")] += 1
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
             conn.broken = True  # the reader learns the call's status
             log.debug("%s %r: write failed: %r", self.kind, self.peer_id, e)
             conn.call.cancel()
 
     async def _beat(self, conn: _Conn, every_s: float) -> None:
+        """A heartbeat once nothing has gone up for ``every_s``: the hub takes any message as a sign of life,
+        so a link that sent an event batch or a done within ``every_s`` does not beat (at 256 cells heartbeats
+        were over half the messages the hub's loop moved)."""
         every_s = every_s if every_s > 0 else 1.0
         while True:
-            await asyncio.sleep(every_s)
-            if not self._silent:
-                conn.queue.put_nowait(self._up(heartbeat=gyre_pb2.Heartbeat(sent_us=time.time_ns() // 1000)))
+            wait = conn.last_up + every_s - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            elif self._silent:
+                await asyncio.sleep(every_s)
+            else:
+                conn.put(self._up(heartbeat=gyre_pb2.Heartbeat(sent_us=time.time_ns() // 1000)))
 
     def _notify(self) -> None:
-        self._thread.call(self._pump)
+        """(Any thread.) A record waits: wake the loop to send it, once per burst — a wake-up per record (a
+        pipe write) was a quarter of a recording thread's time at 256 cells."""
+        if not self._pump_due:  # a pump already due takes this record too (it clears the flag, then reads)
+            self._pump_due = True
+            self._thread.call(self._pump_due_now)
+
+    def _pump_due_now(self) -> None:
+        self._pump_due = False
+        self._pump()
 
     def _pump(self) -> None:
-        """Queue on the live call every record it has not been given yet, in order, coalesced into batches."""
+        """Queue on the live call every record it has not been given yet, in order, coalesced into batches.
+
+        A batch is packed on the link's packer thread, not on the loop (a step's burst of a thousand records
+        took the loop ~0.1-0.5 s to pack, and no command, ack or done moved meanwhile); its place in the
+        call's queue is taken now, so what is queued after it (a done) still goes up after it."""
         conn = self._conn
         if conn is None:
             return
+        loop = asyncio.get_running_loop()
         for group in self.sink._batches(conn.sent_upto):
+            events = [e for record in group for e in record.events]
             try:
-                data = pack_events([e for record in group for e in record.events])
-            except (GyreError, ValueError, pa.ArrowException) as e:  # a record that cannot be encoded
-                self._fail(ClusterError(f"{self.kind} {self.peer_id!r} could not pack records "
-                                        f"{group[0].record_id}..{group[-1].record_id}: {e}"))
+                packed = loop.run_in_executor(self._packer, pack_events, events)
+            except RuntimeError:  # the packer was shut down: the link is stopping
                 return
-            last = group[-1].record_id
-            conn.queue.put_nowait(self._up(events=gyre_pb2.EventBatch(batch_id=last, arrow_ipc=data, wait=True)))
-            conn.sent_upto = last
+            conn.put(_Packed(group[0].record_id, group[-1].record_id, packed))
+            conn.sent_upto = group[-1].record_id
 
     def _up(self, **body: Any) -> gyre_pb2.CellUp | gyre_pb2.ProxyUp:
         return gyre_pb2.CellUp(**body) if self.kind == "cell" else gyre_pb2.ProxyUp(**body)
@@ -732,7 +813,7 @@ class ControllerLink:
         command_id = command.command_id
         if command_id in self._done:
             if self._conn is not None:
-                self._conn.queue.put_nowait(self._up(done=self._done[command_id]))
+                self._conn.put(self._up(done=self._done[command_id]))
         elif command_id not in self._seen:
             self._seen.add(command_id)
             self._commands.put(command)
@@ -742,13 +823,45 @@ class ControllerLink:
             command = self._commands.get()
             if command is None:
                 return
-            done = self._execute(command)
-            self._thread.call(self._finished, done)
+            done, durable = self._execute(command)
+            if durable is None:
+                self._thread.call(self._finished, done)
+            else:
+                with self._deferred_cond:
+                    self._deferred += 1
+                self._thread.call(self._finish_when_durable, done, durable)
 
-    def _execute(self, command: Command) -> gyre_pb2.CommandDone:
+    def wait_deferred(self, timeout_s: float | None = None) -> bool:
+        """Block until every done that waits for its events to be durable (`Durable`) has been sent up, so a
+        done sent after this goes up after them (a Sync's promise: every earlier command is done). False if
+        some still wait after ``timeout_s``."""
+        with self._deferred_cond:
+            return self._deferred_cond.wait_for(lambda: self._deferred == 0, timeout_s)
+
+    def _finish_when_durable(self, done: gyre_pb2.CommandDone, position: int) -> None:
+        async def finish() -> None:
+            try:
+                try:
+                    await self.sink.durable(position)
+                except SinkError as e:  # the link failed: its done could not go up anyway
+                    done.CopyFrom(failed_done(done.command_id, e))
+                self._finished(done)
+            finally:  # (a cancelled wait too: the link is closing)
+                with self._deferred_cond:
+                    self._deferred -= 1
+                    self._deferred_cond.notify_all()
+        task = asyncio.get_running_loop().create_task(finish())
+        self._waiting.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._waiting.discard)
+
+    def _execute(self, command: Command) -> tuple[gyre_pb2.CommandDone, int | None]:
+        """The command's done, and the sink position it waits for (None: it goes up at once)."""
         body = command.WhichOneof("body")
+        durable = None
         try:
             result = self.handler(command)
+            if isinstance(result, Durable):
+                result, durable = result.answer, result.position
             done = gyre_pb2.CommandDone(ok=True)
             if isinstance(result, gyre_pb2.CommandDone):  # a command with a result (Train: its WeightsRef)
                 done.CopyFrom(result)
@@ -759,8 +872,8 @@ class ControllerLink:
             done.command_id = command.command_id
         except Exception as e:  # reported to the controller as ok=False, with the error and its class
             log.exception("%s %r: command %d (%s) failed", self.kind, self.peer_id, command.command_id, body)
-            return failed_done(command.command_id, e)
-        return done
+            return failed_done(command.command_id, e), None
+        return done, durable
 
     DONE_KEPT = 4096
     """Outcomes kept to answer a repeated command: the hub repeats only those pending when a stream broke."""
@@ -770,7 +883,7 @@ class ControllerLink:
         while len(self._done) > self.DONE_KEPT:
             del self._done[next(iter(self._done))]
         if self._conn is not None:
-            self._conn.queue.put_nowait(self._up(done=done))
+            self._conn.put(self._up(done=done))
 
 
 def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], error: BaseException | None) -> None:

@@ -39,6 +39,7 @@ from gyre.proxy.routing import Router
 from gyre.run.build import rollout_tasks
 
 if TYPE_CHECKING:
+    from gyre.cluster.link import Durable
     from gyre.harness.runner import HarnessRunner
     from gyre.harness.tasks import TaskSet
     from gyre.proxy import Proxy, ProxyServer
@@ -160,7 +161,7 @@ class ProxyNode:
 
     # -- commands -------------------------------------------------------------------------------------------
 
-    def handle(self, command: gyre_pb2.ProxyCommand) -> Mapping[str, float] | gyre_pb2.CommandDone:
+    def handle(self, command: gyre_pb2.ProxyCommand) -> Mapping[str, float] | gyre_pb2.CommandDone | Durable:
         body = command.WhichOneof("body")
         if body == "routing":
             return self._route(command.routing)
@@ -170,6 +171,7 @@ class ProxyNode:
             return self._redirect(command.redirect)
         if body == "sync":
             self.link.sink.commit(remote=True)
+            self.link.wait_deferred()  # a queue's done waits for its events: it goes up before this one
             return gyre_pb2.CommandDone(detail=json.dumps(sorted(self._held)).encode())
         if body == "stop":
             self._stop_components()
@@ -229,7 +231,8 @@ class ProxyNode:
         self.parts.gate.interrupt()
         return {"admitting": float(sum(r.admitting for r in routing.cells))}
 
-    def _queue(self, queue: gyre_pb2.QueueExecutions) -> Mapping[str, float]:
+    def _queue(self, queue: gyre_pb2.QueueExecutions) -> Durable:
+        from gyre.cluster.link import Durable
         from gyre.harness.runner import Execution
         from gyre.proxy.routing import UNPLACED
 
@@ -248,8 +251,8 @@ class ProxyNode:
                                              policy_version=spec.policy_version, attempt=spec.attempt,
                                              step=step))
             future.add_done_callback(lambda _, e=spec.execution_id: self._ended(e))
-        runner.sink.commit()  # every execution_queued is durable
-        return {"queued": float(len(queue.executions))}
+        # done once every execution_queued is durable; the routings and redirects behind it go on meanwhile
+        return Durable({"queued": float(len(queue.executions))}, self.link.sink.recorded)
 
     @contextlib.contextmanager
     def _finishing(self, execution_id: str) -> Iterator[None]:

@@ -28,8 +28,9 @@ def test_a_tiny_run_measures_every_figure() -> None:
     assert standins["proxy"]["loop_lag_ms"]["n"] > 0
     parts = result["command_parts_ms_by_kind"]
     assert set(parts) == set(result["command_rtt_ms_by_kind"])  # every command timed was cut into its parts
-    for kind, by_part in parts.items():  # the proxy also says how long it waited to send its events
-        assert set(by_part) == ({*cpb.PARTS, "events_wait"} if kind in cpb.PROXY_KINDS else set(cpb.PARTS)), kind
+    proxy_parts = {*cpb.PARTS, "events_wait", "turn_wait"}  # the proxy's waits to send its events, and for its turn
+    for kind, by_part in parts.items():
+        assert set(by_part) == (proxy_parts if kind in cpb.PROXY_KINDS else set(cpb.PARTS)), kind
         assert all(values["p50"] >= 0 for values in by_part.values()), (kind, by_part)  # stamps in order
 
 

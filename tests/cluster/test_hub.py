@@ -6,6 +6,7 @@ import asyncio
 import re
 import socket
 import threading
+import time
 from typing import Any
 
 import grpc
@@ -15,7 +16,7 @@ from gyre import auth
 from gyre.cluster.auth import metadata
 from gyre.cluster.errors import ClusterError, PeerLost
 from gyre.cluster.hub import Hub
-from gyre.cluster.link import ControllerLink
+from gyre.cluster.link import ControllerLink, Durable
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.events import CellLost, ModelCallFinished
 from gyre.events.wire import pack_events
@@ -43,6 +44,34 @@ def test_events_go_up_and_are_durable_when_commit_returns(cluster) -> None:
     events = cluster.events()
     assert [e.reason for e in events] == ["e0", "e1", "e2", "f0", "f1"]
     assert _stamps(events) == [("c0", i) for i in range(5)]
+
+
+def test_records_from_many_threads_at_once_all_go_up_once_in_order(cluster) -> None:
+    """The link wakes its loop once per burst of records (a flag the loop clears before it reads): a record made
+    while a wake-up is on its way must still go up, never stranded until the next record."""
+    producers = [f"p{i}" for i in range(6)]
+    link = cluster.link("c0", producers=tuple(producers))
+    barrier = threading.Barrier(len(producers))
+    last: dict[str, int] = {}
+
+    def record(name: str) -> None:
+        producer = link.producer(name)
+        barrier.wait()
+        for i in range(150):
+            last[name] = producer.record(CellLost(cell_id="c0", reason=f"{name}-{i}"))
+
+    threads = [threading.Thread(target=record, args=(name,)) for name in producers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    link.sink.commit(max(last.values()), remote=True, timeout_s=30)
+    events = cluster.events()
+    assert len(events) == 6 * 150
+    for name in producers:
+        mine = [e for e in events if e.producer == name]
+        assert [e.producer_seq for e in mine] == list(range(150))
+        assert [e.reason for e in mine] == [f"{name}-{i}" for i in range(150)]
 
 
 def test_durable_can_be_awaited_on_another_loop(cluster) -> None:
@@ -215,6 +244,32 @@ def test_a_command_pending_over_a_reconnect_runs_once(cluster) -> None:
     assert link.connections >= 2
 
 
+def test_a_done_that_waits_for_durable_events_does_not_hold_the_next_command(cluster) -> None:
+    """A handler's `Durable` answer goes up once what it recorded is durable, and the command thread takes the
+    next command meanwhile (a proxy's queue no longer holds the routings behind it); `wait_deferred` (a Sync)
+    waits for it."""
+    synced = threading.Event()
+
+    def handler(command: gyre_pb2.CellCommand) -> Durable | dict[str, float] | None:
+        if command.WhichOneof("body") == "serve":
+            return Durable({"queued": 1.0}, link.producer("c0").record(_lost(1, "queued")))
+        if command.WhichOneof("body") == "sync":
+            link.wait_deferred()
+            synced.set()
+        return None
+
+    link = cluster.link("c0", handler=handler)
+    cluster.sink.gate.clear()  # recorded, not yet durable
+    queued = cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve()))
+    cluster.wait_recorded(1)
+    assert cluster.hub.command_cell("c0", gyre_pb2.CellCommand(pause=gyre_pb2.Pause())).result(5).ok
+    sync = cluster.hub.command_cell("c0", gyre_pb2.CellCommand(sync=gyre_pb2.Sync()))
+    assert not queued.done() and not sync.done() and not synced.is_set()  # both wait for the event's ack
+    cluster.sink.gate.set()
+    assert queued.result(5).figures["queued"] == 1.0
+    assert sync.result(5).ok and synced.is_set()
+
+
 def test_a_silent_cell_is_lost_and_its_commands_fail(make_cluster) -> None:
     cluster = make_cluster(heartbeat_s=0.05, dead_after_s=0.5)
     lost: list[tuple[str, str]] = []
@@ -232,6 +287,67 @@ def test_a_silent_cell_is_lost_and_its_commands_fail(make_cluster) -> None:
     with pytest.raises(ClusterError, match="c7 was lost"):
         cluster.hub.command_cell("c7", gyre_pb2.CellCommand(serve=gyre_pb2.Serve())).result(5)
     release.set()
+
+
+class _Clock:
+    """The hub's clock, set by the test: a peer's silence ages only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_busy_link_lives_without_heartbeats_and_a_silent_one_is_lost(make_cluster) -> None:
+    """Any message tells the hub a process lives (a busy link skips its heartbeats): events alone keep a link
+    alive over many times ``dead_after_s``, and ``dead_after_s`` without a message loses it. The hub ages
+    silence on the test's clock, so only the order of events matters, not how fast the machine runs."""
+    clock = _Clock()
+    cluster = make_cluster(heartbeat_s=0.05, dead_after_s=1.0, clock=clock)
+    lost: list[tuple[str, str]] = []
+    cluster.hub.on_cell_lost = lambda cell_id, reason: lost.append((cell_id, reason))
+    link = cluster.link("c0")
+    link.stop_heartbeats()  # only its events go up
+    producer = link.producer("c0")
+    for i in range(5):  # 3 s of the hub's clock in all, 0.6 s between messages
+        clock.now += 0.6
+        link.sink.commit(producer.record(_lost(1, f"busy{i}")), remote=True)  # it arrived: acked
+        cluster.hub.swept()
+        assert not lost and cluster.hub.connected("c0")
+    clock.now += 1.1
+    cluster.hub.swept()
+    assert lost == [("c0", "nothing arrived for 1.1 s (heartbeats every 0.05 s; dead after 1.0 s)")]
+    assert not cluster.hub.connected("c0")
+
+
+def test_a_link_beats_only_after_a_heartbeat_period_with_nothing_sent(make_cluster) -> None:
+    """While events go up more often than ``heartbeat_s`` the link sends no heartbeat; idle, it beats again.
+    Robust to a stalled machine: a heartbeat is allowed for each ``heartbeat_s`` between two sends that the
+    test saw (a send happens between its record and its ack)."""
+    every_s = 0.3
+    cluster = make_cluster(heartbeat_s=every_s, dead_after_s=60.0)
+    link = cluster.link("c0")
+    producer = link.producer("c0")
+    recorded, acked = [], []
+    for i in range(40):  # ~1.2 s: four heartbeat periods
+        recorded.append(time.monotonic())
+        link.sink.commit(producer.record(_lost(1, f"e{i}")), remote=True)
+        acked.append(time.monotonic())
+        if i == 0:
+            beats = link.sent["heartbeat"]  # the first event is written: a heartbeat before it is counted
+        time.sleep(every_s / 10)  # pacing only: a longer stall is allowed for below
+    beats = link.sent["heartbeat"] - beats
+    seen = time.monotonic()
+    allowed = sum(int((acked[i + 1] - recorded[i]) // every_s) for i in range(len(recorded) - 1))
+    allowed += int((seen - recorded[-1]) // every_s)
+    assert beats <= allowed, f"{beats} heartbeats while events went up (allowed {allowed} for stalls)"
+    assert link.sent["events"] >= 40
+    idle = link.sent["heartbeat"]
+    deadline = time.monotonic() + 30
+    while link.sent["heartbeat"] == idle and time.monotonic() < deadline:  # idle now: it beats again
+        time.sleep(every_s / 3)
+    assert link.sent["heartbeat"] > idle
 
 
 def test_a_new_incarnation_replaces_the_old(cluster) -> None:
