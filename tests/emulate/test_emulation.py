@@ -15,6 +15,8 @@ from gyre.errors import ConfigError
 from gyre.sim.calls import CallTiming
 from gyre.sim.emulation import accelerator
 from gyre.sim.scenario import load_scenario
+from gyre.trainer.loss import LossStats
+from gyre.trainer.protocol import MicroStepResult
 
 ACCEL = Accelerator(step_ms=30, per_request_ms=1.6, per_mtoken_ms=16.64, prefill_s_per_mtoken=30,
                     train_s_per_mtoken=50, optimizer_s=15, publish_s=15, satellite_join_s=7.5, to_training_s=2.13,
@@ -69,9 +71,9 @@ def test_a_steps_batch_building_overlaps_its_next_micro_steps_accelerator_time()
         now[0] += s
 
     class Backend:
-        def forward_backward(self, batch: object) -> str:
+        def forward_backward(self, batch: object) -> MicroStepResult:
             now[0] += 0.1  # real compute
-            return "done"
+            return MicroStepResult(index=0, tokens=1, padded_tokens=1, passes=1, stats=LossStats(), duration_s=0.1)
 
     class Batch:
         tokens = 100_000  # 5 emulated seconds at 50 s per Mtoken: 0.5 s of wall time at time_scale 10
@@ -80,10 +82,12 @@ def test_a_steps_batch_building_overlaps_its_next_micro_steps_accelerator_time()
                                           clock=lambda: now[0]))
     now[0] += 0.3  # building the step's batch
     paced.host_work(0.3)
-    assert paced.forward_backward(Batch()) == "done"
+    first = paced.forward_backward(Batch())
     assert slept == [pytest.approx(0.1)]  # 0.5 s of wall, of which the build had 0.3 and the compute 0.1
-    paced.forward_backward(Batch())
+    second = paced.forward_backward(Batch())
     assert slept[-1] == pytest.approx(0.4)
+    # each reports the accelerator's time (the policies weigh lending by it), not the 0.1 s of real compute
+    assert first.duration_s == pytest.approx(0.5) and second.duration_s == pytest.approx(0.5)
 
 
 def test_the_cpu_engine_charges_each_step_what_it_computed() -> None:
