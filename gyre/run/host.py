@@ -21,6 +21,7 @@ last one is recorded, the policy deciding as usual (held-out work counts in the 
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -352,6 +353,10 @@ class RunHost:
     def run(self) -> RunSummary:
         """Drive the run to its end; exporters follow the log meanwhile, and the report is written after."""
         status = "completed"
+        # the run's long-lived state (cells, views, topology, links) is built: out of the collector's
+        # generations, a full collection no longer walks it (the controller's longest pause 96-166 -> 6-7 ms
+        # at 256 cells, benchmarks/control_plane_bench.py --gc-freeze, docs/benchmarks.md)
+        gc.freeze()
         try:
             with self._exporting():
                 try:
