@@ -67,11 +67,11 @@ def scenario_overrides(config: ClusterConfig, scenario_name: str, *, time_scale:
     takes = get_policy(policy).params_type.model_fields  # colocate and async plan no switches: no such keys
     params = {**scenario.policy.values(policy), **(params or {}),
               **{key: value for key, value in costs.items() if key in takes}}
-    params.pop("staleness", None)
+    staleness = params.pop("staleness", 0)  # the scenario's, as `gyre sim` gives it (colocate: 0, synchronous)
     cluster = scenario.cluster
     return {
         "steps": scenario.steps, "cluster.cells": cluster.cells, "cluster.slots": cluster.slots_per_cell,
-        "scheduler.staleness": scenario.policy.staleness, "scheduler.params": params,
+        "scheduler.staleness": staleness, "scheduler.params": params,
         "rollout.tasks": str(out / "tasks.toml"), "rollout.task_ids": [task_id for task_id, _, _ in tasks],
         "rollout.harness": str(AGENT_DIR / "harness.toml"), "rollout.groups_per_step": groups,
         "rollout.group_size": size, "trajectory.micro_steps_per_group": scenario.batch.micro_steps_per_group,

@@ -85,3 +85,13 @@ def test_every_policy_gets_parameters_it_takes(tmp_path: Path, policy: str) -> N
     params = scenario_overrides(base, "seed-2.4t-scaled", time_scale=10, token_scale=100)["scheduler.params"]
     get_policy(policy).params(params)  # raises on a key the policy does not take
     assert ("switch_to_training_s" in params) == (policy == "elastic")
+
+
+@pytest.mark.parametrize("policy", ["elastic", "colocate", "async"])
+def test_every_policy_gets_the_staleness_gyre_sim_gives_it(tmp_path: Path, policy: str) -> None:
+    """terminal-bench-like-scaled runs at staleness 1, colocate (synchronous) at 0 in the simulator and live: a
+    staleness it refuses stopped the three-design comparison at its colocate run."""
+    base = ClusterConfig.load(EXAMPLE, {"run_dir": str(tmp_path / "run"), "scheduler.policy": policy})
+    overrides = scenario_overrides(base, "terminal-bench-like-scaled", time_scale=10, token_scale=25)
+    assert overrides["scheduler.staleness"] == (0 if policy == "colocate" else 1)
+    get_policy(policy).params({**overrides["scheduler.params"], "staleness": overrides["scheduler.staleness"]})
