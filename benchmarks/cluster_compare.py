@@ -94,8 +94,11 @@ def compare_emulated(base: ClusterConfig, args: argparse.Namespace) -> dict[str,
     from gyre.scheduler import get_policy
 
     results = []
+    wanted = set(args.policies.split(","))
     for design in emulated_designs(args.emulate, args.steps, args.partial):
         policy = design["design"].split("+")[0]  # the ablation's role: elastic | colocate | async (+partial)
+        if policy not in wanted:  # --policies: a subset of the designs (each run is independent)
+            continue
         params = dict(design["params"])
         params.pop("staleness", None)
         run_dir = args.out / design["variant"].replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
@@ -138,7 +141,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="train steps (default 3; --emulate: the "
                                                                  "scenario's)")
     parser.add_argument("--out", type=Path, default=Path("runs/compare"))
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", default=",".join(POLICIES), help="which designs to run (with --emulate too)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--emulate", default=None, help="a scenario (replay/scenarios name or file): see above")
     parser.add_argument("--time-scale", type=float, default=10.0, help="with --emulate: emulated s per wall s")
