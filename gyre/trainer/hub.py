@@ -196,6 +196,7 @@ class TrainerHub:
                 step = open_step(self.coordinator.state)
                 if step is None or len(step.claimed) >= step.planned_micro_steps:
                     return  # nothing left for them to claim
+            if waiting:  # outside the hub's lock: the satellites' claims take it
                 self.coordinator.wait_for_work(0.05)
 
     def complete(self) -> bool:
