@@ -111,6 +111,40 @@ def test_the_cpu_engine_charges_each_step_what_it_computed() -> None:
     assert emulated["emulated_s"] == pytest.approx(expected)
 
 
+def test_the_cpu_engines_host_work_between_steps_counts_inside_the_accelerators_time() -> None:
+    """Back-to-back steps are paced from the end of the previous one, so the host's work between them
+    (sampling, replies, admission) overlaps the accelerator's time instead of adding to it: a busy engine
+    decodes at the emulated rate. A fake clock moves only by the pacer's sleeps and by 3 ms of host work
+    after each step's sampling; without the overlap the call would last ``out`` times 3 ms longer."""
+    k, prompt, out, host = 50.0, list(range(10, 40)), 12, 0.003
+    emulation = Emulation(accelerator=ACCEL, time_scale=100.0, token_scale=k)  # a step: >= 15 ms of wall
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    server = LocalEngineServer(LocalEngine(LocalEngineConfig(seed=0, emulation=emulation)))
+    scheduler = server.engine.scheduler
+    scheduler.pacer = Pacer(emulation, sleep=sleep, clock=lambda: now[0])
+    sample = scheduler._sample
+
+    def sample_then_host_work(seq, logits):  # type: ignore[no-untyped-def]
+        sample(seq, logits)
+        now[0] += host
+
+    scheduler._sample = sample_then_host_work  # type: ignore[method-assign]
+    server.start()
+    try:
+        with SyncHttpEngineClient(server.url) as client:
+            client.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=out, ignore_eos=True))
+        emulated = scheduler.snapshot()["emulation"]
+    finally:
+        server.stop()
+    assert emulated["holds"] == out and emulated["overruns"] == 0
+    # every step's host work hid in the next step's hold; only the last step's is outside any
+    assert now[0] == pytest.approx(emulation.wall_s(emulated["emulated_s"]) + host)
+
+
 def test_an_emulated_cluster_names_an_unknown_scenario(tmp_path: Path) -> None:
     path = tmp_path / "cluster.toml"
     path.write_text('[emulate]\nscenario = "nope"\n')

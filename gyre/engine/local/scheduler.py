@@ -165,6 +165,11 @@ class Scheduler:
         self._paused = False
         self._stopping = False
         self._fatal: BaseException | None = None
+        self._free_since: float | None = None
+        """With a pacer: when the emulated accelerator finished its last step, while steps follow each other
+        without the loop waiting for work (None otherwise). The next step's emulated time counts from there, so
+        the host's work between steps (sampling, replies, admission) is inside the accelerator's time, not
+        added to it; an accelerator decodes back to back."""
         self._thread = threading.Thread(target=self._loop, name="gyre-engine-scheduler", daemon=True)
 
     # ---- thread-safe API -------------------------------------------------------------------------------
@@ -281,6 +286,7 @@ class Scheduler:
                         or (self._idle_calls and (self._paused or not self._running))
                         or (not self._paused and (self._running or (self._waiting and not self._idle_calls)))
                     ):
+                        self._free_since = None  # idle: the next step starts when its work arrives
                         self._cond.wait()
                     if self._stopping:
                         break
@@ -291,6 +297,8 @@ class Scheduler:
                     if self._idle_calls and (self._paused or not self._running):
                         calls.extend(self._idle_calls)
                         self._idle_calls.clear()
+                if calls:
+                    self._free_since = None  # control calls (weights, pause, KV moves) are paced by their callers
                 for fn, fut in calls:
                     self._run_call(fn, fut)
                 if not self._paused:
@@ -390,7 +398,7 @@ class Scheduler:
         return plan
 
     def _step(self) -> None:
-        started = time.perf_counter()
+        started = self.pacer.clock() if self.pacer is not None else 0.0
         plan = self._plan()
         inputs = [StepInput(seq.kv, seq.pending[:take], take == len(seq.pending)) for seq, take in plan]
         decoding = [seq for seq, _ in plan if seq.output_ids]  # a token each; the others compute their prompt
@@ -398,7 +406,9 @@ class Scheduler:
         if self.pacer is not None:
             context = sum(seq.kv.length for seq in decoding)
             prefill = sum(take for seq, take in plan if not seq.output_ids)
-            self.pacer.hold(started, self.pacer.emulation.engine_step_s(len(decoding), context, prefill))
+            since = started if self._free_since is None else self._free_since
+            self.pacer.hold(since, self.pacer.emulation.engine_step_s(len(decoding), context, prefill))
+            self._free_since = self.pacer.clock()
         self.stats.steps += 1
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(plan))
         self.stats.forward_tokens += sum(take for _, take in plan)
