@@ -57,6 +57,15 @@ WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel
          "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey",
          "xray", "yankee", "zulu")
 _INDICES = re.compile(r"s0*(\d+)-g0*(\d+)-[re]0*(\d+)$")
+GENERATED_AT = "gyre-generated-at"
+"""A Gyre proxy's answer header: when the model finished the reply (Unix seconds); other servers omit it."""
+
+
+def _unix_seconds(value: str | None) -> float | None:
+    try:
+        return None if value is None else float(value)
+    except ValueError:
+        return None
 
 
 class UsageError(Exception):
@@ -127,9 +136,9 @@ class Connection:
         self._sock: socket.socket | None = None
         self._buffer = b""
 
-    def post(self, headers: dict[str, str], body: bytes) -> bytes:
-        """The 200 answer's body; `HttpError` for another status, `OSError` when the connection fails (a
-        kept-alive socket the server closed is retried once on a fresh one)."""
+    def post(self, headers: dict[str, str], body: bytes) -> tuple[bytes, dict[str, str]]:
+        """The 200 answer's body and headers (names in lower case); `HttpError` for another status, `OSError`
+        when the connection fails (a kept-alive socket the server closed is retried once on a fresh one)."""
         for fresh in (self._sock is None, True):
             if fresh:
                 self.close()
@@ -140,7 +149,7 @@ class Connection:
             try:
                 assert self._sock is not None
                 self._sock.sendall(request)
-                status, reply, keep = self._read()
+                status, reply, fields = self._read()
             except ConnectionError:
                 answered = bool(self._buffer)
                 self.close()
@@ -150,14 +159,14 @@ class Connection:
             except OSError:  # a timeout: never sent again here (the caller's retries decide)
                 self.close()
                 raise
-            if not keep:
+            if fields.get("connection", "").lower() == "close":
                 self.close()
             if status != 200:
                 raise HttpError(status, reply)
-            return reply
+            return reply, fields
         raise ConnectionError("unreachable")
 
-    def _read(self) -> tuple[int, bytes, bool]:
+    def _read(self) -> tuple[int, bytes, dict[str, str]]:
         while b"\r\n\r\n" not in self._buffer:
             self._fill()
         head, self._buffer = self._buffer.split(b"\r\n\r\n", 1)
@@ -167,7 +176,6 @@ class Connection:
         except (IndexError, ValueError):
             raise ConnectionError(f"not an HTTP answer: {lines[0][:80]!r}") from None
         fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-        keep = fields.get("connection", "").lower() != "close"
         if fields.get("transfer-encoding", "").lower() == "chunked":
             body = b""
             while True:
@@ -179,17 +187,17 @@ class Connection:
                     self._fill()
                 body, self._buffer = body + self._buffer[:size], self._buffer[size + 2:]
                 if size == 0:
-                    return status, body, keep
+                    return status, body, fields
         if "content-length" in fields:
             size = int(fields["content-length"])
             while len(self._buffer) < size:
                 self._fill()
             body, self._buffer = self._buffer[:size], self._buffer[size:]
-            return status, body, keep
+            return status, body, fields
         while self._fill(eof_ok=True):  # neither: the body ends with the connection
             pass
         body, self._buffer = self._buffer, b""
-        return status, body, False
+        return status, body, {**fields, "connection": "close"}
 
     def _fill(self, eof_ok: bool = False) -> bool:
         assert self._sock is not None
@@ -218,7 +226,8 @@ class Client:
         self.ignore_eos, self.log = ignore_eos, log
         self.retries = 0
 
-    def complete(self, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
+    def complete(self, messages: list[dict[str, Any]], max_tokens: int) -> tuple[dict[str, Any], float | None]:
+        """The reply and, where the proxy says it (``gyre-generated-at``), when the model finished it."""
         body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": max_tokens}
         if self.ignore_eos:
             body["ignore_eos"] = True  # SGLang's and vLLM's extension: decode exactly max_tokens
@@ -227,10 +236,11 @@ class Client:
         attempt = 0
         while True:
             try:
-                reply = json.loads(self.connection.post(headers, data))
+                raw, fields = self.connection.post(headers, data)
+                reply = json.loads(raw)
                 if not reply.get("choices"):
                     raise ModelUnavailable("the reply has no choices")
-                return reply
+                return reply, _unix_seconds(fields.get(GENERATED_AT))
             except HttpError as e:
                 if e.status != 429 and e.status < 500:
                     raise ModelUnavailable(str(e)) from e
@@ -289,8 +299,11 @@ def run(description: dict[str, Any], client: Client, log: Any, started_at: float
         plan_out += int(call["output_tokens"])
         max_tokens = max(1, round(plan_out / token_scale) - real_out)
         sent = time.time()
-        reply = client.complete(messages, max_tokens)
-        anchor = time.time()
+        reply, generated = client.complete(messages, max_tokens)
+        received = time.time()
+        # the next wait counts from when the model finished: the reply's way back (durability, rendering,
+        # HTTP) is the host's, which time_scale would multiply; a clock ahead of ours counts from receipt
+        anchor = received if generated is None else min(received, max(sent, generated))
         message = reply["choices"][0].get("message") or {}
         last = message.get("content") or ""
         messages.append({"role": "assistant", "content": last})
@@ -308,7 +321,7 @@ def run(description: dict[str, Any], client: Client, log: Any, started_at: float
                      "prompt_tokens": prompt, "completion_tokens": completion})
         log("call", call=i, max_tokens=max_tokens, prompt_chars=chars, prompt_tokens=prompt, waited_s=round(wait, 3),
             finish_reason=reply["choices"][0].get("finish_reason"), sent=round(sent, 4),
-            received=round(anchor, 4))
+            received=round(received, 4), anchor=round(anchor, 4))
     return {"calls": made, "waited_s": round(waited, 3), "late_s": round(late, 3), "answer": last}
 
 

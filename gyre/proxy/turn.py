@@ -8,6 +8,7 @@ here once, so the three APIs cannot drift apart.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -20,6 +21,11 @@ from gyre.proxy.errors import ApiError
 from gyre.proxy.http import ClientGone, FastJSONResponse, from_engine, until_disconnect
 from gyre.proxy.output import OutputParser, Piece
 from gyre.proxy.replies import FinalText, Reply, final_text, new_parser
+
+GENERATED_AT = "gyre-generated-at"
+"""Header of a plain answer: when the engine's last token reached the proxy (Unix seconds), before the call
+was made durable and rendered. A harness that paces itself by model time (the scenario agent of an emulated
+run, where ``time_scale`` multiplies every millisecond of the reply's path) can count from it."""
 
 
 class FrontEnd(Protocol):
@@ -86,6 +92,7 @@ async def answer(request: Request, proxy: Proxy, call: ActiveCall, front: FrontE
         )
     try:
         final = await until_disconnect(request, last_generation(call), proxy.config.disconnect_poll_s)
+        generated_at = time.time()
         if (problem := engine_aborted(final)) is not None:
             raise problem
         assert final.finish is not None
@@ -99,7 +106,8 @@ async def answer(request: Request, proxy: Proxy, call: ActiveCall, front: FrontE
         raise from_engine(e) from e
     finally:
         call.abandon()
-    return FastJSONResponse(front.plain(final, text, reply), headers=front.headers)
+    return FastJSONResponse(front.plain(final, text, reply),
+                            headers={**front.headers, GENERATED_AT: f"{generated_at:.6f}"})
 
 
 async def _stream(proxy: Proxy, call: ActiveCall, front: FrontEnd) -> AsyncIterator[str]:

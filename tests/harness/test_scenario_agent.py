@@ -31,8 +31,13 @@ KEY = "exec-token-scenario"
 class FakeOpenAI:
     """Chat Completions on a local port: records every request; the first ``fail`` answer 500."""
 
-    def __init__(self, fail: int = 0, template_tokens: int | None = None) -> None:
+    def __init__(self, fail: int = 0, template_tokens: int | None = None,
+                 generated_ago_s: float | None = None) -> None:
         self.requests: list[dict[str, Any]] = []
+        self.generated_ago_s = generated_ago_s
+        """With it, replies carry a Gyre proxy's ``gyre-generated-at``: the model finished this long before
+        the reply left (the reply's way back took that long); the values sent are in ``generated``."""
+        self.generated: list[float] = []
         self.fail = fail
         self.template_tokens = template_tokens
         """With it, replies report the prompt's tokens as a byte-level tokenizer with a chat template would:
@@ -58,6 +63,9 @@ class FakeOpenAI:
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                if fake.generated_ago_s is not None:
+                    fake.generated.append(time.time() - fake.generated_ago_s)
+                    self.send_header("gyre-generated-at", f"{fake.generated[-1]:.6f}")
                 self.end_headers()
                 self.wfile.write(data)
 
@@ -212,6 +220,31 @@ def test_the_first_wait_counts_from_the_executions_start_and_later_ones_from_eac
     assert 970 <= report["late_s"] <= 1000 + 25
     calls = [json.loads(line) for line in done.stderr.splitlines() if line.startswith('{"event": "call"')]
     assert calls[1]["sent"] - calls[0]["received"] >= 0.2
+
+
+def test_each_later_wait_counts_from_when_the_model_finished_where_the_proxy_says(tmp_path: Path) -> None:
+    """A Gyre proxy's ``gyre-generated-at`` anchors the next wait: the reply's way back (durability, rendering,
+    HTTP) is host time that ``time_scale`` would multiply. The server here says the model finished 1,000 s
+    ago, which is before the request was sent: the agent then counts from its send, never earlier."""
+    _, d = workload_file(tmp_path, time_scale=1e4, token_scale=50)
+    two = {**d, "time_scale": 1.0, "calls": [{**d["calls"][0], "wait_s": 0.0}, {**d["calls"][1], "wait_s": 0.0},
+                                             {**d["calls"][2], "wait_s": 0.0}]}
+    path = tmp_path / "three.json"
+    path.write_text(json.dumps(two))
+    with FakeOpenAI(generated_ago_s=1000.0) as server:
+        done = agent(server.url, path, tmp_path)
+        assert done.returncode == 0, done.stderr
+    calls = [json.loads(line) for line in done.stderr.splitlines() if line.startswith('{"event": "call"')]
+    assert len(calls) == 3
+    for call in calls:  # clamped to the send: a server's clock cannot move the agent's wait before its request
+        assert call["anchor"] == call["sent"] < call["received"]
+    with FakeOpenAI(generated_ago_s=0.0) as server:  # finished as the reply left: after the send
+        done = agent(server.url, path, tmp_path)
+        assert done.returncode == 0, done.stderr
+        generated = server.generated
+    calls = [json.loads(line) for line in done.stderr.splitlines() if line.startswith('{"event": "call"')]
+    assert [call["anchor"] for call in calls] == [round(t, 4) for t in generated]
+    assert all(call["sent"] <= call["anchor"] <= call["received"] for call in calls)
 
 
 def test_bad_usage_is_exit_2(fake: FakeOpenAI, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from gyre.proxy.turn import GENERATED_AT
 from tests.proxy.proxy_helpers import TOKEN, StartProxy
 from tests.proxy.scripted_engine import ScriptedEngine
 
@@ -142,3 +144,26 @@ def test_a_lost_engine_is_a_retryable_error(start_proxy: StartProxy, api: str, s
         assert status == 200 and kind in ("overloaded_error", "engine_unavailable")
     else:
         assert (status, kind) in (OVERLOADED[api], (503, "engine_unavailable"))
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_plain_answer_says_when_the_model_finished_it(scripted: ScriptedEngine, start_proxy: StartProxy,
+                                                        api: str) -> None:
+    """``gyre-generated-at``: the engine's answer reached the proxy after the request was sent and before
+    the reply came back; a harness that paces itself by model time counts from it (the scenario agent)."""
+    scripted.say("hi")
+    p = start_proxy({"cell0": scripted.url})
+    path, headers, body = {
+        "anthropic": ("/v1/messages", {"x-api-key": TOKEN},
+                      {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}),
+        "openai": ("/v1/chat/completions", {"authorization": f"Bearer {TOKEN}"},
+                   {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}),
+        "responses": ("/v1/responses", {"authorization": f"Bearer {TOKEN}"},
+                      {"model": "m", "max_output_tokens": 8, "input": "hello"}),
+    }[api]
+    with httpx.Client(base_url=p.url, timeout=60) as http:
+        sent = time.time()
+        reply = http.post(path, headers=headers, json=body)
+        received = time.time()
+    assert reply.status_code == 200, reply.text
+    assert sent <= float(reply.headers[GENERATED_AT]) <= received
