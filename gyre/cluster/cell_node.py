@@ -217,6 +217,7 @@ class CellNode:
         hub = self.trainer_service.attach(coordinator, self.core)
         hub.yield_to_satellites = "yield" in crash_points(self.cell_id)  # fault injection (tests)
         self._closers.append(self.core.close)
+        self.core.prepare()  # the first step's batch reads the log's last moments only
 
     def _fold(self) -> tuple[TrainerState, SchedulerView, RunState]:
         """The log, read once by a restarted core through the controller (it is on the controller's host): its

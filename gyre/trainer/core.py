@@ -78,6 +78,11 @@ class LocalCoreTrainer:
         self.follow = follow
         """A step's rollout phase (first queued to last finished, folded from the log), for its metrics."""
         self._source: LiveLogSource | None = None
+        self._source_lock = threading.Lock()
+        self._warm_stop = threading.Event()
+        """Set once a step needs the source (or on close): `prepare`'s thread then stops loading the log."""
+        self._warmer: threading.Thread | None = None
+        self._warm_error: Exception | None = None
         self.run_dir = weights.run_dir
         self._checkpointed: set[int] = set()
         self.satellites: TrainerHub | None = None
@@ -96,6 +101,36 @@ class LocalCoreTrainer:
                                              token_budget=section.token_budget, form=section.form,
                                              micro_steps_per_group=section.micro_steps_per_group,
                                              shuffle_rewards=section.shuffle_rewards))
+
+    def prepare(self, poll_s: float = 1.0) -> None:
+        """Follow the log from now on, and load what it writes until the first step: that step's batch then
+        reads only the last moments of the log, not all of it (through the controller, on another host: 66
+        emulated seconds of a terminal-bench-like step 0 went to it)."""
+        if self._warmer is not None or self._warm_stop.is_set():
+            return
+
+        def warm() -> None:
+            while not self._warm_stop.is_set():
+                with self._source_lock:
+                    if self._warm_stop.is_set():
+                        return
+                    try:
+                        self._log().refresh_available(0.0)
+                    except Exception as error:  # raised by the step that needs the source
+                        self._warm_error = error
+                        return
+                self._warm_stop.wait(poll_s)
+
+        self._warmer = threading.Thread(target=warm, name="gyre-batch-warm", daemon=True)
+        self._warmer.start()
+
+    def _stop_warming(self) -> None:
+        self._warm_stop.set()
+        with self._source_lock:  # a load in progress finishes first: the source is the step's alone after
+            error, self._warm_error = self._warm_error, None
+        if error is not None:
+            raise TrainerError(f"following the log at {self.log_path} before the first step failed: {error}") \
+                from error
 
     def _log(self) -> LiveLogSource:
         if self._source is None:
@@ -127,6 +162,7 @@ class LocalCoreTrainer:
         every micro-step is trained, divides by every execution of the step, as a whole batch would."""
         started = time.monotonic()
         host_started = self.pacer.clock() if self.pacer is not None else 0.0
+        self._stop_warming()
         self.coordinator.sink.commit()  # every reward the fold has seen is on disk before the query
         builder, batches, waiting = self._batches(groups)
         if self.pacer is not None:  # an emulated accelerator (a `PacedBackend`): the query overlaps its time
@@ -191,6 +227,9 @@ class LocalCoreTrainer:
         self.on_trained(figures)
 
     def close(self) -> None:
+        self._warm_stop.set()
+        if self._warmer is not None:
+            self._warmer.join()
         if self._source is not None:
             self._source.close()
             self._source = None

@@ -3,6 +3,7 @@ while the next is still rolling out (order proven by the log's seqs), and ends w
 as the same step trained on its whole batch (same micro-steps in the same order, same normaliser)."""
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,28 @@ def test_a_step_cannot_stream_without_a_fixed_cut(tmp_path):
         with pytest.raises(TrainerError, match="micro_steps_per_group"):
             trainer.train_step(0, ("g0", "g1"))
         trainer.close()
+
+
+def test_a_prepared_core_loads_the_log_before_its_first_step_and_trains_it_the_same(tmp_path):
+    """`prepare` follows the log from the start, so a first step reads only what came since; the batch is
+    the one an unprepared core builds (nothing loaded twice, nothing missed across the hand-over)."""
+    results = {}
+    for name in ("prepared", "cold"):
+        with LogWriter(tmp_path / name / "log", run_id=RUN) as writer:
+            writer.append(rollout("g0") + rewards("g0"))
+            writer.commit()
+            trainer = core(tmp_path / name, writer)
+            if name == "prepared":
+                trainer.prepare(poll_s=0.01)
+                deadline = time.monotonic() + 120  # waits for a state, not for a duration
+                while (trainer._source is None or trainer._source.next_seq <= writer.durable_seq) \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert trainer._source is not None and trainer._source.next_seq > writer.durable_seq
+            writer.append(rollout("g1") + rewards("g1"))
+            writer.commit()
+            trainer.train_step(0, ("g0", "g1"))
+            trainer.close()
+        (event,) = [e for e in LogReader(tmp_path / name / "log").events() if e.kind == "train_step_finished"]
+        results[name] = (event.micro_steps, event.samples, event.loss, event.tokens)
+    assert results["prepared"] == results["cold"] and results["cold"][:2] == (4, 4)
