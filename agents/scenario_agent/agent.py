@@ -36,14 +36,12 @@ unreachable (after retries), 2 bad usage or description, 3 the described crash.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import socket
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 FORMAT = "gyre-workload/1"
@@ -325,24 +323,77 @@ def run(description: dict[str, Any], client: Client, log: Any, started_at: float
     return {"calls": made, "waited_s": round(waited, 3), "late_s": round(late, 3), "answer": last}
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", type=Path, required=True, help="the description (or set of them), JSON")
-    parser.add_argument("--execution-id", default=os.environ.get("GYRE_EXECUTION_ID"),
-                        help="which execution of a set (default: $GYRE_EXECUTION_ID)")
-    parser.add_argument("--answer-file", default="answer.txt", help="where the last reply is written")
-    parser.add_argument("--started-at", type=float, default=None,
-                        help="when the execution began, Unix seconds (the runner's {started_at}; default: now)")
-    parser.add_argument("--model", default=os.environ.get("OPENAI_MODEL", "gyre-policy"))
-    parser.add_argument("--max-retries", type=int, default=3)
-    parser.add_argument("--retry-backoff-s", type=float, default=0.5)
-    parser.add_argument("--request-timeout-s", type=float, default=600.0)
-    parser.add_argument("--ignore-eos", action="store_true", help="ask the engine to decode exactly max_tokens")
-    return parser.parse_args(argv)
+OPTIONS: dict[str, tuple[Any, str]] = {
+    "workload": (str, "the description (or set of them), JSON (required)"),
+    "execution-id": (str, "which execution of a set (default: $GYRE_EXECUTION_ID)"),
+    "answer-file": (str, "where the last reply is written (default: answer.txt)"),
+    "started-at": (float, "when the execution began, Unix seconds (the runner's {started_at}; default: now)"),
+    "model": (str, "the model name sent (default: $OPENAI_MODEL or gyre-policy)"),
+    "max-retries": (int, "retries of a failed call (default: 3)"),
+    "retry-backoff-s": (float, "first retry's delay, doubled each time (default: 0.5)"),
+    "request-timeout-s": (float, "one call's timeout (default: 600)"),
+    "ignore-eos": (bool, "ask the engine to decode exactly max_tokens"),
+}
+"""The command line, parsed by hand: ``argparse`` (with ``gettext``) and ``pathlib`` cost more start-up than the
+rest of the agent, and an emulated run's ``time_scale`` multiplies a harness's start-up."""
+
+
+class Args:
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.workload: str = values["workload"]
+        self.execution_id: str | None = values.get("execution-id", os.environ.get("GYRE_EXECUTION_ID"))
+        self.answer_file: str = values.get("answer-file", "answer.txt")
+        self.started_at: float | None = values.get("started-at")
+        self.model: str = values.get("model", os.environ.get("OPENAI_MODEL", "gyre-policy"))
+        self.max_retries: int = values.get("max-retries", 3)
+        self.retry_backoff_s: float = values.get("retry-backoff-s", 0.5)
+        self.request_timeout_s: float = values.get("request-timeout-s", 600.0)
+        self.ignore_eos: bool = values.get("ignore-eos", False)
+
+
+def usage() -> str:
+    lines = [__doc__.splitlines()[0], "", "options:"]
+    lines += [f"  --{name}{'' if kind is bool else ' VALUE'}  {text}" for name, (kind, text) in OPTIONS.items()]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> Args:
+    """``--name VALUE``, ``--name=VALUE`` and the ``--ignore-eos`` flag; `UsageError` names what is wrong."""
+    values: dict[str, Any] = {}
+    rest = list(argv)
+    while rest:
+        arg = rest.pop(0)
+        if arg in ("-h", "--help"):
+            print(usage())
+            raise SystemExit(0)
+        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if name not in OPTIONS:
+            raise UsageError(f"unknown argument {arg!r} (options: {', '.join('--' + n for n in OPTIONS)})")
+        kind = OPTIONS[name][0]
+        if kind is bool:
+            if eq:
+                raise UsageError(f"--{name} takes no value")
+            values[name] = True
+            continue
+        if not eq:
+            if not rest:
+                raise UsageError(f"--{name} needs a value")
+            value = rest.pop(0)
+        try:
+            values[name] = kind(value)
+        except ValueError:
+            raise UsageError(f"--{name}: {value!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if "workload" not in values:
+        raise UsageError("--workload is required")
+    return Args(values)
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except UsageError as e:
+        print(f"scenario-agent: {e}\n\n{usage()}", file=sys.stderr)
+        return 2
     started = time.monotonic()
     print(json.dumps({"event": "started", "t": round(time.time(), 4)}), file=sys.stderr, flush=True)
 
@@ -353,7 +404,8 @@ def main(argv: list[str]) -> int:
     try:
         if not api_key or not base_url:
             raise UsageError("OPENAI_BASE_URL and OPENAI_API_KEY must be set")
-        description = select(json.loads(args.workload.read_text()), args.execution_id)
+        with open(args.workload, encoding="utf-8") as f:
+            description = select(json.load(f), args.execution_id)
         client = Client(base_url, api_key, args.model, max_retries=args.max_retries, backoff_s=args.retry_backoff_s,
                         timeout_s=args.request_timeout_s, ignore_eos=args.ignore_eos, log=log)
         outcome = run(description, client, log, args.started_at)
@@ -366,9 +418,9 @@ def main(argv: list[str]) -> int:
         return 1
     crash = bool(description.get("crash"))
     if not crash:
-        answer = Path(args.answer_file)
-        answer.parent.mkdir(parents=True, exist_ok=True)
-        answer.write_text(outcome["answer"] or "done", encoding="utf-8", errors="replace")
+        os.makedirs(os.path.dirname(os.path.abspath(args.answer_file)), exist_ok=True)
+        with open(args.answer_file, "w", encoding="utf-8", errors="replace") as f:
+            f.write(outcome["answer"] or "done")
     print(json.dumps({"type": "result", "is_error": crash, "execution_id": description.get("execution_id"),
                       "model_calls": len(outcome["calls"]), "api_retries": client.retries,
                       "max_tokens": [c["max_tokens"] for c in outcome["calls"]],

@@ -253,6 +253,10 @@ def test_bad_usage_is_exit_2(fake: FakeOpenAI, tmp_path: Path) -> None:
     assert agent(fake.url, path, tmp_path, "--execution-id", "nope").returncode == 2
     (tmp_path / "x.json").write_text('{"format": "other"}')
     assert agent(fake.url, tmp_path / "x.json", tmp_path, "--execution-id", "a").returncode == 2
+    bad = agent(fake.url, path, tmp_path, "--max-retries", "many")
+    assert bad.returncode == 2 and "--max-retries: 'many' is not an integer" in bad.stderr
+    bad = agent(fake.url, path, tmp_path, "--bogus", "1")
+    assert bad.returncode == 2 and "unknown argument '--bogus'" in bad.stderr
     assert fake.requests == []
 
 
