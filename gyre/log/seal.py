@@ -31,8 +31,8 @@ def segment_table(segment: Path, tail_ok: bool = False,
 
     Frames are re-batched before anything else: those of one stored schema (the same kinds) are concatenated,
     then brought to the full schema once per group and sorted. Per frame, the evolve to the full schema (a
-    null column for every absent kind) and a sort over one chunk per frame made a segment of a live run's
-    small frames (a few events each) 4-8x slower to read than the same events in a few large frames."""
+    null column for every absent kind) and a sort over one chunk per frame cost in proportion to the frame count:
+    reading and sorting a 64 MB segment of a 256-cell run's ~1,200-2,000 frames took ~3x as long as it does now."""
     data = SegmentData(segment)
     found = data.scan(verify=True, tail_ok=tail_ok)
     groups: dict[bytes, list[pa.RecordBatch]] = {}

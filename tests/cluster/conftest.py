@@ -115,7 +115,6 @@ def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
         each.close()
 
 
-
 # -- a failed run kept (`tests.cluster.kept`) ---------------------------------------------------------------------
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:

@@ -721,7 +721,9 @@ def test_nothing_a_stream_sent_after_a_refused_batch_is_recorded(cluster) -> Non
             deadline = time.monotonic() + 30
             while cluster.hub.received["events"] < 2 and time.monotonic() < deadline:  # both read, neither ingested
                 await asyncio.sleep(0.01)
+            read = cluster.hub.received["events"]
             ingest_free.set()
+            assert read == 2, f"the hub read {read} of the 2 batches"
             ack = (await call.read()).ack
             assert ack.batch_id == 1 and "has no producer stamp" in ack.error
             with pytest.raises(grpc.aio.AioRpcError) as ended:
