@@ -107,7 +107,9 @@ class Scenario:
     calls_mean: float = 4.0
     prompt_delta_tokens: int = 1800
     output_tokens: int = 500
-    heartbeat_s: float = 1.0
+    heartbeat_s: float = 0.0
+    """The run's `[cluster] heartbeat_s`; 0: its default (``dead_after_s / 3``). The stand-ins beat at the period
+    the hub's Welcome names, as a link does."""
     train_s: float = 2.0
     tick_s: float = 0.005
     """The grid the proxy stand-in's calls and executions advance on: each event is recorded as its tick
@@ -392,7 +394,7 @@ def bench_config(scenario: Scenario, run_dir: Path) -> ClusterConfig:
     groups = max(1, scenario.cells * scenario.slots // (2 * GROUP_SIZE))  # staleness 1: two batches fill every slot
     return ClusterConfig(
         name="control-plane-bench", run_dir=str(run_dir), seed=scenario.seed, steps=10_000,
-        cluster=ClusterSection(cells=scenario.cells, slots=scenario.slots, heartbeat_s=scenario.heartbeat_s,
+        cluster=ClusterSection(cells=scenario.cells, slots=scenario.slots, heartbeat_s=scenario.heartbeat_s or None,
                                dead_after_s=60.0, start_timeout_s=300.0),
         scheduler=ClusterSchedulerSection(policy="elastic", staleness=1,
                                           params={"switch_to_training_s": 0.5, "switch_to_rollout_s": 0.5}),
@@ -599,6 +601,8 @@ class _Stream:
         self.closed = False
         self.last_up = time.monotonic()
         """When the last message was handed to `write` (the heartbeat is due ``heartbeat_s`` after it)."""
+        self.heartbeat_s = 1.0
+        """The period the hub's Welcome names (until it arrives, a second)."""
 
     async def write(self, message: Any) -> None:
         self.last_up = time.monotonic()
@@ -615,6 +619,7 @@ class _Stream:
 
     def welcomed(self, welcome: gyre_pb2.Welcome) -> None:
         self.run_id = welcome.run_id
+        self.heartbeat_s = welcome.heartbeat_s
         self.next_seq = {p: welcome.held.get(p, -1) + 1 for p in self.producers}
 
     def stamp(self, producer: str, events: list[Event]) -> list[Event]:
@@ -667,7 +672,7 @@ async def _cell(channel: grpc.aio.Channel, secret: str, cell_id: str, core: bool
 
     async def beat() -> None:  # as `ControllerLink` does: once nothing else went up for heartbeat_s
         while True:
-            wait = stream.last_up + scenario.heartbeat_s - time.monotonic()
+            wait = stream.last_up + stream.heartbeat_s - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
             else:

@@ -11,7 +11,9 @@ names them in the environment of `gyre run`, which every process it starts inher
 - ``<cell>:claim``: a satellite kills itself right after it claimed a micro-step, before the work;
 - ``<cell>:yield``: not a crash: the core's replica claims a step's micro-steps only once every satellite
   joined at the step's start has claimed one (or left), so a test whose satellites must claim (to die at
-  ``claim``) does not race a core that trains a tiny micro-step in milliseconds.
+  ``claim``) does not race a core that trains a tiny micro-step in milliseconds. A satellite that joins after
+  the step started is not waited for: the test must see that one is joined first (the faults test does not
+  stream its steps, so a step starts once its whole batch is done and every lent cell has joined).
 
 Each point fires once per run: a marker ``<run_dir>/processes/<cell>.crashed-<point>`` is written first, so
 the restarted process does not crash again. Unset, nothing here runs.

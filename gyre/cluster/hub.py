@@ -657,7 +657,9 @@ class Hub:
 
     async def _monitor(self) -> None:
         """Declare lost the peers that went quiet, or whose stream ended and did not come back."""
-        interval = max(0.01, min(self.heartbeat_s, self.dead_after_s / 4))
+        # at most a second between sweeps, however long the heartbeat period: a silent peer is lost within a
+        # second of dead_after_s
+        interval = max(0.01, min(self.heartbeat_s, self.dead_after_s / 4, 1.0))
         while True:
             await asyncio.sleep(interval)
             now = self._clock()

@@ -113,7 +113,7 @@ class Cluster:
             self.secret = auth.mint(auth.RUN_PREFIX)
             secrets.write({"run": self.secret})
         self.hub = Hub(host.sink, run_id=host.run_id, secret=self.secret, host=self.node.bind, port=port,
-                       heartbeat_s=cluster.heartbeat_s, dead_after_s=cluster.dead_after_s, status=self.status,
+                       heartbeat_s=cluster.heartbeat_period_s, dead_after_s=cluster.dead_after_s, status=self.status,
                        advertise=self.node.advertise, log_path=host.log_path, tls=cluster.tls)
         self.hub.on_cell_hello = self._on_cell_hello
         self.hub.on_cell_lost = self._on_cell_lost

@@ -1,4 +1,5 @@
-"""A hub over a real `LogSink` in a temporary log, and links to it, over real gRPC on 127.0.0.1."""
+"""A hub over a real `LogSink` in a temporary log, and links to it, over real gRPC on 127.0.0.1; and a failed test's
+run directory kept out of pytest's rotation (`tests.cluster.kept`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from gyre.events.models import Event
 from gyre.log import LogReader
 from gyre.log.writer import LogWriter
 from gyre.sink import LogSink
+from tests.cluster.kept import KEEP_ON_FAILURE, kept_copy
 
 RUN_ID = "run-1"
 
@@ -111,3 +113,14 @@ def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
     yield make
     for each in made:
         each.close()
+
+
+# -- a failed run kept (`tests.cluster.kept`) ---------------------------------------------------------------------
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    report: pytest.TestReport = yield
+    module = item.getparent(pytest.Module)
+    root = module.stash.get(KEEP_ON_FAILURE, None) if module is not None else None
+    if report.failed and root is not None and root.exists():
+        report.sections.append(("kept run directory", str(kept_copy(root))))
+    return report

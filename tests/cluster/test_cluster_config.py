@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.cluster.config import ClusterConfig
+from gyre.cluster.config import ClusterConfig, ClusterSection
 from gyre.errors import ConfigError
 from gyre.scheduler import get_policy
 
@@ -35,6 +35,7 @@ def test_the_json_a_controller_writes_reads_back(tmp_path: Path) -> None:
     ('[cluster]\ncells = 1\n[scheduler]\npolicy = "async"\n', "async needs at least two cells"),
     ('[scheduler]\npolicy = "fifo"\n', "scheduler.policy"),
     ('[cluster]\nslotz = 3\n', "cluster.slotz"),
+    ('[cluster]\nheartbeat_s = 5\ndead_after_s = 5\n', "heartbeat_s (5.0) must be below cluster.dead_after_s"),
 ])
 def test_bad_input_is_refused_naming_the_key(tmp_path: Path, toml: str, named: str) -> None:
     path = tmp_path / "bad.toml"
@@ -42,6 +43,12 @@ def test_bad_input_is_refused_naming_the_key(tmp_path: Path, toml: str, named: s
     with pytest.raises(ConfigError, match="invalid cluster config") as refused:
         ClusterConfig.load(path)
     assert named in str(refused.value)
+
+
+def test_links_beat_every_third_of_dead_after_s_unless_told() -> None:
+    assert ClusterSection().heartbeat_period_s == ClusterSection().dead_after_s / 3 == 10.0
+    assert ClusterSection(dead_after_s=6).heartbeat_period_s == 2.0
+    assert ClusterSection(heartbeat_s=0.5, dead_after_s=6).heartbeat_period_s == 0.5
 
 
 def test_unknown_policy_parameters_are_refused() -> None:

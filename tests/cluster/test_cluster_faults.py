@@ -5,11 +5,15 @@ The controller runs as its own process (`gyre run CONFIG`), like a user's, so it
 it targets (no sleeps to race): a rollout cell with executions on it, the proxy with calls in flight, the
 controller mid-rollout, and a harness. Moments too short to hit from outside die by fault injection
 (`gyre.cluster.faults`): the core in the middle of step 1 (its 6th micro-step) and each satellite at its first
-claim (the core lets a step's satellites claim first, or it would train four tiny micro-steps before their
-claims arrive). Each test
+claim (the core lets the satellites joined at a step's start claim first, or it would train four tiny micro-steps
+before their claims arrive). Steps are not streamed (`stream_micro_steps = false`), so that a satellite is joined
+when step 0 starts: the core starts a step only once its whole batch is done, when the watermark is 0 and the
+policy lends every rollout cell alive, and only once no cell is still on its way to training. Streamed, step 0
+could start on its first group while the other still ran, with the core alone; the satellites then joined
+mid-step and whether one claimed before the core depended on timing (a failure seen at load ~4). Each test
 then checks one crash's recovery in the log; the first checks the whole run with the audit
 (`gyre.audit`: every producer's events gapless and once, every reward once on its execution's last
-attempt) and replay.
+attempt) and replay. A failed test keeps the run's directory (`tests.cluster.kept`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from gyre.audit import audit
 from gyre.cluster.faults import CRASH_ENV
 from gyre.log import LogReader
 from gyre.replay.exact import replay_decisions
+from tests.cluster.kept import KEEP_ON_FAILURE
 from tests.cluster.test_cluster_run import cluster_config
 
 pytestmark = pytest.mark.integration
@@ -122,11 +127,13 @@ class Driver:
 
 
 @pytest.fixture(scope="module")
-def faults(tmp_path_factory: pytest.TempPathFactory) -> FaultRun:
+def faults(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> FaultRun:
     root = tmp_path_factory.mktemp("faults")
+    request.node.stash[KEEP_ON_FAILURE] = root
     run_dir = root / "run"
     data = json.loads(cluster_config(run_dir, steps=STEPS).model_dump_json())
     data["cluster"].update(dead_after_s=5.0, lease_s=3.0)
+    data["scheduler"]["params"].update(stream_micro_steps=False)  # step 0 starts with its satellites joined
     config_file = root / "config.json"
     config_file.write_text(json.dumps(data))
     driver = Driver(run_dir, config_file)

@@ -702,7 +702,12 @@ def test_a_done_waits_for_the_batches_sent_before_it(cluster) -> None:
 
 
 def test_nothing_a_stream_sent_after_a_refused_batch_is_recorded(cluster) -> None:
-    """Batches read ahead of a refusal are dropped with it: the first is unstamped (refused), the second valid."""
+    """Batches read ahead of a refusal are dropped with it: the first is unstamped (refused), the second valid.
+    The hub's one ingest thread is held until it has read both (else the refusal could end the stream before the
+    second write, which then fails: the test raced the hub)."""
+    ingest_free = threading.Event()
+    cluster.hub._ingest.submit(ingest_free.wait)
+
     async def main() -> None:
         async with grpc.aio.insecure_channel(cluster.address) as channel:
             call = gyre_pb2_grpc.CellStub(channel).Connect(metadata=metadata(cluster.secret))
@@ -713,6 +718,12 @@ def test_nothing_a_stream_sent_after_a_refused_batch_is_recorded(cluster) -> Non
                        for e in _lost(1)]
             await call.write(gyre_pb2.CellUp(events=gyre_pb2.EventBatch(batch_id=1, arrow_ipc=pack_events(_lost(1)))))
             await call.write(gyre_pb2.CellUp(events=gyre_pb2.EventBatch(batch_id=2, arrow_ipc=pack_events(stamped))))
+            deadline = time.monotonic() + 30
+            while cluster.hub.received["events"] < 2 and time.monotonic() < deadline:  # both read, neither ingested
+                await asyncio.sleep(0.01)
+            read = cluster.hub.received["events"]
+            ingest_free.set()
+            assert read == 2, f"the hub read {read} of the 2 batches"
             ack = (await call.read()).ack
             assert ack.batch_id == 1 and "has no producer stamp" in ack.error
             with pytest.raises(grpc.aio.AioRpcError) as ended:
