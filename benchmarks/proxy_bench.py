@@ -544,11 +544,17 @@ def cpu_ab(roots: dict[str, str], rounds: int = 3, *, log: bool = False) -> dict
     4 sessions back to back), so both run under the same machine conditions; `ratio` is each round's second
     tree over the first. With `log` each proxy writes its durable log (fsync before each answer) in a fresh
     directory. The figure for a cut measured on a shared machine, where latencies are noise (taking turns
-    instead, rounds of one tree spread +-20% with the load of the moment)."""
+    instead, rounds of one tree spread +-20% with the load of the moment). `p50_ms` is each round's median
+    call latency (client to proxy and back) under that load, and `one_session_p50_ms` the median at one
+    session, the trees' calls taking turns (A, B, A, B, ...: the same moments of the machine for both):
+    comparable between the trees of a round, not added latencies (the proxies and the client share the
+    machine)."""
     engine = _spawn("from benchmarks.proxy_bench import run_instant_engine; run_instant_engine()")
     assert engine.stdin is not None and engine.stdout is not None
     engine_url = f"http://127.0.0.1:{engine.stdout.readline().strip()}"
     out: dict[str, list[float]] = {name: [] for name in roots}
+    p50: dict[str, list[float]] = {name: [] for name in roots}
+    one: dict[str, list[float]] = {name: [] for name in roots}
     try:
         for _ in range(rounds):
             with tempfile.TemporaryDirectory(prefix="gyre-proxy-ab-") as directory:
@@ -564,8 +570,11 @@ def cpu_ab(roots: dict[str, str], rounds: int = 3, *, log: bool = False) -> dict
                         )
                         assert proxy.stdout is not None
                         proxies[name] = proxy, proxy.stdout.readline().strip()
-                    for name, cpu_ms in asyncio.run(_side_by_side(proxies)).items():
+                    for name, (cpu_ms, p50_ms) in asyncio.run(_side_by_side(proxies)).items():
                         out[name].append(cpu_ms)
+                        p50[name].append(p50_ms)
+                    for name, ms in asyncio.run(_taking_turns(proxies)).items():
+                        one[name].append(ms)
                 finally:
                     for proxy, _ in proxies.values():
                         assert proxy.stdin is not None
@@ -576,19 +585,41 @@ def cpu_ab(roots: dict[str, str], rounds: int = 3, *, log: bool = False) -> dict
         engine.wait(30)
     first, second = out.values()
     ratios = [b / a for a, b in zip(first, second, strict=True)]
-    return {**{name: {"cpu_ms_per_call": v, "median": statistics.median(v)} for name, v in out.items()},
+    return {**{name: {"cpu_ms_per_call": v, "median": statistics.median(v), "p50_ms": p50[name],
+                      "median_p50_ms": statistics.median(p50[name]), "one_session_p50_ms": one[name],
+                      "median_one_session_p50_ms": statistics.median(one[name])} for name, v in out.items()},
             "ratio": ratios, "median_ratio": statistics.median(ratios), "load_average": os.getloadavg()[0]}
 
 
-async def _side_by_side(proxies: dict[str, tuple[subprocess.Popen[str], str]]) -> dict[str, float]:
-    """CPU ms per call of each proxy, all driven at once with the same sessions (after a warm-up)."""
+async def _side_by_side(proxies: dict[str, tuple[subprocess.Popen[str], str]]) -> dict[str, tuple[float, float]]:
+    """CPU ms per call and median latency ms of each proxy, all driven at once with the same sessions (after a
+    warm-up)."""
     await asyncio.gather(*(_run_sessions(url, 1, range(0, 2), 10, 0.0, direct=False, seed=0)
                            for _, url in proxies.values()))
     before = {name: _cpu_s(proxy.pid) for name, (proxy, _) in proxies.items()}
     calls = await asyncio.gather(*(_run_sessions(url, 4, range(2, 34), 15, 0.0, direct=False, seed=0)
                                    for _, url in proxies.values()))
-    return {name: (_cpu_s(proxy.pid) - before[name]) / len(done) * 1e3
+    return {name: ((_cpu_s(proxy.pid) - before[name]) / len(done) * 1e3, statistics.median(done) * 1e3)
             for (name, (proxy, _)), done in zip(proxies.items(), calls, strict=True)}
+
+
+async def _taking_turns(proxies: dict[str, tuple[subprocess.Popen[str], str]], calls: int = 60) -> dict[str, float]:
+    """Median latency ms at one session of each proxy, their calls taking turns (sessions of 15 calls)."""
+    clients = {name: httpx.AsyncClient(base_url=url, timeout=120) for name, (_, url) in proxies.items()}
+    latencies: dict[str, list[float]] = {name: [] for name in proxies}
+    sessions: dict[str, Session] = {}
+    try:
+        for i in range(calls):
+            for name, http in clients.items():
+                if i % 15 == 0:
+                    sessions[name] = Session.new(34 + i // 15)  # executions 34-37: unused by the load before
+                elapsed, reply = await _proxied_call(http, sessions[name])
+                latencies[name].append(elapsed)
+                sessions[name].extend(reply)
+    finally:
+        for http in clients.values():
+            await http.aclose()
+    return {name: statistics.median(v) * 1e3 for name, v in latencies.items()}
 
 
 def read_cost(calls: int = 30, long_chars: int = 400_000, reps: int = 100) -> dict[str, Any]:
@@ -646,11 +677,12 @@ def read_cost(calls: int = 30, long_chars: int = 400_000, reps: int = 100) -> di
 
 
 if __name__ == "__main__":  # pragma: no cover
-    if "--ab" in sys.argv:  # python -m benchmarks.proxy_bench --ab ROOT_A ROOT_B [--rounds N]
+    if "--ab" in sys.argv:  # python -m benchmarks.proxy_bench --ab ROOT_A ROOT_B [--rounds N] [--log-only]
         a, b = sys.argv[sys.argv.index("--ab") + 1 : sys.argv.index("--ab") + 3]
         rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
         roots = {"a": a, "b": b}  # with and without the durable log, each A/B alternated in one run
-        print(json.dumps({"without_log": cpu_ab(roots, rounds), "with_log": cpu_ab(roots, rounds, log=True)}))
+        without = {} if "--log-only" in sys.argv else {"without_log": cpu_ab(roots, rounds)}
+        print(json.dumps(without | {"with_log": cpu_ab(roots, rounds, log=True)}))
     elif "--read" in sys.argv:  # python -m benchmarks.proxy_bench --read: the re-sent conversation's cost
         print(json.dumps(read_cost()))
     else:

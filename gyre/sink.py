@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Literal, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import pyarrow as pa
@@ -43,6 +43,15 @@ Recorded = Callable[[int, "list[Event] | pa.RecordBatch"], None]
 """Told, in seq order and under the sink's lock, the first seq and what was just appended: events, or a
 producer's Arrow batch (`LogSink.record_batch`) as the log holds it (``ts`` filled; ``seq`` absent and a
 null ``run_id`` left to the writer, as in the events)."""
+
+
+LoopCommit = Literal["inline", "split", "thread"]
+"""How `LogSink.durable` commits for the coroutines of a loop (those that ask in one iteration of the loop
+share one commit, made in its next): ``split`` writes on the loop and leaves only the fdatasync to the
+committer thread, which wakes the loop once; ``inline`` commits a lone call's event on the loop itself, write
+and fdatasync, when the committer is idle (no thread hand-off at all), and splits a burst (the fsync then
+overlaps the loop's work on the next calls); ``thread`` hands every commit to the committer and back (the
+path before #33, kept for the A/B of `benchmarks.proxy_bench`)."""
 
 
 class SinkError(GyreError):
@@ -128,8 +137,9 @@ class LogSink:
     many events: a simulated run reaches the disk in bounded frames as it goes, not in one frame at close."""
 
     def __init__(self, writer: LogWriter, *, close_writer: bool = True, flush_interval_s: float | None = 0.2,
-                 on_record: Recorded | None = None) -> None:
+                 on_record: Recorded | None = None, loop_commit: LoopCommit = "inline") -> None:
         self.writer = writer
+        self.loop_commit = loop_commit
         self.flush_interval_s = flush_interval_s
         self.on_record = on_record
         self._close_writer = close_writer
@@ -141,6 +151,11 @@ class LogSink:
         self._closed = False
         self._unasked = 0
         self._error: BaseException | None = None
+        self._groups: dict[asyncio.AbstractEventLoop, list[tuple[int, asyncio.Future[None]]]] = {}
+        """Per loop, the coroutines that asked `durable` since that loop's last commit (one commit for all)."""
+        self._committing = False
+        """The committer thread is inside a commit (an inline one would wait behind it, stalling its loop)."""
+        self._busy: list[Callable[[], bool]] = []
         self._thread = threading.Thread(target=self._run, name="gyre-log-committer", daemon=True)
         self._thread.start()
 
@@ -280,8 +295,60 @@ class LogSink:
             return
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
-        self._wait(position, loop, future)
+        if self.loop_commit == "thread":
+            self._wait(position, loop, future)
+        else:
+            self._join_group(loop, position, future)
         await future
+
+    def busy_when(self, busy: Callable[[], bool]) -> None:
+        """Tell the sink when its users have other work in flight on their loop (the proxy: other calls), so
+        a lone call's commit is not made inline, stalling that work for an fdatasync (see `LoopCommit`)."""
+        self._busy.append(busy)
+
+    def _join_group(self, loop: asyncio.AbstractEventLoop, position: int, future: asyncio.Future[None]) -> None:
+        """Wait in this loop's group; the first to join schedules the group's commit for the loop's next
+        iteration, so every call that finishes in this one shares its fsync."""
+        with self._cond:
+            if self._error is not None:
+                raise LogError(f"the log committer failed: {self._error!r}") from self._error
+            group = self._groups.get(loop)
+            first = group is None
+            if group is None:
+                group = self._groups[loop] = []
+            group.append((position, future))
+        if first:
+            loop.call_soon(self._commit_group, loop)
+
+    def _commit_group(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On ``loop``, its group's commit (see `LoopCommit`). Inline only for a lone call with the
+        committer idle and nothing else in flight (`busy_when`): the loop stalls for the fdatasync, which
+        costs nothing while no other work waits for it."""
+        with self._cond:
+            group = self._groups.pop(loop)
+            error = self._error
+            alone = len(group) == 1 and not self._committing and not self._waiters
+        alone = alone and not any(busy() for busy in self._busy)
+        target = max(position for position, _ in group)
+        if error is None and self.writer.durable_seq < target:
+            try:
+                if self.loop_commit == "inline" and alone:
+                    self.writer.commit(target)
+                else:
+                    self.writer.write(target)
+                    with self._cond:
+                        self._waiters.extend((position, loop, future) for position, future in group)
+                        self._pending = True
+                        self._cond.notify()
+                    return
+            except LogError as e:  # the writer is closed or failed: these waiters, and every later one, learn it
+                log.error("log commit failed: %r", e)
+                self._fail(e)
+                error = e
+        failure = None if error is None else LogError(f"the log committer failed: {error!r}")
+        for _, future in group:
+            _resolve(future, failure)
+
 
     def _wait(self, position: int, loop: asyncio.AbstractEventLoop | None,
               waiter: asyncio.Future[None] | threading.Event) -> None:
@@ -305,28 +372,28 @@ class LogSink:
             if self.writer.durable_seq >= self.writer.next_seq - 1:
                 self._wake(self.writer.durable_seq)
                 continue
+            self._committing = True
             try:
                 durable = self.writer.commit()
             except LogError as e:  # the writer is closed or failed: every waiter must learn it
                 log.error("log commit failed: %r", e)
                 self._fail(e)
                 return
+            finally:
+                self._committing = False
             self._wake(durable)
 
     def _wake(self, durable: int) -> None:
         with self._cond:
             ready = [w for w in self._waiters if w[0] <= durable]
             self._waiters = [w for w in self._waiters if w[0] > durable]
-        for _, loop, waiter in ready:
-            _resolve_in(loop, waiter, None)
+        _resolve_all(ready, None)
 
     def _fail(self, error: BaseException) -> None:
         with self._cond:
             self._error = error
             waiters, self._waiters = self._waiters, []
-        failure = LogError(f"the log committer failed: {error!r}")
-        for _, loop, waiter in waiters:
-            _resolve_in(loop, waiter, failure)
+        _resolve_all(waiters, LogError(f"the log committer failed: {error!r}"))
 
     def close(self) -> None:
         """Commit what is pending, stop the committer, and close the writer if this sink owns it. Idempotent."""
@@ -397,16 +464,27 @@ def producer_positions(writer: LogWriter) -> dict[str, int]:
     return {producer: int(last) for producer, last in rows}
 
 
-def _resolve_in(loop: asyncio.AbstractEventLoop | None, waiter: asyncio.Future[None] | threading.Event,
-                error: BaseException | None) -> None:
-    if isinstance(waiter, threading.Event):
-        waiter.set()
-        return
-    assert loop is not None
-    try:
-        loop.call_soon_threadsafe(_resolve, waiter, error)
-    except RuntimeError:  # that loop is closed: its server stopped and nobody waits any more
-        return
+def _resolve_all(waiters: list[tuple[int, asyncio.AbstractEventLoop | None, asyncio.Future[None] | threading.Event]],
+                 error: BaseException | None) -> None:
+    """Wake waiters from the committer thread: threads directly, each loop once for all its futures (a
+    wake-up of a loop from another thread costs a write to its self-pipe and a pass of its poll)."""
+    futures: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+    for _, loop, waiter in waiters:
+        if isinstance(waiter, threading.Event):
+            waiter.set()
+        else:
+            assert loop is not None
+            futures.setdefault(loop, []).append(waiter)
+    for loop, mine in futures.items():
+        try:
+            loop.call_soon_threadsafe(_resolve_each, mine, error)
+        except RuntimeError:  # that loop is closed: its server stopped and nobody waits any more
+            continue
+
+
+def _resolve_each(futures: list[asyncio.Future[None]], error: BaseException | None) -> None:
+    for future in futures:
+        _resolve(future, error)
 
 
 def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:

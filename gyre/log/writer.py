@@ -462,6 +462,20 @@ class LogWriter:
                 self._cond.wait()
             return self._durable_seq
 
+    def write(self, upto: int | None = None) -> None:
+        """The write stage of `commit` alone: every event up to seq ``upto`` (default: all appended) is in
+        the file, or in a group another thread is writing, on return; not yet durable. The caller then
+        asks `commit` for the fdatasync, perhaps from another thread (`gyre.sink.LogSink` writes on an
+        event loop and syncs on its committer thread)."""
+        with self._lock:
+            target = self._next_seq - 1 if upto is None else upto
+            if target >= self._next_seq:
+                raise ValueError(f"write(upto={target}): the last appended seq is {self._next_seq - 1}")
+            self._check_failed()
+            if self._closed:
+                raise LogClosedError(f"log writer for {self.path} is closed")
+            self._write_stage(target, covered_by_a_write_under_way=True)
+
     def _write_stage(self, target: int, covered_by_a_write_under_way: bool) -> None:
         """Return once seq ``target`` is written (or, if ``covered_by_a_write_under_way``, is in a group
         that another thread is writing), writing everything buffered when no one else is. Holds ``_lock``."""

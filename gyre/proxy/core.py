@@ -56,7 +56,7 @@ from gyre.proxy.template_render import renderer_for
 from gyre.proxy.tito import CallRecord, Plan
 from gyre.proxy.tokens import TokenCodec
 from gyre.proxy.transport import GenerateEngine, Prompt, engine_link, prompt_of
-from gyre.sink import EventSink, MemorySink
+from gyre.sink import EventSink, LogSink, MemorySink
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,8 @@ class Proxy:
     ) -> None:
         self.config = config
         self.sink: EventSink = sink if sink is not None else MemorySink()
+        if isinstance(self.sink, LogSink):  # a call's commit inline on the loop only while no other call is in flight
+            self.sink.busy_when(lambda: bool(self._active))
         self.codec = codec if codec is not None else TokenCodec.load(config.tokenizer)
         if renderer is None:
             renderer = renderer_for(self.codec.tokenizer, self.codec.stop_texts)
