@@ -195,7 +195,8 @@ class RunHost:
         """Held-out evaluations queued and not yet recorded, by the steps done before them."""
         self._lock = threading.Lock()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.sink = LogSink(LogWriter(self.log_path, run_id=self.run_id))
+        # the hub's loop acknowledges every peer's batches: its fdatasyncs go to the committer, never inline
+        self.sink = LogSink(LogWriter(self.log_path, run_id=self.run_id), loop_commit="split")
         try:
             self.controller = Controller(self.sink, self.policy, self.params,
                                          run_plan(config, self.params),
