@@ -95,7 +95,8 @@ class LocalCoreTrainer:
         return BatchBuilder(TrajectoryConfig(cap=section.cap, min_valid_per_group=section.min_valid_per_group,
                                              token_budget=section.token_budget, form=section.form,
                                              micro_steps_per_group=section.micro_steps_per_group,
-                                             shuffle_rewards=section.shuffle_rewards))
+                                             shuffle_rewards=section.shuffle_rewards,
+                                             reward_threshold=section.reward_threshold))
 
     def _log(self) -> LiveLogSource:
         if self._source is None:
