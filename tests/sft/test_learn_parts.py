@@ -104,3 +104,14 @@ def test_copy_drills_are_right_random_and_stay_off_the_heldout_split(tmp_path):
     config.write_text('drill_share = 0.5\n[demonstrations]\npath = "x"\n')
     with pytest.raises(ConfigError, match="drills > 0"):
         SftConfig.load(config)
+
+
+def test_interleaved_training_order_mixes_the_families_in_every_step():
+    from benchmarks.warm_start_check import interleaved
+
+    ids = interleaved(["copy", "upper", "reverse", "concat"], TOY / "learn-train.toml")
+    assert len(ids) == len(set(ids)) == 12 + 12 + 12 + 18
+    for start in range(0, 48, 4):  # 4 groups a step: one task of each family until the shorter ones run out
+        assert sorted(i.split("-")[1] for i in ids[start:start + 4]) == ["concat", "copy", "reverse", "upper"]
+    with pytest.raises(SystemExit, match="nosuch"):
+        interleaved(["copy", "nosuch"], TOY / "learn-train.toml")
