@@ -4,6 +4,8 @@ per execution per step.
 
     python benchmarks/warm_start_check.py --model runs/learn/sft/model --seeds 1 --steps 10 --json
     python benchmarks/warm_start_check.py --model runs/learn/sft/model --steps 10 --shuffle-rewards   # control
+    python benchmarks/warm_start_check.py --model runs/learn/sft/model --families copy upper reverse concat \
+        --set trajectory.reward_threshold=1.0 --set trainer.lr=3e-4    # pass/fail reward, families interleaved
     python benchmarks/warm_start_check.py --model runs/learn/sft/model --probe 4    # a minute: does it copy?
     python benchmarks/warm_start_check.py --model runs/learn/sft/model --warm-start 8   # pass@1, pass@8, calls
 
@@ -74,6 +76,35 @@ def heldout_passes(log: Path, threshold: float = 1.0, *, pooled: bool = False) -
     return out
 
 
+def training_passes(log: Path, threshold: float = 1.0) -> list[float]:
+    """Per step: the share of its training executions whose graded reward reached ``threshold`` (whatever
+    reward the run trained on: with ``trajectory.reward_threshold`` unset the step's reward is graded)."""
+    by_step: dict[int, list[bool]] = defaultdict(list)
+    for event in LogReader(log).events(kinds=["reward_recorded"]):
+        if event.execution_id.startswith(GROUP_PREFIX):
+            continue
+        by_step[int(event.execution_id.rsplit(".", 1)[-1].split("-")[0].removeprefix("s"))].append(
+            event.reward >= threshold)
+    return [round(statistics.mean(p), 4) for _, p in sorted(by_step.items())]
+
+
+def interleaved(families: list[str], tasks: Path) -> list[str]:
+    """The training tasks of ``families``, one of each family in turn: a step's groups (which cycle through
+    ``rollout.task_ids`` in order) then mix the families instead of training one family for several steps."""
+    from gyre.harness.tasks import TaskSet
+
+    by_family: dict[str, list[str]] = {f: [] for f in families}
+    for task in TaskSet.load(tasks):
+        family = task.id.split("-")[1]
+        if family in by_family:
+            by_family[family].append(task.id)
+    empty = [f for f, ids in by_family.items() if not ids]
+    if empty:
+        raise SystemExit(f"no training task of family {empty} in {tasks}")
+    rounds = max(len(ids) for ids in by_family.values())
+    return [ids[i] for i in range(rounds) for ids in by_family.values() if i < len(ids)]
+
+
 def probe(model: str, samples: int, tasks: Path = HELDOUT) -> dict[str, Any]:
     """Share of sampled ``write_file`` turns that write the exact answer, per family (see the module doc)."""
     import torch
@@ -136,6 +167,7 @@ def run_seed(model: str, seed: int, steps: int, every: int, root: Path, *, sampl
     summary = TrainingRun(config).run()
     return {"shuffle_rewards": shuffle_rewards, "heldout": heldout_passes(config.run_dir / "log", pooled=pooled),
             "rewards": [round(r.reward_mean, 4) for r in summary.steps],
+            "train_pass": training_passes(config.run_dir / "log"),
             "agent": agent_stats(config.run_dir / "executions"), "seconds": round(time.monotonic() - started, 1)}
 
 
@@ -149,6 +181,8 @@ def main() -> None:
     parser.add_argument("--shuffle-rewards", action="store_true", help="the control: rewards permuted in groups")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                         help="a config override, e.g. trainer.lr=3e-4 or rollout.groups_per_step=8")
+    parser.add_argument("--families", nargs="+", default=None, metavar="FAMILY",
+                        help="train only on these families' tasks, interleaved (e.g. copy upper reverse concat)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
     parser.add_argument("--probe", type=int, default=0, metavar="K",
@@ -166,6 +200,8 @@ def main() -> None:
         print(json.dumps(result))
         return
     overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
+    if args.families:
+        overrides["rollout.task_ids"] = interleaved(args.families, TrainConfig.load(CONFIG).rollout.tasks)
     with tempfile.TemporaryDirectory(prefix="gyre-warm-") as tmp:
         root = args.keep or Path(tmp)
         result = {"model": args.model, "steps": args.steps, "overrides": overrides,

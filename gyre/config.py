@@ -49,6 +49,9 @@ class TrajectorySection(_Section):
                           "a streamed step needs it: stream_micro_steps). None: token_budget alone cuts")
     shuffle_rewards: bool = Field(False, description="control run: permute rewards within each group before "
                                                      "advantages (a gain that survives is not the reward's)")
+    reward_threshold: float | None = Field(
+        None, ge=0, le=1, description="train on pass/fail: a reward at or above it counts 1.0, below it 0.0, before "
+                                      "advantages (the held-out pass_threshold's measure); None: the reward as graded")
 
 
 class TrainerSection(_Section):

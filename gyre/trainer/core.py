@@ -100,7 +100,8 @@ class LocalCoreTrainer:
         return BatchBuilder(TrajectoryConfig(cap=section.cap, min_valid_per_group=section.min_valid_per_group,
                                              token_budget=section.token_budget, form=section.form,
                                              micro_steps_per_group=section.micro_steps_per_group,
-                                             shuffle_rewards=section.shuffle_rewards))
+                                             shuffle_rewards=section.shuffle_rewards,
+                                             reward_threshold=section.reward_threshold))
 
     def prepare(self, poll_s: float = 1.0) -> None:
         """Follow the log from now on, and load what it writes until the first step: that step's batch then

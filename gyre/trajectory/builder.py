@@ -76,6 +76,8 @@ class BatchBuilder:
             report.excluded_in_dropped_groups += len(valid)
             return []
         rewards = np.array([member.outcome.reward for member, _ in valid], dtype=np.float64)
+        if self.config.reward_threshold is not None:
+            rewards = (rewards >= self.config.reward_threshold).astype(np.float64)
         if np.all(rewards == rewards[0]):
             report.groups_zero_variance += 1
         report.groups_used += 1

@@ -37,6 +37,9 @@ class TrajectoryConfig:
     shuffle_rewards: bool = False
     """A control, never for real training: each group's rewards are permuted among its executions (seeded by
     the group id) before advantages, so a gain that survives it is not the reward's."""
+    reward_threshold: float | None = None
+    """Pass/fail training: each reward becomes 1.0 at or above it and 0.0 below it before advantages (and in
+    the report's rewards), so a graded partial-credit reward trains on what a held-out pass rate measures."""
 
     def __post_init__(self) -> None:
         if self.cap is not None and self.cap < 1:
@@ -51,5 +54,7 @@ class TrajectoryConfig:
             raise TrajectoryConfigError(f"token_budget must be >= 1 token, got {self.token_budget}")
         if self.micro_steps_per_group is not None and self.micro_steps_per_group < 1:
             raise TrajectoryConfigError(f"micro_steps_per_group must be >= 1 or None, got {self.micro_steps_per_group}")
+        if self.reward_threshold is not None and not 0 <= self.reward_threshold <= 1:
+            raise TrajectoryConfigError(f"reward_threshold must be in [0, 1] or None, got {self.reward_threshold}")
         if self.form not in ("packed", "expanded"):
             raise TrajectoryConfigError(f"form must be 'packed' or 'expanded', got {self.form!r}")

@@ -1,5 +1,6 @@
 """The learning run's parts outside SFT itself: a tokenizer that spells words it never saw the same way in
-every context, the cosine lr schedule, and the shuffled-rewards control of the trajectory builder."""
+every context, the cosine lr schedule, the shuffled-rewards control and the pass/fail reward of the trajectory
+builder."""
 
 import sys
 from pathlib import Path
@@ -61,6 +62,25 @@ def test_shuffled_rewards_permute_advantages_within_a_group():
     assert advantages(True) == shuffled  # seeded by the group id: the same control every time
 
 
+def test_reward_threshold_trains_on_pass_or_fail():
+    """A near miss (0.9, graded) and a pass get opposite advantages under a pass threshold, and a group with no
+    pass has nothing to learn from (its graded differences are not what a pass rate measures)."""
+    def advantages(rewards: list[float], threshold: float | None) -> list[float]:
+        members = [(outcome(f"e{i}", reward=r), calls(call("a", delta=[1, 2], out=[7, 8], execution=f"e{i}")))
+                   for i, r in enumerate(rewards)]
+        batches, _ = build([group(members)], TrajectoryConfig(reward_threshold=threshold))
+        by_execution = {row["execution_id"]: row["advantages"][0] for row in rows(batches)}
+        return [by_execution[f"e{i}"] for i in range(len(rewards))]
+
+    graded = advantages([1.0, 0.9, 0.9, 0.2], None)
+    assert graded[1] > 0  # graded: the near miss is rewarded, above the group's mean
+    passed = advantages([1.0, 0.9, 0.9, 0.2], 1.0)
+    assert passed[0] > 0 > passed[1] and passed[1] == pytest.approx(passed[3])
+    assert advantages([0.9, 0.5, 0.2, 0.0], 1.0) == pytest.approx([0.0] * 4)
+    with pytest.raises(Exception, match="reward_threshold"):
+        TrajectoryConfig(reward_threshold=1.5)
+
+
 def test_copy_drills_are_right_random_and_stay_off_the_heldout_split(tmp_path):
     from gyre.errors import ConfigError
     from gyre.sft.families import HELDOUT_PAIRS, drill_tasks, generate, parameters
@@ -84,3 +104,14 @@ def test_copy_drills_are_right_random_and_stay_off_the_heldout_split(tmp_path):
     config.write_text('drill_share = 0.5\n[demonstrations]\npath = "x"\n')
     with pytest.raises(ConfigError, match="drills > 0"):
         SftConfig.load(config)
+
+
+def test_interleaved_training_order_mixes_the_families_in_every_step():
+    from benchmarks.warm_start_check import interleaved
+
+    ids = interleaved(["copy", "upper", "reverse", "concat"], TOY / "learn-train.toml")
+    assert len(ids) == len(set(ids)) == 12 + 12 + 12 + 18
+    for start in range(0, 48, 4):  # 4 groups a step: one task of each family until the shorter ones run out
+        assert sorted(i.split("-")[1] for i in ids[start:start + 4]) == ["concat", "copy", "reverse", "upper"]
+    with pytest.raises(SystemExit, match="nosuch"):
+        interleaved(["copy", "nosuch"], TOY / "learn-train.toml")
