@@ -349,7 +349,6 @@ class LogSink:
         for _, future in group:
             _resolve(future, failure)
 
-
     def _wait(self, position: int, loop: asyncio.AbstractEventLoop | None,
               waiter: asyncio.Future[None] | threading.Event) -> None:
         with self._cond:

@@ -63,6 +63,11 @@ def faulty() -> Iterator[_FaultyEngine]:
 
 
 def _call(url: str, api: str, *, stream: bool, text: str = "hello") -> tuple[int, str]:
+    reply = _post(url, api, stream=stream, text=text)
+    return reply.status_code, reply.text
+
+
+def _post(url: str, api: str, *, stream: bool, text: str = "hello") -> httpx.Response:
     if api == "anthropic":
         path, headers = "/v1/messages", {"x-api-key": TOKEN}
         body: dict[str, Any] = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": text}]}
@@ -73,8 +78,7 @@ def _call(url: str, api: str, *, stream: bool, text: str = "hello") -> tuple[int
         path, headers = "/v1/responses", {"authorization": f"Bearer {TOKEN}"}
         body = {"model": "m", "max_output_tokens": 8, "input": text}
     with httpx.Client(base_url=url, timeout=60) as http:
-        reply = http.post(path, headers=headers, json={**body, "stream": stream})
-    return reply.status_code, reply.text
+        return http.post(path, headers=headers, json={**body, "stream": stream})
 
 
 def _error(api: str, text: str, *, streamed: bool) -> tuple[str, str]:
@@ -153,17 +157,8 @@ def test_a_plain_answer_says_when_the_model_finished_it(scripted: ScriptedEngine
     the reply came back; a harness that paces itself by model time counts from it (the scenario agent)."""
     scripted.say("hi")
     p = start_proxy({"cell0": scripted.url})
-    path, headers, body = {
-        "anthropic": ("/v1/messages", {"x-api-key": TOKEN},
-                      {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}),
-        "openai": ("/v1/chat/completions", {"authorization": f"Bearer {TOKEN}"},
-                   {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}),
-        "responses": ("/v1/responses", {"authorization": f"Bearer {TOKEN}"},
-                      {"model": "m", "max_output_tokens": 8, "input": "hello"}),
-    }[api]
-    with httpx.Client(base_url=p.url, timeout=60) as http:
-        sent = time.time()
-        reply = http.post(path, headers=headers, json=body)
-        received = time.time()
+    sent = time.time()
+    reply = _post(p.url, api, stream=False)
+    received = time.time()
     assert reply.status_code == 200, reply.text
     assert sent <= float(reply.headers[GENERATED_AT]) <= received
