@@ -17,7 +17,8 @@ For each call, in order:
    ``prompt_delta_tokens / token_scale`` tokens (``chars_per_token`` characters each; 1 for a byte-level
    tokenizer): the first call's as the task, the others' as a tool output after the previous reply. A
    ``compaction`` call starts a fresh conversation instead (system prompt + a summary of that size): a new
-   root of the trajectory tree;
+   root of the trajectory tree. A root's size holds its system prompt (a one-call execution at
+   ``token_scale`` 50 otherwise sent 208 real tokens for a plan of 112);
 3. it asks for ``max_tokens`` so that its outputs so far add up to the plan's outputs so far over
    ``token_scale`` (at least 1 a call), and keeps the reply, verbatim, as the assistant message the next call
    extends.
@@ -282,6 +283,8 @@ def run(description: dict[str, Any], client: Client, log: Any, started_at: float
         delta, root = int(call["prompt_delta_tokens"]), bool(call.get("compaction")) or i == 0
         plan_prompt = (0 if call.get("compaction") else plan_context) + delta
         chars, body = round(delta / token_scale * chars_per_token), 0
+        if root:  # the plan's first prompt holds everything sent: the system prompt comes out of its filler
+            chars -= len(SYSTEM_PROMPT)
         if call.get("compaction"):
             messages = [system, {"role": "user", "content": CONTINUATION + filler(chars - len(CONTINUATION), i)}]
         elif i == 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -85,6 +86,8 @@ class LocalCoreTrainer:
         self._warm_error: Exception | None = None
         self.run_dir = weights.run_dir
         self._checkpointed: set[int] = set()
+        self._publishing: Future[None] | None = None
+        """The emulated push of the last version, recording its `weights_published` when over (`publish`)."""
         self.satellites: TrainerHub | None = None
         """Set by the core cell's Trainer service (``TrainerServer.attach``): each step then also waits for the
         satellites' gradients and publishes over Mooncake. None: a single replica, as ``gyre train``."""
@@ -208,6 +211,7 @@ class LocalCoreTrainer:
             report = builder.report.to_dict()
         metrics["rollout_s"] = self.rollout_s(step)  # a streamed step's rollouts end while it trains
         executions = {e for b in batches for e in b.execution_ids}
+        self.await_publish()  # the last version is recorded (and checkpointed) before this step makes the next
         optimizer_started = time.monotonic()
         if executions:
             result = self.backend.optimizer_step(normalizer=float(len(executions)))
@@ -228,6 +232,7 @@ class LocalCoreTrainer:
         self.on_trained(figures)
 
     def close(self) -> None:
+        self.await_publish()
         self._warm_stop.set()
         if self._warmer is not None:
             self._warmer.join()
@@ -236,20 +241,54 @@ class LocalCoreTrainer:
             self._source = None
 
     def publish(self, version: int) -> None:
+        """Make ``version`` durable and pullable, then record `weights_published` (and the checkpoint due).
+
+        On an emulated accelerator the push to the rollout engines (``publish_s``) is not the core's time:
+        the engines pull the registered copy, so the core goes on to its next step meanwhile (as `gyre sim`
+        models it: a publish holds the core's link, not its compute), and the event and the checkpoint come
+        when the push is over, from a thread; the next optimizer step, publish or close waits for them, so
+        versions and checkpoints stay in order. A publish that cost the core its ``publish_s`` made every
+        live step at staleness >= 1 start ~30 emulated seconds after `gyre sim`'s. Without an emulated
+        accelerator all of it happens here."""
+        self.await_publish()
         started = time.perf_counter()
         named = dict(self.backend.named_tensors())
         stored = self.weights.save(version, named)
         if self.satellites is not None:  # the same bytes, registered for satellites' and engines' Mooncake pulls
             self.satellites.publish(version, named, location=stored.location, sha256=stored.sha256)
-        if self.pacer is not None:  # published (and recorded) once the emulated publish is over
-            self.pacer.hold(started, self.pacer.emulation.accelerator.publish_s)
-        self.coordinator.publish(version, tensors=stored.tensors, nbytes=stored.bytes, location=stored.location,
-                                 duration_s=stored.duration_s, sha256=stored.sha256)
         self._published = Published(version, stored.location, stored.sha256)
-        step = max(self.coordinator.state.steps)
-        if (step + 1) % self.config.checkpoint.every_steps == 0:
-            self.checkpoint(step, version)
-        self.weights.prune(version, protected=self._checkpointed)
+        step = max(self.coordinator.state.steps)  # before the next step opens
+
+        def record() -> None:
+            if self.pacer is not None:  # recorded once the emulated push is over
+                self.pacer.hold(started, self.pacer.emulation.accelerator.publish_s)
+            self.coordinator.publish(version, tensors=stored.tensors, nbytes=stored.bytes,
+                                     location=stored.location, duration_s=stored.duration_s, sha256=stored.sha256)
+            if (step + 1) % self.config.checkpoint.every_steps == 0:
+                self.checkpoint(step, version)
+            self.weights.prune(version, protected=self._checkpointed)
+
+        if self.pacer is None:
+            record()
+            return
+        publishing: Future[None] = Future()
+
+        def push() -> None:
+            try:
+                record()
+            except BaseException as error:  # raised where the publish is awaited
+                publishing.set_exception(error)
+            else:
+                publishing.set_result(None)
+
+        self._publishing = publishing
+        threading.Thread(target=push, name=f"gyre-publish-v{version}", daemon=True).start()
+
+    def await_publish(self) -> None:
+        """Wait for the publish under way (if any) to be recorded; its failure is raised here."""
+        publishing, self._publishing = self._publishing, None
+        if publishing is not None:
+            publishing.result()
 
     def checkpoint(self, step: int, version: int) -> None:
         """Optimizer and trainer state after ``step``, durable, then `checkpoint_saved` names it."""
@@ -302,6 +341,7 @@ class LocalCoreTrainer:
                                    f"the log recorded {logged_version}")
             if version not in published:
                 self.publish(version)  # the crash came between the step and its publish
+                self.await_publish()  # recorded before the next retrained step changes the weights
                 continue
             record = published[version]
             scratch = self.weights.save(version, dict(self.backend.named_tensors()),

@@ -147,8 +147,11 @@ def test_it_makes_exactly_the_described_calls_with_growing_messages(fake: FakeOp
     for i, (call, request) in enumerate(zip(calls, requests, strict=True)):
         messages, new = request["messages"], request["messages"][-1]
         chars = round(call["prompt_delta_tokens"] / 20)
-        assert new["role"] == "user" and chars - 1 <= len(new["content"]) <= max(chars, 150) + 1  # + its header
-        if call["compaction"] or i == 0:  # a new root: system + the summary (or the task)
+        root = call["compaction"] or i == 0
+        sent = len(new["content"]) + len(messages[0]["content"]) * root  # a root's size holds the system prompt
+        fixed = len(messages[0]["content"]) + new["content"].find("below:\n") + 7 if call["compaction"] else 150
+        assert new["role"] == "user" and chars - 1 <= sent <= max(chars, fixed) + 1  # + its header
+        if root:  # a new root: system + the summary (or the task)
             assert len(messages) == 2 and messages[0]["role"] == "system"
             assert not call["compaction"] or new["content"].startswith("This session is being continued")
         else:  # extends the previous call's messages with its reply, verbatim, then the tool output
@@ -183,6 +186,9 @@ def test_with_usage_the_real_prompts_follow_the_plans_context_template_included(
         assert abs(real[i] - target) <= 1 or (body == 0 and real[i] > target), (i, real[i], target)
         checked += 1
     assert checked >= 3 and shortened == checked  # every filler gave up the template's share
+    system = len(server.requests[0]["messages"][0]["content"])
+    first = max(plan.prompt_tokens(0) / 20, system)  # the first prompt holds its system prompt: only the template
+    assert abs(real[0] - first - 2 * 12) <= 1, (real[0], plan.prompt_tokens(0) / 20)  # (two messages) is over
 
 
 def test_a_crash_a_stall_and_retries(tmp_path: Path) -> None:
