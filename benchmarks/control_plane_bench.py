@@ -28,8 +28,8 @@ behind every other stand-in's work) and the proxy's is one more (its reported lo
 measured over the window after every cell registered: events ingested per second (folded by the controller),
 command round trips (the actuator's `Hub.command_cell` call -> its `result()` returning the `CommandDone`, by kind)
 cut into their parts (`PARTS`: the hub's queue, down, the stand-in, up, behind the stream's earlier batches, the
-caller's wake-up; stamped on the one monotonic clock the processes of
-a machine share) and each stand-in process's loop lag, so the controller's share of a round trip is named;
+caller's wake-up; stamped on the one monotonic clock the processes of a machine share) and each stand-in
+process's loop lag, so the controller's share of a round trip is named;
 controller CPU (process time of every controller thread) and RSS per cell, log bytes per second, and each
 controller round: fold of what arrived, then decide + act (`Controller.step`).
 """
