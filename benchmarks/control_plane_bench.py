@@ -26,9 +26,10 @@ Each cell count runs in its own controller process (so RSS and CPU are that run'
 over ``cell_processes`` more processes (one asyncio loop each: with all 256 in one loop a command waited there
 behind every other stand-in's work) and the proxy's is one more (its reported loop lag is its link's loop). What is
 measured over the window after every cell registered: events ingested per second (folded by the controller),
-command round trips (hub send -> `CommandDone` back, by kind) cut into their parts (`PARTS`: the hub's queue, down,
-the stand-in, up, behind the stream's earlier batches, resolve; stamped on the one monotonic clock the processes of
-a machine share) and each stand-in process's loop lag, so the controller's share of a round trip is named;
+command round trips (the actuator's `Hub.command_cell` call -> its `result()` returning the `CommandDone`, by kind)
+cut into their parts (`PARTS`: the hub's queue, down, the stand-in, up, behind the stream's earlier batches, the
+caller's wake-up; stamped on the one monotonic clock the processes of a machine share) and each stand-in
+process's loop lag, so the controller's share of a round trip is named;
 controller CPU (process time of every controller thread) and RSS per cell, log bytes per second, and each
 controller round: fold of what arrived, then decide + act (`Controller.step`).
 """
@@ -121,9 +122,11 @@ class Scenario:
     warmup_s: float = 10.0
     """Run before the window opens: the first batch is queued and placed, the call stream has ramped up."""
     seed: int = 0
-    gc_freeze: bool = False
-    """An experiment: `gc.freeze()` in the controller once the cells are registered, so that its collections skip
-    everything the start made (imports, the registration). Not what `gyre run` does."""
+    raw: bool = False
+    """Keep each round trip's stamps (``raw`` in the output): for reading a wave command by command."""
+    no_gc_freeze: bool = False
+    """An experiment: skip the `gc.freeze()` that `RunHost.run` does once the run is built (so that a full
+    collection does not walk the cells, views and links); the benchmark freezes at the same point by default."""
 
     @property
     def calls_per_s(self) -> float:
@@ -167,7 +170,7 @@ class _StandIns:
                 process.wait()
 
 
-PARTS = ("to_loop", "down", "standin", "up", "behind", "resolve")
+PARTS = ("to_loop", "down", "standin", "up", "behind", "wake")
 """A command's round trip, cut where it changes hands (stamps on one monotonic clock, shared by the processes of one
 machine): ``to_loop`` the caller's thread hands it to the hub (`Hub.command_cell`) until the hub's loop queues it
 on the peer's stream; ``down`` the loop writes it, gRPC carries it, the stand-in's loop reads it; ``standin`` the
@@ -176,7 +179,8 @@ recording the events the command made — a queue's done then waits for them to 
 in ``up``; the proxy's ``down`` includes ``turn_wait``, from its link's loop reading the command to its one command
 thread taking it up after the earlier ones); ``up`` the stand-in writes the done (behind what its stream has
 queued), gRPC carries it, the hub's loop reads it; ``behind`` the event batches that stream sent before it are
-recorded (a done takes effect after them); ``resolve`` the hub resolves the caller's future."""
+recorded (a done takes effect after them); ``wake`` the hub resolves the caller's future and the caller's thread
+wakes up with it (its `result()` returns: the round trip ends there)."""
 
 
 PROXY_KINDS = frozenset(f.name for f in gyre_pb2.ProxyCommand.DESCRIPTOR.oneofs_by_name["body"].fields)
@@ -202,6 +206,9 @@ class Timings:
         self.fsync: list[float] = []
         self.decisions_durable: list[float] = []
         self.recording = False
+        self.keep_raw = False
+        self.raw: list[tuple[Any, ...]] = []
+        """With ``keep_raw``: each round trip's (kind, target, *stamps) in `PARTS` order (monotonic s)."""
 
     def clear(self) -> None:
         with self.lock:
@@ -212,57 +219,63 @@ class Timings:
                 values.clear()
 
     def command(self, send: Callable[..., Future[Any]]) -> Callable[..., Future[Any]]:
+        """``send`` (`Hub.command_cell` / `command_proxy`) timed from the caller's call until the caller's
+        ``result()`` returns the done: the round trip as the actuator lives it, its thread's wake-up included."""
         def timed(*args: Any, **kwargs: Any) -> Future[Any]:
             kind = args[-1].WhichOneof("body") or "?"  # command_cell(cell_id, command), command_proxy(command)
+            target = args[0] if len(args) > 1 else "proxy"
             started = time.monotonic()
             future = send(*args, **kwargs)
+            result = future.result
 
-            def done(_: Future[Any]) -> None:
-                end = time.monotonic()
-                if future.cancelled() or future.exception() is not None:
-                    return
-                answer = future.result()
-                with self.lock:
-                    queued = self.queued.pop(answer.command_id, None)
-                    read = self.read.pop(answer.command_id, None)
-                    arrived = self.arrived.pop(answer.command_id, read)
-                    if not self.recording:
-                        return
-                    self.rtt[kind].append(end - started)
-                    figures = answer.figures
-                    if queued is None or read is None or "bench_received_at" not in figures:
-                        return
-                    received, answered = figures["bench_received_at"], figures["bench_answered_at"]
-                    parts = self.parts[kind]
-                    for part, value in zip(PARTS, (queued - started, received - queued, answered - received,
-                                                   arrived - answered, read - arrived, end - read), strict=True):
-                        parts[part].append(value)
-                    if "bench_handled_at" in figures:
-                        parts["events_wait"].append(answered - figures["bench_handled_at"])
-                    if "bench_read_at" in figures:
-                        parts["turn_wait"].append(received - figures["bench_read_at"])
-            future.add_done_callback(done)
+            def timed_result(timeout: float | None = None) -> Any:
+                answer = result(timeout)  # a failed command raises here: not timed
+                self._took(kind, target, started, time.monotonic(), answer)
+                return answer
+            future.result = timed_result  # type: ignore[method-assign]
             return future
         return timed
 
+    def _took(self, kind: str, target: str, started: float, woken: float, answer: Any) -> None:
+        queued = self.queued.pop(answer.command_id, None)
+        read = self.read.pop(answer.command_id, None)
+        arrived = self.arrived.pop(answer.command_id, read)
+        with self.lock:
+            if not self.recording:
+                return
+            self.rtt[kind].append(woken - started)
+            figures = answer.figures
+            if queued is None or read is None or "bench_received_at" not in figures:
+                return
+            received, answered = figures["bench_received_at"], figures["bench_answered_at"]
+            stamps = (started, queued, received, answered, arrived, read, woken)
+            if self.keep_raw:
+                self.raw.append((kind, target, *stamps))
+            parts = self.parts[kind]
+            for part, a, b in zip(PARTS, stamps, stamps[1:], strict=False):
+                parts[part].append(b - a)
+            if "bench_handled_at" in figures:
+                parts["events_wait"].append(answered - figures["bench_handled_at"])
+            if "bench_read_at" in figures:
+                parts["turn_wait"].append(received - figures["bench_read_at"])
+
     def hub(self, hub: Any) -> None:
         """Stamp, on the hub's loop, when a command is queued on its peer's stream, when its done is read and
-        when it takes effect (after the batches sent before it)."""
+        when it takes effect (after the batches sent before it). No lock: one dict store each (atomic under
+        the interpreter lock; `_took` pops them later, on the caller's thread). Under `self.lock` the loop
+        waited whenever one of the ~120 actuator threads of a wave lost the interpreter lock inside `_took`."""
         enqueue, on_done, after_ingest = hub._enqueue, hub._on_done, hub._after_ingest
 
         def timed_after_ingest(peer: Any, stream: Any, done: Any) -> None:
-            with self.lock:
-                self.arrived[done.command_id] = time.monotonic()
+            self.arrived[done.command_id] = time.monotonic()
             after_ingest(peer, stream, done)
 
         def timed_enqueue(key: Any, command: Any, *args: Any, **kwargs: Any) -> None:
-            with self.lock:
-                self.queued[command.command_id] = time.monotonic()
+            self.queued[command.command_id] = time.monotonic()
             enqueue(key, command, *args, **kwargs)
 
         def timed_on_done(peer: Any, done: Any) -> None:
-            with self.lock:
-                self.read[done.command_id] = time.monotonic()
+            self.read[done.command_id] = time.monotonic()
             on_done(peer, done)
         hub._enqueue, hub._on_done, hub._after_ingest = timed_enqueue, timed_on_done, timed_after_ingest
 
@@ -408,14 +421,15 @@ def measure(scenario: Scenario) -> dict[str, Any]:
     me = psutil.Process()
     rss_before = me.memory_info().rss
     timings = Timings()
+    timings.keep_raw = scenario.raw
     topology = BenchCluster(scenario, timings, work)
     host: RunHost | None = None
     try:
         registered_started = time.perf_counter()
         host = RunHost(bench_config(scenario, work / "run"), topology)  # starts the stand-ins; registers the cells
         registered_s = time.perf_counter() - registered_started
-        if scenario.gc_freeze:
-            gc.freeze()
+        if not scenario.no_gc_freeze:
+            gc.freeze()  # as `RunHost.run` does before it runs the controller
         controller = host.controller
         policy = controller.policy
 
@@ -578,6 +592,7 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         "log_bytes_per_call": round(log_bytes / max(1, calls)),
         "run": state,
         "standins": standins,
+        **({"raw": timings.raw} if timings.keep_raw else {}),
     }
 
 
@@ -648,7 +663,9 @@ class _Stream:
 
 
 CELL_FIGURES = {"serve": {"engine_resume_s": 0.0}, "pause": {"engine_pause_s": 0.0}, "release": {"release_s": 0.0},
-                "load_weights": {"weights_bytes": 0.0, "weights_s": 0.0}, "join_step": {"trainer_join_s": 0.0}}
+                "load_weights": {"weights_bytes": 0.0, "weights_s": 0.0}, "join_step": {"trainer_join_s": 0.0},
+                "to_rollout": {"trainer_leave_s": 0.0, "weights_bytes": 0.0, "weights_s": 0.0, "engine_resume_s": 0.0},
+                "to_training": {"engine_pause_s": 0.0, "release_s": 0.0, "trainer_join_s": 0.0}}
 
 
 async def _probe_lag(lags: list[tuple[float, float]]) -> None:

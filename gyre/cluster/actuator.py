@@ -10,10 +10,12 @@ has completed, with each part's measured seconds and bytes as the processes repo
   again, its slot released, its call aborted and continued — tokens kept, re-prefilled — once it is placed
   again on a cell holding the latest published version or newer); the cell pauses its engine
   (`engine_pause_s`) and releases its memory; it joins training (`trainer_join_s`): the core's replica is
-  resident, a satellite pulls the current weights from the core over Mooncake and claims micro-steps.
+  resident, a satellite pulls the current weights from the core over Mooncake and claims micro-steps. The
+  cell's three steps go as one `ToTraining` command.
 - training -> rollout: a satellite leaves the trainer; the cell loads the latest published weights into its
-  engine (`weights_bytes`, `weights_s`: a Mooncake pull from the core), resumes it (`engine_resume_s`), and
-  the proxy admits executions to it again.
+  engine (`weights_bytes`, `weights_s`: a Mooncake pull from the core), resumes it (`engine_resume_s`) — the
+  three as one `ToRollout` command, so that a step's end costs each returning cell one round trip, not three —
+  and the proxy admits executions to it again.
 - a version published while the cell serves rollouts (`update_weights`): the engine drains its calls in
   flight and loads it, and the proxy's routing says so; every load records `weights_loaded`, and the proxy
   places an execution only on a cell holding the version it was queued with (docs/design.md, "the version
@@ -41,7 +43,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from gyre import auth
@@ -322,32 +324,28 @@ class RemoteCell:
     def drain(self) -> float:
         return 0.0  # the redirect moved its executions to other cells: nothing is left to wait for
 
-    def pause(self) -> float:
-        c = self.commands
-        paused = c.cell(self.cell_id, "pause", pause=gyre_pb2.Pause(mode="abort")).figures["engine_pause_s"]
-        return paused + c.cell(self.cell_id, "release", release=gyre_pb2.Release()).figures.get("release_s", 0.0)
+    def to_training(self) -> dict:
+        return self._to_training(join=True)
 
-    def join_training(self) -> float:
-        return self._join()
-
-    def leave_training(self) -> None:
-        if not self.info.is_core:
-            self.commands.cell(self.cell_id, "leave", leave=gyre_pb2.Leave(reason="returning to rollout"))
-
-    def load_latest(self, cause: str) -> tuple[int, float | None]:
-        loaded = self._load_latest(cause)
-        if loaded is None:
-            return 0, None
-        return int(loaded.figures.get("weights_bytes", 0)), loaded.figures.get("weights_s")
-
-    def serve(self) -> float:
-        return self.commands.cell(self.cell_id, "serve", serve=gyre_pb2.Serve()).figures["engine_resume_s"]
+    def to_rollout(self, cause: str) -> dict:
+        return self._to_rollout(cause, leave=not self.info.is_core)
 
     def admit(self) -> None:
         """The proxy admits here once the completion is recorded (`_switch` sends the routing after it)."""
 
-    def _join(self) -> float:
-        """Join the core's step; 0 s when the core is down (its restart makes every training cell rejoin)."""
+    def _to_training(self, *, join: bool) -> dict:
+        """`CellOps.to_training` as one `ToTraining` command — pause, release, and with ``join`` join the core's
+        step (`_join`); its parts."""
+        to = gyre_pb2.ToTraining(pause_mode="abort")
+        figures = (self._join(to) if join else
+                   self.commands.cell(self.cell_id, "switch to training", to_training=to).figures)
+        return {"engine_pause_s": figures.get("engine_pause_s", 0.0) + figures.get("release_s", 0.0),
+                "trainer_join_s": figures.get("trainer_join_s", 0.0)}
+
+    def _join(self, to: gyre_pb2.ToTraining | None = None) -> Mapping[str, float]:
+        """Join the core's step (with ``to``: in that `ToTraining`, after its pause and release); the figures.
+        No join when the core is down — its restart makes every training cell rejoin — but ``to``'s pause
+        and release are still done (sent again without the join: the failure may have cut them)."""
         core = self.live.core()
         if core is None:
             raise RuntimeError("no core is registered in the log")
@@ -358,9 +356,12 @@ class RemoteCell:
                 return f"the core {core.cell_id} incarnation {core.incarnation} was lost or replaced"
             return None
 
+        join = gyre_pb2.JoinStep(trainer_endpoint=core.trainer_endpoint or "", weights=self.transfers.latest())
         try:
-            joined = self.commands.cell(self.cell_id, "join step", obsolete=core_gone, join_step=gyre_pb2.JoinStep(
-                trainer_endpoint=core.trainer_endpoint or "", weights=self.transfers.latest()))
+            if to is None:
+                return self.commands.cell(self.cell_id, "join step", obsolete=core_gone, join_step=join).figures
+            to.join.CopyFrom(join)
+            return self.commands.cell(self.cell_id, "switch to training", obsolete=core_gone, to_training=to).figures
         except (Abandoned, CommandFailed) as error:
             if core_gone() is None:
                 raise
@@ -368,8 +369,10 @@ class RemoteCell:
                 self.commands.abandon(error, self.sink)
             log.warning("cell %s: the core went down while it joined (%s); it joins the restarted core", self.cell_id,
                         error)
-            return 0.0
-        return joined.figures["trainer_join_s"]
+        if to is None:
+            return {"trainer_join_s": 0.0}
+        to.ClearField("join")
+        return {**self.commands.cell(self.cell_id, "switch to training", to_training=to).figures, "trainer_join_s": 0.0}
 
     def _rejoin(self) -> None:
         info = self.info
@@ -378,45 +381,66 @@ class RemoteCell:
         self._join()
 
     def _bring_up(self, role: str) -> None:
-        c = self.commands
         if role == "training":
-            c.cell(self.cell_id, "pause", pause=gyre_pb2.Pause(mode="abort"))
-            c.cell(self.cell_id, "release", release=gyre_pb2.Release())
-            if not self.info.is_core:
-                self._join()
+            self._to_training(join=not self.info.is_core)
         else:
-            self._load_latest("bring_up")
-            c.cell(self.cell_id, "serve", serve=gyre_pb2.Serve())
+            self._to_rollout("bring_up", leave=False)
         self._route()
 
-    def _load_latest(self, cause: str, *, force: bool = False) -> gyre_pb2.CommandDone | None:
-        """Bring the engine to the latest published version and record `weights_loaded` (None when the log
-        says it holds it already, unless ``force``: an adopted engine whose load may have gone unrecorded);
-        the caller sends the proxy the routing that says so."""
+    def _to_rollout(self, cause: str, *, leave: bool) -> dict:
+        """`CellOps.to_rollout` as one `ToRollout` command (`_load_latest`); its parts."""
+        done = self._load_latest(cause, leave=leave)
+        figures = done.figures if done is not None else {}
+        weights_bytes = int(figures.get("weights_bytes", 0))
+        return {"weights_bytes": weights_bytes, "weights_s": figures.get("weights_s", 0.0) if weights_bytes else 0.0,
+                "engine_resume_s": figures.get("engine_resume_s", 0.0)}
+
+    def _load_latest(self, cause: str, *, force: bool = False,
+                     leave: bool | None = None) -> gyre_pb2.CommandDone | None:
+        """Bring the engine to the latest published version and record `weights_loaded`; the caller sends the
+        proxy the routing that says so. The command's done; None when none was sent: the log says the engine
+        holds the version already (nothing is recorded then) unless ``force`` (an adopted engine whose load
+        may have gone unrecorded), or the version is v0 (the initial weights, with no file: its
+        `weights_loaded` is recorded). With ``leave`` (a return to rollout, or a bring-up in it) one
+        `ToRollout` command does it — leaving the trainer first when ``leave`` is True, resuming the engine
+        after — and is sent whether or not there is a load; the recorded ``duration_s`` then runs from the
+        first send to the engine serving, less the leave.
+
+        A load retried after the core offered newer weights (or a new copy) is abandoned and re-planned as
+        the load of what the core offers now (`_superseded`); a `ToRollout` is sent again whole, each of its
+        steps being safe to redo."""
         weights = self.transfers.latest()
-        held = self.live.engine_version(self.cell_id)
-        if weights.version == held and not force:
+        load = force or weights.version != self.live.engine_version(self.cell_id)
+        to_rollout = leave is not None
+        done = None
+        if not load and not to_rollout:
             return None
         started = time.perf_counter()
-        loaded = None
-        while weights.location:  # v0 has no file: every engine starts with the initial weights
-            sent = weights
+        while to_rollout or weights.location:
+            sent = weights if load and weights.location else None
+            obsolete = (lambda sent=sent: self._superseded(sent)) if sent is not None else None
             try:
-                loaded = self.commands.cell(self.cell_id, "load weights",
-                                            obsolete=lambda sent=sent: self._superseded(sent),
-                                            load_weights=gyre_pb2.LoadWeights(weights=sent))
+                if to_rollout:
+                    body = gyre_pb2.ToRollout(leave=bool(leave), reason="returning to rollout")
+                    if sent is not None:
+                        body.weights.CopyFrom(sent)
+                    done = self.commands.cell(self.cell_id, "switch to rollout", obsolete=obsolete, to_rollout=body)
+                else:
+                    done = self.commands.cell(self.cell_id, "load weights", obsolete=obsolete,
+                                              load_weights=gyre_pb2.LoadWeights(weights=sent))
                 break
             except Abandoned as abandoned:
-                if not abandoned.reason.startswith(SUPERSEDED):
+                if sent is None or not abandoned.reason.startswith(SUPERSEDED):
                     raise
                 self.commands.abandon(abandoned, self.sink)  # re-planned: the load of what the core offers now
                 weights = self.transfers.latest()
-        figures = loaded.figures if loaded is not None else {}
-        self.sink.commit(self.sink.record(WeightsLoaded(
-            cell_id=self.cell_id, policy_version=weights.version, cause=cause,
-            duration_s=time.perf_counter() - started, drain_s=figures.get("drain_s", 0.0),
-            weights_bytes=int(figures.get("weights_bytes", 0)))))
-        return loaded
+        if load:
+            figures = done.figures if done is not None else {}
+            self.sink.commit(self.sink.record(WeightsLoaded(
+                cell_id=self.cell_id, policy_version=weights.version, cause=cause,
+                duration_s=max(0.0, time.perf_counter() - started - figures.get("trainer_leave_s", 0.0)),
+                drain_s=figures.get("drain_s", 0.0), weights_bytes=int(figures.get("weights_bytes", 0)))))
+        return done
 
     def _superseded(self, sent: gyre_pb2.WeightsRef) -> str | None:
         """Why a load being retried is obsolete: the core now offers a newer version, or a Mooncake copy the

@@ -10,8 +10,10 @@ Commands: ``pause`` / ``release`` the engine (leaving rollout), ``join_step`` (a
 current weights from the core over Mooncake, claim micro-steps of the running step), ``train`` (the core:
 build the step's batch from the log prefix the controller names, train it with any satellites, publish),
 ``leave`` (drop the satellite replica), ``load_weights`` (pull a published version over Mooncake, or read
-its file, into the engine), ``serve`` (resume generation), ``sync`` (done once every earlier command is done
-and every event this process recorded is durable: a restarted controller's barrier), ``stop``.
+its file, into the engine), ``serve`` (resume generation), ``to_training`` / ``to_rollout`` (pause, release
+and join_step / leave, load_weights and serve, each as one command: a role switch's side on the cell),
+``sync`` (done once every earlier command is done and every event this process recorded is durable: a
+restarted controller's barrier), ``stop``.
 
 A core started again after a crash (the log already holds train steps) restores its trainer as `gyre train
 --resume` does: the step it died in is aborted, the last checkpoint loaded and the steps after it retrained
@@ -263,20 +265,15 @@ class CellNode:
             self.link.sink.commit(remote=True)
             return {"sync_s": time.perf_counter() - started}
         if body == "pause":
-            self.engine_client.pause(command.pause.mode or "abort")
-            return {"engine_pause_s": time.perf_counter() - started}
-        if body == "release":  # SGLang frees GPU weights and KV; the CPU engine its KV cache
-            self.engine_client.release_memory_occupation()
-            self._hold(started, self.pacer.emulation.accelerator.to_training_s if self.pacer else 0.0)
-            return {"release_s": time.perf_counter() - started}
+            return self._pause(command.pause.mode)
+        if body == "release":
+            return self._release()
+        if body == "to_training":
+            return self._to_training(command.to_training)
         if body == "serve":
-            released = self.engine.local_engine is None or bool(self.engine.local_engine.released)
-            if released:
-                self.engine_client.resume_memory_occupation()
-            self.engine_client.resume()
-            if released:  # back from training: the accelerator's switch to rollout
-                self._hold(started, self.pacer.emulation.accelerator.to_rollout_s if self.pacer else 0.0)
-            return {"engine_resume_s": time.perf_counter() - started}
+            return self._serve()
+        if body == "to_rollout":
+            return self._to_rollout(command.to_rollout)
         if body == "load_weights":
             return self._load_weights(command.load_weights.weights)
         if body == "join_step":
@@ -289,6 +286,47 @@ class CellNode:
             self.stopped.set()
             return {}
         raise ValueError(f"cell {self.cell_id} does not know command {body!r}")
+
+    def _pause(self, mode: str) -> Mapping[str, float]:
+        started = time.perf_counter()
+        self.engine_client.pause(mode or "abort")
+        return {"engine_pause_s": time.perf_counter() - started}
+
+    def _release(self) -> Mapping[str, float]:
+        """SGLang frees GPU weights and KV; the CPU engine its KV cache."""
+        started = time.perf_counter()
+        self.engine_client.release_memory_occupation()
+        self._hold(started, self.pacer.emulation.accelerator.to_training_s if self.pacer else 0.0)
+        return {"release_s": time.perf_counter() - started}
+
+    def _to_training(self, to: gyre_pb2.ToTraining) -> Mapping[str, float]:
+        """``pause``, ``release`` and (with ``join``) ``join_step`` in turn, as their own commands do them (each
+        safe to do again); every step's figures."""
+        figures = {**self._pause(to.pause_mode), **self._release()}
+        if to.HasField("join"):
+            figures.update(self._join(to.join))
+        return figures
+
+    def _serve(self) -> Mapping[str, float]:
+        started = time.perf_counter()
+        released = self.engine.local_engine is None or bool(self.engine.local_engine.released)
+        if released:
+            self.engine_client.resume_memory_occupation()
+        self.engine_client.resume()
+        if released:  # back from training: the accelerator's switch to rollout
+            self._hold(started, self.pacer.emulation.accelerator.to_rollout_s if self.pacer else 0.0)
+        return {"engine_resume_s": time.perf_counter() - started}
+
+    def _to_rollout(self, to: gyre_pb2.ToRollout) -> Mapping[str, float]:
+        """``leave``, ``load_weights`` and ``serve`` in turn, as their own commands do them (each safe to do
+        again, so a retried ToRollout redoes none wrongly); every step's figures."""
+        figures: dict[str, float] = {}
+        if to.leave:
+            figures.update(self._leave(to.reason))
+        if to.HasField("weights"):
+            figures.update(self._load_weights(to.weights))
+        figures.update(self._serve())
+        return figures
 
     def _load_weights(self, ref: gyre_pb2.WeightsRef) -> Mapping[str, float]:
         """Bring the engine to version ``ref.version`` (a Mooncake pull from the core where it offers the

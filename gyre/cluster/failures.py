@@ -87,6 +87,7 @@ class Rule(enum.Enum):
 CELL_RULES: dict[str, Rule] = {
     "serve": Rule.RETRY, "pause": Rule.RETRY, "release": Rule.RETRY, "load_weights": Rule.RETRY,
     "join_step": Rule.RETRY, "leave": Rule.RETRY, "sync": Rule.RETRY,
+    "to_rollout": Rule.RETRY, "to_training": Rule.RETRY,  # their steps in turn, each safe to do again
     "train": Rule.ONCE, "stop": Rule.ONCE,
 }
 PROXY_RULES: dict[str, Rule] = {

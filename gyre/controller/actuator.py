@@ -98,9 +98,9 @@ class OrderedActions:
 
 class CellOps(Protocol):
     """The steps of a role switch on one cell. The in-process cell (`gyre.controller.local.LocalCell`) does
-    each in this process; a cluster's `gyre.cluster.actuator.RemoteCell` sends it as a command. A step
-    returns the seconds it took where it ran (a cell process measures its own part), or None to have it
-    timed here."""
+    each in this process; a cluster's `gyre.cluster.actuator.RemoteCell` sends the cell's own side of each
+    direction as one command. A step returns the seconds it took where it ran (a cell process measures its
+    own part), or None to have it timed here."""
 
     def stop_admitting(self) -> None:
         """No new execution is placed on the cell."""
@@ -114,6 +114,30 @@ class CellOps(Protocol):
         """Wait until no execution the cell still holds runs on it."""
         ...
 
+    def to_training(self) -> dict:
+        """Pause the engine (calls in flight end now), release its memory (KV cache; weights on a GPU) and let
+        the trainer take the cell over (a satellite joins the core's step with the current weights); the
+        measured ``engine_pause_s`` (pause and release) and ``trainer_join_s``. A cell process does them as
+        one command, the in-process cell one by one (`training_steps`)."""
+        ...
+
+    def to_rollout(self, cause: str) -> dict:
+        """Leave the trainer (a satellite; the core's replica stays resident), bring the engine to the latest
+        published weights (recording `weights_loaded` where the run tracks each engine's version), take its
+        memory back and resume generation; the measured ``weights_bytes`` (0: it held them already),
+        ``weights_s`` and ``engine_resume_s``. A cell process does the three as one command (at a step's end
+        every returning cell's go at once: one round trip each, not three); the in-process cell does them
+        one by one (`rollout_steps`)."""
+        ...
+
+    def admit(self) -> None:
+        """Executions may be placed on the cell again."""
+        ...
+
+
+class TrainingSteps(Protocol):
+    """`CellOps.to_training` as separate steps, for a cell that does them in this process."""
+
     def pause(self) -> float | None:
         """Pause the engine (calls in flight end now) and release its memory (KV cache; weights on a GPU)."""
         ...
@@ -121,6 +145,10 @@ class CellOps(Protocol):
     def join_training(self) -> float | None:
         """The trainer takes the cell over (a satellite joins the core's step with the current weights)."""
         ...
+
+
+class RolloutSteps(Protocol):
+    """`CellOps.to_rollout` as separate steps, for a cell that does them in this process."""
 
     def leave_training(self) -> None:
         """A satellite leaves the trainer (the core's replica stays resident)."""
@@ -133,10 +161,6 @@ class CellOps(Protocol):
 
     def serve(self) -> float | None:
         """Take the engine's memory back and resume generation."""
-        ...
-
-    def admit(self) -> None:
-        """Executions may be placed on the cell again."""
         ...
 
 
@@ -154,20 +178,29 @@ def leave_rollout(ops: CellOps, decision: RoleSwitchRequested) -> dict:
     parts: dict = {"redirected_calls": calls,
                    "redirect_s": redirect_s if redirect_s is not None else time.perf_counter() - started}
     parts["drain_s"] = _timed(ops.drain)
-    parts["engine_pause_s"] = _timed(ops.pause)
-    parts["trainer_join_s"] = _timed(ops.join_training)
+    return {**parts, **ops.to_training()}
+
+
+def training_steps(steps: TrainingSteps) -> dict:
+    """`CellOps.to_training` step by step, each timed here unless it measured itself."""
+    return {"engine_pause_s": _timed(steps.pause), "trainer_join_s": _timed(steps.join_training)}
+
+
+def rollout_steps(steps: RolloutSteps, cause: str) -> dict:
+    """`CellOps.to_rollout` step by step, each timed here unless it measured itself."""
+    steps.leave_training()
+    started = time.perf_counter()
+    weights_bytes, weights_s = steps.load_latest(cause)
+    parts: dict = {"weights_bytes": weights_bytes,
+                   "weights_s": 0.0 if not weights_bytes else
+                   weights_s if weights_s is not None else time.perf_counter() - started}
+    parts["engine_resume_s"] = _timed(steps.serve)
     return parts
 
 
 def return_to_rollout(ops: CellOps) -> dict:
     """training -> rollout, the same steps in one process and in a cluster; returns the measured parts."""
-    ops.leave_training()
-    started = time.perf_counter()
-    weights_bytes, weights_s = ops.load_latest("return_to_rollout")
-    parts: dict = {"weights_bytes": weights_bytes,
-                   "weights_s": 0.0 if not weights_bytes else
-                   weights_s if weights_s is not None else time.perf_counter() - started}
-    parts["engine_resume_s"] = _timed(ops.serve)
+    parts = ops.to_rollout("return_to_rollout")
     ops.admit()
     return parts
 

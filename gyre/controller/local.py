@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from gyre.controller.actuator import OrderedActions, perform_switch
+from gyre.controller.actuator import OrderedActions, perform_switch, rollout_steps, training_steps
 from gyre.events.models import RoleSwitchRequested
 from gyre.sink import EventSink
 from gyre.trainer.weights import Published, WeightStore
@@ -111,6 +111,12 @@ class LocalCell:
 
     def join_training(self) -> None:
         self.trainer.join()
+
+    def to_training(self) -> dict:
+        return training_steps(self)
+
+    def to_rollout(self, cause: str) -> dict:
+        return rollout_steps(self, cause)
 
     def leave_training(self) -> None:
         """The core's replica stays resident: nothing to leave."""

@@ -215,6 +215,7 @@ class FakeHub:
     def __init__(self, **script: list[gyre_pb2.CommandDone | BaseException]) -> None:
         self.script = script
         self.sent: list[tuple[str, str, str]] = []
+        self.commands: list[gyre_pb2.CellCommand | gyre_pb2.ProxyCommand] = []
         self.lost: list[tuple[str, str, str]] = []
         self.on_send: dict[str, Any] = {}
         self.declared: set[tuple[str, str, str]] = set()
@@ -236,6 +237,7 @@ class FakeHub:
 
     def command_cell(self, cell_id: str, command: gyre_pb2.CellCommand, *, incarnation: str = ""
                      ) -> Future[gyre_pb2.CommandDone]:
+        self.commands.append(command)
         return self._answer(cell_id, command.WhichOneof("body"), incarnation)
 
     def command_proxy(self, command: gyre_pb2.ProxyCommand) -> Future[gyre_pb2.CommandDone]:
@@ -250,7 +252,9 @@ class FakeHub:
 
 
 FIGURES = {"redirect": {"redirect_s": 0.1, "redirected_calls": 0.0}, "pause": {"engine_pause_s": 0.1},
-           "join_step": {"trainer_join_s": 0.3}, "serve": {"engine_resume_s": 0.1}}
+           "join_step": {"trainer_join_s": 0.3}, "serve": {"engine_resume_s": 0.1},
+           "to_training": {"engine_pause_s": 0.1, "release_s": 0.05, "trainer_join_s": 0.3},
+           "to_rollout": {"trainer_leave_s": 0.1, "weights_bytes": 1e6, "weights_s": 0.2, "engine_resume_s": 0.1}}
 
 
 class ListSink:
@@ -304,25 +308,25 @@ TO_TRAINING = RoleSwitchRequested(cell_id="c1", from_role="rollout", to_role="tr
 
 def test_a_join_while_the_core_restores_is_retried_and_succeeds() -> None:
     """The chaos run's failure: a satellite joins a restarted core that is still restoring its trainer."""
-    hub = FakeHub(join_step=[failed_done(1, NOT_READY), failed_done(2, NOT_READY)])
+    hub = FakeHub(to_training=[failed_done(1, NOT_READY), failed_done(2, NOT_READY)])
     cell, sink, waits, failures = _cluster(hub)
     cell.switch(TO_TRAINING)
     _finish(cell)
     assert failures == [] and sink.of(CommandAbandoned) == [] and hub.lost == []
     [done] = sink.of(RoleSwitchCompleted)
-    assert done.to_role == "training" and done.trainer_join_s == 0.3
-    joins = [s for s in hub.sent if s[1] == "join_step"]
-    assert joins == [("c1", "join_step", "c1-a")] * 3 and waits == [0.5, 1.0]
+    assert done.to_role == "training" and done.trainer_join_s == 0.3 and done.engine_pause_s == pytest.approx(0.15)
+    joins = [s for s in hub.sent if s[1] == "to_training"]  # pause, release and join: one command, sent again whole
+    assert joins == [("c1", "to_training", "c1-a")] * 3 and waits == [0.5, 1.0]
 
 
 def test_a_fatal_failure_ends_the_run_with_one_line() -> None:
-    hub = FakeHub(join_step=[failed_done(1, ConfigError("the satellite's backend needs CUDA"))])
+    hub = FakeHub(to_training=[failed_done(1, ConfigError("the satellite's backend needs CUDA"))])
     cell, sink, waits, failures = _cluster(hub)
     cell.switch(TO_TRAINING)
     cell._actions._thread.join(10)  # a failed action stops the cell's thread: the controller ends the run
     cell.close()
     [error] = failures
-    assert str(error) == "join step on cell c1 failed (fatal): ConfigError: the satellite's backend needs CUDA"
+    assert str(error) == "switch to training on cell c1 failed (fatal): ConfigError: the satellite's backend needs CUDA"
     assert sink.of(RoleSwitchCompleted) == [] and sink.of(CommandAbandoned) == [] and waits == [] and hub.lost == []
 
 
@@ -350,15 +354,54 @@ def test_a_load_retried_past_a_newer_publish_is_sent_again_as_the_latest() -> No
     assert [e.policy_version for e in sink.of(WeightsLoaded)] == [2]
 
 
+TO_ROLLOUT = RoleSwitchRequested(cell_id="c1", from_role="training", to_role="rollout", decided_at_seq=2)
+
+
+def test_a_return_to_rollout_is_one_command_and_its_load_is_recorded_before_the_completion() -> None:
+    """Leave, load and serve go as one `ToRollout` (a step's end sends every returning cell's at once)."""
+    hub = FakeHub()
+    cell, sink, _, failures = _cluster(hub)
+    sink.record(WeightsPublished(policy_version=1, location="weights/v1", sha256="a"))
+    cell.switch(TO_ROLLOUT)
+    _finish(cell)
+    assert failures == [] and hub.sent == [("c1", "to_rollout", "c1-a"), ("proxy", "routing", "")]
+    [command] = hub.commands[:1]
+    assert command.to_rollout.leave and command.to_rollout.weights.version == 1
+    loaded, done = [e for e in sink.events if isinstance(e, (WeightsLoaded, RoleSwitchCompleted))]
+    assert isinstance(loaded, WeightsLoaded) and isinstance(done, RoleSwitchCompleted)
+    assert (loaded.policy_version, loaded.cause, loaded.weights_bytes) == (1, "return_to_rollout", 1_000_000)
+    assert (done.weights_bytes, done.weights_s, done.engine_resume_s) == (1_000_000, 0.2, 0.1)
+
+
+def test_a_return_whose_load_was_superseded_is_sent_again_with_the_latest() -> None:
+    cut = TransferError("pulling v1 from 10.77.0.2 failed: connection timed out")
+    hub = FakeHub(to_rollout=[failed_done(1, cut)])
+
+    def wait(seconds: float) -> bool:  # the core publishes v2 while the failed return backs off
+        sink.record(WeightsPublished(policy_version=2, location="weights/v2", sha256="b"))
+        return False
+
+    cell, sink, _, failures = _cluster(hub, wait=wait)
+    sink.record(WeightsPublished(policy_version=1, location="weights/v1", sha256="a"))
+    cell.switch(TO_ROLLOUT)
+    _finish(cell)
+    assert failures == [] and hub.lost == []
+    sent = [c.to_rollout.weights.version for c in hub.commands if c.WhichOneof("body") == "to_rollout"]
+    assert sent == [1, 2]
+    [abandoned] = sink.of(CommandAbandoned)
+    assert abandoned.command == "to_rollout" and "v1 -> v2" in abandoned.reason and abandoned.switch_to is None
+    assert [e.policy_version for e in sink.of(WeightsLoaded)] == [2] and len(sink.of(RoleSwitchCompleted)) == 1
+
+
 def test_an_abandoned_switch_ends_and_its_live_cell_is_declared_lost() -> None:
-    hub = FakeHub(join_step=[failed_done(i, NOT_READY) for i in range(3)])
+    hub = FakeHub(to_training=[failed_done(i, NOT_READY) for i in range(3)])
     cell, sink, _, failures = _cluster(hub, attempts=3)
     cell.switch(TO_TRAINING)
     _finish(cell)
     assert failures == [] and sink.of(RoleSwitchCompleted) == []
     [abandoned] = sink.of(CommandAbandoned)
     assert (abandoned.cell_id, abandoned.command, abandoned.attempts, abandoned.incarnation, abandoned.switch_to) == (
-        "c1", "join_step", 3, "c1-a", "training")
+        "c1", "to_training", 3, "c1-a", "training")
     assert hub.lost == [("cell", "c1", "c1-a")]  # restarted clean by the lost-cell path
     fold = SchedulerFold()
     for event in [CellRegistered(cell_id="c0", role="training", is_core=True, slots=2),
@@ -385,7 +428,7 @@ def test_a_late_abandon_does_not_end_a_switch_of_the_next_incarnation() -> None:
 
 
 def test_a_join_whose_core_was_replaced_is_abandoned_and_the_switch_completes() -> None:
-    hub = FakeHub(join_step=[failed_done(1, NOT_READY)])
+    hub = FakeHub(to_training=[failed_done(1, NOT_READY)])
     cell: RemoteCell | None = None
 
     def core_restarts(seconds: float) -> bool:  # while the satellite waits, the core is replaced
@@ -401,6 +444,9 @@ def test_a_join_whose_core_was_replaced_is_abandoned_and_the_switch_completes() 
     assert abandoned.switch_to is None and "core c0 incarnation core-a" in abandoned.reason
     [done] = sink.of(RoleSwitchCompleted)  # it joins the restarted core when that one is up (rejoin)
     assert done.trainer_join_s == 0.0 and failures == [] and hub.lost == []
+    # the failure may have cut the pause or the release: both are sent again, without the join
+    first, again = [c.to_training for c in hub.commands if c.WhichOneof("body") == "to_training"]
+    assert first.HasField("join") and not again.HasField("join") and again.pause_mode == "abort"
 
 
 def test_an_abandoned_train_step_loses_its_core() -> None:
@@ -419,7 +465,7 @@ def test_an_abandoned_train_step_loses_its_core() -> None:
 def test_a_switch_abandoned_for_a_loss_the_log_does_not_hold_yet_ends_after_it() -> None:
     """Chaos seed 8: the hub declared the core lost; the log did not say so yet. Ended at once, the abandoned
     switch would be decided again on the same view, over and over: it ends once the loss is recorded."""
-    hub = FakeHub(pause=[PeerLost("cell c1 was lost (its process exited with status -9)")])
+    hub = FakeHub(to_training=[PeerLost("cell c1 was lost (its process exited with status -9)")])
     hub.declared.add(("cell", "c1", "c1-a"))
     cell, sink, _, failures = _cluster(hub)
     cell.switch(TO_TRAINING)

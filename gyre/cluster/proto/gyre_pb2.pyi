@@ -170,12 +170,30 @@ class Stop(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ToTraining(_message.Message):
+    __slots__ = ("pause_mode", "join")
+    PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIELD_NUMBER: _ClassVar[int]
+    pause_mode: str
+    join: JoinStep
+    def __init__(self, pause_mode: _Optional[str] = ..., join: _Optional[_Union[JoinStep, _Mapping]] = ...) -> None: ...
+
+class ToRollout(_message.Message):
+    __slots__ = ("leave", "reason", "weights")
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    leave: bool
+    reason: str
+    weights: WeightsRef
+    def __init__(self, leave: _Optional[bool] = ..., reason: _Optional[str] = ..., weights: _Optional[_Union[WeightsRef, _Mapping]] = ...) -> None: ...
+
 class Sync(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class CellCommand(_message.Message):
-    __slots__ = ("command_id", "serve", "pause", "release", "load_weights", "join_step", "train", "leave", "stop", "sync")
+    __slots__ = ("command_id", "serve", "pause", "release", "load_weights", "join_step", "train", "leave", "stop", "sync", "to_rollout", "to_training")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     SERVE_FIELD_NUMBER: _ClassVar[int]
     PAUSE_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +204,8 @@ class CellCommand(_message.Message):
     LEAVE_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    TO_ROLLOUT_FIELD_NUMBER: _ClassVar[int]
+    TO_TRAINING_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     serve: Serve
     pause: Pause
@@ -196,7 +216,9 @@ class CellCommand(_message.Message):
     leave: Leave
     stop: Stop
     sync: Sync
-    def __init__(self, command_id: _Optional[int] = ..., serve: _Optional[_Union[Serve, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., load_weights: _Optional[_Union[LoadWeights, _Mapping]] = ..., join_step: _Optional[_Union[JoinStep, _Mapping]] = ..., train: _Optional[_Union[Train, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., sync: _Optional[_Union[Sync, _Mapping]] = ...) -> None: ...
+    to_rollout: ToRollout
+    to_training: ToTraining
+    def __init__(self, command_id: _Optional[int] = ..., serve: _Optional[_Union[Serve, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., load_weights: _Optional[_Union[LoadWeights, _Mapping]] = ..., join_step: _Optional[_Union[JoinStep, _Mapping]] = ..., train: _Optional[_Union[Train, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., sync: _Optional[_Union[Sync, _Mapping]] = ..., to_rollout: _Optional[_Union[ToRollout, _Mapping]] = ..., to_training: _Optional[_Union[ToTraining, _Mapping]] = ...) -> None: ...
 
 class CellDown(_message.Message):
     __slots__ = ("welcome", "ack", "command")
