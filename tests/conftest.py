@@ -92,7 +92,13 @@ INTEGRATION = (
 
 SERIAL = (
     "tests/chaos/",
-    "tests/cluster/test_cluster_",  # cluster runs: a controller, cell processes, a proxy
+    # cluster runs: a controller, cell processes, a proxy (test_cluster_config and _membership are pure)
+    "tests/cluster/test_cluster_emulated.py",
+    "tests/cluster/test_cluster_faults.py",
+    "tests/cluster/test_cluster_observe.py",
+    "tests/cluster/test_cluster_partial.py",
+    "tests/cluster/test_cluster_resume_early.py",
+    "tests/cluster/test_cluster_run.py",
     "tests/cluster/test_control_plane_bench.py",
     "tests/cluster/test_satellite.py",
     "tests/cluster/test_multihost_netns.py",
@@ -125,15 +131,21 @@ Pure tests in these files are marked too; they are few and quick."""
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """The fast tier (`-m "not integration ..."`) does not even import the integration tier's whole modules
-    and directories: collecting them costs seconds (Megatron's import alone ~7 s) for tests it deselects."""
-    if "not integration" not in (config.option.markexpr or ""):
+    """Neither tier imports modules it would deselect whole: collecting them costs seconds (Megatron's import
+    alone ~7 s). The fast tier (`-m "not integration ..."`) skips the integration tier's whole modules and
+    directories; `make test`'s serial pass (`-m "serial ..."`) collects only where `SERIAL` points."""
+    markexpr = config.option.markexpr or ""
+    serial_only = markexpr.startswith("serial") and "not serial" not in markexpr
+    if "not integration" not in markexpr and not serial_only:
         return None
     try:
         relative = collection_path.relative_to(config.rootpath).as_posix()
     except ValueError:
         return None
     relative += "/" if collection_path.is_dir() else ""
+    if serial_only:  # keep a directory on the way to a SERIAL prefix, and any module a prefix names
+        files = [p.split("::")[0] for p in SERIAL]
+        return None if any(relative.startswith(f) or f.startswith(relative) for f in files) else True
     return True if any(relative.startswith(p) for p in INTEGRATION if "::" not in p) else None
 
 

@@ -34,6 +34,10 @@ class Launcher(Protocol):
         """End a process declared lost that may still run (hung); the launcher starts it again."""
         ...
 
+    def terminate(self, name: str) -> None:
+        """SIGTERM a process the run could not tell to stop (it closes as on a stop command)."""
+        ...
+
     def stop_watching(self) -> None: ...
 
     def alive(self, name: str) -> bool: ...
@@ -61,6 +65,9 @@ class ManualLauncher:
 
     def kill(self, name: str) -> None:
         return None  # not ours to kill: the hub has fenced its incarnation
+
+    def terminate(self, name: str) -> None:
+        return None  # not ours to end
 
     def stop_watching(self) -> None:
         return None

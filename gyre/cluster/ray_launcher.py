@@ -280,9 +280,15 @@ class RayLauncher:
                 self._members[name].crashes = 0
 
     def kill(self, name: str) -> None:
+        self._signal(name, signal.SIGKILL)
+
+    def terminate(self, name: str) -> None:
+        self._signal(name, signal.SIGTERM)
+
+    def _signal(self, name: str, signum: int) -> None:
         member = self._members.get(name)
         if member is not None and member.actor is not None and not member.gone:
-            member.actor.signal.remote(signal.SIGKILL)
+            member.actor.signal.remote(signum)
 
     def actor(self, name: str) -> Any:
         """The actor running ``name`` now (tests kill it to lose a node's worth of process)."""

@@ -449,6 +449,7 @@ class Cluster:
             return
         self.commands.stopping.set()  # a command still retrying is abandoned now
         self.supervisor.stop_watching()
+        untold: list[str] = []
         for name in ["proxy", *self.config.cluster.cell_ids]:
             if not self.supervisor.alive(name):
                 continue
@@ -457,8 +458,12 @@ class Cluster:
                     self.hub.command_proxy(gyre_pb2.ProxyCommand(stop=gyre_pb2.Stop())).result(60)
                 elif self.hub.connected(name):
                     self.hub.command_cell(name, gyre_pb2.CellCommand(stop=gyre_pb2.Stop())).result(60)
+                else:
+                    untold.append(name)
             except Exception:  # a process that cannot be told is terminated below
-                continue
+                untold.append(name)
+        for name in untold:  # nothing else ends it before the reap's timeout (30 s: a Ray run that lost a node
+            self.supervisor.terminate(name)  # waited that long for its restarted cell, which was never stopped)
         self.supervisor.reap()
 
     def close(self) -> None:

@@ -143,12 +143,19 @@ class Supervisor:
 
     def kill(self, name: str) -> None:
         """SIGKILL a process the controller declared lost while it still runs (hung); it is started again."""
+        self._signal(name, signal.SIGKILL)
+
+    def terminate(self, name: str) -> None:
+        """SIGTERM a process the run could not tell to stop: it closes as on the stop command."""
+        self._signal(name, signal.SIGTERM)
+
+    def _signal(self, name: str, signum: int) -> None:
         with self._lock:
             proc = self._procs.get(name)
             if proc is None or proc.gone or not proc.pid:
                 return
             with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
+                os.kill(proc.pid, signum)
 
     # -- stopping -------------------------------------------------------------------------------------------
 

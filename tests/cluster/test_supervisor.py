@@ -51,3 +51,17 @@ def test_a_process_killed_by_a_signal_is_always_started_again(tmp_path: Path) ->
         assert not gave_up.is_set() and all("status -9" in reason for reason in exits)
     finally:
         supervisor.reap()
+
+
+def test_a_process_the_run_could_not_tell_to_stop_is_terminated_at_once(tmp_path: Path) -> None:
+    """`Cluster.stop` terminates a process it could not send the stop command (not connected yet) instead of
+    leaving it to the reap's timeout: the process ends on the SIGTERM before any reap."""
+    supervisor, exits, _, _ = _supervise(tmp_path, "exec sleep 600")
+    try:
+        _until(lambda: supervisor.alive("cell0"), "the process did not start")
+        supervisor.stop_watching()
+        supervisor.terminate("cell0")
+        _until(lambda: not supervisor.alive("cell0"), "the terminated process still runs")
+    finally:
+        supervisor.reap()
+    assert supervisor.starts("cell0") == 1 and not exits  # stopping: not a loss, not started again
