@@ -1,4 +1,5 @@
-"""Segment files: naming, the schema frame, and batch payloads (column mask + Arrow IPC message)."""
+"""Segment files: naming, the schema frame, and batch payloads (column mask + an Arrow IPC message, or the
+batch's rows as JSON for a small run of events)."""
 
 import json
 import mmap
@@ -9,9 +10,11 @@ from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
 
+import orjson
 import pyarrow as pa
 
 from gyre.errors import LogCorruptionError
+from gyre.events.codec import rows_batch
 from gyre.log.frames import (
     BATCH_FRAME,
     FORMAT_V1,
@@ -105,16 +108,26 @@ def batch_frame_parts(batch: pa.RecordBatch, first_seq: int, full: pa.Schema, fm
     (Writing the IPC message from the batch's own buffers instead of ``serialize()`` was tried: it saves a
     memcpy but costs a Python call per buffer, and measured no faster.)
     """
-    mask = column_mask(batch.schema, full)
+    body = batch.serialize()
+    return _frame_parts(column_mask(batch.schema, full), memoryview(body), batch.num_rows, first_seq, fmt)
+
+
+def rows_frame_parts(rows_json: bytes, names: tuple[str, ...], count: int, first_seq: int, full: pa.Schema) -> list:
+    """`batch_frame_parts` for a batch given as its rows in JSON (`gyre.events.codec.encode_json_rows`:
+    columns ``names``, ``count`` rows): the same frame, its body the JSON array instead of an IPC message
+    (format v1 only; `SegmentData.decode` tells them apart by the body's first byte)."""
+    return _frame_parts(_column_mask(names, _SchemaKey(full)), rows_json, count, first_seq, FORMAT_V1)
+
+
+def _frame_parts(mask: bytes, body: memoryview | bytes, count: int, first_seq: int, fmt: int) -> list:
     prefix = _MASK_LEN.pack(len(mask)) + mask
     prefix += b"\0" * _pad8(len(prefix))
-    body = batch.serialize()
-    parts = [prefix, memoryview(body)]
-    if body.size % 8:
-        parts.append(b"\0" * _pad8(body.size))
+    parts = [prefix, body]
+    if len(body) % 8:
+        parts.append(b"\0" * _pad8(len(body)))
     if fmt == FORMAT_V1:
-        return [OpenHead(BATCH_FRAME, first_seq, batch.num_rows, parts), *parts]
-    return [frame_header(BATCH_FRAME, first_seq, batch.num_rows, parts), *parts]
+        return [OpenHead(BATCH_FRAME, first_seq, count, parts), *parts]
+    return [frame_header(BATCH_FRAME, first_seq, count, parts), *parts]
 
 
 @dataclass
@@ -159,6 +172,7 @@ class SegmentData:
                 self.raw = f.read()
         self.data = memoryview(self.raw)
         self._schemas: dict[bytes, pa.Schema] = {}
+        self._row_types: dict[bytes, pa.StructType] = {}
         self.schema: pa.Schema | None = schema
 
     def scan(self, verify: bool = True, tail_ok: bool = True) -> SegmentScan:
@@ -231,7 +245,9 @@ class SegmentData:
         return bytes(frame.payload[2:2 + mask_len])
 
     def decode(self, frame: Frame) -> pa.RecordBatch:
-        """The (sparse) record batch of a batch frame, zero-copy over the segment bytes."""
+        """The (sparse) record batch of a batch frame: zero-copy over the segment bytes for an Arrow IPC
+        body (which starts with 0xFFFFFFFF); converted for a JSON rows body (which starts with ``[``,
+        `rows_frame_parts`: a small run of events, as the log writer frames them since #33)."""
         assert self.schema is not None, "scan() the segment before decoding frames"
         mask = self.kinds_mask(frame)
         start = 2 + len(mask) + _pad8(2 + len(mask))
@@ -239,11 +255,28 @@ class SegmentData:
         if schema is None:
             fields = [f for i, f in enumerate(self.schema) if mask[i // 8] >> (i % 8) & 1]
             schema = self._schemas[mask] = pa.schema(fields, metadata=self.schema.metadata)
+        body = frame.payload[start:]
         try:
-            return pa.ipc.read_record_batch(pa.py_buffer(frame.payload[start:]), schema)
-        except (pa.ArrowInvalid, OSError) as error:  # a valid checksum over bytes we cannot decode
+            if body[:1] == b"[":
+                return self._decode_rows(body, mask, schema, frame.count)
+            return pa.ipc.read_record_batch(pa.py_buffer(body), schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, orjson.JSONDecodeError) as error:
+            # a valid checksum over bytes we cannot decode
             raise LogCorruptionError(str(self.path), self.start + frame.offset,
                                      f"undecodable batch: {error}") from error
+
+    def _decode_rows(self, body: memoryview, mask: bytes, schema: pa.Schema, count: int) -> pa.RecordBatch:
+        end = len(body)
+        while end and body[end - 1] == 0:  # the frame's padding to 8 bytes
+            end -= 1
+        rows = orjson.loads(body[:end])
+        if not isinstance(rows, list) or len(rows) != count:
+            raise pa.ArrowInvalid(f"a rows body of {len(rows) if isinstance(rows, list) else 'no'} rows in a "
+                                  f"frame of {count}")
+        row_type = self._row_types.get(mask)
+        if row_type is None:
+            row_type = self._row_types[mask] = pa.struct(list(schema))
+        return rows_batch(rows, row_type, schema.metadata)
 
     def has_any_column(self, frame: Frame, names: frozenset[str]) -> bool:
         """Whether a batch frame stores any of the named columns (kinds), without decoding it."""
