@@ -10,11 +10,10 @@ from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
 
-import orjson
 import pyarrow as pa
 
 from gyre.errors import LogCorruptionError
-from gyre.events.codec import rows_batch
+from gyre.events.codec import decode_json_rows
 from gyre.log.frames import (
     BATCH_FRAME,
     FORMAT_V1,
@@ -260,7 +259,7 @@ class SegmentData:
             if body[:1] == b"[":
                 return self._decode_rows(body, mask, schema, frame.count)
             return pa.ipc.read_record_batch(pa.py_buffer(body), schema)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, orjson.JSONDecodeError) as error:
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, ValueError) as error:  # (JSON, base64: ValueError)
             # a valid checksum over bytes we cannot decode
             raise LogCorruptionError(str(self.path), self.start + frame.offset,
                                      f"undecodable batch: {error}") from error
@@ -269,14 +268,13 @@ class SegmentData:
         end = len(body)
         while end and body[end - 1] == 0:  # the frame's padding to 8 bytes
             end -= 1
-        rows = orjson.loads(body[:end])
-        if not isinstance(rows, list) or len(rows) != count:
-            raise pa.ArrowInvalid(f"a rows body of {len(rows) if isinstance(rows, list) else 'no'} rows in a "
-                                  f"frame of {count}")
         row_type = self._row_types.get(mask)
         if row_type is None:
             row_type = self._row_types[mask] = pa.struct(list(schema))
-        return rows_batch(rows, row_type, schema.metadata)
+        batch = decode_json_rows(body[:end], row_type, schema.metadata)
+        if batch.num_rows != count:
+            raise pa.ArrowInvalid(f"a rows body of {batch.num_rows} rows in a frame of {count}")
+        return batch
 
     def has_any_column(self, frame: Frame, names: frozenset[str]) -> bool:
         """Whether a batch frame stores any of the named columns (kinds), without decoding it."""

@@ -74,19 +74,25 @@ def test_a_log_of_arrow_frames_goes_on_with_rows_frames_and_reads_in_order(tmp_p
 def test_what_json_cannot_carry_exactly_is_framed_as_arrow(tmp_path: Path) -> None:
     call = dict(execution_id="e", call_id="c", cell_id="cell0")
     cannot = [
-        [ModelCallStarted(**call), ModelCallFinished(**call, output_ids=[1, 2], output_logprobs=[float("-inf"), -0.5])],
+        [ModelCallStarted(**call), ModelCallFinished(**call, latency_s=float("inf"))],  # JSON has no infinity
         [RoleSwitchRequested(cell_id="cell0", from_role="rollout", to_role="training",  # a nested field
                              redirects=[Redirect(call_id="c", execution_id="e", to_cell_id="cell1")])],
         [ModelCallStarted(**call, step=2**60)],  # beyond JSON's exact integers
     ]
-    can = [ModelCallStarted(**call), ModelCallFinished(**call, output_ids=[3], output_logprobs=[-0.25])]
+    logprobs = [float("-inf"), -0.1, -1e-30, -3.4e38, 0.0]  # packed: exact, infinities and float32 rounding too
+    can = [ModelCallStarted(**call), ModelCallFinished(**call, output_ids=[3, 0, 2**31 - 1, 7, 8],
+                                                       output_logprobs=logprobs)]
     with LogWriter(tmp_path / "log", run_id="r") as writer:
         for events in [*cannot, can]:
             writer.append(events)
             writer.commit()
+    _write(tmp_path / "arrow", [e for events in [*cannot, can] for e in events], row_frames=False, per_commit=100)
     assert _bodies(tmp_path / "log") == [b"\xff", b"\xff", b"\xff", b"["]
     back = list(LogReader(tmp_path / "log").events())
-    assert back[1].output_logprobs == [float("-inf"), -0.5]
+    assert back[1].latency_s == float("inf")
     assert back[2].redirects[0].to_cell_id == "cell1"
     assert back[3].step == 2**60
-    assert back[5].output_logprobs == [-0.25]
+    assert back[5].output_ids == [3, 0, 2**31 - 1, 7, 8]
+    assert back[5].output_logprobs[0] == float("-inf")
+    assert [e.model_dump(exclude={"ts", "run_id"}) for e in back] == [
+        e.model_dump(exclude={"ts", "run_id"}) for e in LogReader(tmp_path / "arrow").events()]
