@@ -244,6 +244,12 @@ def encode_json_rows(events: Sequence[Event], first_seq: int, stamps_us: Sequenc
 
 def decode_json_rows(data: bytes | memoryview, row_type: pa.StructType, metadata: Any) -> pa.RecordBatch:
     """The batch of `encode_json_rows`'s JSON (``row_type``: the struct of its columns, as stored)."""
+    return rows_batch(json_rows(data), row_type, metadata)
+
+
+def json_rows(data: bytes | memoryview) -> list[Any]:
+    """`encode_json_rows`'s rows, its packed lists as numpy views: what `rows_batch` converts (the rows of
+    several frames of one column set in one conversion: its fixed cost, ~0.1 ms, is most of a call's)."""
     rows = orjson.loads(data)
     if not isinstance(rows, list):
         raise pa.ArrowInvalid("a rows body that is not a JSON array")
@@ -257,7 +263,7 @@ def decode_json_rows(data: bytes | memoryview, row_type: pa.StructType, metadata
             value = payload.get(name)
             if isinstance(value, str):
                 payload[name] = np.frombuffer(b64decode(value, validate=True), dtype=_PACKED_DTYPES[code])
-    return rows_batch(rows, row_type, metadata)
+    return rows
 
 
 _JSON_SCALARS = (pa.types.is_integer, pa.types.is_string, pa.types.is_boolean)

@@ -5,6 +5,7 @@ import json
 import mmap
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -13,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from gyre.errors import LogCorruptionError
-from gyre.events.codec import decode_json_rows
+from gyre.events.codec import json_rows, rows_batch
 from gyre.log.frames import (
     BATCH_FRAME,
     FORMAT_V1,
@@ -60,6 +61,11 @@ def sealed_copies(segment: Path) -> list[Path]:
 
 def _pad8(n: int) -> int:
     return (8 - n % 8) % 8
+
+
+def _body_start(mask: bytes) -> int:
+    """Where a batch frame's body starts in its payload: after the column mask, padded to 8 bytes."""
+    return 2 + len(mask) + _pad8(2 + len(mask))
 
 
 def schema_frame(schema: pa.Schema, first_seq: int, fmt: int = FORMAT_V1) -> bytes:
@@ -247,34 +253,73 @@ class SegmentData:
         """The (sparse) record batch of a batch frame: zero-copy over the segment bytes for an Arrow IPC
         body (which starts with 0xFFFFFFFF); converted for a JSON rows body (which starts with ``[``,
         `rows_frame_parts`: a small run of events, as the log writer frames them since #33)."""
+        return self.decode_all([frame])[0]
+
+    def decode_all(self, items: Sequence["Frame | pa.RecordBatch"]) -> list[pa.RecordBatch]:
+        """`decode` of each frame in ``items`` (a batch passes as it is), in order, except that consecutive
+        rows frames of one column set come as one batch of all their rows, converted at once (a rows
+        frame's conversion has a fixed cost of ~0.1 ms, most of a model call's frame; `LogReader.read` and
+        the sealer merge such frames anyway)."""
         assert self.schema is not None, "scan() the segment before decoding frames"
-        mask = self.kinds_mask(frame)
-        start = 2 + len(mask) + _pad8(2 + len(mask))
+        out: list[pa.RecordBatch] = []
+        run: list[Frame] = []
+        for item in items:
+            if isinstance(item, pa.RecordBatch):
+                self._convert(run, out)
+                out.append(item)
+                continue
+            mask = self.kinds_mask(item)
+            body = item.payload[_body_start(mask):]
+            if body[:1] == b"[":
+                if run and self.kinds_mask(run[0]) != mask:
+                    self._convert(run, out)
+                run.append(item)
+                continue
+            self._convert(run, out)
+            try:
+                out.append(pa.ipc.read_record_batch(pa.py_buffer(body), self._stored_schema(mask)))
+            except (pa.ArrowInvalid, OSError) as error:  # a valid checksum over bytes we cannot decode
+                raise LogCorruptionError(str(self.path), self.start + item.offset,
+                                         f"undecodable batch: {error}") from error
+        self._convert(run, out)
+        return out
+
+    def _stored_schema(self, mask: bytes) -> pa.Schema:
+        assert self.schema is not None
         schema = self._schemas.get(mask)
         if schema is None:
             fields = [f for i, f in enumerate(self.schema) if mask[i // 8] >> (i % 8) & 1]
             schema = self._schemas[mask] = pa.schema(fields, metadata=self.schema.metadata)
-        body = frame.payload[start:]
-        try:
-            if body[:1] == b"[":
-                return self._decode_rows(body, mask, schema, frame.count)
-            return pa.ipc.read_record_batch(pa.py_buffer(body), schema)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, ValueError) as error:  # (JSON, base64: ValueError)
-            # a valid checksum over bytes we cannot decode
-            raise LogCorruptionError(str(self.path), self.start + frame.offset,
-                                     f"undecodable batch: {error}") from error
+        return schema
 
-    def _decode_rows(self, body: memoryview, mask: bytes, schema: pa.Schema, count: int) -> pa.RecordBatch:
-        end = len(body)
-        while end and body[end - 1] == 0:  # the frame's padding to 8 bytes
-            end -= 1
+    def _convert(self, run: list[Frame], out: list[pa.RecordBatch]) -> None:
+        """Append the batch of ``run``'s rows frames (one column set) to ``out``, and empty ``run``."""
+        if not run:
+            return
+        mask = self.kinds_mask(run[0])
+        schema = self._stored_schema(mask)
         row_type = self._row_types.get(mask)
         if row_type is None:
             row_type = self._row_types[mask] = pa.struct(list(schema))
-        batch = decode_json_rows(body[:end], row_type, schema.metadata)
-        if batch.num_rows != count:
-            raise pa.ArrowInvalid(f"a rows body of {batch.num_rows} rows in a frame of {count}")
-        return batch
+        rows: list = []
+        frame = run[0]
+        try:
+            for frame in run:
+                body = frame.payload[_body_start(mask):]
+                end = len(body)
+                while end and body[end - 1] == 0:  # the frame's padding to 8 bytes
+                    end -= 1
+                mine = json_rows(body[:end])
+                if len(mine) != frame.count:
+                    raise pa.ArrowInvalid(f"a rows body of {len(mine)} rows in a frame of {frame.count}")
+                rows += mine
+            frame = run[0]
+            out.append(rows_batch(rows, row_type, schema.metadata))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, ValueError) as error:  # (JSON, base64: ValueError)
+            # (the frame whose rows failed, or the run's first when their conversion together did)
+            raise LogCorruptionError(str(self.path), self.start + frame.offset,
+                                     f"undecodable batch: {error}") from error
+        run.clear()
 
     def has_any_column(self, frame: Frame, names: frozenset[str]) -> bool:
         """Whether a batch frame stores any of the named columns (kinds), without decoding it."""
