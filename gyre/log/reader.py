@@ -184,19 +184,28 @@ class LogReader:
             data = SegmentData(path, start=offset, schema=schema)
             stopped_at: BadFrame | None = None
             progressed = False
+            whole: list[Frame] = []  # frames taken whole, decoded together (runs of rows frames convert at once)
             for item in scan(data.data, 0, verify=True):
                 if isinstance(item, BadFrame):
                     stopped_at = item  # a write in progress, most likely: look again later
                     break
+                if whole and (item.frame_type != BATCH_FRAME or len(whole) >= FOLLOW_RUN_FRAMES
+                              or item.first_seq < next_seq or wanted is not None):
+                    yield from (evolve(batch) for batch in data.decode_all(whole))
+                    whole = []
                 if item.frame_type == SCHEMA_FRAME:
                     data.schema = pa.ipc.read_schema(pa.py_buffer(item.payload))
                 elif item.frame_type == BATCH_FRAME:
-                    if item.last_seq >= next_seq and (wanted is None or data.has_any_column(item, wanted)):
+                    if item.first_seq >= next_seq and wanted is None:
+                        whole.append(item)
+                    elif item.last_seq >= next_seq and (wanted is None or data.has_any_column(item, wanted)):
                         batch = evolve(_select(data.decode(item), item.first_seq, next_seq, None, wanted))
                         if batch.num_rows:
                             yield batch
                     next_seq = max(next_seq, item.last_seq + 1)
                 offset, schema, progressed = data.start + item.end, data.schema, True
+            if whole:
+                yield from (evolve(batch) for batch in data.decode_all(whole))
             if progressed:
                 idle_since = time.monotonic()
                 continue
@@ -253,6 +262,10 @@ class LogReader:
         report.last_seq = expected - 1 if expected is not None else None
         report.quarantined = [p.name for p in quarantine_files(self.path)]
         return report
+
+
+FOLLOW_RUN_FRAMES = 1024
+"""`LogReader.follow` decodes at most this many consecutive whole frames together (a catch-up's batches)."""
 
 
 def _kind_set(kinds: Iterable[str] | None) -> frozenset[str] | None:
