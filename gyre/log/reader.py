@@ -123,7 +123,7 @@ class LogReader:
                     if pending:  # a big frame is a good batch already: merging it would only copy it
                         yield _finish(_merge(data.decode_all(pending), data.schema), full_schema)
                         pending, rows, size = [], 0, 0
-                    yield _finish(data.decode_all([item])[0], full_schema)
+                    yield _finish(_merge(data.decode_all([item]), data.schema), full_schema)
                     continue
                 if pending and (rows + count > batch_rows or size + len(frame.payload) > MERGE_BYTES):
                     yield _finish(_merge(data.decode_all(pending), data.schema), full_schema)
@@ -191,7 +191,7 @@ class LogReader:
                     break
                 if whole and (item.frame_type != BATCH_FRAME or len(whole) >= FOLLOW_RUN_FRAMES
                               or item.first_seq < next_seq or wanted is not None):
-                    yield from (evolve(batch) for batch in data.decode_all(whole))
+                    yield evolve(_merge(data.decode_all(whole), data.schema))
                     whole = []
                 if item.frame_type == SCHEMA_FRAME:
                     data.schema = pa.ipc.read_schema(pa.py_buffer(item.payload))
@@ -205,7 +205,7 @@ class LogReader:
                     next_seq = max(next_seq, item.last_seq + 1)
                 offset, schema, progressed = data.start + item.end, data.schema, True
             if whole:
-                yield from (evolve(batch) for batch in data.decode_all(whole))
+                yield evolve(_merge(data.decode_all(whole), data.schema))
             if progressed:
                 idle_since = time.monotonic()
                 continue

@@ -256,13 +256,15 @@ class SegmentData:
         return self.decode_all([frame])[0]
 
     def decode_all(self, items: Sequence["Frame | pa.RecordBatch"]) -> list[pa.RecordBatch]:
-        """`decode` of each frame in ``items`` (a batch passes as it is), in order, except that consecutive
-        rows frames of one column set come as one batch of all their rows, converted at once (a rows
-        frame's conversion has a fixed cost of ~0.1 ms, most of a model call's frame; `LogReader.read` and
-        the sealer merge such frames anyway)."""
+        """`decode` of each frame in ``items`` (a batch passes as it is), in order, except that a run of
+        consecutive rows frames comes as one batch per column set, each converted at once (a rows frame's
+        conversion has a fixed cost of ~0.1 ms, most of a model call's frame). Those batches hold their rows
+        in seq order, but a run whose frames alternate column sets (a call's `model_call_started`, then its
+        `model_call_finished`) interleaves them: merge by seq for one order (`LogReader.read` and `follow`
+        do; the sealer sorts anyway)."""
         assert self.schema is not None, "scan() the segment before decoding frames"
         out: list[pa.RecordBatch] = []
-        run: list[Frame] = []
+        run: dict[bytes, list[Frame]] = {}
         for item in items:
             if isinstance(item, pa.RecordBatch):
                 self._convert(run, out)
@@ -271,9 +273,7 @@ class SegmentData:
             mask = self.kinds_mask(item)
             body = item.payload[_body_start(mask):]
             if body[:1] == b"[":
-                if run and self.kinds_mask(run[0]) != mask:
-                    self._convert(run, out)
-                run.append(item)
+                run.setdefault(mask, []).append(item)
                 continue
             self._convert(run, out)
             try:
@@ -292,33 +292,31 @@ class SegmentData:
             schema = self._schemas[mask] = pa.schema(fields, metadata=self.schema.metadata)
         return schema
 
-    def _convert(self, run: list[Frame], out: list[pa.RecordBatch]) -> None:
-        """Append the batch of ``run``'s rows frames (one column set) to ``out``, and empty ``run``."""
-        if not run:
-            return
-        mask = self.kinds_mask(run[0])
-        schema = self._stored_schema(mask)
-        row_type = self._row_types.get(mask)
-        if row_type is None:
-            row_type = self._row_types[mask] = pa.struct(list(schema))
-        rows: list = []
-        frame = run[0]
-        try:
-            for frame in run:
-                body = frame.payload[_body_start(mask):]
-                end = len(body)
-                while end and body[end - 1] == 0:  # the frame's padding to 8 bytes
-                    end -= 1
-                mine = json_rows(body[:end])
-                if len(mine) != frame.count:
-                    raise pa.ArrowInvalid(f"a rows body of {len(mine)} rows in a frame of {frame.count}")
-                rows += mine
-            frame = run[0]
-            out.append(rows_batch(rows, row_type, schema.metadata))
-        except (pa.ArrowInvalid, pa.ArrowTypeError, ValueError) as error:  # (JSON, base64: ValueError)
-            # (the frame whose rows failed, or the run's first when their conversion together did)
-            raise LogCorruptionError(str(self.path), self.start + frame.offset,
-                                     f"undecodable batch: {error}") from error
+    def _convert(self, run: dict[bytes, list[Frame]], out: list[pa.RecordBatch]) -> None:
+        """Append the batch of each column set's rows frames in ``run`` to ``out``, and empty ``run``."""
+        for mask, frames in run.items():
+            schema = self._stored_schema(mask)
+            row_type = self._row_types.get(mask)
+            if row_type is None:
+                row_type = self._row_types[mask] = pa.struct(list(schema))
+            rows: list = []
+            frame = frames[0]
+            try:
+                for frame in frames:
+                    body = frame.payload[_body_start(mask):]
+                    end = len(body)
+                    while end and body[end - 1] == 0:  # the frame's padding to 8 bytes
+                        end -= 1
+                    mine = json_rows(body[:end])
+                    if len(mine) != frame.count:
+                        raise pa.ArrowInvalid(f"a rows body of {len(mine)} rows in a frame of {frame.count}")
+                    rows += mine
+                frame = frames[0]
+                out.append(rows_batch(rows, row_type, schema.metadata))
+            except (pa.ArrowInvalid, pa.ArrowTypeError, ValueError) as error:  # (JSON, base64: ValueError)
+                # (the frame whose rows failed, or the run's first when their conversion together did)
+                raise LogCorruptionError(str(self.path), self.start + frame.offset,
+                                         f"undecodable batch: {error}") from error
         run.clear()
 
     def has_any_column(self, frame: Frame, names: frozenset[str]) -> bool:

@@ -5,6 +5,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
+import pytest
 
 from gyre.events.models import (
     Event,
@@ -13,7 +14,9 @@ from gyre.events.models import (
     Redirect,
     RoleSwitchRequested,
 )
+from gyre.events.schema import evolve
 from gyre.log import LogReader, LogWriter
+from gyre.log.seal import segment_table
 from gyre.log.segment import SegmentData, list_segments
 from tests.conftest import run_events
 
@@ -44,10 +47,12 @@ def _bodies(path: Path) -> list[bytes]:
     return out
 
 
-def test_a_small_commit_is_framed_as_rows_and_reads_back_as_its_arrow_frame_did(tmp_path: Path) -> None:
+@pytest.mark.parametrize("per_commit", [1, 2, 5])  # (frames of alternating kinds: converted a kind at a time)
+def test_a_small_commit_is_framed_as_rows_and_reads_back_as_its_arrow_frame_did(tmp_path: Path,
+                                                                                 per_commit: int) -> None:
     events = _timed(run_events(executions=3, calls=3))
-    _write(tmp_path / "rows", events, row_frames=True)
-    _write(tmp_path / "arrow", events, row_frames=False)
+    _write(tmp_path / "rows", events, row_frames=True, per_commit=per_commit)
+    _write(tmp_path / "arrow", events, row_frames=False, per_commit=per_commit)
     assert set(_bodies(tmp_path / "rows")) == {b"["}
     assert set(_bodies(tmp_path / "arrow")) == {b"\xff"}
     rows, arrow = LogReader(tmp_path / "rows"), LogReader(tmp_path / "arrow")
@@ -57,6 +62,10 @@ def test_a_small_commit_is_framed_as_rows_and_reads_back_as_its_arrow_frame_did(
     assert list(rows.events()) == list(arrow.events())
     for kind in ("model_call_finished", "reward_recorded"):
         assert list(rows.events(kinds=[kind])) == list(arrow.events(kinds=[kind]))
+    followed = pa.Table.from_batches([evolve(b) for b in rows.follow(idle_timeout_s=0.0)])
+    assert followed.equals(arrow.table())
+    assert segment_table(list_segments(tmp_path / "rows")[0][1]).equals(
+        segment_table(list_segments(tmp_path / "arrow")[0][1]))
 
 
 def test_a_log_of_arrow_frames_goes_on_with_rows_frames_and_reads_in_order(tmp_path: Path) -> None:
