@@ -676,6 +676,49 @@ def read_cost(calls: int = 30, long_chars: int = 400_000, reps: int = 100) -> di
     return {f"call_{calls}": measure(400, calls), "long_context": measure(long_chars // 20, 20)}
 
 
+def frame_cost(calls: int = 1000, passes: int = 3, directory: Path | None = None) -> dict[str, Any]:
+    """CPU microseconds per call (process clock, best of ``passes``) of the log's side of a model call, with
+    its commit framed as JSON rows (``rows``, the writer's default since #33) and as an Arrow IPC message
+    (``arrow``, before): writing a call's two events as the proxy commits them (append, then the write stage
+    alone: no fsync, whose cost is the same for both), reading the log back (`LogReader.read`) and building
+    the sealer's table of the segment. Proxy-sized events (a 450-id prompt delta, 60 output ids). No server,
+    deterministic work: the firm figure for the frame encoding on a shared machine."""
+    from gyre.events.models import ModelCallFinished, ModelCallStarted
+    from gyre.log import LogReader, LogWriter
+    from gyre.log.seal import segment_table
+    from gyre.log.segment import list_segments
+
+    def events(i: int) -> list[Any]:
+        ids = dict(execution_id=f"bench-{i % 40}", call_id=f"c{i}", cell_id="cell0", parent_call_id=f"c{i - 1}")
+        return [ModelCallStarted(**ids, prompt_tokens=900),
+                ModelCallFinished(**ids, prefix_len=800, prompt_delta_ids=list(range(450)),
+                                  output_ids=list(range(60)), output_logprobs=[-0.25] * 60, latency_s=0.001)]
+
+    calls_events = [events(i) for i in range(calls)]
+    best: dict[str, dict[str, float]] = {mode: {} for mode in ("rows", "arrow")}
+    for _ in range(passes):
+        for mode in best:
+            with tempfile.TemporaryDirectory(dir=directory, prefix="gyre-frame-cost-") as tmp:
+                path = Path(tmp) / "log"
+                with LogWriter(path, run_id="bench", seal=False, row_frames=mode == "rows") as writer:
+                    start = time.process_time()
+                    for started, finished in calls_events:
+                        writer.append(started)
+                        writer.write(writer.append(finished).last)
+                    figures = {"write_us": time.process_time() - start}
+                start = time.process_time()
+                rows = sum(batch.num_rows for batch in LogReader(path).read(full_schema=False))
+                figures["read_us"] = time.process_time() - start
+                assert rows == 2 * calls
+                start = time.process_time()
+                segment_table(list_segments(path)[0][1])
+                figures["seal_table_us"] = time.process_time() - start
+            for name, seconds in figures.items():
+                best[mode][name] = min(best[mode].get(name, float("inf")), seconds / calls * 1e6)
+    return {"calls": calls, **best, "ratio_rows_over_arrow": {name: best["rows"][name] / best["arrow"][name]
+                                                              for name in best["rows"]}}
+
+
 if __name__ == "__main__":  # pragma: no cover
     if "--ab" in sys.argv:  # python -m benchmarks.proxy_bench --ab ROOT_A ROOT_B [--rounds N] [--log-only]
         a, b = sys.argv[sys.argv.index("--ab") + 1 : sys.argv.index("--ab") + 3]
@@ -685,5 +728,7 @@ if __name__ == "__main__":  # pragma: no cover
         print(json.dumps(without | {"with_log": cpu_ab(roots, rounds, log=True)}))
     elif "--read" in sys.argv:  # python -m benchmarks.proxy_bench --read: the re-sent conversation's cost
         print(json.dumps(read_cost()))
+    elif "--frames" in sys.argv:  # python -m benchmarks.proxy_bench --frames: a call's commit, rows vs Arrow
+        print(json.dumps(frame_cost()))
     else:
         print(json.dumps(run_benchmark(quick="--quick" in sys.argv)))

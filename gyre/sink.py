@@ -128,8 +128,9 @@ class LogSink:
     Events nobody waits for ride along with the next commit, or are committed within ``flush_interval_s``
     (``None``: only when asked, for a simulator that commits once at the end).
 
-    Events without a ``ts`` are stamped here, under the lock, so that what ``on_record`` sees is exactly
-    what the log holds (a live fold and a replay of the log see the same events).
+    Events without a ``ts`` are stamped here, under the lock, when ``on_record`` is set, so that what it sees
+    is exactly what the log holds (a live fold and a replay of the log see the same events); without it the
+    writer stamps them as it takes them (the proxy's path: no copy of each event).
     """
 
     COMMIT_EVENTS = 16_384
@@ -191,9 +192,11 @@ class LogSink:
             fresh = self._fresh(batch)
             if not fresh:
                 return self.writer.next_seq - 1
-            now = datetime.now(UTC)
-            fresh = [e if e.ts is not None else e.model_copy(update={"ts": now}) for e in fresh]
-            appended = self.writer.append(fresh)
+            if self.on_record is not None:  # told: stamped here, so it sees the ts the log stores
+                now = datetime.now(UTC)
+                fresh = [e if e.ts is not None else e.model_copy(update={"ts": now}) for e in fresh]
+            # else the writer stamps them at the same moment (`LogWriter.append`), without a copy of each
+            appended = self.writer.append(fresh[0] if len(fresh) == 1 else fresh)
             for event in fresh:
                 if event.producer is not None:
                     self._held[event.producer] = event.producer_seq

@@ -20,7 +20,7 @@ from gyre.errors import LogCorruptionError, LogError
 from gyre.events.codec import decode
 from gyre.events.models import EVENT_TYPES, Event, event_type
 from gyre.events.schema import evolve
-from gyre.log.frames import BATCH_FRAME, SCHEMA_FRAME, BadFrame, scan
+from gyre.log.frames import BATCH_FRAME, SCHEMA_FRAME, BadFrame, Frame, scan
 from gyre.log.seal import usable_sealed_copy
 from gyre.log.segment import SegmentData, list_segments, quarantine_files, sealed_copies
 
@@ -101,7 +101,7 @@ class LogReader:
             last = index == len(segments) - 1
             data = SegmentData(path, immutable=not last)
             found = data.scan(verify=False, tail_ok=last)
-            pending: list[pa.RecordBatch] = []
+            pending: list[Frame | pa.RecordBatch] = []
             rows = size = 0
             for frame in data.batch_frames(found):
                 if frame.last_seq < from_seq or not frame.count:
@@ -112,25 +112,27 @@ class LogReader:
                     continue
                 if not data.check(frame, tail_ok=last):
                     break  # a torn (or unprovable) tail of the newest segment: nothing after it is returned
-                batch = data.decode(frame)
+                item: Frame | pa.RecordBatch = frame  # whole: decoded with the frames merged with it
+                count = frame.count
                 if frame.first_seq < from_seq or (to_seq is not None and frame.last_seq > to_seq) or wanted:
-                    batch = _select(batch, frame.first_seq, from_seq, to_seq, wanted)
-                    if not batch.num_rows:
+                    item = _select(data.decode(frame), frame.first_seq, from_seq, to_seq, wanted)
+                    count = item.num_rows
+                    if not count:
                         continue
-                if batch.num_rows * 16 >= batch_rows or len(frame.payload) * 16 >= MERGE_BYTES:
+                if count * 16 >= batch_rows or len(frame.payload) * 16 >= MERGE_BYTES:
                     if pending:  # a big frame is a good batch already: merging it would only copy it
-                        yield _finish(_merge(pending, data.schema), full_schema)
+                        yield _finish(_merge(data.decode_all(pending), data.schema), full_schema)
                         pending, rows, size = [], 0, 0
-                    yield _finish(batch, full_schema)
+                    yield _finish(_merge(data.decode_all([item]), data.schema), full_schema)
                     continue
-                if pending and (rows + batch.num_rows > batch_rows or size + len(frame.payload) > MERGE_BYTES):
-                    yield _finish(_merge(pending, data.schema), full_schema)
+                if pending and (rows + count > batch_rows or size + len(frame.payload) > MERGE_BYTES):
+                    yield _finish(_merge(data.decode_all(pending), data.schema), full_schema)
                     pending, rows, size = [], 0, 0
-                pending.append(batch)
-                rows += batch.num_rows
+                pending.append(item)
+                rows += count
                 size += len(frame.payload)
             if pending:
-                yield _finish(_merge(pending, data.schema), full_schema)
+                yield _finish(_merge(data.decode_all(pending), data.schema), full_schema)
             if to_seq is not None and next_first is not None and next_first > to_seq:
                 return
 
@@ -182,19 +184,28 @@ class LogReader:
             data = SegmentData(path, start=offset, schema=schema)
             stopped_at: BadFrame | None = None
             progressed = False
+            whole: list[Frame] = []  # frames taken whole, decoded together (runs of rows frames convert at once)
             for item in scan(data.data, 0, verify=True):
                 if isinstance(item, BadFrame):
                     stopped_at = item  # a write in progress, most likely: look again later
                     break
+                if whole and (item.frame_type != BATCH_FRAME or len(whole) >= FOLLOW_RUN_FRAMES
+                              or item.first_seq < next_seq or wanted is not None):
+                    yield evolve(_merge(data.decode_all(whole), data.schema))
+                    whole = []
                 if item.frame_type == SCHEMA_FRAME:
                     data.schema = pa.ipc.read_schema(pa.py_buffer(item.payload))
                 elif item.frame_type == BATCH_FRAME:
-                    if item.last_seq >= next_seq and (wanted is None or data.has_any_column(item, wanted)):
+                    if item.first_seq >= next_seq and wanted is None:
+                        whole.append(item)
+                    elif item.last_seq >= next_seq and (wanted is None or data.has_any_column(item, wanted)):
                         batch = evolve(_select(data.decode(item), item.first_seq, next_seq, None, wanted))
                         if batch.num_rows:
                             yield batch
                     next_seq = max(next_seq, item.last_seq + 1)
                 offset, schema, progressed = data.start + item.end, data.schema, True
+            if whole:
+                yield evolve(_merge(data.decode_all(whole), data.schema))
             if progressed:
                 idle_since = time.monotonic()
                 continue
@@ -251,6 +262,10 @@ class LogReader:
         report.last_seq = expected - 1 if expected is not None else None
         report.quarantined = [p.name for p in quarantine_files(self.path)]
         return report
+
+
+FOLLOW_RUN_FRAMES = 1024
+"""`LogReader.follow` decodes at most this many consecutive whole frames together (a catch-up's batches)."""
 
 
 def _kind_set(kinds: Iterable[str] | None) -> frozenset[str] | None:

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gyre.events.schema import event_schema, evolve
+from gyre.log.frames import Frame
 from gyre.log.segment import SegmentData, fsync_path, sealed_copies, sealed_path
 
 ROW_GROUP_ROWS = 32_768
@@ -35,10 +36,10 @@ def segment_table(segment: Path, tail_ok: bool = False,
     reading and sorting a 64 MB segment of a 256-cell run's ~1,200-2,000 frames took ~3x as long as it does now."""
     data = SegmentData(segment)
     found = data.scan(verify=True, tail_ok=tail_ok)
-    groups: dict[bytes, list[pa.RecordBatch]] = {}
+    groups: dict[bytes, list[Frame]] = {}
     for frame in data.batch_frames(found):
-        groups.setdefault(data.kinds_mask(frame), []).append(data.decode(frame))
-    batches = [evolve(pa.concat_batches(group)) for group in groups.values()]
+        groups.setdefault(data.kinds_mask(frame), []).append(frame)
+    batches = [evolve(pa.concat_batches(data.decode_all(group))) for group in groups.values()]
     table = pa.Table.from_batches(batches, schema=event_schema())
     if len(batches) == 1 and order == SEQ_ORDER:
         return table  # one group: already in seq order

@@ -1,9 +1,11 @@
-"""Segment files: naming, the schema frame, and batch payloads (column mask + Arrow IPC message)."""
+"""Segment files: naming, the schema frame, and batch payloads (column mask + an Arrow IPC message, or the
+batch's rows as JSON for a small run of events)."""
 
 import json
 import mmap
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -12,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from gyre.errors import LogCorruptionError
+from gyre.events.codec import json_rows, rows_batch
 from gyre.log.frames import (
     BATCH_FRAME,
     FORMAT_V1,
@@ -60,6 +63,11 @@ def _pad8(n: int) -> int:
     return (8 - n % 8) % 8
 
 
+def _body_start(mask: bytes) -> int:
+    """Where a batch frame's body starts in its payload: after the column mask, padded to 8 bytes."""
+    return 2 + len(mask) + _pad8(2 + len(mask))
+
+
 def schema_frame(schema: pa.Schema, first_seq: int, fmt: int = FORMAT_V1) -> bytes:
     """The first frame of a segment. Its watermark is ``first_seq - 1``: a segment is created only once
     everything before it is durable (a new log, a rotation, a recovery that fsynced the old tail)."""
@@ -105,16 +113,26 @@ def batch_frame_parts(batch: pa.RecordBatch, first_seq: int, full: pa.Schema, fm
     (Writing the IPC message from the batch's own buffers instead of ``serialize()`` was tried: it saves a
     memcpy but costs a Python call per buffer, and measured no faster.)
     """
-    mask = column_mask(batch.schema, full)
+    body = batch.serialize()
+    return _frame_parts(column_mask(batch.schema, full), memoryview(body), batch.num_rows, first_seq, fmt)
+
+
+def rows_frame_parts(rows_json: bytes, names: tuple[str, ...], count: int, first_seq: int, full: pa.Schema) -> list:
+    """`batch_frame_parts` for a batch given as its rows in JSON (`gyre.events.codec.encode_json_rows`:
+    columns ``names``, ``count`` rows): the same frame, its body the JSON array instead of an IPC message
+    (format v1 only; `SegmentData.decode` tells them apart by the body's first byte)."""
+    return _frame_parts(_column_mask(names, _SchemaKey(full)), rows_json, count, first_seq, FORMAT_V1)
+
+
+def _frame_parts(mask: bytes, body: memoryview | bytes, count: int, first_seq: int, fmt: int) -> list:
     prefix = _MASK_LEN.pack(len(mask)) + mask
     prefix += b"\0" * _pad8(len(prefix))
-    body = batch.serialize()
-    parts = [prefix, memoryview(body)]
-    if body.size % 8:
-        parts.append(b"\0" * _pad8(body.size))
+    parts = [prefix, body]
+    if len(body) % 8:
+        parts.append(b"\0" * _pad8(len(body)))
     if fmt == FORMAT_V1:
-        return [OpenHead(BATCH_FRAME, first_seq, batch.num_rows, parts), *parts]
-    return [frame_header(BATCH_FRAME, first_seq, batch.num_rows, parts), *parts]
+        return [OpenHead(BATCH_FRAME, first_seq, count, parts), *parts]
+    return [frame_header(BATCH_FRAME, first_seq, count, parts), *parts]
 
 
 @dataclass
@@ -159,6 +177,7 @@ class SegmentData:
                 self.raw = f.read()
         self.data = memoryview(self.raw)
         self._schemas: dict[bytes, pa.Schema] = {}
+        self._row_types: dict[bytes, pa.StructType] = {}
         self.schema: pa.Schema | None = schema
 
     def scan(self, verify: bool = True, tail_ok: bool = True) -> SegmentScan:
@@ -231,19 +250,74 @@ class SegmentData:
         return bytes(frame.payload[2:2 + mask_len])
 
     def decode(self, frame: Frame) -> pa.RecordBatch:
-        """The (sparse) record batch of a batch frame, zero-copy over the segment bytes."""
+        """The (sparse) record batch of a batch frame: zero-copy over the segment bytes for an Arrow IPC
+        body (which starts with 0xFFFFFFFF); converted for a JSON rows body (which starts with ``[``,
+        `rows_frame_parts`: a small run of events, as the log writer frames them since #33)."""
+        return self.decode_all([frame])[0]
+
+    def decode_all(self, items: Sequence["Frame | pa.RecordBatch"]) -> list[pa.RecordBatch]:
+        """`decode` of each frame in ``items`` (a batch passes as it is), in order, except that a run of
+        consecutive rows frames comes as one batch per column set, each converted at once (a rows frame's
+        conversion has a fixed cost of ~0.1 ms, most of a model call's frame). Those batches hold their rows
+        in seq order, but a run whose frames alternate column sets (a call's `model_call_started`, then its
+        `model_call_finished`) interleaves them: merge by seq for one order (`LogReader.read` and `follow`
+        do; the sealer sorts anyway)."""
         assert self.schema is not None, "scan() the segment before decoding frames"
-        mask = self.kinds_mask(frame)
-        start = 2 + len(mask) + _pad8(2 + len(mask))
+        out: list[pa.RecordBatch] = []
+        run: dict[bytes, list[Frame]] = {}
+        for item in items:
+            if isinstance(item, pa.RecordBatch):
+                self._convert(run, out)
+                out.append(item)
+                continue
+            mask = self.kinds_mask(item)
+            body = item.payload[_body_start(mask):]
+            if body[:1] == b"[":
+                run.setdefault(mask, []).append(item)
+                continue
+            self._convert(run, out)
+            try:
+                out.append(pa.ipc.read_record_batch(pa.py_buffer(body), self._stored_schema(mask)))
+            except (pa.ArrowInvalid, OSError) as error:  # a valid checksum over bytes we cannot decode
+                raise LogCorruptionError(str(self.path), self.start + item.offset,
+                                         f"undecodable batch: {error}") from error
+        self._convert(run, out)
+        return out
+
+    def _stored_schema(self, mask: bytes) -> pa.Schema:
+        assert self.schema is not None
         schema = self._schemas.get(mask)
         if schema is None:
             fields = [f for i, f in enumerate(self.schema) if mask[i // 8] >> (i % 8) & 1]
             schema = self._schemas[mask] = pa.schema(fields, metadata=self.schema.metadata)
-        try:
-            return pa.ipc.read_record_batch(pa.py_buffer(frame.payload[start:]), schema)
-        except (pa.ArrowInvalid, OSError) as error:  # a valid checksum over bytes we cannot decode
-            raise LogCorruptionError(str(self.path), self.start + frame.offset,
-                                     f"undecodable batch: {error}") from error
+        return schema
+
+    def _convert(self, run: dict[bytes, list[Frame]], out: list[pa.RecordBatch]) -> None:
+        """Append the batch of each column set's rows frames in ``run`` to ``out``, and empty ``run``."""
+        for mask, frames in run.items():
+            schema = self._stored_schema(mask)
+            row_type = self._row_types.get(mask)
+            if row_type is None:
+                row_type = self._row_types[mask] = pa.struct(list(schema))
+            rows: list = []
+            frame = frames[0]
+            try:
+                for frame in frames:
+                    body = frame.payload[_body_start(mask):]
+                    end = len(body)
+                    while end and body[end - 1] == 0:  # the frame's padding to 8 bytes
+                        end -= 1
+                    mine = json_rows(body[:end])
+                    if len(mine) != frame.count:
+                        raise pa.ArrowInvalid(f"a rows body of {len(mine)} rows in a frame of {frame.count}")
+                    rows += mine
+                frame = frames[0]
+                out.append(rows_batch(rows, row_type, schema.metadata))
+            except (pa.ArrowInvalid, pa.ArrowTypeError, ValueError) as error:  # (JSON, base64: ValueError)
+                # (the frame whose rows failed, or the run's first when their conversion together did)
+                raise LogCorruptionError(str(self.path), self.start + frame.offset,
+                                         f"undecodable batch: {error}") from error
+        run.clear()
 
     def has_any_column(self, frame: Frame, names: frozenset[str]) -> bool:
         """Whether a batch frame stores any of the named columns (kinds), without decoding it."""

@@ -39,7 +39,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gyre.errors import LogClosedError, LogError, LogLockedError
-from gyre.events.codec import check_events, encode, now_us, stamped_ts, validated_columns
+from gyre.events.codec import (
+    ROWS_ENCODE_BELOW,
+    check_events,
+    encode,
+    encode_json_rows,
+    now_us,
+    stamped_ts,
+    validated_columns,
+)
 from gyre.events.models import Event
 from gyre.events.schema import event_schema
 from gyre.log.frames import FORMAT_V1, FORMATS, OpenHead, TailVerdict, close_frame
@@ -49,6 +57,7 @@ from gyre.log.segment import (
     fsync_path,
     list_segments,
     quarantine,
+    rows_frame_parts,
     schema_frame,
     segment_name,
 )
@@ -169,12 +178,19 @@ class LogWriter:
         max_pending_events: int = 1_000_000,
         max_unsynced_bytes: int = 2 << 20,
         frame_format: int = FORMAT_V1,
+        row_frames: bool = True,
     ) -> None:
         """``frame_format`` 0 writes the framing of Gyre before format v1 (no chunk checksums, watermark or
-        close marker): kept for the log benchmark's A/B of the two writers, not for production use."""
+        close marker): kept for the log benchmark's A/B of the two writers, not for production use.
+
+        ``row_frames``: a run of fewer than ``ROWS_ENCODE_BELOW`` events appended one at a time (a model
+        call's commit) is framed as its rows in JSON (`rows_frame_parts`), which readers turn into the same
+        batch; False frames it as an Arrow IPC message, as every writer did before #33 (format v0 always
+        does)."""
         if frame_format not in FORMATS:
             raise ValueError(f"frame_format must be one of {FORMATS}, not {frame_format}")
         self.frame_format = frame_format
+        self.row_frames = row_frames and frame_format == FORMAT_V1
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
@@ -555,6 +571,12 @@ class LogWriter:
             if type(chunk) is _ReadyFrame:
                 yield chunk
                 continue
+            if self.row_frames and len(chunk.events) < ROWS_ENCODE_BELOW:  # (a model call's commit)
+                rows = encode_json_rows(chunk.events, chunk.first_seq, chunk.stamps, run_id=self.run_id)
+                if rows is not None and len(rows[0]) <= MAX_FRAME_BYTES:
+                    yield _ReadyFrame(chunk.first_seq, rows_frame_parts(*rows, len(chunk.events), chunk.first_seq,
+                                                                        self._schema))
+                    continue
             batch = encode(chunk.events, chunk.first_seq, chunk.stamps, run_id=self.run_id)
             per_frame = _frame_rows(batch.num_rows, batch.nbytes)
             for start in range(0, batch.num_rows, per_frame):

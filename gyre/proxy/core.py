@@ -536,7 +536,9 @@ class ActiveCall:
             self.cell_id = cell
             flight = Flight(execution, self.call_id, cell, f"{self.call_id}#{attempt}")
             attempt += 1
-            params = self.params.model_copy(update={"max_new_tokens": remaining})
+            params = self.params
+            if remaining != params.max_new_tokens:  # a continuation asks only for what is left
+                params = params.model_copy(update={"max_new_tokens": remaining})
             prompt = prompt_of(self.record, self.output_ids)
             self._last = None
             engine = router.engine(cell)

@@ -26,7 +26,10 @@ T = TypeVar("T")
 
 
 def _uvicorn_config(proxy: Proxy, **kwargs: Any) -> uvicorn.Config:
-    return uvicorn_config(build_app(proxy), proxy.config.server_limits(), refusal_parts, **kwargs)
+    # No X-Forwarded-* rewriting (uvicorn's default, a middleware on every request): the proxy never reads
+    # the client's address.
+    return uvicorn_config(build_app(proxy), proxy.config.server_limits(), refusal_parts, proxy_headers=False,
+                          **kwargs)
 
 
 class ProxyServer:

@@ -18,6 +18,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 TINY_TOKENIZER = "tiny"
+SHORT_UNIT_CHARS = 64
+SHORT_UNITS_KEPT = 4096
+"""Units this short are kept encoded (at most this many; all forgotten when full): most are the template's
+own, the same on every call (an assistant turn's generation prompt), and a tokenizer call costs ~10 us
+however short its text (more from a cold cache), a lookup well under 1 us. Tokenizing is deterministic,
+so a kept encoding is the one a new call would give."""
 
 
 class TokenCodec:
@@ -30,6 +36,7 @@ class TokenCodec:
         self.tokenizer = tokenizer
         self._backend = backend
         self.special_ids = frozenset(int(i) for i in tokenizer.all_special_ids)
+        self._short: dict[str, tuple[int, ...]] = {}
         self.stop_texts = stop_texts
         """Texts of the model's stop tokens, when known (a checkpoint directory says): the chat template must
         end a turn with one of them."""
@@ -61,7 +68,18 @@ class TokenCodec:
         # goes to the tokenizer's thread pool, which for a call's few short texts costs more CPU than it
         # saves and holds the event loop waiting for the other threads (~140 -> ~115 us for a call's two)
         encode = self._backend.encode_batch_fast
-        return [encode([text], add_special_tokens=False)[0].ids for text in texts]
+        out = []
+        for text in texts:
+            if len(text) > SHORT_UNIT_CHARS:
+                out.append(encode([text], add_special_tokens=False)[0].ids)
+                continue
+            ids = self._short.get(text)
+            if ids is None:
+                if len(self._short) >= SHORT_UNITS_KEPT:
+                    self._short.clear()
+                ids = self._short[text] = tuple(encode([text], add_special_tokens=False)[0].ids)
+            out.append(list(ids))
+        return out
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=False)

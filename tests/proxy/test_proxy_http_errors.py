@@ -164,3 +164,25 @@ def test_engine_down_is_retryable_and_recorded(start_proxy: StartProxy) -> None:
         assert error["type"] == "server_error"
     finished = p.events("model_call_finished")
     assert [c.finish_reason for c in finished] == ["abort", "abort"] and not finished[0].output_ids
+
+
+def test_a_bug_in_a_model_call_is_a_500_in_the_apis_shape_and_logged(
+    proxy: Running, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Model calls skip Starlette's middleware (`gyre.proxy.app.ProxyApp`): its error mapping still holds."""
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(proxy.proxy, "begin", broken)
+    # one connection per request: uvicorn closes a connection whose app raised, after its answer
+    with httpx.Client(base_url=proxy.url) as http:
+        message = _anthropic_error(http.post("/v1/messages", json=GOOD_ANTHROPIC, headers=AUTH), 500, "api_error")
+    assert "RuntimeError('a bug')" in message
+    with httpx.Client(base_url=proxy.url) as http:
+        error = _openai_error(http.post("/v1/chat/completions", json=GOOD_OPENAI, headers=AUTH), 500)
+    assert error["type"] == "server_error" and "a bug" in error["message"]
+    assert any("unexpected error serving POST /v1/messages" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()
+    with httpx.Client(base_url=proxy.url) as http:
+        assert http.post("/v1/messages", json=GOOD_ANTHROPIC, headers=AUTH).status_code == 200
