@@ -88,6 +88,12 @@ class SchedulerSection(_Section):
                         description="elastic or colocate (async needs a second cell: one cell cannot be both "
                                     "fixed pools)")
     staleness: NonNegativeInt = Field(0, description="steps a batch may lag the policy that trains it")
+    wait_for_lent_cells: bool = Field(
+        True, description="a step starts only once every cell the policy lends is in training, so it joins "
+                          "from the first micro-step; off, the core starts at once and a lent cell claims what "
+                          "is left when it arrives, as `gyre sim` models it (right where a micro-step outlasts "
+                          "a switch, as on GPU cells; `--emulate` turns it off; the CPU toy model's micro-steps "
+                          "take milliseconds, so a lent cell would arrive to a finished step)")
 
 
 class CheckpointSection(_Section):

@@ -7,12 +7,15 @@ OpenAI Chat Completions API at ``$OPENAI_BASE_URL`` with ``$OPENAI_API_KEY``, ov
 connection (stdlib only, ``socket``: its start-up is part of what it emulates).
 
 For each call, in order:
-1. it sleeps the call's tool/environment wait, ``wait_s / time_scale``, counted from when the previous reply
-   arrived, or for the first call from ``--started-at`` (when the runner began the execution): its own
-   start-up (sandbox, interpreter) is part of the environment's start the plan's first wait stands for, not
-   time on top of it, which ``time_scale`` would multiply. Where the start-up outlasts that wait, the excess is
-   reported as ``late_s`` (a stall's wait is the whole timeout: the harness runner's timeout, set to
-   ``timeout_s / time_scale``, ends the run in it);
+1. it sleeps the call's tool/environment wait, ``wait_s / time_scale``, counted from when the model finished the
+   previous reply (a Gyre proxy's ``gyre-generated-at``; else when the reply arrived), or for the first call
+   from ``--started-at`` (when the runner began the execution). The host's time is not the emulated cluster's,
+   and ``time_scale`` would multiply it: the agent's own start-up (sandbox, interpreter), a reply's way back
+   (durability, rendering, HTTP) and a request's way to the model (relays, a busy proxy: ``gyre-started-at``
+   minus when it was sent, summed as ``lag_s``; on two cores a first wave of 64 executions waited 0.5 s median
+   there) are part of the wait after them. What a wait cannot hold is a debt that later waits are shortened to
+   make up; what is still owed at the end is reported as ``late_s``. A stall's wait is the whole timeout,
+   never shortened: the harness runner's timeout, set to ``timeout_s / time_scale``, ends the run in it;
 2. it appends the call's prompt growth to the conversation as filler text of about
    ``prompt_delta_tokens / token_scale`` tokens (``chars_per_token`` characters each; 1 for a byte-level
    tokenizer): the first call's as the task, the others' as a tool output after the previous reply. A
@@ -58,6 +61,8 @@ WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel
 _INDICES = re.compile(r"s0*(\d+)-g0*(\d+)-[re]0*(\d+)$")
 GENERATED_AT = "gyre-generated-at"
 """A Gyre proxy's answer header: when the model finished the reply (Unix seconds); other servers omit it."""
+STARTED_AT = "gyre-started-at"
+"""A Gyre proxy's answer header: when it opened the call, the request parsed (Unix seconds)."""
 
 
 def _unix_seconds(value: str | None) -> float | None:
@@ -225,8 +230,10 @@ class Client:
         self.ignore_eos, self.log = ignore_eos, log
         self.retries = 0
 
-    def complete(self, messages: list[dict[str, Any]], max_tokens: int) -> tuple[dict[str, Any], float | None]:
-        """The reply and, where the proxy says it (``gyre-generated-at``), when the model finished it."""
+    def complete(self, messages: list[dict[str, Any]], max_tokens: int
+                 ) -> tuple[dict[str, Any], float | None, float | None]:
+        """The reply and, where the proxy says them, when it opened the call (``gyre-started-at``) and when the
+        model finished it (``gyre-generated-at``)."""
         body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": max_tokens}
         if self.ignore_eos:
             body["ignore_eos"] = True  # SGLang's and vLLM's extension: decode exactly max_tokens
@@ -239,7 +246,7 @@ class Client:
                 reply = json.loads(raw)
                 if not reply.get("choices"):
                     raise ModelUnavailable("the reply has no choices")
-                return reply, _unix_seconds(fields.get(GENERATED_AT))
+                return reply, _unix_seconds(fields.get(STARTED_AT)), _unix_seconds(fields.get(GENERATED_AT))
             except HttpError as e:
                 if e.status != 429 and e.status < 500:
                     raise ModelUnavailable(str(e)) from e
@@ -266,20 +273,24 @@ def run(description: dict[str, Any], client: Client, log: Any, started_at: float
     system = {"role": "system", "content": SYSTEM_PROMPT}
     messages: list[dict[str, Any]] = [system]
     made: list[dict[str, Any]] = []
-    waited, late, last = 0.0, 0.0, ""
+    waited, lag, last = 0.0, 0.0, ""
+    debt = 0.0  # how far the host has put the agent behind the plan: later waits are shortened to make it up
     anchor = time.time() if started_at is None else started_at  # what the next wait counts from
     plan_context = plan_out = real_out = 0  # the plan's context after the previous call, outputs so far; real outputs
     previous: tuple[int, int] | None = None  # the previous call's real (prompt, completion) tokens, from usage
     overhead = 0.0  # real tokens a tool output adds beyond its filler (template, header): the last turn's
     for i, call in enumerate(description["calls"]):
         wait = float(call["wait_s"]) / time_scale
-        behind = time.time() - anchor  # spent since the anchor: start-up, or the reply's own handling
-        time.sleep(max(0.0, wait - behind))
-        late += max(0.0, behind - wait)
-        waited += wait
-        if call.get("stall"):  # a hung tool: the runner's timeout ends the run in it
+        if call.get("stall"):  # a hung tool, slept whole: the runner's timeout ends the run in it
+            time.sleep(max(0.0, wait - (time.time() - anchor)))
+            waited += wait
             log("stall", call=i, waited_s=round(wait, 3))
             break
+        slack = wait - (time.time() - anchor)  # the wait less what passed since the anchor (start-up, a reply)
+        slept = max(0.0, slack - debt)
+        debt = max(0.0, debt - slack)
+        time.sleep(slept)
+        waited += wait
         delta, root = int(call["prompt_delta_tokens"]), bool(call.get("compaction")) or i == 0
         plan_prompt = (0 if call.get("compaction") else plan_context) + delta
         chars, body = round(delta / token_scale * chars_per_token), 0
@@ -300,11 +311,15 @@ def run(description: dict[str, Any], client: Client, log: Any, started_at: float
         plan_out += int(call["output_tokens"])
         max_tokens = max(1, round(plan_out / token_scale) - real_out)
         sent = time.time()
-        reply, generated = client.complete(messages, max_tokens)
+        reply, opened, generated = client.complete(messages, max_tokens)
         received = time.time()
         # the next wait counts from when the model finished: the reply's way back (durability, rendering,
-        # HTTP) is the host's, which time_scale would multiply; a clock ahead of ours counts from receipt
+        # HTTP) is the host's, which time_scale would multiply; a clock ahead of ours counts from receipt.
+        # The request's way there (relays, a busy proxy) is the host's too: the call began when it was sent.
         anchor = received if generated is None else min(received, max(sent, generated))
+        forward = 0.0 if opened is None else min(max(0.0, opened - sent), max(0.0, anchor - sent))
+        debt += forward
+        lag += forward
         message = reply["choices"][0].get("message") or {}
         last = message.get("content") or ""
         messages.append({"role": "assistant", "content": last})
@@ -322,8 +337,9 @@ def run(description: dict[str, Any], client: Client, log: Any, started_at: float
                      "prompt_tokens": prompt, "completion_tokens": completion})
         log("call", call=i, max_tokens=max_tokens, prompt_chars=chars, prompt_tokens=prompt, waited_s=round(wait, 3),
             finish_reason=reply["choices"][0].get("finish_reason"), sent=round(sent, 4),
-            received=round(received, 4), anchor=round(anchor, 4))
-    return {"calls": made, "waited_s": round(waited, 3), "late_s": round(late, 3), "answer": last}
+            received=round(received, 4), anchor=round(anchor, 4), slept_s=round(slept, 4), lag_s=round(forward, 4))
+    return {"calls": made, "waited_s": round(waited, 3), "late_s": round(debt, 3), "lag_s": round(lag, 3),
+            "answer": last}
 
 
 OPTIONS: dict[str, tuple[Any, str]] = {
@@ -429,7 +445,7 @@ def main(argv: list[str]) -> int:
                       "max_tokens": [c["max_tokens"] for c in outcome["calls"]],
                       "completion_tokens": sum(c["completion_tokens"] or 0 for c in outcome["calls"]),
                       "compactions": sum(c["compaction"] for c in outcome["calls"]),
-                      "waited_s": outcome["waited_s"], "late_s": outcome["late_s"],
+                      "waited_s": outcome["waited_s"], "late_s": outcome["late_s"], "lag_s": outcome["lag_s"],
                       "duration_s": round(time.monotonic() - started, 3)}),
           flush=True)
     if crash:

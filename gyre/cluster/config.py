@@ -14,7 +14,7 @@ from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_va
 
 from gyre.cluster.address import WILDCARDS
 from gyre.cluster.tls import TlsSection
-from gyre.config import TrainConfig, _Section, apply_overrides
+from gyre.config import SchedulerSection, TrainConfig, _Section, apply_overrides
 from gyre.emulate import Emulation
 from gyre.errors import ConfigError
 
@@ -88,11 +88,10 @@ class ClusterSection(_Section):
         return self
 
 
-class ClusterSchedulerSection(_Section):
+class ClusterSchedulerSection(SchedulerSection):
     """The policy the controller runs, with its parameters (the same `decide(view, params)` as the simulator)."""
 
     policy: str = Field("elastic", pattern="^(elastic|colocate|async)$")
-    staleness: NonNegativeInt = Field(0, description="steps a batch may lag the policy that trains it")
     params: dict[str, Any] = Field(default_factory=dict, description="the policy's parameters (gyre.scheduler.params)")
 
     @field_validator("params")

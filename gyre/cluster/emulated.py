@@ -71,7 +71,7 @@ def scenario_overrides(config: ClusterConfig, scenario_name: str, *, time_scale:
     cluster = scenario.cluster
     return {
         "steps": scenario.steps, "cluster.cells": cluster.cells, "cluster.slots": cluster.slots_per_cell,
-        "scheduler.staleness": staleness, "scheduler.params": params,
+        "scheduler.staleness": staleness, "scheduler.params": params, "scheduler.wait_for_lent_cells": False,
         "rollout.tasks": str(out / "tasks.toml"), "rollout.task_ids": [task_id for task_id, _, _ in tasks],
         "rollout.harness": str(AGENT_DIR / "harness.toml"), "rollout.groups_per_step": groups,
         "rollout.group_size": size, "trajectory.micro_steps_per_group": scenario.batch.micro_steps_per_group,
@@ -111,7 +111,9 @@ FROM train_steps_started s JOIN train_steps f USING (step) ORDER BY s.step
 def measure(run_dir: Path) -> dict[str, Any]:
     """A finished `gyre run CONFIG --emulate SCENARIO` run against `gyre sim` for the same workload and policy
     parameters (`python -m benchmarks.stream_live` prints it): emulated and predicted seconds, ``sim_error`` =
-    predicted / live - 1, and per step when it opened, got its last reward and finished."""
+    predicted / live - 1, per step when it opened, got its last reward and finished, and ``agents``: what
+    the scenario agents left out of their waits as the host's (``lag_s``: requests' way to the proxy) or could
+    not make up (``late_s``: start-ups and replies longer than the wait after them), in real seconds."""
     config = json.loads((run_dir / "cluster-config.json").read_text())
     emulate = config["emulate"]
     scale = float(emulate["time_scale"])
@@ -131,4 +133,20 @@ def measure(run_dir: Path) -> dict[str, Any]:
     return {"run_dir": str(run_dir), "scenario": emulate["scenario"], "policy": policy, "time_scale": scale,
             "params": {k: params[k] for k in COMPARED_PARAMS if k in params}, "wall_s": round(end - start, 1),
             "emulated_s": round(live, 1), "predicted_s": round(predicted, 1),
-            "sim_error": round(predicted / live - 1, 4), "steps": steps}
+            "sim_error": round(predicted / live - 1, 4), "steps": steps, "agents": agent_reports(run_dir)}
+
+
+def agent_reports(run_dir: Path) -> dict[str, float]:
+    """The scenario agents' last stdout lines (their reports) summed over the run's executions."""
+    total = {"reports": 0, "lag_s": 0.0, "late_s": 0.0}
+    for out in sorted((run_dir / "executions").glob("*/harness.stdout")):
+        lines = out.read_text(errors="replace").strip().splitlines()
+        try:
+            report = json.loads(lines[-1]) if lines else None
+        except json.JSONDecodeError:
+            continue
+        if isinstance(report, dict) and report.get("type") == "result" and "late_s" in report:
+            total["reports"] += 1
+            total["lag_s"] += float(report.get("lag_s", 0.0))
+            total["late_s"] += float(report["late_s"])
+    return {k: round(v, 2) for k, v in total.items()}

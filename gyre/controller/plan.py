@@ -6,9 +6,10 @@ folds the same log reaches the same plan. Rules:
   rollouts of step ``s`` wait for the weights of step ``s - 1``), steps in order, ``steps`` of them.
 - The core trains the lowest untrained step once every execution of its batch is done (scored, excluded
   or failed) — with ``stream`` (the policy's ``stream_micro_steps``), once its first group is — and only
-  while it is settled in the training role with no train step open and no other cell on its way to
-  training (a cell the policy lends joins the step rather than missing it: its switch takes seconds, a
-  step's micro-steps may take less). A streamed step is handed every group of its batch, the complete ones
+  while it is settled in the training role with no train step open and — unless ``wait_for_lent`` is off
+  — no other cell on its way to training (a cell the policy lends joins the step rather than missing it:
+  its switch takes seconds, a toy step's micro-steps less; off, as `gyre sim` models it, a lent cell claims
+  what is left of the open step when it arrives). A streamed step is handed every group of its batch, the complete ones
   first in completion order: the core trains each of the others as it completes (`gyre.trainer.core`).
 - The run is finished when every step is trained and the last version is published.
 
@@ -45,6 +46,8 @@ class RunPlan:
     every execution is. 0: a step is queued once any of its executions is (without over-sampling, the same)."""
     groups: int = 0
     """Groups one step trains (partial rollouts; 0: the first queued batch's)."""
+    wait_for_lent: bool = True
+    """Hold a step's start while a cell is on its way to training (``scheduler.wait_for_lent_cells``)."""
 
     def __post_init__(self) -> None:
         if self.oversample and not self.partial:
@@ -91,7 +94,7 @@ def next_step_to_train(view: SchedulerView, stream: bool = False, plan: RunPlan 
         return None
     if view.open_step is not None:
         return None
-    if view.entering("training"):
+    if view.entering("training") and (plan is None or plan.wait_for_lent):
         return None
     if plan is not None and plan.partial:
         step = view.work.next_train_step()

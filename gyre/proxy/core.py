@@ -493,6 +493,8 @@ class ActiveCall:
         self.stream = stream
         self.cell_id = cell_id
         self.started = time.perf_counter()
+        self.opened_at = time.time()
+        """When the call was opened (Unix seconds): what a plain answer's ``gyre-started-at`` says."""
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.finish: FinishReason | None = None

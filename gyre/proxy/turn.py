@@ -26,6 +26,9 @@ GENERATED_AT = "gyre-generated-at"
 """Header of a plain answer: when the engine's last token reached the proxy (Unix seconds), before the call
 was made durable and rendered. A harness that paces itself by model time (the scenario agent of an emulated
 run, where ``time_scale`` multiplies every millisecond of the reply's path) can count from it."""
+STARTED_AT = "gyre-started-at"
+"""Header of a plain answer: when the proxy opened the call (its request parsed, `model_call_started`), so that
+such a harness can also leave out its request's way to the proxy (relays, a busy host)."""
 
 
 class FrontEnd(Protocol):
@@ -107,7 +110,8 @@ async def answer(request: Request, proxy: Proxy, call: ActiveCall, front: FrontE
     finally:
         call.abandon()
     return FastJSONResponse(front.plain(final, text, reply),
-                            headers={**front.headers, GENERATED_AT: f"{generated_at:.6f}"})
+                            headers={**front.headers, STARTED_AT: f"{call.opened_at:.6f}",
+                                     GENERATED_AT: f"{generated_at:.6f}"})
 
 
 async def _stream(proxy: Proxy, call: ActiveCall, front: FrontEnd) -> AsyncIterator[str]:

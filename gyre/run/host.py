@@ -151,7 +151,8 @@ def run_plan(config: TrainConfig, params: PolicyParams) -> RunPlan:
         return RunPlan(steps=config.steps, staleness=config.scheduler.staleness,
                        stream=params.stream_micro_steps and config.trajectory.micro_steps_per_group is not None,
                        partial=params.partial_rollouts, oversample=params.oversample_groups,
-                       batch_executions=rollout.groups_per_step * rollout.group_size, groups=rollout.groups_per_step)
+                       batch_executions=rollout.groups_per_step * rollout.group_size, groups=rollout.groups_per_step,
+                       wait_for_lent=config.scheduler.wait_for_lent_cells)
     except ValueError as error:
         raise ConfigError(f"scheduler.params: {error}") from error
 

@@ -5,6 +5,7 @@ imports nothing of Gyre."""
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import os
 import subprocess
@@ -32,12 +33,17 @@ class FakeOpenAI:
     """Chat Completions on a local port: records every request; the first ``fail`` answer 500."""
 
     def __init__(self, fail: int = 0, template_tokens: int | None = None,
-                 generated_ago_s: float | None = None) -> None:
+                 generated_ago_s: float | None = None, opened_after_s: float | None = None) -> None:
         self.requests: list[dict[str, Any]] = []
         self.generated_ago_s = generated_ago_s
         """With it, replies carry a Gyre proxy's ``gyre-generated-at``: the model finished this long before
         the reply left (the reply's way back took that long); the values sent are in ``generated``."""
         self.generated: list[float] = []
+        self.opened_after_s = opened_after_s
+        """With it, replies carry a Gyre proxy's ``gyre-started-at``, this long after the request arrived (as a
+        busy proxy opens a call late), and ``gyre-generated-at`` a little later; the answer leaves after both.
+        The values sent are in ``opened`` and ``generated``."""
+        self.opened: list[float] = []
         self.fail = fail
         self.template_tokens = template_tokens
         """With it, replies report the prompt's tokens as a byte-level tokenizer with a chat template would:
@@ -46,6 +52,7 @@ class FakeOpenAI:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
+                arrived = time.time()
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if fake.fail:
                     fake.fail -= 1
@@ -65,6 +72,12 @@ class FakeOpenAI:
                 self.send_header("Content-Length", str(len(data)))
                 if fake.generated_ago_s is not None:
                     fake.generated.append(time.time() - fake.generated_ago_s)
+                    self.send_header("gyre-generated-at", f"{fake.generated[-1]:.6f}")
+                if fake.opened_after_s is not None:
+                    fake.opened.append(arrived + fake.opened_after_s)
+                    fake.generated.append(fake.opened[-1] + 0.01)
+                    time.sleep(max(0.0, fake.generated[-1] - time.time()))  # both in the past when it leaves
+                    self.send_header("gyre-started-at", f"{fake.opened[-1]:.6f}")
                     self.send_header("gyre-generated-at", f"{fake.generated[-1]:.6f}")
                 self.end_headers()
                 self.wfile.write(data)
@@ -212,8 +225,8 @@ def test_a_crash_a_stall_and_retries(tmp_path: Path) -> None:
 
 def test_the_first_wait_counts_from_the_executions_start_and_later_ones_from_each_reply(tmp_path: Path) -> None:
     """A harness's own start-up is part of the environment start the first wait stands for: begun 1,000 s
-    ago, the agent does not sleep its 30 s first wait (or this test times out) and reports the excess as
-    late; each later wait is still slept whole after its reply."""
+    ago, the agent does not sleep its 30 s first wait (or this test times out); the excess is a debt that the
+    later wait is spent on (not slept), and what is left of it at the end is reported as late."""
     _, d = workload_file(tmp_path, time_scale=1e4, token_scale=50)
     one = {**d, "time_scale": 1.0, "calls": [{**d["calls"][0], "wait_s": 30.0}, {**d["calls"][1], "wait_s": 0.2}]}
     single = tmp_path / "one.json"
@@ -223,9 +236,9 @@ def test_the_first_wait_counts_from_the_executions_start_and_later_ones_from_eac
         assert done.returncode == 0, done.stderr
         assert len(server.requests) == 2
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert 970 <= report["late_s"] <= 1000 + 25
+    assert 970 - 0.2 <= report["late_s"] <= 1000 + 25
     calls = [json.loads(line) for line in done.stderr.splitlines() if line.startswith('{"event": "call"')]
-    assert calls[1]["sent"] - calls[0]["received"] >= 0.2
+    assert [call["slept_s"] for call in calls] == [0, 0]
 
 
 def test_each_later_wait_counts_from_when_the_model_finished_where_the_proxy_says(tmp_path: Path) -> None:
@@ -251,6 +264,33 @@ def test_each_later_wait_counts_from_when_the_model_finished_where_the_proxy_say
     calls = [json.loads(line) for line in done.stderr.splitlines() if line.startswith('{"event": "call"')]
     assert [call["anchor"] for call in calls] == [round(t, 4) for t in generated]
     assert all(call["sent"] <= call["anchor"] <= call["received"] for call in calls)
+
+
+def test_a_request_s_way_to_the_proxy_is_left_out_of_the_next_wait(tmp_path: Path) -> None:
+    """A Gyre proxy's ``gyre-started-at``: a request that reached the model late (relays, a busy host) began,
+    for the emulated cluster, when it was sent — the next wait, counted from when the model finished, is
+    shortened by that delay (summed as ``lag_s``); the last call's delay has no wait after it: late."""
+    _, d = workload_file(tmp_path, time_scale=1e4, token_scale=50)
+    three = {**d, "time_scale": 1.0, "calls": [{**c, "wait_s": 0.0 if i == 0 else 2.0}
+                                               for i, c in enumerate(d["calls"][:3])]}
+    path = tmp_path / "three.json"
+    path.write_text(json.dumps(three))
+    with FakeOpenAI(opened_after_s=0.3) as server:
+        done = agent(server.url, path, tmp_path)
+        assert done.returncode == 0, done.stderr
+        opened, generated = server.opened, server.generated
+    calls = [json.loads(line) for line in done.stderr.splitlines() if line.startswith('{"event": "call"')]
+    assert len(calls) == len(opened) == 3
+    for call, at, finished in zip(calls, opened, generated, strict=True):
+        lag = at - call["sent"]
+        assert lag >= 0.3  # the fake opened each call 0.3 s after it arrived
+        assert call["lag_s"] == pytest.approx(lag, abs=2e-4)
+        assert call["anchor"] == pytest.approx(finished, abs=2e-4)
+    for before, call in itertools.pairwise(calls):  # a 2 s wait, less what passed since the model finished and the lag
+        assert call["slept_s"] <= 2.0 - (before["received"] - before["anchor"]) - before["lag_s"] + 2e-3
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["lag_s"] == pytest.approx(sum(c["lag_s"] for c in calls), abs=2e-3)
+    assert report["late_s"] == pytest.approx(calls[-1]["lag_s"], abs=2e-3)
 
 
 def test_bad_usage_is_exit_2(fake: FakeOpenAI, tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gyre.proxy.turn import GENERATED_AT
+from gyre.proxy.turn import GENERATED_AT, STARTED_AT
 from tests.proxy.proxy_helpers import TOKEN, StartProxy
 from tests.proxy.scripted_engine import ScriptedEngine
 
@@ -154,11 +154,12 @@ def test_a_lost_engine_is_a_retryable_error(start_proxy: StartProxy, api: str, s
 def test_a_plain_answer_says_when_the_model_finished_it(scripted: ScriptedEngine, start_proxy: StartProxy,
                                                         api: str) -> None:
     """``gyre-generated-at``: the engine's answer reached the proxy after the request was sent and before
-    the reply came back; a harness that paces itself by model time counts from it (the scenario agent)."""
+    the reply came back; a harness that paces itself by model time counts from it (the scenario agent).
+    ``gyre-started-at``: the proxy opened the call between the send and that answer."""
     scripted.say("hi")
     p = start_proxy({"cell0": scripted.url})
     sent = time.time()
     reply = _post(p.url, api, stream=False)
     received = time.time()
     assert reply.status_code == 200, reply.text
-    assert sent <= float(reply.headers[GENERATED_AT]) <= received
+    assert sent <= float(reply.headers[STARTED_AT]) <= float(reply.headers[GENERATED_AT]) <= received
