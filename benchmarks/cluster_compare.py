@@ -44,7 +44,6 @@ from gyre.cluster.run import ClusterRun
 from gyre.log import LogReader
 from gyre.replay.counterfactual import retime_run
 from gyre.sim.runner import ablate
-from gyre.sim.scenario import load_scenario
 
 POLICIES = ("elastic", "colocate", "async")
 
@@ -79,8 +78,11 @@ def measure(log: Path, policy: str, *, retime: bool = True) -> dict[str, Any]:
 
 def emulated_designs(scenario_name: str, steps: int | None, partial: bool) -> list[dict[str, Any]]:
     """The designs to run live, each the simulator's best of its kind on the same workload, with the
-    simulator's hours for it (the ablation's rows: the same seed, executions and parameters)."""
-    result = ablate(load_scenario(scenario_name), steps=steps)
+    simulator's hours for it (the ablation's rows: the same seed, executions and parameters), timed call by
+    call as the live run plays them (`gyre.cluster.emulated.played`)."""
+    from gyre.cluster.emulated import played
+
+    result = ablate(played(scenario_name), steps=steps)
     rows = {r["variant"]: r for r in result["runs"]}
     chosen = ["elastic", result["best_colocate"], result["best_async"]]
     if partial:

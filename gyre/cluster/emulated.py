@@ -11,6 +11,11 @@ live run therefore face the same executions (the same seed).
 
 Everything is written to ``RUN_DIR/scenario`` (``tasks.toml``, the grading tables there and nowhere the
 harness can read them), then applied as overrides, checked as keys in the file would be.
+
+The simulator a live run is compared with (`measure`; `benchmarks.cluster_compare`) times the scenario's
+executions call by call (`played`: ``calls.simulate``), as the live run plays them: tool waits off the cell,
+each call's decode in the batch of the calls decoding beside it. The aggregate model a scenario may default
+to stretches a whole execution, waits included, with its cell's load, which no live run does.
 """
 
 from __future__ import annotations
@@ -26,11 +31,16 @@ from gyre.log import LogReader
 from gyre.scheduler import get_policy
 from gyre.sim.calls import SET_FORMAT, CallTiming, plan_calls
 from gyre.sim.runner import simulate
-from gyre.sim.scenario import load_scenario, with_policy_values
+from gyre.sim.scenario import Scenario, load_scenario, with_policy_values, with_values
 from gyre.sim.workload import sample_workload
 
 REPO = Path(__file__).resolve().parents[2]
 AGENT_DIR = REPO / "agents" / "scenario_agent"
+
+
+def played(scenario_name: str) -> Scenario:
+    """The scenario as a live emulated run plays it, for the simulator to time: call by call."""
+    return with_values(load_scenario(scenario_name), {"calls.simulate": True})
 
 
 def scenario_overrides(config: ClusterConfig, scenario_name: str, *, time_scale: float, token_scale: float,
@@ -110,10 +120,10 @@ FROM train_steps_started s JOIN train_steps f USING (step) ORDER BY s.step
 
 def measure(run_dir: Path) -> dict[str, Any]:
     """A finished `gyre run CONFIG --emulate SCENARIO` run against `gyre sim` for the same workload and policy
-    parameters (`python -m benchmarks.stream_live` prints it): emulated and predicted seconds, ``sim_error`` =
-    predicted / live - 1, per step when it opened, got its last reward and finished, and ``agents``: what
-    the scenario agents left out of their waits as the host's (``lag_s``: requests' way to the proxy) or could
-    not make up (``late_s``: start-ups and replies longer than the wait after them), in real seconds."""
+    parameters, timed call by call (`played`; `python -m benchmarks.stream_live` prints it): emulated and
+    predicted seconds, ``sim_error`` = predicted / live - 1, per step when it opened, got its last reward and
+    finished, and ``agents``: the host time the scenario agents made up from their waits (``lag_s``: their
+    requests' way to the proxy) and what they still owed at their end (``late_s``), in real seconds."""
     config = json.loads((run_dir / "cluster-config.json").read_text())
     emulate = config["emulate"]
     scale = float(emulate["time_scale"])
@@ -125,7 +135,7 @@ def measure(run_dir: Path) -> dict[str, Any]:
     steps = [{"step": step, "planned_micro_steps": planned, "opened_s": round((opened - start) * scale, 1),
               "last_reward_s": round((last - start) * scale, 1), "finished_s": round((done - start) * scale, 1)}
              for step, planned, opened, done, last in con.execute(_STEPS).fetchall()]
-    scenario = with_policy_values(load_scenario(emulate["scenario"]), {
+    scenario = with_policy_values(played(emulate["scenario"]), {
         "staleness": params.get("staleness", 0),
         **{f"{policy}.{k}": params[k] for k in COMPARED_PARAMS if k in params}})
     predicted = simulate(scenario, policy, steps=len(steps)).hours * 3600
