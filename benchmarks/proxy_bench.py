@@ -660,13 +660,16 @@ def cpu_ab(roots: dict[str, str], rounds: int = 3, *, log: bool = False) -> dict
     call latency (client to proxy and back) under that load, and `one_session_p50_ms` the median at one
     session, the trees' calls taking turns (A, B, A, B, ...: the same moments of the machine for both):
     comparable between the trees of a round, not added latencies (the proxies and the client share the
-    machine)."""
+    machine). `one_session_cpu_ms_per_call` is each proxy's CPU per call over those turns, and
+    `one_session_cpu_ratio` each round's second tree over the first: the headline case of one session, where
+    each call finds the proxy idle (and a commit's fdatasync puts its loop to sleep)."""
     engine = _spawn("from benchmarks.proxy_bench import run_instant_engine; run_instant_engine()")
     assert engine.stdin is not None and engine.stdout is not None
     engine_url = f"http://127.0.0.1:{engine.stdout.readline().strip()}"
     out: dict[str, list[float]] = {name: [] for name in roots}
     p50: dict[str, list[float]] = {name: [] for name in roots}
     one: dict[str, list[float]] = {name: [] for name in roots}
+    one_cpu: dict[str, list[float]] = {name: [] for name in roots}
     try:
         for _ in range(rounds):
             with tempfile.TemporaryDirectory(prefix="gyre-proxy-ab-") as directory:
@@ -675,7 +678,7 @@ def cpu_ab(roots: dict[str, str], rounds: int = 3, *, log: bool = False) -> dict
                     for name, root in roots.items():
                         log_dir = str(Path(directory) / f"log-{name}") if log else None
                         code = (f"from benchmarks.proxy_bench import run_proxy_process; "
-                                f"run_proxy_process({engine_url!r}, 40, {log_dir!r})")
+                                f"run_proxy_process({engine_url!r}, 44, {log_dir!r})")
                         proxy = subprocess.Popen(
                             [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             cwd=root, env={**os.environ, "PYTHONPATH": root},
@@ -685,8 +688,9 @@ def cpu_ab(roots: dict[str, str], rounds: int = 3, *, log: bool = False) -> dict
                     for name, (cpu_ms, p50_ms) in asyncio.run(_side_by_side(proxies)).items():
                         out[name].append(cpu_ms)
                         p50[name].append(p50_ms)
-                    for name, ms in asyncio.run(_taking_turns(proxies)).items():
+                    for name, (ms, cpu_ms) in asyncio.run(_taking_turns(proxies)).items():
                         one[name].append(ms)
+                        one_cpu[name].append(cpu_ms)
                 finally:
                     for proxy, _ in proxies.values():
                         assert proxy.stdin is not None
@@ -697,10 +701,15 @@ def cpu_ab(roots: dict[str, str], rounds: int = 3, *, log: bool = False) -> dict
         engine.wait(30)
     first, second = out.values()
     ratios = [b / a for a, b in zip(first, second, strict=True)]
+    first, second = one_cpu.values()
+    one_ratios = [b / a for a, b in zip(first, second, strict=True)]
     return {**{name: {"cpu_ms_per_call": v, "median": statistics.median(v), "p50_ms": p50[name],
                       "median_p50_ms": statistics.median(p50[name]), "one_session_p50_ms": one[name],
-                      "median_one_session_p50_ms": statistics.median(one[name])} for name, v in out.items()},
-            "ratio": ratios, "median_ratio": statistics.median(ratios), "load_average": os.getloadavg()[0]}
+                      "median_one_session_p50_ms": statistics.median(one[name]),
+                      "one_session_cpu_ms_per_call": one_cpu[name],
+                      "median_one_session_cpu_ms": statistics.median(one_cpu[name])} for name, v in out.items()},
+            "ratio": ratios, "median_ratio": statistics.median(ratios), "one_session_cpu_ratio": one_ratios,
+            "median_one_session_cpu_ratio": statistics.median(one_ratios), "load_average": os.getloadavg()[0]}
 
 
 async def _side_by_side(proxies: dict[str, tuple[subprocess.Popen[str], str]]) -> dict[str, tuple[float, float]]:
@@ -715,23 +724,27 @@ async def _side_by_side(proxies: dict[str, tuple[subprocess.Popen[str], str]]) -
             for (name, (proxy, _)), done in zip(proxies.items(), calls, strict=True)}
 
 
-async def _taking_turns(proxies: dict[str, tuple[subprocess.Popen[str], str]], calls: int = 60) -> dict[str, float]:
-    """Median latency ms at one session of each proxy, their calls taking turns (sessions of 15 calls)."""
+async def _taking_turns(proxies: dict[str, tuple[subprocess.Popen[str], str]],
+                        calls: int = 150) -> dict[str, tuple[float, float]]:
+    """Median latency ms and CPU ms per call at one session of each proxy, their calls taking turns (sessions
+    of 15 calls): the case where each call finds the proxy idle, and a commit's fdatasync is the loop's own."""
     clients = {name: httpx.AsyncClient(base_url=url, timeout=120) for name, (_, url) in proxies.items()}
     latencies: dict[str, list[float]] = {name: [] for name in proxies}
     sessions: dict[str, Session] = {}
+    cpu = {name: _cpu_s(proxy.pid) for name, (proxy, _) in proxies.items()}
     try:
         for i in range(calls):
             for name, http in clients.items():
                 if i % 15 == 0:
-                    sessions[name] = Session.new(34 + i // 15)  # executions 34-37: unused by the load before
+                    sessions[name] = Session.new(34 + i // 15)  # executions 34-43: unused by the load before
                 elapsed, reply = await _proxied_call(http, sessions[name])
                 latencies[name].append(elapsed)
                 sessions[name].extend(reply)
     finally:
         for http in clients.values():
             await http.aclose()
-    return {name: statistics.median(v) * 1e3 for name, v in latencies.items()}
+    return {name: (statistics.median(v) * 1e3, (_cpu_s(proxies[name][0].pid) - cpu[name]) / len(v) * 1e3)
+            for name, v in latencies.items()}
 
 
 def read_cost(calls: int = 30, long_chars: int = 400_000, reps: int = 100) -> dict[str, Any]:
