@@ -18,7 +18,9 @@ So that every millisecond has a name, one run measures four servers against the 
 the engine directly; an empty ASGI app behind the proxy's own uvicorn stack (it drains the body and answers
 a fixed message: the HTTP floor); the proxy without the durable log (events kept in memory); the proxy with
 the log. The same run measures the fsync floor (`pwrite` + `fdatasync` of one event-sized record in the
-log's directory) and each server's saturated throughput (closed loop, no think time, one process).
+log's directory) and each server's saturated throughput (closed loop, no think time), driven by several
+load-generator processes (raw HTTP/1.1 clients: one httpx client in one process tops out below the proxy),
+with the server's own CPU from `/proc`.
 """
 
 from __future__ import annotations
