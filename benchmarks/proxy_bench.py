@@ -18,7 +18,9 @@ So that every millisecond has a name, one run measures four servers against the 
 the engine directly; an empty ASGI app behind the proxy's own uvicorn stack (it drains the body and answers
 a fixed message: the HTTP floor); the proxy without the durable log (events kept in memory); the proxy with
 the log. The same run measures the fsync floor (`pwrite` + `fdatasync` of one event-sized record in the
-log's directory) and each server's saturated throughput (closed loop, no think time, one process).
+log's directory) and each server's saturated throughput (closed loop, no think time), driven by several
+load-generator processes (raw HTTP/1.1 clients: one httpx client in one process tops out below the proxy),
+with the server's own CPU from `/proc`.
 """
 
 from __future__ import annotations
@@ -384,15 +386,17 @@ the proxy as deployed (its rows are the headline figures)."""
 
 @dataclass(frozen=True)
 class Saturation:
-    """A closed loop: `workers` sessions call back to back (no think time), `sessions` of `calls` each."""
+    """A closed loop: `workers` sessions call back to back (no think time), `sessions` of `calls` each, driven
+    by `clients` load-generator processes (raw HTTP/1.1 clients, `run_load_client`)."""
 
     workers: int
     sessions: int
     calls: int
+    clients: int = 3
 
 
 def _saturation(quick: bool) -> Saturation:
-    return Saturation(32, 32, 15) if quick else Saturation(32, 64, 25)
+    return Saturation(33, 33, 15) if quick else Saturation(33, 66, 25)
 
 
 def _measure_level(
@@ -416,19 +420,94 @@ def _measure_level(
 
 
 def _measure_saturation(server_url: str, server_pid: int, sat: Saturation, sessions: range) -> dict[str, float]:
-    cpu = _cpu_s(server_pid)
-    start = time.perf_counter()
-    latencies = asyncio.run(_run_sessions(server_url, sat.workers, sessions, sat.calls, 0.0, direct=False, seed=1))
-    wall = time.perf_counter() - start
-    cpu = _cpu_s(server_pid) - cpu
+    """The server's saturated throughput, driven by `sat.clients` load-generator processes at once (one httpx
+    client in one process topped out at 180-260 calls/s even against the empty app: the figure was the
+    client's). The CPU is the server process's own (`/proc`), so calls per CPU-second is the server's."""
+    share = [range(sessions.start + i, sessions.stop, sat.clients) for i in range(sat.clients)]
+    workers = [max(1, sat.workers // sat.clients)] * sat.clients
+    clients = [_spawn(f"from benchmarks.proxy_bench import run_load_client; "
+                      f"run_load_client({server_url!r}, {list(mine)!r}, {n}, {sat.calls})")
+               for mine, n in zip(share, workers, strict=True)]
+    try:
+        for client in clients:  # each has connected its workers and waits for the word
+            assert client.stdout is not None and client.stdout.readline().strip() == "ready"
+        cpu = _cpu_s(server_pid)
+        start = time.perf_counter()
+        for client in clients:
+            assert client.stdin is not None
+            client.stdin.write("go\n")
+            client.stdin.flush()
+        results = [json.loads(client.stdout.readline()) for client in clients if client.stdout is not None]
+        wall = time.perf_counter() - start
+        cpu = _cpu_s(server_pid) - cpu
+    finally:
+        for client in clients:
+            client.kill()
+            client.wait(30)
+    latencies = [x for r in results for x in r["latencies"]]
     return {
         "calls": len(latencies),
-        "workers": sat.workers,
+        "workers": sum(workers),
+        "clients": sat.clients,
+        "client": "raw asyncio HTTP/1.1 (uvloop, orjson), one process per client",
         "calls_per_s": len(latencies) / wall,
         "server_cpu_share": cpu / wall,
         "cpu_ms_per_call": cpu / len(latencies) * 1e3,
         "calls_per_cpu_s": len(latencies) / cpu if cpu else float("inf"),
+        "client_cpu_ms_per_call": sum(r["cpu_s"] for r in results) / len(latencies) * 1e3,
+        "p50_ms": _percentile(latencies, 0.5) * 1e3,
+        "p99_ms": _percentile(latencies, 0.99) * 1e3,
     }
+
+
+def run_load_client(url: str, sessions: list[int], workers: int, calls: int) -> None:
+    """A load-generator process for the saturated figure: `workers` connections work through `sessions`
+    (execution indices), `calls` calls each, back to back, over raw HTTP/1.1 (keep-alive, orjson bodies; a
+    fraction of httpx's CPU per call). Prints ``ready`` once connected, starts on a line on stdin, then prints
+    one JSON line: latencies (s) and this process's CPU seconds."""
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(_load_client(url, sessions, workers, calls))
+
+
+async def _load_client(url: str, sessions: list[int], workers: int, calls: int) -> None:
+    import orjson
+
+    host, port = url.removeprefix("http://").rstrip("/").split(":")
+    connections = [await asyncio.open_connection(host, int(port)) for _ in range(workers)]
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    todo = list(reversed(sessions))
+    latencies: list[float] = []
+    cpu = time.process_time()
+
+    async def worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while todo:
+            session = Session.new(todo.pop())
+            token = _token(session.index).encode()
+            for _ in range(calls):
+                body = orjson.dumps(session.body())
+                start = time.perf_counter()
+                writer.write(b"POST /v1/messages HTTP/1.1\r\nhost: proxy\r\nx-api-key: %s\r\n"
+                             b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                             % (token, len(body), body))
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = -1
+                for line in head.split(b"\r\n"):
+                    if line[:15].lower() == b"content-length:":
+                        length = int(line[15:])
+                if length < 0:
+                    raise RuntimeError(f"an answer without content-length: {head[:300]!r}")
+                data = await reader.readexactly(length)
+                latencies.append(time.perf_counter() - start)
+                if not head.startswith(b"HTTP/1.1 200"):
+                    raise RuntimeError(f"proxy answered {head[:40]!r}: {data[:300]!r}")
+                session.extend(orjson.loads(data))
+        writer.close()
+
+    await asyncio.gather(*(worker(r, w) for r, w in connections))
+    print(json.dumps({"latencies": latencies, "cpu_s": time.process_time() - cpu}), flush=True)
 
 
 def _breakdown(servers: dict[str, Any], direct_p50_ms: float, fsync: dict[str, float]) -> dict[str, float]:
@@ -538,6 +617,41 @@ def run_benchmark(*, quick: bool = False, directory: Path | None = None) -> dict
     return results
 
 
+def run_saturation(*, rounds: int = 1, clients: int = 3, directory: Path | None = None) -> dict[str, Any]:
+    """The saturated rows of `run_benchmark` alone (each server in turn, `rounds` times): the empty app, the proxy
+    without its log and with it, driven by `clients` load-generator processes; the same run's fsync floor."""
+    sat = Saturation(11 * clients, 22 * clients, 25, clients)
+    results: dict[str, Any] = {"cpus": os.cpu_count(), "load_average_at_start": os.getloadavg()[0],
+                               "servers": {name: [] for name in SERVERS}}
+    with tempfile.TemporaryDirectory(dir=directory, prefix="gyre-proxy-sat-") as tmp:
+        results["fsync_floor"] = fsync_floor(Path(tmp))
+        engine = _spawn("from benchmarks.proxy_bench import run_instant_engine; run_instant_engine()")
+        assert engine.stdin is not None and engine.stdout is not None
+        engine_url = f"http://127.0.0.1:{engine.stdout.readline().strip()}"
+        try:
+            for r in range(rounds):
+                for name in SERVERS:
+                    log_dir = str(Path(tmp) / f"log-{r}") if name == "proxy" else None
+                    code = ("from benchmarks.proxy_bench import run_empty_app_process; run_empty_app_process()"
+                            if name == "empty_asgi" else f"from benchmarks.proxy_bench import run_proxy_process; "
+                            f"run_proxy_process({engine_url!r}, {sat.sessions + 1}, {log_dir!r})")
+                    server = _spawn(code)
+                    assert server.stdin is not None and server.stdout is not None
+                    url = server.stdout.readline().strip()
+                    try:
+                        asyncio.run(_run_sessions(url, 1, range(0, 1), 5, 0.0, direct=False, seed=0))  # warm-up
+                        results["servers"][name].append(_measure_saturation(url, server.pid, sat,
+                                                                            range(1, 1 + sat.sessions)))
+                    finally:
+                        server.stdin.close()
+                        server.wait(30)
+        finally:
+            engine.stdin.close()
+            engine.wait(30)
+    results["load_average_at_end"] = os.getloadavg()[0]
+    return results
+
+
 def cpu_ab(roots: dict[str, str], rounds: int = 3, *, log: bool = False) -> dict[str, Any]:
     """A/B of the proxy's CPU per call between source trees (name -> checkout root), side by side: each round
     starts one proxy per tree against one engine and drives the same load at both at once (480 calls each,
@@ -548,13 +662,16 @@ def cpu_ab(roots: dict[str, str], rounds: int = 3, *, log: bool = False) -> dict
     call latency (client to proxy and back) under that load, and `one_session_p50_ms` the median at one
     session, the trees' calls taking turns (A, B, A, B, ...: the same moments of the machine for both):
     comparable between the trees of a round, not added latencies (the proxies and the client share the
-    machine)."""
+    machine). `one_session_cpu_ms_per_call` is each proxy's CPU per call over those turns, and
+    `one_session_cpu_ratio` each round's second tree over the first: the headline case of one session, where
+    each call finds the proxy idle (and a commit's fdatasync puts its loop to sleep)."""
     engine = _spawn("from benchmarks.proxy_bench import run_instant_engine; run_instant_engine()")
     assert engine.stdin is not None and engine.stdout is not None
     engine_url = f"http://127.0.0.1:{engine.stdout.readline().strip()}"
     out: dict[str, list[float]] = {name: [] for name in roots}
     p50: dict[str, list[float]] = {name: [] for name in roots}
     one: dict[str, list[float]] = {name: [] for name in roots}
+    one_cpu: dict[str, list[float]] = {name: [] for name in roots}
     try:
         for _ in range(rounds):
             with tempfile.TemporaryDirectory(prefix="gyre-proxy-ab-") as directory:
@@ -563,7 +680,7 @@ def cpu_ab(roots: dict[str, str], rounds: int = 3, *, log: bool = False) -> dict
                     for name, root in roots.items():
                         log_dir = str(Path(directory) / f"log-{name}") if log else None
                         code = (f"from benchmarks.proxy_bench import run_proxy_process; "
-                                f"run_proxy_process({engine_url!r}, 40, {log_dir!r})")
+                                f"run_proxy_process({engine_url!r}, 44, {log_dir!r})")
                         proxy = subprocess.Popen(
                             [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             cwd=root, env={**os.environ, "PYTHONPATH": root},
@@ -573,8 +690,9 @@ def cpu_ab(roots: dict[str, str], rounds: int = 3, *, log: bool = False) -> dict
                     for name, (cpu_ms, p50_ms) in asyncio.run(_side_by_side(proxies)).items():
                         out[name].append(cpu_ms)
                         p50[name].append(p50_ms)
-                    for name, ms in asyncio.run(_taking_turns(proxies)).items():
+                    for name, (ms, cpu_ms) in asyncio.run(_taking_turns(proxies)).items():
                         one[name].append(ms)
+                        one_cpu[name].append(cpu_ms)
                 finally:
                     for proxy, _ in proxies.values():
                         assert proxy.stdin is not None
@@ -585,10 +703,15 @@ def cpu_ab(roots: dict[str, str], rounds: int = 3, *, log: bool = False) -> dict
         engine.wait(30)
     first, second = out.values()
     ratios = [b / a for a, b in zip(first, second, strict=True)]
+    first, second = one_cpu.values()
+    one_ratios = [b / a for a, b in zip(first, second, strict=True)]
     return {**{name: {"cpu_ms_per_call": v, "median": statistics.median(v), "p50_ms": p50[name],
                       "median_p50_ms": statistics.median(p50[name]), "one_session_p50_ms": one[name],
-                      "median_one_session_p50_ms": statistics.median(one[name])} for name, v in out.items()},
-            "ratio": ratios, "median_ratio": statistics.median(ratios), "load_average": os.getloadavg()[0]}
+                      "median_one_session_p50_ms": statistics.median(one[name]),
+                      "one_session_cpu_ms_per_call": one_cpu[name],
+                      "median_one_session_cpu_ms": statistics.median(one_cpu[name])} for name, v in out.items()},
+            "ratio": ratios, "median_ratio": statistics.median(ratios), "one_session_cpu_ratio": one_ratios,
+            "median_one_session_cpu_ratio": statistics.median(one_ratios), "load_average": os.getloadavg()[0]}
 
 
 async def _side_by_side(proxies: dict[str, tuple[subprocess.Popen[str], str]]) -> dict[str, tuple[float, float]]:
@@ -603,23 +726,27 @@ async def _side_by_side(proxies: dict[str, tuple[subprocess.Popen[str], str]]) -
             for (name, (proxy, _)), done in zip(proxies.items(), calls, strict=True)}
 
 
-async def _taking_turns(proxies: dict[str, tuple[subprocess.Popen[str], str]], calls: int = 60) -> dict[str, float]:
-    """Median latency ms at one session of each proxy, their calls taking turns (sessions of 15 calls)."""
+async def _taking_turns(proxies: dict[str, tuple[subprocess.Popen[str], str]],
+                        calls: int = 150) -> dict[str, tuple[float, float]]:
+    """Median latency ms and CPU ms per call at one session of each proxy, their calls taking turns (sessions
+    of 15 calls): the case where each call finds the proxy idle, and a commit's fdatasync is the loop's own."""
     clients = {name: httpx.AsyncClient(base_url=url, timeout=120) for name, (_, url) in proxies.items()}
     latencies: dict[str, list[float]] = {name: [] for name in proxies}
     sessions: dict[str, Session] = {}
+    cpu = {name: _cpu_s(proxy.pid) for name, (proxy, _) in proxies.items()}
     try:
         for i in range(calls):
             for name, http in clients.items():
                 if i % 15 == 0:
-                    sessions[name] = Session.new(34 + i // 15)  # executions 34-37: unused by the load before
+                    sessions[name] = Session.new(34 + i // 15)  # executions 34-43: unused by the load before
                 elapsed, reply = await _proxied_call(http, sessions[name])
                 latencies[name].append(elapsed)
                 sessions[name].extend(reply)
     finally:
         for http in clients.values():
             await http.aclose()
-    return {name: statistics.median(v) * 1e3 for name, v in latencies.items()}
+    return {name: (statistics.median(v) * 1e3, (_cpu_s(proxies[name][0].pid) - cpu[name]) / len(v) * 1e3)
+            for name, v in latencies.items()}
 
 
 def read_cost(calls: int = 30, long_chars: int = 400_000, reps: int = 100) -> dict[str, Any]:
@@ -726,6 +853,10 @@ if __name__ == "__main__":  # pragma: no cover
         roots = {"a": a, "b": b}  # with and without the durable log, each A/B alternated in one run
         without = {} if "--log-only" in sys.argv else {"without_log": cpu_ab(roots, rounds)}
         print(json.dumps(without | {"with_log": cpu_ab(roots, rounds, log=True)}))
+    elif "--saturate" in sys.argv:  # python -m benchmarks.proxy_bench --saturate [--rounds N] [--clients N]
+        rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 1
+        clients = int(sys.argv[sys.argv.index("--clients") + 1]) if "--clients" in sys.argv else 3
+        print(json.dumps(run_saturation(rounds=rounds, clients=clients)))
     elif "--read" in sys.argv:  # python -m benchmarks.proxy_bench --read: the re-sent conversation's cost
         print(json.dumps(read_cost()))
     elif "--frames" in sys.argv:  # python -m benchmarks.proxy_bench --frames: a call's commit, rows vs Arrow

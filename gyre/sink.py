@@ -126,7 +126,9 @@ class LogSink:
     Appends happen in the caller's thread (the writer only buffers); one committer thread commits
     everything pending at once and wakes the waiters (one fsync covers many calls finishing together).
     Events nobody waits for ride along with the next commit, or are committed within ``flush_interval_s``
-    (``None``: only when asked, for a simulator that commits once at the end).
+    (``None``: only when asked, for a simulator that commits once at the end): the committer looks every half
+    interval and commits what was appended before its previous look, so a steady stream nobody waits for is
+    committed once an interval, and an event that a waited-for commit takes along within ms costs no fsync.
 
     Events without a ``ts`` are stamped here, under the lock, when ``on_record`` is set, so that what it sees
     is exactly what the log holds (a live fold and a replay of the log see the same events); without it the
@@ -362,14 +364,25 @@ class LogSink:
             self._cond.notify()
 
     def _run(self) -> None:
+        tick = None if self.flush_interval_s is None else self.flush_interval_s / 2
+        mark = -1  # the writer's last seq at the previous tick
         while True:
             with self._cond:
                 if not self._pending and not self._closed:
-                    self._cond.wait(self.flush_interval_s)
+                    self._cond.wait(tick)
                 if self._closed and not self._waiters and self.writer.durable_seq >= self.writer.next_seq - 1:
                     return
-                if not self._pending and not self._closed and self.flush_interval_s is None:
-                    continue
+                if not self._pending and not self._closed:
+                    if tick is None:
+                        continue
+                    # A tick (every half interval) commits only what was appended before the previous tick and
+                    # is still not durable: so within one interval, yet an event whose own commit is on its way
+                    # (the proxy's `model_call_started`, durable with its call's end ~ms later) rides along with
+                    # it, instead of costing an fdatasync of its own five times a second that collides with the
+                    # loop's commits (the committer then busy, the loop's commit went to the thread and back).
+                    before, mark = mark, self.writer.next_seq - 1
+                    if self.writer.durable_seq >= before:
+                        continue
                 self._pending = False
             if self.writer.durable_seq >= self.writer.next_seq - 1:
                 self._wake(self.writer.durable_seq)

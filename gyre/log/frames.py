@@ -14,6 +14,9 @@ Every frame starts with a 32-byte header::
   durable watermark (i64: the highest seq already fsynced when this frame was written). ``crc`` covers
   the extension, ``head_crc`` covers header bytes 4..28: the header verifies on its own (its length can
   be trusted before the rest is read), the extension on its own, and each chunk on its own.
+- **rows** (``FLAG_CHUNKED | FLAG_ROWS``, since #33): a v1 BATCH frame whose body is its rows as JSON
+  (`gyre.log.segment.rows_frame_parts`) instead of an Arrow IPC message. The flag is what makes a Gyre from
+  before say "a newer Gyre wrote this log" (a flag it does not know) instead of "undecodable batch".
 
 Why: a torn write and a damaged durable frame look alike to a whole-frame checksum. Per-chunk checksums
 tell them apart (a write that did not finish leaves a bad *suffix*; a flipped bit leaves one bad chunk
@@ -49,7 +52,11 @@ MAX_PAYLOAD = 2**32 - 1
 
 FLAG_CHUNKED = 0x01
 """Format v1: header checksum of its own, per-chunk payload checksums, durable watermark."""
-KNOWN_FLAGS = FLAG_CHUNKED
+FLAG_ROWS = 0x02
+"""A v1 BATCH frame whose body is JSON rows, not an Arrow IPC message (readers from before #33 cannot decode
+it: this flag makes them refuse the log as a newer Gyre's). Readers also take an unflagged body that starts
+with ``[`` as rows: logs written between #33's rows frames and this flag carry none."""
+KNOWN_FLAGS = FLAG_CHUNKED | FLAG_ROWS
 FORMAT_V0, FORMAT_V1 = 0, 1
 FORMATS = (FORMAT_V0, FORMAT_V1)
 
@@ -140,12 +147,14 @@ class OpenHead:
 
     __slots__ = ("buffer", "partial")
 
-    def __init__(self, frame_type: int, first_seq: int, count: int, parts: list | tuple) -> None:
+    def __init__(self, frame_type: int, first_seq: int, count: int, parts: list | tuple, flags: int = 0) -> None:
+        """``flags``: besides ``FLAG_CHUNKED`` (always set), ``FLAG_ROWS`` for a rows body."""
         length = _length(parts)
         shift = chunk_shift(length)
         crcs = chunk_checksums(parts, shift)
         table = _table(len(crcs))
-        buffer = bytearray(HEADER.pack(MAGIC, frame_type, FLAG_CHUNKED, shift, 0, length, count, first_seq, 0, 0)
+        buffer = bytearray(HEADER.pack(MAGIC, frame_type, FLAG_CHUNKED | flags, shift, 0, length, count, first_seq,
+                                       0, 0)
                            + table.pack(*crcs) + bytes(8 + _pad8(table.size)))
         self.buffer = buffer
         self.partial = crc32c.crc32c(memoryview(buffer)[HEADER_SIZE:-8])
@@ -181,6 +190,8 @@ class Frame:
     chunk_crcs: memoryview | None = None
     """v1: the extension's chunk checksums (u32 each); None for v0 frames, which have one CRC."""
     crc: int = 0
+    rows: bool = False
+    """The header says the body is JSON rows (``FLAG_ROWS``)."""
 
     @property
     def last_seq(self) -> int:
@@ -233,11 +244,15 @@ def read_frame(data: memoryview, offset: int, verify: bool = True) -> Frame | Ba
                             "format")
         return BadFrame(offset, f"unknown frame format flags {flags:#x} in a damaged header", "header")
     if not flags & FLAG_CHUNKED:
+        if flags & FLAG_ROWS:  # (only v1 frames are ever written as rows)
+            return BadFrame(offset, f"frame format flags {flags:#x}: rows without chunk checksums", "header")
         return _read_v0(data, offset, ftype, length, count, first_seq, crc, head_crc, verify)
     if crc32c.crc32c(data[offset + 4:offset + 28]) != head_crc:
         return BadFrame(offset, "frame header checksum mismatch", "header")
     if ftype not in FRAME_TYPES:
         return BadFrame(offset, f"unknown frame type {ftype}", "format")
+    if flags & FLAG_ROWS and ftype != BATCH_FRAME:
+        return BadFrame(offset, f"a frame of type {ftype} flagged as rows (only batch frames hold rows)", "format")
     start = offset + HEADER_SIZE
     body = start + ext_size(length, shift)
     end = body + length
@@ -258,7 +273,8 @@ def read_frame(data: memoryview, offset: int, verify: bool = True) -> Frame | Ba
             return BadFrame(offset, f"checksum mismatch in {len(bad)} of {n} chunks of {1 << shift} bytes "
                                     f"(first: chunk {bad[0]})", "payload", end, first_seq, count, tuple(bad), n)
     (watermark,) = _I64.unpack_from(data, body - 8)
-    return Frame(offset, ftype, first_seq, count, payload, end, watermark, shift, table, crc)
+    return Frame(offset, ftype, first_seq, count, payload, end, watermark, shift, table, crc,
+                 bool(flags & FLAG_ROWS))
 
 
 def _read_v0(data: memoryview, offset: int, ftype: int, length: int, count: int, first_seq: int, crc: int,

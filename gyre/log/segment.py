@@ -17,6 +17,7 @@ from gyre.errors import LogCorruptionError
 from gyre.events.codec import json_rows, rows_batch
 from gyre.log.frames import (
     BATCH_FRAME,
+    FLAG_ROWS,
     FORMAT_V1,
     SCHEMA_FRAME,
     BadFrame,
@@ -119,19 +120,20 @@ def batch_frame_parts(batch: pa.RecordBatch, first_seq: int, full: pa.Schema, fm
 
 def rows_frame_parts(rows_json: bytes, names: tuple[str, ...], count: int, first_seq: int, full: pa.Schema) -> list:
     """`batch_frame_parts` for a batch given as its rows in JSON (`gyre.events.codec.encode_json_rows`:
-    columns ``names``, ``count`` rows): the same frame, its body the JSON array instead of an IPC message
-    (format v1 only; `SegmentData.decode` tells them apart by the body's first byte)."""
-    return _frame_parts(_column_mask(names, _SchemaKey(full)), rows_json, count, first_seq, FORMAT_V1)
+    columns ``names``, ``count`` rows): the same frame, flagged ``FLAG_ROWS``, its body the JSON array instead
+    of an IPC message (format v1 only)."""
+    return _frame_parts(_column_mask(names, _SchemaKey(full)), rows_json, count, first_seq, FORMAT_V1, FLAG_ROWS)
 
 
-def _frame_parts(mask: bytes, body: memoryview | bytes, count: int, first_seq: int, fmt: int) -> list:
+def _frame_parts(mask: bytes, body: memoryview | bytes, count: int, first_seq: int, fmt: int,
+                 flags: int = 0) -> list:
     prefix = _MASK_LEN.pack(len(mask)) + mask
     prefix += b"\0" * _pad8(len(prefix))
     parts = [prefix, body]
     if len(body) % 8:
         parts.append(b"\0" * _pad8(len(body)))
     if fmt == FORMAT_V1:
-        return [OpenHead(BATCH_FRAME, first_seq, count, parts), *parts]
+        return [OpenHead(BATCH_FRAME, first_seq, count, parts, flags), *parts]
     return [frame_header(BATCH_FRAME, first_seq, count, parts), *parts]
 
 
@@ -251,8 +253,9 @@ class SegmentData:
 
     def decode(self, frame: Frame) -> pa.RecordBatch:
         """The (sparse) record batch of a batch frame: zero-copy over the segment bytes for an Arrow IPC
-        body (which starts with 0xFFFFFFFF); converted for a JSON rows body (which starts with ``[``,
-        `rows_frame_parts`: a small run of events, as the log writer frames them since #33)."""
+        body (which starts with 0xFFFFFFFF); converted for a JSON rows body (``FLAG_ROWS`` in its header, or,
+        in a log written before that flag, a body that starts with ``[``; `rows_frame_parts`: a small run of
+        events, as the log writer frames them since #33)."""
         return self.decode_all([frame])[0]
 
     def decode_all(self, items: Sequence["Frame | pa.RecordBatch"]) -> list[pa.RecordBatch]:
@@ -272,7 +275,7 @@ class SegmentData:
                 continue
             mask = self.kinds_mask(item)
             body = item.payload[_body_start(mask):]
-            if body[:1] == b"[":
+            if item.rows or body[:1] == b"[":
                 run.setdefault(mask, []).append(item)
                 continue
             self._convert(run, out)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from gyre.errors import LogCorruptionError
 from gyre.events.models import (
     Event,
     ModelCallFinished,
@@ -15,7 +16,8 @@ from gyre.events.models import (
     RoleSwitchRequested,
 )
 from gyre.events.schema import evolve
-from gyre.log import LogReader, LogWriter
+from gyre.log import LogReader, LogWriter, frames
+from gyre.log import segment as segment_module
 from gyre.log.seal import segment_table
 from gyre.log.segment import SegmentData, list_segments
 from tests.conftest import run_events
@@ -66,6 +68,41 @@ def test_a_small_commit_is_framed_as_rows_and_reads_back_as_its_arrow_frame_did(
     assert followed.equals(arrow.table())
     assert segment_table(list_segments(tmp_path / "rows")[0][1]).equals(
         segment_table(list_segments(tmp_path / "arrow")[0][1]))
+
+
+def _flagged(path: Path) -> list[bool]:
+    out = []
+    for _, seg in list_segments(path):
+        data = SegmentData(seg)
+        out += [frame.rows for frame in data.batch_frames(data.scan())]
+    return out
+
+
+def test_a_reader_from_before_rows_frames_refuses_the_log_as_a_newer_gyres(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    events = _timed(run_events(executions=2, calls=2))
+    _write(tmp_path / "rows", events, row_frames=True)
+    _write(tmp_path / "arrow", events, row_frames=False)
+    assert set(_flagged(tmp_path / "rows")) == {True} and set(_flagged(tmp_path / "arrow")) == {False}
+    monkeypatch.setattr(frames, "KNOWN_FLAGS", frames.FLAG_CHUNKED)  # the flags a Gyre from before knows
+    with pytest.raises(LogCorruptionError, match="a newer Gyre wrote this log"):
+        list(LogReader(tmp_path / "rows").read())
+    with pytest.raises(LogCorruptionError, match="a newer Gyre wrote this log"):
+        LogWriter(tmp_path / "rows").close()  # nor does its writer append to it (nothing is quarantined)
+    assert not list((tmp_path / "rows").glob("*.quarantine"))
+    assert sum(b.num_rows for b in LogReader(tmp_path / "arrow").read()) == len(events)  # Arrow frames: as ever
+
+
+def test_rows_frames_written_before_their_flag_still_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    events = _timed(run_events(executions=2, calls=2))
+    with monkeypatch.context() as patch:
+        patch.setattr(segment_module, "FLAG_ROWS", 0)  # as the writer framed them between #33's rows and the flag
+        _write(tmp_path / "unflagged", events, row_frames=True)
+    _write(tmp_path / "arrow", events, row_frames=False)
+    assert set(_flagged(tmp_path / "unflagged")) == {False} and set(_bodies(tmp_path / "unflagged")) == {b"["}
+    for got, want in zip(LogReader(tmp_path / "unflagged").read(), LogReader(tmp_path / "arrow").read(),
+                         strict=True):
+        assert got.equals(want)
 
 
 def test_a_log_of_arrow_frames_goes_on_with_rows_frames_and_reads_in_order(tmp_path: Path) -> None:

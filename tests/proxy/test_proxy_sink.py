@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,24 @@ def test_durable_means_readable_and_commits_are_grouped(tmp_path: Path, mode: Lo
     assert sorted(e.call_id for e in LogReader(tmp_path / "log").events()) == sorted(f"c{i}" for i in range(200))
     assert writer.stats.fsyncs < 100  # 200 acknowledged events, far fewer fsyncs
     sink.close()
+
+
+def test_events_nobody_waits_for_become_durable_by_themselves(tmp_path: Path) -> None:
+    """The committer's ticks commit what was appended before the previous tick (so a call's own commit, ms
+    later, takes its `model_call_started` along); an event no commit takes along still reaches the disk."""
+    writer = LogWriter(tmp_path / "log", run_id="r")
+    with LogSink(writer, flush_interval_s=0.02) as sink:
+        position = sink.record(_event(0))
+        deadline = time.monotonic() + 60
+        while writer.durable_seq < position:
+            assert time.monotonic() < deadline, "an event nobody waited for was never committed"
+            time.sleep(0.01)
+        assert writer.stats.fsyncs == 1
+        later = sink.record(_event(1))
+        while writer.durable_seq < later:
+            assert time.monotonic() < deadline, "an event nobody waited for was never committed"
+            time.sleep(0.01)
+    assert [e.call_id for e in LogReader(tmp_path / "log").events()] == ["c0", "c1"]
 
 
 @pytest.mark.parametrize("mode", MODES)
