@@ -686,6 +686,7 @@ async def _cell(channel: grpc.aio.Channel, secret: str, cell_id: str, core: bool
                                incarnation=uuid.uuid4().hex, producers=stream.producers)
     await stream.write(gyre_pb2.CellUp(hello=hello))
     commands: asyncio.Queue[tuple[gyre_pb2.CellCommand, float] | None] = asyncio.Queue()
+    asks: dict[int, asyncio.Future[gyre_pb2.WeightsAnswer]] = {}
 
     async def beat() -> None:  # as `ControllerLink` does: once nothing else went up for heartbeat_s
         while True:
@@ -701,6 +702,13 @@ async def _cell(channel: grpc.aio.Channel, secret: str, cell_id: str, core: bool
             kind = command.WhichOneof("body")
             stats[kind] = stats.get(kind, 0) + 1
             figures = {**CELL_FIGURES.get(kind, {}), "bench_received_at": received}
+            if kind == "to_rollout" and command.to_rollout.ask:  # its leave is over: which weights now?
+                stats["weights_ask"] = stats.get("weights_ask", 0) + 1
+                answer = asks[len(asks) + 1] = asyncio.get_running_loop().create_future()
+                await stream.write(gyre_pb2.CellUp(ask=gyre_pb2.WeightsAsk(ask_id=len(asks))))
+                weights = await answer
+                if weights.load:
+                    figures["weights_version"] = float(weights.weights.version)
             done = gyre_pb2.CommandDone(command_id=command.command_id, ok=True, figures=figures)
             if kind == "train":
                 done.detail = (await _train(stream, command.train, scenario)).SerializeToString()
@@ -720,6 +728,8 @@ async def _cell(channel: grpc.aio.Channel, secret: str, cell_id: str, core: bool
                 stream.acked(message.ack)
             elif body == "command":
                 commands.put_nowait((message.command, time.monotonic()))
+            elif body == "weights":
+                asks[message.weights.ask_id].set_result(message.weights)
     except grpc.aio.AioRpcError:
         pass  # the controller went away: the benchmark is over
     finally:

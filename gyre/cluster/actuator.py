@@ -40,10 +40,11 @@ submitted again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from gyre import auth
@@ -85,18 +86,39 @@ def routing(live: LiveRun) -> gyre_pb2.Routing:
 
 class Transfers:
     """Where the core holds the latest published version in Mooncake memory (its Train answer): readers pull
-    it from there rather than from the file, while that core incarnation lives."""
+    it from there rather than from the file, while that core incarnation lives. And whether a version may be
+    published soon (`publishing`)."""
 
     def __init__(self, live: LiveRun) -> None:
         self.live = live
         self._lock = threading.Lock()
         self._ref: gyre_pb2.WeightsRef | None = None
         self._incarnation: str | None = None
+        self._training = 0
 
     def offer(self, ref: gyre_pb2.WeightsRef, incarnation: str | None) -> None:
         with self._lock:
             if self._ref is None or ref.version >= self._ref.version:
                 self._ref, self._incarnation = ref, incarnation
+
+    @contextlib.contextmanager
+    def training(self) -> Iterator[None]:
+        """Around a Train command: while it runs the core may publish a version."""
+        with self._lock:
+            self._training += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._training -= 1
+
+    def publishing(self) -> bool:
+        """Whether the log may soon name a newer version: a Train command is in flight, or the core offered a
+        version the log does not name yet (an emulated publish is recorded after its push)."""
+        latest = self.live.latest()
+        with self._lock:
+            return self._training > 0 or (self._ref is not None
+                                          and self._ref.version > (latest.version if latest is not None else 0))
 
     def latest(self) -> gyre_pb2.WeightsRef:
         """The latest published weights as the log names them (version 0: the initial weights), with the
@@ -395,6 +417,12 @@ class RemoteCell:
         return {"weights_bytes": weights_bytes, "weights_s": figures.get("weights_s", 0.0) if weights_bytes else 0.0,
                 "engine_resume_s": figures.get("engine_resume_s", 0.0)}
 
+    def load_plan(self) -> tuple[bool, gyre_pb2.WeightsRef]:
+        """The latest weights the log names now, and whether the log says this cell's engine lacks them (what a
+        load is for; also the hub's answer to the cell's `WeightsAsk`)."""
+        weights = self.transfers.latest()
+        return weights.version != self.live.engine_version(self.cell_id), weights
+
     def _load_latest(self, cause: str, *, force: bool = False,
                      leave: bool | None = None) -> gyre_pb2.CommandDone | None:
         """Bring the engine to the latest published version and record `weights_loaded`; the caller sends the
@@ -404,24 +432,28 @@ class RemoteCell:
         `weights_loaded` is recorded). With ``leave`` (a return to rollout, or a bring-up in it) one
         `ToRollout` command does it — leaving the trainer first when ``leave`` is True, resuming the engine
         after — and is sent whether or not there is a load; the recorded ``duration_s`` then runs from the
-        first send to the engine serving, less the leave.
+        first send to the engine serving, less the leave. A leave while the core may publish (`Transfers.
+        publishing`) has the cell ask which weights to load once it has left (`ToRollout.ask`): a return sent
+        just before a publish then loads the new version itself, instead of serving the old one and pausing
+        again for the publish's load right after.
 
         A load retried after the core offered newer weights (or a new copy) is abandoned and re-planned as
         the load of what the core offers now (`_superseded`); a `ToRollout` is sent again whole, each of its
-        steps being safe to redo."""
-        weights = self.transfers.latest()
-        load = force or weights.version != self.live.engine_version(self.cell_id)
+        steps being safe to redo (one that asks, asks again)."""
+        load, weights = self.load_plan()
+        load = load or force
         to_rollout = leave is not None
+        ask = bool(leave) and self.transfers.publishing()
         done = None
         if not load and not to_rollout:
             return None
         started = time.perf_counter()
         while to_rollout or weights.location:
-            sent = weights if load and weights.location else None
+            sent = weights if load and weights.location and not ask else None
             obsolete = (lambda sent=sent: self._superseded(sent)) if sent is not None else None
             try:
                 if to_rollout:
-                    body = gyre_pb2.ToRollout(leave=bool(leave), reason="returning to rollout")
+                    body = gyre_pb2.ToRollout(leave=bool(leave), reason="returning to rollout", ask=ask)
                     if sent is not None:
                         body.weights.CopyFrom(sent)
                     done = self.commands.cell(self.cell_id, "switch to rollout", obsolete=obsolete, to_rollout=body)
@@ -434,10 +466,13 @@ class RemoteCell:
                     raise
                 self.commands.abandon(abandoned, self.sink)  # re-planned: the load of what the core offers now
                 weights = self.transfers.latest()
-        if load:
-            figures = done.figures if done is not None else {}
+        figures = done.figures if done is not None else {}
+        version: int | None = weights.version if load else None
+        if ask:  # the cell asked after its leave: it names what it loaded (nothing: its engine held the latest)
+            version = int(figures["weights_version"]) if "weights_version" in figures else None
+        if version is not None:
             self.sink.commit(self.sink.record(WeightsLoaded(
-                cell_id=self.cell_id, policy_version=weights.version, cause=cause,
+                cell_id=self.cell_id, policy_version=version, cause=cause,
                 duration_s=max(0.0, time.perf_counter() - started - figures.get("trainer_leave_s", 0.0)),
                 drain_s=figures.get("drain_s", 0.0), weights_bytes=int(figures.get("weights_bytes", 0)))))
         return done
@@ -461,10 +496,11 @@ class RemoteCell:
     def _train(self, step: int, groups: tuple[str, ...]) -> None:
         upto = self.upto()
         self.sink.commit(upto)  # the batch's calls and rewards are durable before the core queries them
-        done = self.commands.cell(self.cell_id, f"train step {step}",
-                                  train=gyre_pb2.Train(step=step, groups=list(groups), upto_seq=upto))
-        if done.detail:
-            self.transfers.offer(gyre_pb2.WeightsRef.FromString(done.detail), self.info.incarnation)
+        with self.transfers.training():
+            done = self.commands.cell(self.cell_id, f"train step {step}",
+                                      train=gyre_pb2.Train(step=step, groups=list(groups), upto_seq=upto))
+            if done.detail:
+                self.transfers.offer(gyre_pb2.WeightsRef.FromString(done.detail), self.info.incarnation)
 
 
 SUPERSEDED = "superseded by the weights the core offers now"
