@@ -812,6 +812,12 @@ class _ProxyStandIn:
             return done, True
         elif kind == "redirect":  # its events go up before its done, not waited for (`gyre.cluster.proxy_node`)
             self._redirect(command.redirect, done)
+        elif kind == "redirects":  # each cell's in order, its figures named by cell (as `gyre.cluster.proxy_node`)
+            for redirect in command.redirects.cells:
+                one = gyre_pb2.CommandDone()
+                self._redirect(redirect, one)
+                for name, value in one.figures.items():
+                    done.figures[f"{redirect.from_cell_id}/{name}"] = value
         elif kind == "sync":
             done.detail = json.dumps(sorted(self.running)).encode()
         return done, False

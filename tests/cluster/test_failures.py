@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from concurrent.futures import Future
 from datetime import UTC, datetime
 from typing import Any
@@ -241,7 +242,13 @@ class FakeHub:
         return self._answer(cell_id, command.WhichOneof("body"), incarnation)
 
     def command_proxy(self, command: gyre_pb2.ProxyCommand) -> Future[gyre_pb2.CommandDone]:
-        return self._answer("proxy", command.WhichOneof("body"), "")
+        self.commands.append(command)
+        kind = command.WhichOneof("body")
+        if kind == "redirects" and not self.script.get(kind):  # each cell's figures, named by cell
+            self.script[kind] = [gyre_pb2.CommandDone(ok=True, figures={
+                f"{r.from_cell_id}/{name}": value for r in command.redirects.cells
+                for name, value in FIGURES["redirect"].items()})]
+        return self._answer("proxy", kind, "")
 
     def lose(self, kind: str, peer_id: str, reason: str, incarnation: str = "") -> None:
         self.lost.append((kind, peer_id, incarnation))
@@ -533,6 +540,43 @@ def test_proxy_commands_follow_the_rule() -> None:
     [abandoned] = sink.of(CommandAbandoned)
     assert (abandoned.target, abandoned.command, abandoned.cell_id) == ("proxy", "queue", None)
     assert hub.lost == [("proxy", "", "")]
+    cell.close()
+
+
+def test_redirects_asked_while_one_is_in_flight_go_as_one_command() -> None:
+    """A step's end: many cells leave rollout at once. The redirects asked while one is in flight go together as
+    the next command, and each cell gets its own figures back."""
+    hub = FakeHub()
+    cell, _, _, _ = _cluster(hub)
+    commands = cell.commands
+    others = [f"c{i}" for i in range(2, 6)]
+    in_flight = threading.Event()
+
+    def first_in_flight() -> None:  # the first redirect is at the proxy until every other one is asked
+        hub.on_send.pop("redirects")
+        in_flight.set()
+        deadline = time.monotonic() + 10
+        while len(commands._redirects) < len(others):  # waits for a state, not a duration
+            assert time.monotonic() < deadline, "the other redirects were never asked"
+            time.sleep(0.005)
+
+    hub.on_send["redirects"] = first_in_flight
+    figures: dict[str, dict[str, float] | None] = {}
+
+    def redirect(cell_id: str) -> None:
+        figures[cell_id] = commands.redirect(gyre_pb2.RedirectCell(from_cell_id=cell_id))
+
+    threads = [threading.Thread(target=redirect, args=("c1",))]
+    threads[0].start()
+    assert in_flight.wait(10)
+    threads += [threading.Thread(target=redirect, args=(c,)) for c in others]
+    for thread in threads[1:]:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    sent = [[r.from_cell_id for r in c.redirects.cells] for c in hub.commands if c.WhichOneof("body") == "redirects"]
+    assert len(sent) == 2 and sent[0] == ["c1"] and sorted(sent[1]) == others
+    assert figures == {c: {"redirect_s": 0.1, "redirected_calls": 0.0} for c in ["c1", *others]}
     cell.close()
 
 

@@ -320,6 +320,12 @@ class RedirectCell(_message.Message):
     resume_version: int
     def __init__(self, from_cell_id: _Optional[str] = ..., calls: _Optional[_Iterable[_Union[CallRedirect, _Mapping]]] = ..., cut: _Optional[bool] = ..., resume_version: _Optional[int] = ...) -> None: ...
 
+class RedirectCells(_message.Message):
+    __slots__ = ("cells",)
+    CELLS_FIELD_NUMBER: _ClassVar[int]
+    cells: _containers.RepeatedCompositeFieldContainer[RedirectCell]
+    def __init__(self, cells: _Optional[_Iterable[_Union[RedirectCell, _Mapping]]] = ...) -> None: ...
+
 class ExecutionSpec(_message.Message):
     __slots__ = ("execution_id", "group_id", "task_id", "step", "policy_version", "attempt", "token")
     EXECUTION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -345,20 +351,22 @@ class QueueExecutions(_message.Message):
     def __init__(self, executions: _Optional[_Iterable[_Union[ExecutionSpec, _Mapping]]] = ...) -> None: ...
 
 class ProxyCommand(_message.Message):
-    __slots__ = ("command_id", "routing", "redirect", "queue", "stop", "sync")
+    __slots__ = ("command_id", "routing", "redirect", "queue", "stop", "sync", "redirects")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
     REDIRECT_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    REDIRECTS_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     routing: Routing
     redirect: RedirectCell
     queue: QueueExecutions
     stop: Stop
     sync: Sync
-    def __init__(self, command_id: _Optional[int] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., redirect: _Optional[_Union[RedirectCell, _Mapping]] = ..., queue: _Optional[_Union[QueueExecutions, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., sync: _Optional[_Union[Sync, _Mapping]] = ...) -> None: ...
+    redirects: RedirectCells
+    def __init__(self, command_id: _Optional[int] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., redirect: _Optional[_Union[RedirectCell, _Mapping]] = ..., queue: _Optional[_Union[QueueExecutions, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., sync: _Optional[_Union[Sync, _Mapping]] = ..., redirects: _Optional[_Union[RedirectCells, _Mapping]] = ...) -> None: ...
 
 class ProxyDown(_message.Message):
     __slots__ = ("welcome", "ack", "command")
