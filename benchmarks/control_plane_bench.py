@@ -127,6 +127,9 @@ class Scenario:
     no_gc_freeze: bool = False
     """An experiment: skip the `gc.freeze()` that `RunHost.run` does once the run is built (so that a full
     collection does not walk the cells, views and links); the benchmark freezes at the same point by default."""
+    switch_interval_ms: float = 0.0
+    """An experiment: the controller's `sys.setswitchinterval` (0: Python's default, 5 ms), how long a thread that
+    wants the interpreter lock waits before the one holding it is asked to let go."""
 
     @property
     def calls_per_s(self) -> float:
@@ -430,6 +433,8 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         registered_s = time.perf_counter() - registered_started
         if not scenario.no_gc_freeze:
             gc.freeze()  # as `RunHost.run` does before it runs the controller
+        if scenario.switch_interval_ms > 0:
+            sys.setswitchinterval(scenario.switch_interval_ms / 1e3)
         controller = host.controller
         policy = controller.policy
 

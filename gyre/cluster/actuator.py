@@ -514,10 +514,12 @@ class RemoteCell:
         if ask:  # the cell asked after its leave: it names what it loaded (nothing: its engine held the latest)
             version = int(figures["weights_version"]) if "weights_version" in figures else None
         if version is not None:
-            self.sink.commit(self.sink.record(WeightsLoaded(
+            position = self.sink.record(WeightsLoaded(
                 cell_id=self.cell_id, policy_version=version, cause=cause,
                 duration_s=max(0.0, time.perf_counter() - started - figures.get("trainer_leave_s", 0.0)),
-                drain_s=figures.get("drain_s", 0.0), weights_bytes=int(figures.get("weights_bytes", 0)))))
+                drain_s=figures.get("drain_s", 0.0), weights_bytes=int(figures.get("weights_bytes", 0))))
+            if cause != "return_to_rollout":  # a return's completion, committed next (`perform_switch`), covers it:
+                self.sink.commit(position)    # a wait less for each of a step end's ~120 returning actuators
         return done
 
     def _superseded(self, sent: gyre_pb2.WeightsRef) -> str | None:
