@@ -505,6 +505,12 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         # of the run (every model call's tokens) decoded on the ingest thread, a cost of the benchmark's own
         controller.observe(lambda seq, event: kinds.update((event.kind,)) if timings.recording else None,
                            columns=lambda first, columns: kinds.update(columns.kinds) if timings.recording else None)
+        switches: dict[str, list[float]] = collections.defaultdict(list)
+
+        def switched(seq: int, event: Any) -> None:  # what an actuator lives: a switch, its commands and waits
+            if timings.recording:
+                switches[f"to_{event.to_role}"].append(event.duration_s)
+        controller.observe(switched, kinds=("role_switch_completed",))
         log_path = host.log_path
         lag = LoopLag(topology.hub._thread.loop)
         pauses = GcPauses()
@@ -577,6 +583,7 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         "command_rtt_ms_by_kind": rtt,
         "command_parts_ms_by_kind": parts,
         "tick_ms": _percentiles(timings.ticks),
+        "switch_ms_by_direction": {d: _percentiles(v) for d, v in sorted(switches.items())},
         "fold_ms": _percentiles(timings.fold),
         "round_ms": _percentiles(timings.rounds),
         "decide_act_ms": _percentiles(timings.step),
