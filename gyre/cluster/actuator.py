@@ -181,7 +181,7 @@ class Commands:
         command abandoned, before it was done). Coalesced as routings are: the redirects asked while one command
         is in flight go together, in the order they were asked, as the next (`RedirectCells`) — at a step's end
         ~120 cells of 256 leave rollout at once, and a command each queued them on the proxy's one command
-        thread (proxy round trip p99 0.2-3 s, `docs/benchmarks.md`)."""
+        thread (a redirect's wait for it p99 3-13 s on a loaded VM; `docs/benchmarks.md`)."""
         outcome: list[gyre_pb2.CommandDone | BaseException | None] = []
         with self._redirecting:
             self._redirects.append((redirect, outcome))
