@@ -127,6 +127,9 @@ class Scenario:
     no_gc_freeze: bool = False
     """An experiment: skip the `gc.freeze()` that `RunHost.run` does once the run is built (so that a full
     collection does not walk the cells, views and links); the benchmark freezes at the same point by default."""
+    switch_interval_ms: float = 0.0
+    """An experiment: the controller's `sys.setswitchinterval` (0: Python's default, 5 ms), how long a thread that
+    wants the interpreter lock waits before the one holding it is asked to let go."""
 
     @property
     def calls_per_s(self) -> float:
@@ -430,6 +433,8 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         registered_s = time.perf_counter() - registered_started
         if not scenario.no_gc_freeze:
             gc.freeze()  # as `RunHost.run` does before it runs the controller
+        if scenario.switch_interval_ms > 0:
+            sys.setswitchinterval(scenario.switch_interval_ms / 1e3)
         controller = host.controller
         policy = controller.policy
 
@@ -500,6 +505,12 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         # of the run (every model call's tokens) decoded on the ingest thread, a cost of the benchmark's own
         controller.observe(lambda seq, event: kinds.update((event.kind,)) if timings.recording else None,
                            columns=lambda first, columns: kinds.update(columns.kinds) if timings.recording else None)
+        switches: dict[str, list[float]] = collections.defaultdict(list)
+
+        def switched(seq: int, event: Any) -> None:  # what an actuator lives: a switch, its commands and waits
+            if timings.recording:
+                switches[f"to_{event.to_role}"].append(event.duration_s)
+        controller.observe(switched, kinds=("role_switch_completed",))
         log_path = host.log_path
         lag = LoopLag(topology.hub._thread.loop)
         pauses = GcPauses()
@@ -572,6 +583,7 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         "command_rtt_ms_by_kind": rtt,
         "command_parts_ms_by_kind": parts,
         "tick_ms": _percentiles(timings.ticks),
+        "switch_ms_by_direction": {d: _percentiles(v) for d, v in sorted(switches.items())},
         "fold_ms": _percentiles(timings.fold),
         "round_ms": _percentiles(timings.rounds),
         "decide_act_ms": _percentiles(timings.step),
@@ -686,6 +698,7 @@ async def _cell(channel: grpc.aio.Channel, secret: str, cell_id: str, core: bool
                                incarnation=uuid.uuid4().hex, producers=stream.producers)
     await stream.write(gyre_pb2.CellUp(hello=hello))
     commands: asyncio.Queue[tuple[gyre_pb2.CellCommand, float] | None] = asyncio.Queue()
+    asks: dict[int, asyncio.Future[gyre_pb2.WeightsAnswer]] = {}
 
     async def beat() -> None:  # as `ControllerLink` does: once nothing else went up for heartbeat_s
         while True:
@@ -701,6 +714,13 @@ async def _cell(channel: grpc.aio.Channel, secret: str, cell_id: str, core: bool
             kind = command.WhichOneof("body")
             stats[kind] = stats.get(kind, 0) + 1
             figures = {**CELL_FIGURES.get(kind, {}), "bench_received_at": received}
+            if kind == "to_rollout" and command.to_rollout.ask:  # its leave is over: which weights now?
+                stats["weights_ask"] = stats.get("weights_ask", 0) + 1
+                answer = asks[len(asks) + 1] = asyncio.get_running_loop().create_future()
+                await stream.write(gyre_pb2.CellUp(ask=gyre_pb2.WeightsAsk(ask_id=len(asks))))
+                weights = await answer
+                if weights.load:
+                    figures["weights_version"] = float(weights.weights.version)
             done = gyre_pb2.CommandDone(command_id=command.command_id, ok=True, figures=figures)
             if kind == "train":
                 done.detail = (await _train(stream, command.train, scenario)).SerializeToString()
@@ -720,6 +740,8 @@ async def _cell(channel: grpc.aio.Channel, secret: str, cell_id: str, core: bool
                 stream.acked(message.ack)
             elif body == "command":
                 commands.put_nowait((message.command, time.monotonic()))
+            elif body == "weights":
+                asks[message.weights.ask_id].set_result(message.weights)
     except grpc.aio.AioRpcError:
         pass  # the controller went away: the benchmark is over
     finally:
@@ -802,6 +824,12 @@ class _ProxyStandIn:
             return done, True
         elif kind == "redirect":  # its events go up before its done, not waited for (`gyre.cluster.proxy_node`)
             self._redirect(command.redirect, done)
+        elif kind == "redirects":  # each cell's in order, its figures named by cell (as `gyre.cluster.proxy_node`)
+            for redirect in command.redirects.cells:
+                one = gyre_pb2.CommandDone()
+                self._redirect(redirect, one)
+                for name, value in one.figures.items():
+                    done.figures[f"{redirect.from_cell_id}/{name}"] = value
         elif kind == "sync":
             done.detail = json.dumps(sorted(self.running)).encode()
         return done, False

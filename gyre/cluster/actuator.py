@@ -40,10 +40,11 @@ submitted again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from gyre import auth
@@ -85,18 +86,39 @@ def routing(live: LiveRun) -> gyre_pb2.Routing:
 
 class Transfers:
     """Where the core holds the latest published version in Mooncake memory (its Train answer): readers pull
-    it from there rather than from the file, while that core incarnation lives."""
+    it from there rather than from the file, while that core incarnation lives. And whether a version may be
+    published soon (`publishing`)."""
 
     def __init__(self, live: LiveRun) -> None:
         self.live = live
         self._lock = threading.Lock()
         self._ref: gyre_pb2.WeightsRef | None = None
         self._incarnation: str | None = None
+        self._training = 0
 
     def offer(self, ref: gyre_pb2.WeightsRef, incarnation: str | None) -> None:
         with self._lock:
             if self._ref is None or ref.version >= self._ref.version:
                 self._ref, self._incarnation = ref, incarnation
+
+    @contextlib.contextmanager
+    def training(self) -> Iterator[None]:
+        """Around a Train command: while it runs the core may publish a version."""
+        with self._lock:
+            self._training += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._training -= 1
+
+    def publishing(self) -> bool:
+        """Whether the log may soon name a newer version: a Train command is in flight, or the core offered a
+        version the log does not name yet (an emulated publish is recorded after its push)."""
+        latest = self.live.latest()
+        with self._lock:
+            return self._training > 0 or (self._ref is not None
+                                          and self._ref.version > (latest.version if latest is not None else 0))
 
     def latest(self) -> gyre_pb2.WeightsRef:
         """The latest published weights as the log names them (version 0: the initial weights), with the
@@ -128,6 +150,9 @@ class Commands:
         self._routing = threading.Condition()
         self._routes_asked = self._routes_sent = 0
         self._routing_in_flight = False
+        self._redirecting = threading.Condition()
+        self._redirects: list[tuple[gyre_pb2.RedirectCell, list[gyre_pb2.CommandDone | BaseException | None]]] = []
+        self._redirect_in_flight = False
 
     def route(self) -> None:
         """Tell the proxy what the log says of every cell now. A routing is a snapshot, so asks are coalesced:
@@ -150,6 +175,46 @@ class Commands:
                     self._routing_in_flight = False
                     self._routing.notify_all()
                 self._routes_sent = covers  # one in flight at a time: what each covers only grows
+
+    def redirect(self, redirect: gyre_pb2.RedirectCell) -> dict[str, float] | None:
+        """Have the proxy redirect one leaving cell's calls; that cell's figures (None: the proxy was lost, or the
+        command abandoned, before it was done). Coalesced as routings are: the redirects asked while one command
+        is in flight go together, in the order they were asked, as the next (`RedirectCells`) — at a step's end
+        ~120 cells of 256 leave rollout at once, and a command each queued them on the proxy's one command
+        thread (a redirect's wait for it p99 3-13 s on a loaded VM; `docs/benchmarks.md`)."""
+        outcome: list[gyre_pb2.CommandDone | BaseException | None] = []
+        with self._redirecting:
+            self._redirects.append((redirect, outcome))
+            while not outcome:
+                if self._redirect_in_flight:
+                    self._redirecting.wait()
+                    continue
+                batch, self._redirects = self._redirects, []
+                self._redirect_in_flight = True
+                self._redirecting.release()
+                done: gyre_pb2.CommandDone | BaseException | None = None
+                try:
+                    done = self.proxy(f"redirect of {', '.join(r.from_cell_id for r, _ in batch)}",
+                                      redirects=gyre_pb2.RedirectCells(cells=[r for r, _ in batch]))
+                except BaseException as error:  # a fatal failure: every cell of the batch raises it
+                    done = error
+                finally:
+                    self._redirecting.acquire()
+                    self._redirect_in_flight = False
+                    for _, waiting in batch:
+                        waiting.append(done)
+                    self._redirecting.notify_all()
+        done = outcome[0]
+        if isinstance(done, BaseException):
+            raise done
+        if done is None:
+            return None
+        mine: dict[str, float] = {}
+        for key, value in done.figures.items():
+            cell_id, _, name = key.rpartition("/")
+            if cell_id == redirect.from_cell_id:
+                mine[name] = value
+        return mine
 
     def cell(self, cell_id: str, what: str, *, obsolete: Callable[[], str | None] | None = None,
              **body: object) -> gyre_pb2.CommandDone:
@@ -314,12 +379,12 @@ class RemoteCell:
     def redirect(self, decision: RoleSwitchRequested) -> tuple[int, float | None]:
         calls = [gyre_pb2.CallRedirect(call_id=r.call_id, execution_id=r.execution_id, to_cell_id=r.to_cell_id)
                  for r in decision.redirects]
-        done = self.commands.proxy("redirect", redirect=gyre_pb2.RedirectCell(
+        figures = self.commands.redirect(gyre_pb2.RedirectCell(
             from_cell_id=self.cell_id, calls=calls, cut=self.cut,
             resume_version=self.transfers.latest().version if self.cut else 0))
-        if done is None:  # a lost proxy: its restart has no calls in flight
+        if figures is None:  # a lost proxy: its restart has no calls in flight
             return 0, 0.0
-        return int(done.figures["redirected_calls"]), done.figures["redirect_s"]
+        return int(figures["redirected_calls"]), figures["redirect_s"]
 
     def drain(self) -> float:
         return 0.0  # the redirect moved its executions to other cells: nothing is left to wait for
@@ -395,6 +460,12 @@ class RemoteCell:
         return {"weights_bytes": weights_bytes, "weights_s": figures.get("weights_s", 0.0) if weights_bytes else 0.0,
                 "engine_resume_s": figures.get("engine_resume_s", 0.0)}
 
+    def load_plan(self) -> tuple[bool, gyre_pb2.WeightsRef]:
+        """The latest weights the log names now, and whether the log says this cell's engine lacks them (what a
+        load is for; also the hub's answer to the cell's `WeightsAsk`)."""
+        weights = self.transfers.latest()
+        return weights.version != self.live.engine_version(self.cell_id), weights
+
     def _load_latest(self, cause: str, *, force: bool = False,
                      leave: bool | None = None) -> gyre_pb2.CommandDone | None:
         """Bring the engine to the latest published version and record `weights_loaded`; the caller sends the
@@ -404,24 +475,28 @@ class RemoteCell:
         `weights_loaded` is recorded). With ``leave`` (a return to rollout, or a bring-up in it) one
         `ToRollout` command does it — leaving the trainer first when ``leave`` is True, resuming the engine
         after — and is sent whether or not there is a load; the recorded ``duration_s`` then runs from the
-        first send to the engine serving, less the leave.
+        first send to the engine serving, less the leave. A leave while the core may publish (`Transfers.
+        publishing`) has the cell ask which weights to load once it has left (`ToRollout.ask`): a return sent
+        just before a publish then loads the new version itself, instead of serving the old one and pausing
+        again for the publish's load right after.
 
         A load retried after the core offered newer weights (or a new copy) is abandoned and re-planned as
         the load of what the core offers now (`_superseded`); a `ToRollout` is sent again whole, each of its
-        steps being safe to redo."""
-        weights = self.transfers.latest()
-        load = force or weights.version != self.live.engine_version(self.cell_id)
+        steps being safe to redo (one that asks, asks again)."""
+        load, weights = self.load_plan()
+        load = load or force
         to_rollout = leave is not None
+        ask = bool(leave) and self.transfers.publishing()
         done = None
         if not load and not to_rollout:
             return None
         started = time.perf_counter()
         while to_rollout or weights.location:
-            sent = weights if load and weights.location else None
+            sent = weights if load and weights.location and not ask else None
             obsolete = (lambda sent=sent: self._superseded(sent)) if sent is not None else None
             try:
                 if to_rollout:
-                    body = gyre_pb2.ToRollout(leave=bool(leave), reason="returning to rollout")
+                    body = gyre_pb2.ToRollout(leave=bool(leave), reason="returning to rollout", ask=ask)
                     if sent is not None:
                         body.weights.CopyFrom(sent)
                     done = self.commands.cell(self.cell_id, "switch to rollout", obsolete=obsolete, to_rollout=body)
@@ -434,12 +509,17 @@ class RemoteCell:
                     raise
                 self.commands.abandon(abandoned, self.sink)  # re-planned: the load of what the core offers now
                 weights = self.transfers.latest()
-        if load:
-            figures = done.figures if done is not None else {}
-            self.sink.commit(self.sink.record(WeightsLoaded(
-                cell_id=self.cell_id, policy_version=weights.version, cause=cause,
+        figures = done.figures if done is not None else {}
+        version: int | None = weights.version if load else None
+        if ask:  # the cell asked after its leave: it names what it loaded (nothing: its engine held the latest)
+            version = int(figures["weights_version"]) if "weights_version" in figures else None
+        if version is not None:
+            position = self.sink.record(WeightsLoaded(
+                cell_id=self.cell_id, policy_version=version, cause=cause,
                 duration_s=max(0.0, time.perf_counter() - started - figures.get("trainer_leave_s", 0.0)),
-                drain_s=figures.get("drain_s", 0.0), weights_bytes=int(figures.get("weights_bytes", 0)))))
+                drain_s=figures.get("drain_s", 0.0), weights_bytes=int(figures.get("weights_bytes", 0))))
+            if cause != "return_to_rollout":  # a return's completion, committed next (`perform_switch`), covers it:
+                self.sink.commit(position)    # a wait less for each of a step end's ~120 returning actuators
         return done
 
     def _superseded(self, sent: gyre_pb2.WeightsRef) -> str | None:
@@ -461,10 +541,11 @@ class RemoteCell:
     def _train(self, step: int, groups: tuple[str, ...]) -> None:
         upto = self.upto()
         self.sink.commit(upto)  # the batch's calls and rewards are durable before the core queries them
-        done = self.commands.cell(self.cell_id, f"train step {step}",
-                                  train=gyre_pb2.Train(step=step, groups=list(groups), upto_seq=upto))
-        if done.detail:
-            self.transfers.offer(gyre_pb2.WeightsRef.FromString(done.detail), self.info.incarnation)
+        with self.transfers.training():
+            done = self.commands.cell(self.cell_id, f"train step {step}",
+                                      train=gyre_pb2.Train(step=step, groups=list(groups), upto_seq=upto))
+            if done.detail:
+                self.transfers.offer(gyre_pb2.WeightsRef.FromString(done.detail), self.info.incarnation)
 
 
 SUPERSEDED = "superseded by the weights the core offers now"

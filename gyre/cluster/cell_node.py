@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from gyre.cluster.address import NodeAddress, resolve
 from gyre.cluster.config import ClusterConfig
+from gyre.cluster.errors import ClusterError
 from gyre.cluster.log_client import RemoteLog
 from gyre.cluster.proto import gyre_pb2
 from gyre.cluster.proxy_node import LINK_CLOSE_S
@@ -327,14 +328,26 @@ class CellNode:
 
     def _to_rollout(self, to: gyre_pb2.ToRollout) -> Mapping[str, float]:
         """``leave``, ``load_weights`` and ``serve`` in turn, as their own commands do them (each safe to do
-        again, so a retried ToRollout redoes none wrongly); every step's figures. The emulated switch
-        (``to_rollout_s``) is held from the leave on, its parts inside it (as `_to_training`)."""
+        again, so a retried ToRollout redoes none wrongly); every step's figures. With ``ask`` the weights to
+        load are asked of the controller once the leave is over (a version published meanwhile is loaded now,
+        not by a second pause after the return); ``weights_version`` then names the version the engine serves,
+        unless the controller said it holds the latest already. The emulated switch (``to_rollout_s``) is held
+        from the leave on, its parts inside it (as `_to_training`)."""
         started = time.perf_counter()
         figures: dict[str, float] = {}
         if to.leave:
             figures.update(self._leave(to.reason))
-        if to.HasField("weights"):
-            figures.update(self._load_weights(to.weights))
+        weights = to.weights if to.HasField("weights") else None
+        if to.ask:
+            answer = self.link.ask_weights()
+            if answer.error:
+                raise ClusterError(f"cell {self.cell_id}: the controller did not say which weights to load: "
+                                   f"{answer.error}")
+            weights = answer.weights if answer.load and answer.weights.location else None  # v0: no file to load
+            if answer.load:
+                figures["weights_version"] = float(answer.weights.version)
+        if weights is not None:
+            figures.update(self._load_weights(weights))
         figures.update(self._serve(started))
         return figures
 

@@ -91,7 +91,7 @@ CELL_RULES: dict[str, Rule] = {
     "train": Rule.ONCE, "stop": Rule.ONCE,
 }
 PROXY_RULES: dict[str, Rule] = {
-    "routing": Rule.RETRY, "redirect": Rule.RETRY, "sync": Rule.RETRY,
+    "routing": Rule.RETRY, "redirect": Rule.RETRY, "redirects": Rule.RETRY, "sync": Rule.RETRY,
     "queue": Rule.ONCE, "stop": Rule.ONCE,
 }
 

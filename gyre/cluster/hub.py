@@ -14,7 +14,9 @@ event loop, so the controller's synchronous code keeps its threads. Per stream:
   recorded, so order within a stream holds; every other stream's commands, acks and heartbeats go on;
 - commands go down with a ``command_id``; the caller's future resolves with the process's `CommandDone`.
   Commands not yet done are sent again when the same incarnation reconnects (the process runs each id once
-  and answers a repeat with its recorded `CommandDone`).
+  and answers a repeat with its recorded `CommandDone`);
+- a cell may ask, in the middle of a command, which weights its engine should load (`WeightsAsk`, a return to
+  rollout's load once its leave is over): the hub answers down the stream at once from ``on_weights_ask``.
 
 A peer is *lost* — ``on_cell_lost`` / ``on_proxy_lost``, its pending commands failed with `ClusterError` —
 when its stream ended and did not come back within ``dead_after_s``, when nothing arrived on a live stream
@@ -165,6 +167,9 @@ class Hub:
         self.on_cell_lost: Callable[[str, str], None] | None = None
         self.on_proxy_hello: Callable[[gyre_pb2.ProxyHello], None] | None = None
         self.on_proxy_lost: Callable[[str], None] | None = None
+        self.on_weights_ask: Callable[[str, str], tuple[bool, gyre_pb2.WeightsRef]] | None = None
+        """A cell's `WeightsAsk` (cell_id, incarnation) -> whether its engine lacks the latest weights the log
+        names, and those weights. Called on the hub's loop: it must be quick and never block on the hub."""
         self._interceptor = SecretInterceptor(secret)
         self._thread = LoopThread("gyre-hub")
         self._ingest = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gyre-hub-ingest")
@@ -507,7 +512,9 @@ class Hub:
                 self.received[body] += 1
                 if body == "heartbeat":
                     continue
-                if body == "events":
+                if body == "ask" and peer.kind == "cell":
+                    stream.send(_down("cell", weights=self._answer(peer, message.ask)))
+                elif body == "events":
                     ingest = self._on_events(peer, stream, message.events)
                     if ingest is not None:
                         in_flight.append(ingest)
@@ -525,6 +532,23 @@ class Hub:
         except Exception as e:  # a bug here must end the stream loudly, not leave it half-served
             log.exception("reading %s's stream failed", peer.name)
             stream.end(grpc.StatusCode.INTERNAL, f"the hub failed on {peer.name}'s stream: {e!r}")
+
+    def _answer(self, peer: _Peer, ask: gyre_pb2.WeightsAsk) -> gyre_pb2.WeightsAnswer:
+        """The weights a cell's engine should load now, as the log names them at this moment (the cell asks
+        mid-command, after a leave during which the core may have published)."""
+        answer = gyre_pb2.WeightsAnswer(ask_id=ask.ask_id)
+        if self.on_weights_ask is None:
+            answer.error = "this controller answers no weights asks"
+            return answer
+        try:
+            load, weights = self.on_weights_ask(peer.peer_id, peer.hello.incarnation)
+        except Exception as e:  # the controller's bug: the cell's command fails with it, the stream goes on
+            log.exception("answering %s's weights ask failed", peer.name)
+            answer.error = f"the controller could not answer: {e!r}"
+            return answer
+        answer.load = load
+        answer.weights.CopyFrom(weights)
+        return answer
 
     def _on_events(self, peer: _Peer, stream: _Stream, batch: gyre_pb2.EventBatch) -> asyncio.Future[int] | None:
         """Hand the batch to the ingest thread (in arrival order: it is one thread); acknowledged or refused

@@ -19,7 +19,8 @@ answered with the recorded `CommandDone`. The handler returns the command's figu
 or a whole `CommandDone` when the command has a ``detail`` to return (ok unless its ``error`` is set), or either
 wrapped in `Durable` to have the done go up once what it recorded is durable without holding the command thread;
 an exception is reported as ``ok=False`` with its text, and whether it is transient (``retryable``, from its
-type: `gyre.cluster.failures`).
+type: `gyre.cluster.failures`). A cell's command may ask the controller mid-way which weights to load
+(`ask_weights`), answered down the same stream.
 
 A link that the controller refuses for good — a wrong secret, a protocol error, a refused batch, a process
 declared lost — stops: ``error`` says why, ``on_failed`` is told, and the sink's waiters fail with `SinkError`.
@@ -47,7 +48,7 @@ import pyarrow as pa
 
 from gyre.cluster.aio import GRPC_OPTIONS, LoopThread
 from gyre.cluster.auth import metadata
-from gyre.cluster.errors import ClusterError
+from gyre.cluster.errors import ClusterError, Unavailable
 from gyre.cluster.failures import failed_done
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.cluster.spill import Spill
@@ -436,6 +437,10 @@ class _Ended(Exception):
 
 _CLOSE = object()
 
+ASK_TIMEOUT_S = 60.0
+"""How long a cell waits for the controller to answer a weights ask (it answers at once from its log's fold;
+a stream that breaks fails the ask sooner)."""
+
 
 @dataclass
 class _Packed:
@@ -497,6 +502,8 @@ class ControllerLink:
         self._command_thread = threading.Thread(target=self._command_loop, name=f"gyre-commands-{self.peer_id}",
                                                 daemon=True)
         self._done: dict[int, gyre_pb2.CommandDone] = {}
+        self._asks = 0
+        self._asked: dict[int, tuple[_Conn, asyncio.Future[gyre_pb2.WeightsAnswer]]] = {}  # (the loop)
         self._waiting: set[asyncio.Task[None]] = set()  # dones waiting for their events to be durable
         self._deferred = 0  # how many: counted from the command thread, which hands them over
         self._deferred_cond = threading.Condition()
@@ -687,6 +694,7 @@ class ControllerLink:
                 finally:
                     self._conn = None
                     self.sink._connected(False)
+                    self._unanswered(conn)
                     for task in tasks:
                         task.cancel()
             finally:
@@ -720,6 +728,10 @@ class ControllerLink:
             self.sink._ack(message.ack)
         elif body == "command":
             self._on_command(message.command)
+        elif body == "weights":
+            asked = self._asked.pop(message.weights.ask_id, None)
+            if asked is not None and not asked[1].done():
+                asked[1].set_result(message.weights)
         else:
             log.warning("%s %r: ignoring an unexpected %s from the controller", self.kind, self.peer_id, body)
 
@@ -806,6 +818,45 @@ class ControllerLink:
                 self.on_failed(error)
             except Exception:  # the process's bug: logged with its traceback
                 log.exception("ControllerLink.on_failed raised")
+
+    # -- asks ----------------------------------------------------------------------------------------------
+
+    def ask_weights(self, timeout_s: float = ASK_TIMEOUT_S) -> gyre_pb2.WeightsAnswer:
+        """(A cell's command thread.) Which weights the controller says this cell's engine should load now
+        (`WeightsAsk`, answered from the log). `Unavailable` (transient: the command is sent again) when no
+        stream is up, it breaks before the answer, or none comes within ``timeout_s``."""
+        if self.kind != "cell":
+            raise TypeError("only a cell asks for weights")
+        future = self._thread.submit(self._ask())
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise Unavailable(f"cell {self.peer_id!r}: the controller did not answer a weights ask within "
+                              f"{timeout_s} s") from None
+
+    async def _ask(self) -> gyre_pb2.WeightsAnswer:
+        conn = self._conn
+        if conn is None:
+            raise Unavailable(f"cell {self.peer_id!r} is not connected to the controller: it cannot ask for weights")
+        self._asks += 1
+        ask_id = self._asks
+        answer: asyncio.Future[gyre_pb2.WeightsAnswer] = asyncio.get_running_loop().create_future()
+        self._asked[ask_id] = (conn, answer)
+        conn.put(self._up(ask=gyre_pb2.WeightsAsk(ask_id=ask_id)))
+        try:
+            return await answer
+        finally:
+            self._asked.pop(ask_id, None)
+
+    def _unanswered(self, conn: _Conn) -> None:
+        """The stream ``conn`` ended: its asks will not be answered (the command asking fails, transiently)."""
+        for ask_id, (asked_on, answer) in list(self._asked.items()):
+            if asked_on is conn:
+                del self._asked[ask_id]
+                if not answer.done():
+                    answer.set_exception(Unavailable(f"cell {self.peer_id!r}: the stream to the controller ended "
+                                                     "before it answered a weights ask"))
 
     # -- commands ------------------------------------------------------------------------------------------
 

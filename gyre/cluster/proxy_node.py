@@ -169,6 +169,9 @@ class ProxyNode:
             return self._queue(command.queue)
         if body == "redirect":
             return self._redirect(command.redirect)
+        if body == "redirects":  # each cell's, in order; its figures named by cell
+            return {f"{r.from_cell_id}/{name}": value for r in command.redirects.cells
+                    for name, value in self._redirect(r).items()}
         if body == "sync":
             self.link.sink.commit(remote=True)
             self.link.wait_deferred()  # a queue's done waits for its events: it goes up before this one

@@ -119,6 +119,7 @@ class Cluster:
         self.hub.on_cell_lost = self._on_cell_lost
         self.hub.on_proxy_hello = self._on_proxy_hello
         self.hub.on_proxy_lost = self._on_proxy_lost
+        self.hub.on_weights_ask = self._weights_ask
         self.live = host.live
         self.transfers = Transfers(host.live)
         self.commands = Commands(self.hub, host.live, host.sink.producer("commands"))
@@ -290,6 +291,13 @@ class Cluster:
 
     def _route(self) -> None:
         self.commands.route()
+
+    def _weights_ask(self, cell_id: str, incarnation: str) -> tuple[bool, gyre_pb2.WeightsRef]:
+        """A returning cell, its leave over, asks which weights to load (`RemoteCell.load_plan`)."""
+        actuator = self.controller.cells.get(cell_id)
+        if not isinstance(actuator, RemoteCell):
+            raise RuntimeError(f"cell {cell_id} (incarnation {incarnation}) has no actuator")
+        return actuator.load_plan()
 
     def _proxy_back(self, incarnation: str) -> None:
         """A restarted proxy: it gets the routing, and (on the controller's thread) the executions it lost

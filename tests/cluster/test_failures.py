@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from concurrent.futures import Future
 from datetime import UTC, datetime
 from typing import Any
@@ -241,7 +242,13 @@ class FakeHub:
         return self._answer(cell_id, command.WhichOneof("body"), incarnation)
 
     def command_proxy(self, command: gyre_pb2.ProxyCommand) -> Future[gyre_pb2.CommandDone]:
-        return self._answer("proxy", command.WhichOneof("body"), "")
+        self.commands.append(command)
+        kind = command.WhichOneof("body")
+        if kind == "redirects" and not self.script.get(kind):  # each cell's figures, named by cell
+            self.script[kind] = [gyre_pb2.CommandDone(ok=True, figures={
+                f"{r.from_cell_id}/{name}": value for r in command.redirects.cells
+                for name, value in FIGURES["redirect"].items()})]
+        return self._answer("proxy", kind, "")
 
     def lose(self, kind: str, peer_id: str, reason: str, incarnation: str = "") -> None:
         self.lost.append((kind, peer_id, incarnation))
@@ -367,10 +374,55 @@ def test_a_return_to_rollout_is_one_command_and_its_load_is_recorded_before_the_
     assert failures == [] and hub.sent == [("c1", "to_rollout", "c1-a"), ("proxy", "routing", "")]
     [command] = hub.commands[:1]
     assert command.to_rollout.leave and command.to_rollout.weights.version == 1
+    assert not command.to_rollout.ask  # no step is being trained: the weights it was sent are the latest
     loaded, done = [e for e in sink.events if isinstance(e, (WeightsLoaded, RoleSwitchCompleted))]
     assert isinstance(loaded, WeightsLoaded) and isinstance(done, RoleSwitchCompleted)
     assert (loaded.policy_version, loaded.cause, loaded.weights_bytes) == (1, "return_to_rollout", 1_000_000)
     assert (done.weights_bytes, done.weights_s, done.engine_resume_s) == (1_000_000, 0.2, 0.1)
+
+
+def test_a_return_sent_while_the_core_trains_asks_which_weights_to_load_after_its_leave() -> None:
+    """A return sent just before a publish loads the new version itself: the cell asks once it has left the
+    trainer (the hub answers from `load_plan`), instead of serving the old version and pausing again."""
+    hub = FakeHub()
+    cell, sink, _, failures = _cluster(hub)
+    sink.record([WeightsPublished(policy_version=1, location="weights/v1", sha256="a"),
+                 WeightsLoaded(cell_id="c1", policy_version=1, cause="publish")])
+    assert cell.load_plan()[0] is False  # the lent cell's engine holds v1, the latest
+
+    def leave_then_ask() -> None:  # the core publishes v2 while the cell leaves; then the cell asks
+        sink.record(WeightsPublished(policy_version=2, location="weights/v2", sha256="b"))
+        load, weights = cell.load_plan()
+        assert load and weights.version == 2 and weights.location == "weights/v2"
+        hub.script["to_rollout"] = [gyre_pb2.CommandDone(ok=True, figures={
+            **FIGURES["to_rollout"], "weights_version": float(weights.version)})]
+
+    hub.on_send["to_rollout"] = leave_then_ask
+    with cell.transfers.training():  # a Train command in flight: the core may publish meanwhile
+        assert cell.transfers.publishing()
+        cell.switch(TO_ROLLOUT)
+        _finish(cell)
+    assert failures == []
+    [command] = [c for c in hub.commands if c.WhichOneof("body") == "to_rollout"]
+    assert command.to_rollout.ask and not command.to_rollout.HasField("weights")
+    [loaded] = [e for e in sink.of(WeightsLoaded) if e.cause == "return_to_rollout"]
+    assert (loaded.policy_version, loaded.weights_bytes) == (2, 1_000_000)
+    [done] = sink.of(RoleSwitchCompleted)
+    assert done.weights_bytes == 1_000_000
+    assert cell.load_plan()[0] is False and not cell.transfers.publishing()
+
+
+def test_publishing_lasts_from_a_train_until_the_log_names_its_version() -> None:
+    """An emulated publish is recorded after its push: the core's offer comes first, the log's name later."""
+    live = LiveRun()
+    transfers = Transfers(live)
+    assert not transfers.publishing()
+    with transfers.training():
+        assert transfers.publishing()
+        transfers.offer(gyre_pb2.WeightsRef(version=1, location="weights/v1"), "core-a")
+    assert transfers.publishing()  # offered, not yet named by the log
+    live.apply(0, WeightsPublished(policy_version=1, location="weights/v1", sha256="a"))
+    assert not transfers.publishing()
 
 
 def test_a_return_whose_load_was_superseded_is_sent_again_with_the_latest() -> None:
@@ -488,6 +540,43 @@ def test_proxy_commands_follow_the_rule() -> None:
     [abandoned] = sink.of(CommandAbandoned)
     assert (abandoned.target, abandoned.command, abandoned.cell_id) == ("proxy", "queue", None)
     assert hub.lost == [("proxy", "", "")]
+    cell.close()
+
+
+def test_redirects_asked_while_one_is_in_flight_go_as_one_command() -> None:
+    """A step's end: many cells leave rollout at once. The redirects asked while one is in flight go together as
+    the next command, and each cell gets its own figures back."""
+    hub = FakeHub()
+    cell, _, _, _ = _cluster(hub)
+    commands = cell.commands
+    others = [f"c{i}" for i in range(2, 6)]
+    in_flight = threading.Event()
+
+    def first_in_flight() -> None:  # the first redirect is at the proxy until every other one is asked
+        hub.on_send.pop("redirects")
+        in_flight.set()
+        deadline = time.monotonic() + 10
+        while len(commands._redirects) < len(others):  # waits for a state, not a duration
+            assert time.monotonic() < deadline, "the other redirects were never asked"
+            time.sleep(0.005)
+
+    hub.on_send["redirects"] = first_in_flight
+    figures: dict[str, dict[str, float] | None] = {}
+
+    def redirect(cell_id: str) -> None:
+        figures[cell_id] = commands.redirect(gyre_pb2.RedirectCell(from_cell_id=cell_id))
+
+    threads = [threading.Thread(target=redirect, args=("c1",))]
+    threads[0].start()
+    assert in_flight.wait(10)
+    threads += [threading.Thread(target=redirect, args=(c,)) for c in others]
+    for thread in threads[1:]:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    sent = [[r.from_cell_id for r in c.redirects.cells] for c in hub.commands if c.WhichOneof("body") == "redirects"]
+    assert len(sent) == 2 and sent[0] == ["c1"] and sorted(sent[1]) == others
+    assert figures == {c: {"redirect_s": 0.1, "redirected_calls": 0.0} for c in ["c1", *others]}
     cell.close()
 
 

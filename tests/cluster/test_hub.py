@@ -187,6 +187,40 @@ def test_commands_return_figures_and_errors_in_order_on_one_thread(cluster) -> N
     assert (done[4].detail, dict(done[4].figures), done[4].ok) == (b"weights", {"train_s": 2.0}, True)
 
 
+def test_a_cell_asks_mid_command_which_weights_to_load(cluster) -> None:
+    """A return to rollout asks, once its leave is over, for the weights the log names at that moment: the hub
+    answers down the same stream from ``on_weights_ask``; a failing callback is an answer with its error (the
+    cell's command fails with it), and the stream goes on."""
+    asked: list[tuple[str, str]] = []
+    versions = iter([4, None])
+
+    def answer(cell_id: str, incarnation: str) -> tuple[bool, gyre_pb2.WeightsRef]:
+        asked.append((cell_id, incarnation))
+        version = next(versions)
+        if version is None:
+            raise RuntimeError("no actuator")
+        return True, gyre_pb2.WeightsRef(version=version, location=f"weights/v{version}")
+
+    cluster.hub.on_weights_ask = answer
+    links: list[ControllerLink] = []
+
+    def handler(command: gyre_pb2.CellCommand) -> dict[str, float]:
+        reply = links[0].ask_weights(timeout_s=10)
+        assert reply.ask_id > 0
+        return {"load": float(reply.load), "version": float(reply.weights.version), "error": float(bool(reply.error))}
+
+    links.append(cluster.link("c0", handler=handler, incarnation="c0-a"))
+    first, second = (cluster.hub.command_cell("c0", gyre_pb2.CellCommand(to_rollout=gyre_pb2.ToRollout(ask=True)))
+                     for _ in range(2))
+    assert dict(first.result(10).figures) == {"load": 1.0, "version": 4.0, "error": 0.0}
+    assert dict(second.result(10).figures) == {"load": 0.0, "version": 0.0, "error": 1.0}
+    assert asked == [("c0", "c0-a")] * 2
+    proxy = ControllerLink(cluster.address, secret=cluster.secret, hello=gyre_pb2.ProxyHello(proxy_id="p"),
+                           handler=lambda command: None)
+    with pytest.raises(TypeError, match="only a cell"):  # the proxy has no engine to load
+        proxy.ask_weights()
+
+
 def test_commands_from_many_threads_at_once_arrive_numbered_in_order(cluster) -> None:
     """As at a publish, when every actuator thread sends at once: each command reaches the cell once, a peer runs
     its commands in command_id order, and each thread's own commands keep the order it sent them in."""

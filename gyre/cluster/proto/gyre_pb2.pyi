@@ -97,16 +97,18 @@ class CellHello(_message.Message):
     def __init__(self, cell_id: _Optional[str] = ..., slots: _Optional[int] = ..., is_core: _Optional[bool] = ..., engine_url: _Optional[str] = ..., trainer_endpoint: _Optional[str] = ..., transfer_session: _Optional[str] = ..., incarnation: _Optional[str] = ..., producers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CellUp(_message.Message):
-    __slots__ = ("hello", "events", "heartbeat", "done")
+    __slots__ = ("hello", "events", "heartbeat", "done", "ask")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    ASK_FIELD_NUMBER: _ClassVar[int]
     hello: CellHello
     events: EventBatch
     heartbeat: Heartbeat
     done: CommandDone
-    def __init__(self, hello: _Optional[_Union[CellHello, _Mapping]] = ..., events: _Optional[_Union[EventBatch, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., done: _Optional[_Union[CommandDone, _Mapping]] = ...) -> None: ...
+    ask: WeightsAsk
+    def __init__(self, hello: _Optional[_Union[CellHello, _Mapping]] = ..., events: _Optional[_Union[EventBatch, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., done: _Optional[_Union[CommandDone, _Mapping]] = ..., ask: _Optional[_Union[WeightsAsk, _Mapping]] = ...) -> None: ...
 
 class WeightsRef(_message.Message):
     __slots__ = ("version", "location", "sha256", "peer_session", "manifest")
@@ -179,14 +181,34 @@ class ToTraining(_message.Message):
     def __init__(self, pause_mode: _Optional[str] = ..., join: _Optional[_Union[JoinStep, _Mapping]] = ...) -> None: ...
 
 class ToRollout(_message.Message):
-    __slots__ = ("leave", "reason", "weights")
+    __slots__ = ("leave", "reason", "weights", "ask")
     LEAVE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    ASK_FIELD_NUMBER: _ClassVar[int]
     leave: bool
     reason: str
     weights: WeightsRef
-    def __init__(self, leave: _Optional[bool] = ..., reason: _Optional[str] = ..., weights: _Optional[_Union[WeightsRef, _Mapping]] = ...) -> None: ...
+    ask: bool
+    def __init__(self, leave: _Optional[bool] = ..., reason: _Optional[str] = ..., weights: _Optional[_Union[WeightsRef, _Mapping]] = ..., ask: _Optional[bool] = ...) -> None: ...
+
+class WeightsAsk(_message.Message):
+    __slots__ = ("ask_id",)
+    ASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ask_id: int
+    def __init__(self, ask_id: _Optional[int] = ...) -> None: ...
+
+class WeightsAnswer(_message.Message):
+    __slots__ = ("ask_id", "load", "weights", "error")
+    ASK_ID_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ask_id: int
+    load: bool
+    weights: WeightsRef
+    error: str
+    def __init__(self, ask_id: _Optional[int] = ..., load: _Optional[bool] = ..., weights: _Optional[_Union[WeightsRef, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Sync(_message.Message):
     __slots__ = ()
@@ -221,14 +243,16 @@ class CellCommand(_message.Message):
     def __init__(self, command_id: _Optional[int] = ..., serve: _Optional[_Union[Serve, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., load_weights: _Optional[_Union[LoadWeights, _Mapping]] = ..., join_step: _Optional[_Union[JoinStep, _Mapping]] = ..., train: _Optional[_Union[Train, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., sync: _Optional[_Union[Sync, _Mapping]] = ..., to_rollout: _Optional[_Union[ToRollout, _Mapping]] = ..., to_training: _Optional[_Union[ToTraining, _Mapping]] = ...) -> None: ...
 
 class CellDown(_message.Message):
-    __slots__ = ("welcome", "ack", "command")
+    __slots__ = ("welcome", "ack", "command", "weights")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     ack: EventAck
     command: CellCommand
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., ack: _Optional[_Union[EventAck, _Mapping]] = ..., command: _Optional[_Union[CellCommand, _Mapping]] = ...) -> None: ...
+    weights: WeightsAnswer
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., ack: _Optional[_Union[EventAck, _Mapping]] = ..., command: _Optional[_Union[CellCommand, _Mapping]] = ..., weights: _Optional[_Union[WeightsAnswer, _Mapping]] = ...) -> None: ...
 
 class ProxyHello(_message.Message):
     __slots__ = ("proxy_id", "url", "incarnation", "producers")
@@ -296,6 +320,12 @@ class RedirectCell(_message.Message):
     resume_version: int
     def __init__(self, from_cell_id: _Optional[str] = ..., calls: _Optional[_Iterable[_Union[CallRedirect, _Mapping]]] = ..., cut: _Optional[bool] = ..., resume_version: _Optional[int] = ...) -> None: ...
 
+class RedirectCells(_message.Message):
+    __slots__ = ("cells",)
+    CELLS_FIELD_NUMBER: _ClassVar[int]
+    cells: _containers.RepeatedCompositeFieldContainer[RedirectCell]
+    def __init__(self, cells: _Optional[_Iterable[_Union[RedirectCell, _Mapping]]] = ...) -> None: ...
+
 class ExecutionSpec(_message.Message):
     __slots__ = ("execution_id", "group_id", "task_id", "step", "policy_version", "attempt", "token")
     EXECUTION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -321,20 +351,22 @@ class QueueExecutions(_message.Message):
     def __init__(self, executions: _Optional[_Iterable[_Union[ExecutionSpec, _Mapping]]] = ...) -> None: ...
 
 class ProxyCommand(_message.Message):
-    __slots__ = ("command_id", "routing", "redirect", "queue", "stop", "sync")
+    __slots__ = ("command_id", "routing", "redirect", "queue", "stop", "sync", "redirects")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
     REDIRECT_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    REDIRECTS_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     routing: Routing
     redirect: RedirectCell
     queue: QueueExecutions
     stop: Stop
     sync: Sync
-    def __init__(self, command_id: _Optional[int] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., redirect: _Optional[_Union[RedirectCell, _Mapping]] = ..., queue: _Optional[_Union[QueueExecutions, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., sync: _Optional[_Union[Sync, _Mapping]] = ...) -> None: ...
+    redirects: RedirectCells
+    def __init__(self, command_id: _Optional[int] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., redirect: _Optional[_Union[RedirectCell, _Mapping]] = ..., queue: _Optional[_Union[QueueExecutions, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., sync: _Optional[_Union[Sync, _Mapping]] = ..., redirects: _Optional[_Union[RedirectCells, _Mapping]] = ...) -> None: ...
 
 class ProxyDown(_message.Message):
     __slots__ = ("welcome", "ack", "command")
