@@ -206,6 +206,13 @@ def _spawn(code: str) -> subprocess.Popen[str]:
     )
 
 
+def _instant_engine() -> tuple[subprocess.Popen[str], str]:
+    """The instant engine in its own process, and its URL (once it listens)."""
+    engine = _spawn("from benchmarks.proxy_bench import run_instant_engine; run_instant_engine()")
+    assert engine.stdin is not None and engine.stdout is not None
+    return engine, f"http://127.0.0.1:{engine.stdout.readline().strip()}"
+
+
 # -- sessions -------------------------------------------------------------------------------------------------
 
 
@@ -542,9 +549,7 @@ def run_benchmark(*, quick: bool = False, directory: Path | None = None) -> dict
     }
     with tempfile.TemporaryDirectory(dir=directory, prefix="gyre-proxy-bench-") as tmp:
         results["fsync_floor"] = fsync_floor(Path(tmp))
-        engine = _spawn("from benchmarks.proxy_bench import run_instant_engine; run_instant_engine()")
-        assert engine.stdin is not None and engine.stdout is not None
-        engine_url = f"http://127.0.0.1:{engine.stdout.readline().strip()}"
+        engine, engine_url = _instant_engine()
         try:
             directs: dict[str, list[float]] = {}
             first = 0
@@ -625,9 +630,7 @@ def run_saturation(*, rounds: int = 1, clients: int = 3, directory: Path | None 
                                "servers": {name: [] for name in SERVERS}}
     with tempfile.TemporaryDirectory(dir=directory, prefix="gyre-proxy-sat-") as tmp:
         results["fsync_floor"] = fsync_floor(Path(tmp))
-        engine = _spawn("from benchmarks.proxy_bench import run_instant_engine; run_instant_engine()")
-        assert engine.stdin is not None and engine.stdout is not None
-        engine_url = f"http://127.0.0.1:{engine.stdout.readline().strip()}"
+        engine, engine_url = _instant_engine()
         try:
             for r in range(rounds):
                 for name in SERVERS:
@@ -665,9 +668,7 @@ def cpu_ab(roots: dict[str, str], rounds: int = 3, *, log: bool = False) -> dict
     machine). `one_session_cpu_ms_per_call` is each proxy's CPU per call over those turns, and
     `one_session_cpu_ratio` each round's second tree over the first: the headline case of one session, where
     each call finds the proxy idle (and a commit's fdatasync puts its loop to sleep)."""
-    engine = _spawn("from benchmarks.proxy_bench import run_instant_engine; run_instant_engine()")
-    assert engine.stdin is not None and engine.stdout is not None
-    engine_url = f"http://127.0.0.1:{engine.stdout.readline().strip()}"
+    engine, engine_url = _instant_engine()
     out: dict[str, list[float]] = {name: [] for name in roots}
     p50: dict[str, list[float]] = {name: [] for name in roots}
     one: dict[str, list[float]] = {name: [] for name in roots}
