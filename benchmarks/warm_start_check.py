@@ -37,8 +37,9 @@ HELDOUT = Path(__file__).resolve().parents[1] / "tasks" / "toy" / "learn-heldout
 
 
 def agent_stats(executions: Path) -> dict[str, dict[str, float]]:
-    """Per step (``s0``...) or held-out evaluation (``heldout-s0``...): mean model calls and tool calls."""
-    calls: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    """Per step (``s0``...) or held-out evaluation (``heldout-s0``...): mean model calls and tool calls, and the
+    share of executions with a malformed tool call (the format RL at too high an lr erodes, #29)."""
+    calls: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
     for stdout in executions.glob("*/harness.stdout"):
         lines = stdout.read_text().strip().splitlines()
         if not lines:
@@ -46,10 +47,12 @@ def agent_stats(executions: Path) -> dict[str, dict[str, float]]:
         result = json.loads(lines[-1])
         name = stdout.parent.name
         key = name.split("-heldout")[0] if name.startswith("heldout-") else name.split(".")[-1].split("-")[0]
-        calls[key].append((result.get("model_calls", 0), result.get("tool_calls", 0)))
-    return {k: {"executions": len(v), "model_calls": round(statistics.mean(c for c, _ in v), 3),
-                "tool_calls": round(statistics.mean(t for _, t in v), 3),
-                "multi_turn_share": round(sum(c >= 3 and t >= 2 for c, t in v) / len(v), 3)}
+        calls[key].append((result.get("model_calls", 0), result.get("tool_calls", 0),
+                           result.get("malformed_tool_calls", 0)))
+    return {k: {"executions": len(v), "model_calls": round(statistics.mean(c for c, _, _ in v), 3),
+                "tool_calls": round(statistics.mean(t for _, t, _ in v), 3),
+                "multi_turn_share": round(sum(c >= 3 and t >= 2 for c, t, _ in v) / len(v), 3),
+                "malformed_share": round(sum(m > 0 for _, _, m in v) / len(v), 3)}
             for k, v in sorted(calls.items())}
 
 
@@ -152,7 +155,7 @@ def warm_start(model: str, samples: int, root: Path) -> dict[str, Any]:
     return {"heldout": result["heldout"][0], "seconds": result["seconds"], "heldout_agent": {
         "executions": executions,
         **{k: round(sum(v[k] * v["executions"] for v in evaluations) / executions, 3)
-           for k in ("model_calls", "tool_calls", "multi_turn_share")}}}
+           for k in ("model_calls", "tool_calls", "multi_turn_share", "malformed_share")}}}
 
 
 def run_seed(model: str, seed: int, steps: int, every: int, root: Path, *, samples: int = 1,

@@ -2,6 +2,7 @@
 every context, the cosine lr schedule, the shuffled-rewards control and the pass/fail reward of the trajectory
 builder."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -115,3 +116,19 @@ def test_interleaved_training_order_mixes_the_families_in_every_step():
         assert sorted(i.split("-")[1] for i in ids[start:start + 4]) == ["concat", "copy", "reverse", "upper"]
     with pytest.raises(SystemExit, match="nosuch"):
         interleaved(["copy", "nosuch"], TOY / "learn-train.toml")
+
+
+def test_agent_stats_counts_calls_and_executions_with_a_malformed_tool_call(tmp_path):
+    from benchmarks.warm_start_check import agent_stats
+
+    results = {"heldout-s0-heldout-copy-data-0-e0": (4, 3, 0), "heldout-s0-heldout-copy-data-0-e1": (6, 5, 2),
+               "learn-cpu-1.s3-g0-e0": (3, 2, 0), "learn-cpu-1.s3-g0-e1": (2, 1, 1)}
+    for name, (model, tools, malformed) in results.items():
+        (tmp_path / name).mkdir()
+        line = {"type": "result", "model_calls": model, "tool_calls": tools, "malformed_tool_calls": malformed}
+        (tmp_path / name / "harness.stdout").write_text('{"type": "progress"}\n' + json.dumps(line) + "\n")
+    stats = agent_stats(tmp_path)
+    assert stats["heldout-s0"] == {"executions": 2, "model_calls": 5.0, "tool_calls": 4.0, "multi_turn_share": 1.0,
+                                   "malformed_share": 0.5}
+    assert stats["s3"] == {"executions": 2, "model_calls": 2.5, "tool_calls": 1.5, "multi_turn_share": 0.5,
+                           "malformed_share": 0.5}
