@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gyre.emulate.link import FairShare
 from gyre.events.models import (
     MicroStepClaimed,
     MicroStepFinished,
@@ -61,47 +62,39 @@ class OpenStep:
 
 
 class SharedLink:
-    """Transfers out of one endpoint share its bandwidth equally (processor sharing).
+    """Transfers out of the core share its egress (`gyre.emulate.link.FairShare`, in microseconds).
 
     Each transfer is given as the time it would take alone; ``done`` receives the time it took.
     """
 
     def __init__(self, sim: "Simulation") -> None:
         self.sim = sim
-        self.active: dict[int, list] = {}
-        self.t = 0
+        self.share = FairShare(sim.now)
+        self.active: dict[int, tuple[int, Callable[[float], None]]] = {}
         self.epoch = 0
         self._ids = itertools.count()
 
     def start(self, alone_s: float, done: "Callable[[float], None]") -> None:
-        self._progress()
-        self.active[next(self._ids)] = [float(max(1, to_us(alone_s))), self.sim.now, done]
+        key = next(self._ids)
+        self.share.add(key, float(max(1, to_us(alone_s))), self.sim.now)
+        self.active[key] = (self.sim.now, done)
         self._retime()
-
-    def _progress(self) -> None:
-        now = self.sim.now
-        if self.active:
-            share = (now - self.t) / len(self.active)
-            for transfer in self.active.values():
-                transfer[0] -= share
-        self.t = now
 
     def _retime(self) -> None:
         self.epoch += 1
-        if self.active:
-            first = min(t[0] for t in self.active.values())
+        first = self.share.until_next()
+        if first is not None:
             epoch = self.epoch
-            wait = max(1, math.ceil(first * len(self.active) - 1e-6))
+            wait = max(1, math.ceil(first - 1e-6))
             self.sim.agenda.at(self.sim.now + wait, lambda: self._wake(epoch))
 
     def _wake(self, epoch: int) -> None:
         if epoch != self.epoch:
             return
-        self._progress()
-        done = [key for key, t in self.active.items() if t[0] <= 1e-3]
-        finished = [self.active.pop(key) for key in done]
+        self.share.advance(self.sim.now)
+        finished = [self.active.pop(key) for key in self.share.pop_finished(1e-3)]
         self._retime()
-        for _, started, callback in finished:
+        for started, callback in finished:
             callback((self.sim.now - started) / US)
 
 
