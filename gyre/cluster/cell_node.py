@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +100,10 @@ class CellNode:
         self._closers.append(self.engine.stop)
         self.engine_client = SyncHttpEngineClient(self.engine_url)
         self._closers.append(self.engine_client.close)
+        emulation = config.emulation()
+        self.pacer = Pacer(emulation) if emulation is not None else None
+        """The emulated accelerator's clock for the cell's own work (training, switches; the engine has its
+        own for decode and prefill): `gyre.emulate`."""
         self.trainer_service: Any = None
         trainer_endpoint = ""
         if self.is_core:
@@ -107,7 +111,7 @@ class CellNode:
 
             self.trainer_service = TrainerServer(secret=secret, host=self.address.bind, endpoint=self.endpoint,
                                                  lease_s=config.cluster.lease_s, advertise=self.address.advertise,
-                                                 tls=config.cluster.tls)
+                                                 tls=config.cluster.tls, join_transfer=self._join_transfer())
             trainer_endpoint = self.trainer_service.start()
             self._closers.append(self.trainer_service.stop)
         producers = [f"cell:{cell_id}"] + (["trainer"] if self.is_core else [])
@@ -117,10 +121,6 @@ class CellNode:
                                         incarnation=uuid.uuid4().hex, producers=producers)
         self.link = ControllerLink(controller, secret=secret, hello=self.hello, handler=self.handle,
                                    spill_dir=spill_path(self.run_dir, cell_id), tls=config.cluster.tls)
-        emulation = config.emulation()
-        self.pacer = Pacer(emulation) if emulation is not None else None
-        """The emulated accelerator's clock for the cell's own work (training, switches; the engine has its
-        own for decode and prefill): `gyre.emulate`."""
         self._reporter: threading.Thread | None = None
         self.core: LocalCoreTrainer | None = None
         self.ready = threading.Event()
@@ -156,6 +156,16 @@ class CellNode:
         """A trainer replica (the core's or a satellite's), on the emulated accelerator where there is one."""
         backend = trainer_backend(self.config)
         return PacedBackend(backend, self.pacer) if self.pacer is not None else backend  # type: ignore[return-value]
+
+    def _join_transfer(self) -> Callable[[], float] | None:
+        """The core's side of a satellite's weight pull on an emulated accelerator whose link is shared: the
+        pull takes ``satellite_join_s`` alone and shares the core's egress with the other pulls and publishes
+        in flight, as `gyre sim` has it. The satellite still holds ``satellite_join_s`` from its own start
+        (`_join`), which a shared pull has already outlasted."""
+        pacer = self.pacer
+        if pacer is None or pacer.link is None:
+            return None
+        return lambda: pacer.transfer(pacer.clock(), pacer.emulation.accelerator.satellite_join_s)
 
     def _hold(self, started: float, emulated_s: float) -> None:
         if self.pacer is not None:

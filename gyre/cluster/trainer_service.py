@@ -47,8 +47,10 @@ class TrainerServicer(gyre_pb2_grpc.TrainerServicer):
     """``gyre.v1.Trainer`` over a hub. Refusals a satellite can act on come back in the reply (``ok=False``,
     ``status="released"``); a call before the core is attached ends with UNAVAILABLE."""
 
-    def __init__(self, hub: Callable[[], TrainerHub | None], pool: ThreadPoolExecutor) -> None:
-        self._hub, self._pool = hub, pool
+    def __init__(self, hub: Callable[[], TrainerHub | None], pool: ThreadPoolExecutor,
+                 join_transfer: Callable[[], float] | None = None, link_pool: ThreadPoolExecutor | None = None,
+                 ) -> None:
+        self._hub, self._pool, self._join_transfer, self._link_pool = hub, pool, join_transfer, link_pool
 
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
         hub = self._hub()
@@ -58,9 +60,15 @@ class TrainerServicer(gyre_pb2_grpc.TrainerServicer):
         return await loop.run_in_executor(self._pool, lambda: fn(hub, *args))
 
     async def Join(self, request: gyre_pb2.TrainerJoin, context: grpc.aio.ServicerContext) -> gyre_pb2.TrainerJoined:
+        transfer_s = request.transfer_s
+        if self._join_transfer is not None and self._link_pool is not None:
+            # an emulated core's link: the satellite's pull shares it with the others' and a publish, and
+            # `satellite_joined` records what the pull took there, as `gyre sim` does
+            waited = await asyncio.get_running_loop().run_in_executor(self._link_pool, self._join_transfer)
+            transfer_s += float(waited or 0.0)
         try:
             joined: Joined = await self._call(context, TrainerHub.join, request.cell_id, request.transfer_session,
-                                              request.transfer_s)
+                                              transfer_s)
         except (StepProtocolError, TransferError) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         hub = self._hub()
@@ -116,12 +124,17 @@ class TrainerServer:
     (``core.satellites``), so its ``train_step`` waits for satellites' gradients; ``stop()`` ends it."""
 
     def __init__(self, *, secret: str, endpoint: TransferEndpoint, host: str = "127.0.0.1", port: int = 0,
-                 lease_s: float = DEFAULT_LEASE_S, advertise: str = "", tls: TlsSection | None = None) -> None:
-        """Binds ``host``; satellites dial ``advertise`` (default ``host``)."""
+                 lease_s: float = DEFAULT_LEASE_S, advertise: str = "", tls: TlsSection | None = None,
+                 join_transfer: Callable[[], float] | None = None) -> None:
+        """Binds ``host``; satellites dial ``advertise`` (default ``host``). ``join_transfer`` (an emulated
+        accelerator whose core link is shared: `gyre.emulate.Pacer.transfer`) blocks for one satellite's
+        weight pull before its join is answered."""
         self.secret, self.endpoint, self.host, self.port, self.lease_s = secret, endpoint, host, port, lease_s
-        self.advertise, self.tls = advertise or host, tls
+        self.advertise, self.tls, self.join_transfer = advertise or host, tls, join_transfer
         self.hub: TrainerHub | None = None
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="gyre-trainer-rpc")
+        self._link_pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="gyre-core-link")
+        """Satellites' pulls waiting on the shared link: their own threads, never those claims need."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -134,7 +147,8 @@ class TrainerServer:
         async def serve() -> None:
             self._stopping = asyncio.Event()
             server = grpc.aio.server(interceptors=[SecretInterceptor(self.secret)], options=MESSAGE_OPTIONS)
-            gyre_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(lambda: self.hub, self._pool), server)
+            servicer = TrainerServicer(lambda: self.hub, self._pool, self.join_transfer, self._link_pool)
+            gyre_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
             port = add_port(server, f"{bracket(self.host)}:{self.port}", self.tls)
             if port == 0:
                 raise OSError(f"the Trainer service cannot bind {self.host}:{self.port}")
@@ -203,6 +217,7 @@ class TrainerServer:
         if self._thread is not None:
             self._thread.join(10)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._link_pool.shutdown(wait=False, cancel_futures=True)
         if self.hub is not None:
             self.hub.close()
             self.hub = None

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat
 
+from gyre.emulate.link import SharedLink
+
 
 class Accelerator(BaseModel):
     """One cell's accelerator, in scenario units (seconds of the emulated cluster)."""
@@ -45,6 +47,8 @@ class Accelerator(BaseModel):
     to_rollout_s: NonNegativeFloat = Field(description="a cell's switch training -> rollout (engine resumed)")
     kv_bytes_per_token: NonNegativeInt = 0
     kv_gb_per_s: PositiveFloat = 50.0
+    share_core_link: bool = Field(
+        False, description="satellites' weight pulls and publishes share the core's egress (`gyre.emulate.link`)")
 
     def decode_iteration_s(self, requests: int, context_tokens: float) -> float:
         """One iteration that gives each of ``requests`` decoding requests a token (``t(n, C)``)."""
@@ -114,6 +118,8 @@ class Pacer:
         self.emulation, self.sleep, self.clock = emulation, sleep, clock
         self.stats = EmulationStats()
         self._lock = threading.Lock()
+        self.link = SharedLink(clock) if emulation.accelerator.share_core_link else None
+        """The core's egress where the accelerator shares it (`transfer`); None: each transfer has its own."""
 
     def hold(self, started: float, emulated_s: float) -> float:
         """Wait out the rest of ``emulated_s`` (scaled to wall time); returns the wall seconds waited."""
@@ -132,6 +138,25 @@ class Pacer:
         if wait > 0:
             self.sleep(wait)
         return wait
+
+    def transfer(self, started: float, emulated_s: float) -> float:
+        """A transfer out of this cell's link (a satellite's weight pull, a publish) that takes ``emulated_s``
+        alone: with a shared link it shares the link with the others in flight, as `gyre sim`'s core link
+        does; without, it is a `hold`. Returns the wall seconds waited."""
+        if self.link is None:
+            return self.hold(started, emulated_s)
+        real, wall = self.clock() - started, self.emulation.wall_s(emulated_s)
+        took = self.link.transfer(wall, started)
+        with self._lock:
+            s = self.stats
+            s.holds += 1
+            s.emulated_s += took * self.emulation.time_scale  # what the shared link made of it
+            s.real_s += real
+            s.waited_s += max(0.0, took - real)
+            if real > wall:
+                s.overrun_s += real - wall
+                s.overruns += 1
+        return max(0.0, took - real)
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:

@@ -260,8 +260,8 @@ class LocalCoreTrainer:
         step = max(self.coordinator.state.steps)  # before the next step opens
 
         def record() -> None:
-            if self.pacer is not None:  # recorded once the emulated push is over
-                self.pacer.hold(started, self.pacer.emulation.accelerator.publish_s)
+            if self.pacer is not None:  # recorded once the emulated push is over (on the core's link, shared
+                self.pacer.transfer(started, self.pacer.emulation.accelerator.publish_s)  # with satellites' pulls)
             self.coordinator.publish(version, tensors=stored.tensors, nbytes=stored.bytes,
                                      location=stored.location, duration_s=stored.duration_s, sha256=stored.sha256)
             if (step + 1) % self.config.checkpoint.every_steps == 0:

@@ -63,7 +63,8 @@ class Core:
     secret: str
 
     @classmethod
-    def start(cls, root: Path, model_dir: Path, *, lease_s: float) -> Core:
+    def start(cls, root: Path, model_dir: Path, *, lease_s: float,
+              join_transfer: Callable[[], float] | None = None) -> Core:
         from gyre import auth
         from gyre.cluster.trainer_service import TrainerServer
         from gyre.log import LogWriter
@@ -77,7 +78,7 @@ class Core:
         backend = TorchBackend.from_pretrained(model_dir, backend_config())
         endpoint = TransferEndpoint()
         secret = auth.mint(auth.RUN_PREFIX)
-        server = TrainerServer(secret=secret, endpoint=endpoint, lease_s=lease_s)
+        server = TrainerServer(secret=secret, endpoint=endpoint, lease_s=lease_s, join_transfer=join_transfer)
         server.start()
         hub = server.attach(coordinator, None, backend=backend, core_cell=CORE)
         return cls(log_dir, sink, coordinator, backend, endpoint, server, hub, secret)

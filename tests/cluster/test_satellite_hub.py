@@ -224,3 +224,42 @@ def test_the_trainer_is_served_only_once_its_weights_are_published(data, tmp_pat
         assert core.server.hub is core.hub and core.hub.publisher.versions == [0]
     finally:
         core.close()
+
+
+def test_a_join_waits_for_its_pull_on_the_core_link_and_records_what_it_took(data, peer, tmp_path) -> None:
+    """On an emulated core whose link is shared, the Trainer service answers a satellite's Join only once its
+    pull is through the link (`gyre.emulate.Pacer.transfer`), and `satellite_joined` carries that time, as the
+    simulator's event does."""
+    import threading
+
+    from gyre.cluster.auth import metadata
+    from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
+    from gyre.cluster.tls import channel
+
+    pulling, through = threading.Event(), threading.Event()
+
+    def pull() -> float:
+        pulling.set()
+        assert through.wait(120), "the test never let the pull through"
+        return 2.5
+
+    model_dir, batches, _ = data
+    core = Core.start(tmp_path, model_dir, lease_s=60, join_transfer=pull)
+    replies: list = []
+    try:
+        core.open(batches)
+        stub = gyre_pb2_grpc.TrainerStub(channel(core.server.address, None))
+        request = gyre_pb2.TrainerJoin(cell_id="sat", transfer_session=peer.session_id, transfer_s=0.25)
+        caller = threading.Thread(target=lambda: replies.append(stub.Join(request, metadata=metadata(core.secret),
+                                                                          timeout=120)))
+        caller.start()
+        assert pulling.wait(120)
+        assert not core.events("satellite_joined") and not replies  # not a member while its pull is on the link
+        through.set()
+        caller.join(120)
+        assert replies and replies[0].step == 0
+        (joined,) = core.events("satellite_joined")
+        assert joined.cell_id == "sat" and joined.transfer_s == pytest.approx(2.75)
+    finally:
+        through.set()
+        core.close()
