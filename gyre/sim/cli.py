@@ -35,6 +35,8 @@ def sim(
                       "async.training_cells=3) or any scenario parameter, SECTION.FIELD=VALUE "
                       "(switch.to_training_s=1800); repeatable")] = None,
     log: Annotated[Path | None, typer.Option(help="write the run's log here (with --compare: one per policy)")] = None,
+    cell_time: Annotated[bool, typer.Option(
+        "--cell-time", help="one policy: also report where the cell-time went (gyre.sim.breakdown)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     try:
@@ -42,12 +44,15 @@ def sim(
         if policy_version is not None and (ablation or compare_all):
             raise ConfigError("--policy-version runs one policy: not with --ablate or --compare "
                               "(the ablation already runs elastic/3)")
+        if cell_time and (ablation or compare_all):
+            raise ConfigError("--cell-time breaks down one run: not with --ablate or --compare")
         if ablation:
             out: dict[str, Any] = ablate(sc, seed=seed, steps=steps)
         elif compare_all:
             out = compare(sc, seed=seed, steps=steps, log_dir=log)
         else:
-            out = simulate(sc, policy, seed=seed, steps=steps, log_dir=log, version=policy_version).to_dict()
+            out = simulate(sc, policy, seed=seed, steps=steps, log_dir=log, version=policy_version,
+                           cell_time=cell_time).to_dict()
     except GyreError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from None
@@ -57,6 +62,8 @@ def sim(
         _print_ablation(out)
     else:
         _print_table(out["policies"] if compare_all else [out], out if compare_all else None)
+        if out.get("cell_time"):
+            Console().print("cell-time: " + ", ".join(f"{k} {v:.1%}" for k, v in out["cell_time"].items()))
 
 
 def _configured(sc: Scenario, staleness: int | None, settings: list[str]) -> Scenario:

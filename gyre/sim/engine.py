@@ -22,6 +22,7 @@ from gyre.events.models import (
 )
 from gyre.scheduler import Policy, PolicyParams, SchedulerFold
 from gyre.scheduler.policy import CellSpec
+from gyre.sim.breakdown import CellTime
 from gyre.sim.clock import Agenda, timestamp, to_us
 from gyre.sim.rollouts import Rollouts
 from gyre.sim.scenario import Scenario
@@ -37,7 +38,7 @@ class SimulationError(GyreError):
 
 class Simulation:
     def __init__(self, scenario: Scenario, workload: Workload, policy: Policy, params: PolicyParams,
-                 sink: EventSink, *, seed: int, run_id: str) -> None:
+                 sink: EventSink, *, seed: int, run_id: str, cell_time: CellTime | None = None) -> None:
         self.scenario, self.workload, self.policy, self.params = scenario, workload, policy, params
         self.sink, self.seed, self.run_id = sink, seed, run_id
         self.agenda = Agenda()
@@ -52,6 +53,8 @@ class Simulation:
         self.rollouts = Rollouts(self)
         self.trainer = Trainer(self)
         self._buffer: list[Event] = []
+        self.cell_time = cell_time
+        """Optional, read-only: where the cell-time goes, observed after each round."""
 
     # -- plumbing ----------------------------------------------------------------------------------------
 
@@ -109,6 +112,8 @@ class Simulation:
             self._check(decision)
             self.emit(decision.model_copy(update={"ts": self.ts}))
             self._switch(decision)
+        if self.cell_time is not None:
+            self.cell_time.observe(self)
 
     # -- decisions ---------------------------------------------------------------------------------------
 

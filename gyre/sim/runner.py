@@ -6,6 +6,7 @@ from typing import Any
 
 from gyre.scheduler import Policy, PolicyParams, get_policy
 from gyre.sim.bound import lower_bound
+from gyre.sim.breakdown import CellTime
 from gyre.sim.engine import Simulation
 from gyre.sim.scenario import Scenario
 from gyre.sim.workload import Workload, sample_workload
@@ -47,6 +48,8 @@ class SimResult:
     """Most versions between a trained token's policy (its call's start) and the step that trained it."""
     resume_hours: float = 0.0
     """Time cut executions spent re-prefilling their context on resumption (``rollout.resume_s_per_mtoken``)."""
+    cell_time: dict[str, float] | None = None
+    """Where the cell-time went (``gyre.sim.breakdown``), when asked for: shares of cells x makespan."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -74,8 +77,9 @@ def policy_params(scenario: Scenario, policy: Policy, overrides: dict[str, Any] 
 
 def simulate(scenario: Scenario, policy_name: str, *, seed: int | None = None, steps: int | None = None,
              log_dir: str | Path | None = None, sink: EventSink | None = None, workload: Workload | None = None,
-             params: PolicyParams | None = None, version: str | None = None) -> SimResult:
-    """One policy (its current version, or ``version`` when still shipped) on the scenario's work."""
+             params: PolicyParams | None = None, version: str | None = None, cell_time: bool = False) -> SimResult:
+    """One policy (its current version, or ``version`` when still shipped) on the scenario's work;
+    ``cell_time``: also fold where the cell-time went (``gyre.sim.breakdown``; the run is unchanged)."""
     policy = get_policy(policy_name, version)
     params = params or policy_params(scenario, policy)
     seed = scenario.seed if seed is None else seed
@@ -83,7 +87,8 @@ def simulate(scenario: Scenario, policy_name: str, *, seed: int | None = None, s
     run_id = f"sim-{scenario.name}-{policy.name}-s{seed}"
     if sink is None:
         sink = LogSink.create(log_dir, run_id, flush_interval_s=None) if log_dir is not None else NullSink()
-    sim = Simulation(scenario, workload, policy, params, sink, seed=seed, run_id=run_id)
+    sim = Simulation(scenario, workload, policy, params, sink, seed=seed, run_id=run_id,
+                     cell_time=CellTime() if cell_time else None)
     try:
         makespan_us = sim.run()
     finally:
@@ -109,7 +114,8 @@ def summarise(sim: Simulation, makespan_us: int, log_dir: str | Path | None) -> 
         timed_out_share=(sim.rollouts.timed_out if sim.rollouts.timing is not None else
                          sum(e.status == "timed_out" for e in executions)) / max(1, len(executions)),
         log=str(log_dir) if log_dir is not None else None, partial_rollouts=sim.params.partial_rollouts,
-        cut_executions=sim.rollouts.cuts, resume_hours=sim.rollouts.resume_s / 3600, **_lags(sim))
+        cut_executions=sim.rollouts.cuts, resume_hours=sim.rollouts.resume_s / 3600,
+        cell_time=sim.cell_time.shares() if sim.cell_time is not None else None, **_lags(sim))
 
 
 def _lags(sim: Simulation) -> dict[str, Any]:
