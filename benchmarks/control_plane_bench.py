@@ -273,7 +273,6 @@ class Timings:
                 parts["up_to_loop"].append(queued - answered)
                 parts["up_queue"].append(written - queued)
                 parts["up_wire"].append(arrived - written)
-                parts["up_ahead"].append(figures["bench_ahead"] / 1e3)  # messages ahead of it (reported x1e3)
 
     def hub(self, hub: Any) -> None:
         """Stamp, on the hub's loop, when a command is queued on its peer's stream, when its done is read and

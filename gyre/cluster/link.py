@@ -444,13 +444,14 @@ ASK_TIMEOUT_S = 60.0
 a stream that breaks fails the ask sooner)."""
 
 
-PACK_AHEAD = 4
+PACK_AHEAD = 8
 """Event batches a link has up its call and not yet acknowledged durable; what is recorded while that many are
 out waits in the sink and goes as one batch at the next acknowledgement. Keeping up, every record goes at once;
 behind (the controller's ingest or log lagging, a burst of records) the batches grow instead of multiplying:
-the hub pays ~1 ms of its ingest thread per batch whatever its size, a done waits for every batch sent before
-it, and the hub reads no further than `gyre.cluster.hub.INGEST_AHEAD` batches ahead — at 256 cells the proxy
-had ~20 small batches queued in a burst, and its command dones waited 0.1-2 s behind them."""
+the hub pays ~1 ms of its ingest thread per batch whatever its size, and a done waits for every batch sent
+before it. As many as the hub reads ahead (`gyre.cluster.hub.INGEST_AHEAD`): more would sit in gRPC's buffers
+unread, a done behind them (at 256 cells the proxy had ~20 small batches queued in a burst, and its command
+dones waited 0.1-2 s); fewer makes a done wait for the pack of all that was held back (4 was no better)."""
 
 
 @dataclass

@@ -15,7 +15,7 @@ import pytest
 from gyre import auth
 from gyre.cluster.auth import metadata
 from gyre.cluster.errors import ClusterError, PeerLost
-from gyre.cluster.hub import Hub
+from gyre.cluster.hub import INGEST_AHEAD, Hub
 from gyre.cluster.link import PACK_AHEAD, ControllerLink, Durable
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.events import CellLost, ModelCallFinished
@@ -773,7 +773,7 @@ def test_records_made_while_batches_are_out_go_up_as_one_batch_and_before_a_late
     what is recorded meanwhile stays in the sink and goes as one batch; a done made meanwhile still goes up
     after every record made before it, so its command's events are in the log when its caller learns it is
     done."""
-    assert PACK_AHEAD == 4
+    assert PACK_AHEAD == INGEST_AHEAD  # never more out than the hub reads ahead
     producer_ref: list[Producer] = []
     link = cluster.link("c0", handler=lambda command: producer_ref[0].record(_lost(1, "command")) and None)
     producer = link.producer("c0")
