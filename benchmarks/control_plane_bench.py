@@ -63,6 +63,7 @@ import grpc
 import psutil
 
 from gyre import auth
+from gyre.cluster import link as link_module
 from gyre.cluster.aio import GRPC_OPTIONS
 from gyre.cluster.auth import SECRET_ENV, metadata
 from gyre.cluster.config import ClusterConfig, ClusterSchedulerSection, ClusterSection
@@ -208,6 +209,9 @@ class Timings:
         self.commit: list[float] = []
         self.fsync: list[float] = []
         self.decisions_durable: list[float] = []
+        self.ingest: dict[str, list[tuple[float, float, float]]] = collections.defaultdict(list)
+        """Per peer kind, each batch the hub's ingest thread recorded: (its wait in the thread's queue, wall
+        time recording it, the thread's CPU time for it), s."""
         self.recording = False
         self.keep_raw = False
         self.raw: list[tuple[Any, ...]] = []
@@ -217,6 +221,7 @@ class Timings:
         with self.lock:
             self.rtt.clear()
             self.parts.clear()
+            self.ingest.clear()
             for values in (self.fold, self.step, self.decide, self.rounds, self.ticks, self.commit, self.fsync,
                            self.decisions_durable):
                 values.clear()
@@ -252,8 +257,10 @@ class Timings:
                 return
             received, answered = figures["bench_received_at"], figures["bench_answered_at"]
             stamps = (started, queued, received, answered, arrived, read, woken)
-            if self.keep_raw:
-                self.raw.append((kind, target, *stamps))
+            if self.keep_raw:  # a proxy's done adds: queued on its link's loop, written, messages ahead of it
+                extra = tuple(figures[k] for k in ("bench_queued_at", "bench_written_at", "bench_ahead")
+                              if k in figures)
+                self.raw.append((kind, target, *stamps, *extra))
             parts = self.parts[kind]
             for part, a, b in zip(PARTS, stamps, stamps[1:], strict=False):
                 parts[part].append(b - a)
@@ -261,6 +268,11 @@ class Timings:
                 parts["events_wait"].append(answered - figures["bench_handled_at"])
             if "bench_read_at" in figures:
                 parts["turn_wait"].append(received - figures["bench_read_at"])
+            if "bench_written_at" in figures:  # the proxy's ``up``, cut: to its link's loop, its queue, the wire
+                queued, written = figures["bench_queued_at"], figures["bench_written_at"]
+                parts["up_to_loop"].append(queued - answered)
+                parts["up_queue"].append(written - queued)
+                parts["up_wire"].append(arrived - written)
 
     def hub(self, hub: Any) -> None:
         """Stamp, on the hub's loop, when a command is queued on its peer's stream, when its done is read and
@@ -281,6 +293,22 @@ class Timings:
             self.read[done.command_id] = time.monotonic()
             on_done(peer, done)
         hub._enqueue, hub._on_done, hub._after_ingest = timed_enqueue, timed_on_done, timed_after_ingest
+        on_events, record = hub._on_events, hub._record
+        submitted: dict[int, float] = {}
+
+        def timed_on_events(peer: Any, stream: Any, batch: Any) -> Any:
+            submitted[id(batch)] = time.monotonic()
+            return on_events(peer, stream, batch)
+
+        def timed_record(peer: Any, stream: Any, batch: Any) -> int:  # the ingest thread: its queue, wall, CPU
+            start, cpu = time.monotonic(), time.thread_time()
+            try:
+                return record(peer, stream, batch)
+            finally:
+                if self.recording:
+                    wait = start - submitted.pop(id(batch), start)
+                    self.ingest[peer.kind].append((wait, time.monotonic() - start, time.thread_time() - cpu))
+        hub._on_events, hub._record = timed_on_events, timed_record
 
 
 class BenchCluster(Cluster):
@@ -598,6 +626,9 @@ def measure(scenario: Scenario) -> dict[str, Any]:
         "controller_threads": threads,
         "controller_cpu_cores_by_thread": {k: v for k, v in threads_cpu.items() if v >= 0.001},
         "hub_loop_lag_ms": _percentiles(lag.lags),
+        "hub_ingest_ms_by_peer": {kind: {part: _percentiles([t[i] for t in values], summary=True)
+                                         for i, part in enumerate(("queue", "wall", "cpu"))}
+                                  for kind, values in sorted(timings.ingest.items())},
         "hub_messages_up_per_s": received,
         "gc_pause_ms_by_generation": {g: _percentiles(v) for g, v in sorted(pauses.pauses.items())},
         "log_mb_per_s": round(log_bytes / 2**20 / elapsed, 2),
@@ -968,6 +999,25 @@ def _proxy(address: str, secret: str, scenario: Scenario, stats: dict[str, Any],
         read_at.setdefault(command.command_id, time.monotonic())
         on_command(command)
     link._on_command = timed_on_command  # type: ignore[method-assign]
+    finished = link._finished
+
+    def timed_finished(done: gyre_pb2.CommandDone) -> None:  # the done queued up the call (the link's loop)
+        done.figures["bench_queued_at"] = time.monotonic()
+        done.figures["bench_ahead"] = float(link._conn.queue.qsize()) if link._conn is not None else -1.0
+        finished(done)
+    link._finished = timed_finished  # type: ignore[method-assign]
+
+    class TimedConn(link_module._Conn):  # stamps a done as its write begins (after everything queued before it)
+        def __init__(self, call: Any) -> None:
+            super().__init__(call)
+            write = call.write
+
+            async def timed_write(message: Any) -> None:
+                if message.WhichOneof("body") == "done":
+                    message.done.figures["bench_written_at"] = time.monotonic()
+                await write(message)
+            call.write = timed_write
+    link_module._Conn = TimedConn  # type: ignore[misc]
     link.start()
     producers.update(proxy=link.producer("proxy"), harness=link.producer("harness"))
     probe = asyncio.run_coroutine_threadsafe(_probe_lag(lags), link._thread.loop)  # the stream's loop

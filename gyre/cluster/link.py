@@ -420,6 +420,8 @@ class _Conn:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.last_up = time.monotonic()  # the hello went up just now
         self.sent_upto = 0
+        self.window: collections.deque[int] = collections.deque()
+        """The batches queued up this call and not yet acknowledged durable, by batch id (`PACK_AHEAD`)."""
         self.broken = False
 
     def put(self, message: Any) -> None:
@@ -440,6 +442,16 @@ _CLOSE = object()
 ASK_TIMEOUT_S = 60.0
 """How long a cell waits for the controller to answer a weights ask (it answers at once from its log's fold;
 a stream that breaks fails the ask sooner)."""
+
+
+PACK_AHEAD = 8
+"""Event batches a link has up its call and not yet acknowledged durable; what is recorded while that many are
+out waits in the sink and goes as one batch at the next acknowledgement. Keeping up, every record goes at once;
+behind (the controller's ingest or log lagging, a burst of records) the batches grow instead of multiplying:
+the hub pays ~1 ms of its ingest thread per batch whatever its size, and a done waits for every batch sent
+before it. As many as the hub reads ahead (`gyre.cluster.hub.INGEST_AHEAD`): more would sit in gRPC's buffers
+unread, a done behind them (at 256 cells the proxy had ~20 small batches queued in a burst, and its command
+dones waited 0.1-2 s); fewer makes a done wait for the pack of all that was held back (4 was no better)."""
 
 
 @dataclass
@@ -601,6 +613,7 @@ class ControllerLink:
     def _begin_close(self) -> None:
         self._closing = True
         if self._conn is not None:
+            self._pump(before=True)
             self._conn.queue.put_nowait(_CLOSE)
         elif self._main_task is not None:
             self._main_task.cancel()
@@ -726,6 +739,11 @@ class ControllerLink:
         body = message.WhichOneof("body")
         if body == "ack":
             self.sink._ack(message.ack)
+            conn = self._conn
+            if conn is not None and message.ack.durable and not message.ack.error:
+                while conn.window and conn.window[0] <= message.ack.batch_id:
+                    conn.window.popleft()
+                self._pump()  # what was recorded while `PACK_AHEAD` batches were out, as one
         elif body == "command":
             self._on_command(message.command)
         elif body == "weights":
@@ -784,14 +802,17 @@ class ControllerLink:
         self._pump_due = False
         self._pump()
 
-    def _pump(self) -> None:
-        """Queue on the live call every record it has not been given yet, in order, coalesced into batches.
+    def _pump(self, *, before: bool = False) -> None:
+        """Queue on the live call every record it has not been given yet, in order, coalesced into batches —
+        unless `PACK_AHEAD` batches are out unacknowledged: then the records wait for an acknowledgement
+        (`_on_message` pumps again). ``before``: queue them whatever is out, as a done must go up after every
+        record made before it (its command's events are in the log before its caller learns it is done).
 
         A batch is packed on the link's packer thread, not on the loop (a step's burst of a thousand records
         took the loop ~0.1-0.5 s to pack, and no command, ack or done moved meanwhile); its place in the
         call's queue is taken now, so what is queued after it (a done) still goes up after it."""
         conn = self._conn
-        if conn is None:
+        if conn is None or (len(conn.window) >= PACK_AHEAD and not before):
             return
         loop = asyncio.get_running_loop()
         for group in self.sink._batches(conn.sent_upto):
@@ -802,6 +823,7 @@ class ControllerLink:
                 return
             conn.put(_Packed(group[0].record_id, group[-1].record_id, packed))
             conn.sent_upto = group[-1].record_id
+            conn.window.append(conn.sent_upto)
 
     def _up(self, **body: Any) -> gyre_pb2.CellUp | gyre_pb2.ProxyUp:
         return gyre_pb2.CellUp(**body) if self.kind == "cell" else gyre_pb2.ProxyUp(**body)
@@ -864,6 +886,7 @@ class ControllerLink:
         command_id = command.command_id
         if command_id in self._done:
             if self._conn is not None:
+                self._pump(before=True)
                 self._conn.put(self._up(done=self._done[command_id]))
         elif command_id not in self._seen:
             self._seen.add(command_id)
@@ -934,6 +957,7 @@ class ControllerLink:
         while len(self._done) > self.DONE_KEPT:
             del self._done[next(iter(self._done))]
         if self._conn is not None:
+            self._pump(before=True)  # the records made before it go up before it
             self._conn.put(self._up(done=done))
 
 

@@ -143,8 +143,10 @@ class Controller:
                     for observer in self._at_record:
                         observer.tell(seq, event)
         with self._cond:
+            woken = bool(self._inbox)  # its wake-up is out already: the loop takes this batch with the others
             self._inbox.append((first_seq, appended))
-            self._cond.notify_all()
+            if not woken:
+                self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
         """An actuator's action failed: the loop raises it on the controller's thread."""

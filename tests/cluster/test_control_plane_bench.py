@@ -28,7 +28,9 @@ def test_a_tiny_run_measures_every_figure() -> None:
     assert standins["proxy"]["loop_lag_ms"]["n"] > 0
     parts = result["command_parts_ms_by_kind"]
     assert set(parts) == set(result["command_rtt_ms_by_kind"])  # every command timed was cut into its parts
-    proxy_parts = {*cpb.PARTS, "events_wait", "turn_wait"}  # the proxy's waits to send its events, and for its turn
+    proxy_parts = {*cpb.PARTS, "events_wait", "turn_wait",  # the proxy's waits to send its events, for its turn,
+                   "up_to_loop", "up_queue", "up_wire"}  # and its up part cut at its link's loop and its write
+    assert result["hub_ingest_ms_by_peer"]["proxy"]["wall"]["p50"] > 0  # the hub's ingest of the proxy's batches
     for kind, by_part in parts.items():
         assert set(by_part) == (proxy_parts if kind in cpb.PROXY_KINDS else set(cpb.PARTS)), kind
         assert all(values["p50"] >= 0 for values in by_part.values()), (kind, by_part)  # stamps in order

@@ -15,8 +15,8 @@ import pytest
 from gyre import auth
 from gyre.cluster.auth import metadata
 from gyre.cluster.errors import ClusterError, PeerLost
-from gyre.cluster.hub import Hub
-from gyre.cluster.link import ControllerLink, Durable
+from gyre.cluster.hub import INGEST_AHEAD, Hub
+from gyre.cluster.link import PACK_AHEAD, ControllerLink, Durable
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.events import CellLost, ModelCallFinished
 from gyre.events.wire import pack_events
@@ -766,3 +766,57 @@ def test_nothing_a_stream_sent_after_a_refused_batch_is_recorded(cluster) -> Non
 
     asyncio.run(main())
     assert cluster.events() == []
+
+
+def test_records_made_while_batches_are_out_go_up_as_one_batch_and_before_a_later_done(cluster) -> None:
+    """`PACK_AHEAD`: while that many event batches are out unacknowledged (held here at the link's packer),
+    what is recorded meanwhile stays in the sink and goes as one batch; a done made meanwhile still goes up
+    after every record made before it, so its command's events are in the log when its caller learns it is
+    done."""
+    assert PACK_AHEAD == INGEST_AHEAD  # never more out than the hub reads ahead
+    producer_ref: list[Producer] = []
+    link = cluster.link("c0", handler=lambda command: producer_ref[0].record(_lost(1, "command")) and None)
+    producer = link.producer("c0")
+    producer_ref.append(producer)
+    gate = threading.Event()
+    link._packer.submit(gate.wait, 30)  # the packer is one thread: every batch waits behind this
+
+    def on_loop() -> None:  # what the link's loop was asked before now has run (its callbacks are in order)
+        link._thread.submit(asyncio.sleep(0)).result(5)
+
+    sent = link.sent["events"]
+    for i in range(PACK_AHEAD):  # a batch each, of one record: sent at once
+        producer.record(_lost(1, f"out{i}"))
+        on_loop()
+        assert link._conn is not None and len(link._conn.window) == i + 1
+    for i in range(5):  # these wait in the sink
+        producer.record(_lost(1, f"held{i}"))
+    on_loop()
+    assert len(link._conn.window) == PACK_AHEAD
+    done = cluster.hub.command_cell("c0", gyre_pb2.CellCommand(serve=gyre_pb2.Serve()))
+    deadline = time.monotonic() + 10  # the handler records, then its done takes the held records with it
+    while len(link._conn.window) == PACK_AHEAD and time.monotonic() < deadline:
+        on_loop()
+    assert len(link._conn.window) == PACK_AHEAD + 1 and not done.done()
+    gate.set()
+    assert done.result(10).ok
+    assert cluster.sink.writer.next_seq == PACK_AHEAD + 6  # the done took effect with its command's event logged
+    reasons = [*(f"out{i}0" for i in range(PACK_AHEAD)), *(f"held{i}0" for i in range(5)), "command0"]
+    assert [e.reason for e in cluster.events()] == reasons
+    assert link.sent["events"] - sent == PACK_AHEAD + 1
+
+
+def test_a_link_behind_sends_what_waits_at_each_acknowledgement(cluster) -> None:
+    """Records that wait for the window (`PACK_AHEAD`) go up when an acknowledgement makes room, with no done
+    or later record to push them: nothing is stranded in the sink."""
+    link = cluster.link("c0")
+    producer = link.producer("c0")
+    gate = threading.Event()
+    link._packer.submit(gate.wait, 30)
+    for i in range(PACK_AHEAD):
+        producer.record(_lost(1, f"out{i}"))
+        link._thread.submit(asyncio.sleep(0)).result(5)
+    last = producer.record(_lost(3, "held"))
+    gate.set()
+    link.sink.commit(last, remote=True, timeout_s=10)
+    assert len(cluster.events()) == PACK_AHEAD + 3
