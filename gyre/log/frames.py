@@ -36,6 +36,7 @@ from functools import lru_cache
 from typing import Literal
 
 import crc32c
+import numpy as np
 
 MAGIC = b"GYRF"
 HEADER = struct.Struct("<4sBBBBIIqII")
@@ -418,9 +419,15 @@ def _pattern(data: memoryview, bad: BadFrame, size: int) -> tuple[Verdict, str]:
         return verdict("torn", bad.reason)
     if bad.kind == "short" and size < HEADER_SIZE:
         return verdict("torn", bad.reason)
-    if not any(data[bad.offset:]):  # a size update that reached the disk before the data did
+    if zeros_from(data, bad.offset):  # a size update that reached the disk before the data did
         return verdict("torn", f"{bad.reason}: {size} zero bytes")
     return verdict("ambiguous", f"{bad.reason}: nothing proves whether it was acknowledged")
+
+
+def zeros_from(data: memoryview, offset: int) -> bool:
+    """Whether ``data`` holds only zero bytes from ``offset`` to its end (vectorised: a live segment's
+    preallocated tail is a MiB of them)."""
+    return not np.frombuffer(data, np.uint8, offset=min(offset, len(data))).any()
 
 
 def _later_evidence(data: memoryview, start: int) -> tuple[int, int | None] | None:
