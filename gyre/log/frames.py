@@ -36,6 +36,7 @@ from functools import lru_cache
 from typing import Literal
 
 import crc32c
+import numpy as np
 
 MAGIC = b"GYRF"
 HEADER = struct.Struct("<4sBBBBIIqII")
@@ -244,6 +245,9 @@ def read_frame(data: memoryview, offset: int, verify: bool = True) -> Frame | Ba
                             "format")
         return BadFrame(offset, f"unknown frame format flags {flags:#x} in a damaged header", "header")
     if not flags & FLAG_CHUNKED:
+        if zeros_from(data[:offset + HEADER_SIZE], offset + 5):  # never a v0 header (its crc is not 0)
+            return BadFrame(offset, "a frame header that is zeros after its first bytes (a write that did not "
+                                    "finish)", "header")
         if flags & FLAG_ROWS:  # (only v1 frames are ever written as rows)
             return BadFrame(offset, f"frame format flags {flags:#x}: rows without chunk checksums", "header")
         return _read_v0(data, offset, ftype, length, count, first_seq, crc, head_crc, verify)
@@ -409,6 +413,9 @@ def _pattern(data: memoryview, bad: BadFrame, size: int) -> tuple[Verdict, str]:
         if len(bad.bad_chunks) >= 2:
             return verdict("torn", f"{bad.reason}: the frame's last {len(bad.bad_chunks)} chunks are bad, "
                                    f"as a write that did not finish leaves them")
+        if bad.frame_end is not None and _lost_pages(data, bad.offset, bad.frame_end):
+            return verdict("torn", f"{bad.reason}: the frame ends in zeros from a page boundary on and only zeros "
+                                   f"follow it, as a write into a preallocated segment that did not finish leaves it")
         return verdict("ambiguous", f"{bad.reason}: only the frame's last chunk is bad, which a torn write "
                                     f"and a flipped bit both leave")
     if bad.kind == "extension_consistent":
@@ -418,9 +425,26 @@ def _pattern(data: memoryview, bad: BadFrame, size: int) -> tuple[Verdict, str]:
         return verdict("torn", bad.reason)
     if bad.kind == "short" and size < HEADER_SIZE:
         return verdict("torn", bad.reason)
-    if not any(data[bad.offset:]):  # a size update that reached the disk before the data did
+    if zeros_from(data, bad.offset):  # a size update that reached the disk before the data did
         return verdict("torn", f"{bad.reason}: {size} zero bytes")
     return verdict("ambiguous", f"{bad.reason}: nothing proves whether it was acknowledged")
+
+
+PAGE = 4096
+
+
+def _lost_pages(data: memoryview, offset: int, end: int) -> bool:
+    """The frame at ``offset`` ends in zeros that span a page boundary, and only zeros follow it: the pages
+    of a write into a preallocated segment (`LogWriter`) that never reached the disk. (A flipped bit cannot
+    zero a page; a frame's own bytes end in at most its 7 bytes of padding, or an IPC body's zero buffers.)"""
+    boundary = (end - 1) // PAGE * PAGE
+    return offset < boundary and zeros_from(data[:end], boundary) and zeros_from(data, end)
+
+
+def zeros_from(data: memoryview, offset: int) -> bool:
+    """Whether ``data`` holds only zero bytes from ``offset`` to its end (vectorised: a live segment's
+    preallocated tail is a MiB of them)."""
+    return not np.frombuffer(data, np.uint8, offset=min(offset, len(data))).any()
 
 
 def _later_evidence(data: memoryview, start: int) -> tuple[int, int | None] | None:

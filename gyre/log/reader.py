@@ -180,6 +180,7 @@ class LogReader:
         seg_first, path = max((s for s in segments if s[0] <= from_seq), default=segments[0])
         offset, schema = 0, None  # read each segment incrementally: only bytes not seen yet
         idle_since = time.monotonic()
+        rotated = False  # a newer segment was seen while this one still ended in something unreadable
         while not should_stop():
             data = SegmentData(path, start=offset, schema=schema)
             stopped_at: BadFrame | None = None
@@ -207,12 +208,16 @@ class LogReader:
             if whole:
                 yield evolve(_merge(data.decode_all(whole), data.schema))
             if progressed:
-                idle_since = time.monotonic()
+                idle_since, rotated = time.monotonic(), False
                 continue
             newer = [s for s in self.segments() if s[0] > seg_first]
             if newer:  # the writer rotated, so this segment is complete
+                if stopped_at is not None and not rotated:
+                    rotated = True  # read it once more: what stopped us may be preallocated zeros, cut since
+                    continue
                 if stopped_at is not None:
                     raise LogCorruptionError(str(path), offset + stopped_at.offset, stopped_at.reason)
+                rotated = False
                 seg_first, path = newer[0]
                 offset, schema = 0, None
                 continue

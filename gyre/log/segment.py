@@ -29,6 +29,7 @@ from gyre.log.frames import (
     read_frame,
     scan,
     verify_payload,
+    zeros_from,
 )
 
 SEGMENT_SUFFIX = ".seg"
@@ -146,6 +147,8 @@ class SegmentScan:
     frames: list[Frame]
     valid_end: int
     size: int
+    """Bytes scanned: up to the file's end, the newest segment's preallocated zeros beyond ``valid_end``
+    included."""
     tail: TailVerdict | None = None
     """Damage after the last whole frame of the newest segment: a torn write, or bytes nothing can prove
     either way (``verdict`` says which); None for a clean segment. Corruption raises instead."""
@@ -194,6 +197,8 @@ class SegmentData:
         expected = None
         for item in scan(self.data, 0, verify=verify):
             if isinstance(item, BadFrame):
+                if tail_ok and (frames or self.start) and zeros_from(self.data, item.offset):
+                    break  # the live segment's preallocated zeros (`LogWriter`): not written yet, no damage
                 tail = self._tail(item, expected, tail_ok)
                 break
             if self.start == 0 and not frames:
