@@ -160,8 +160,8 @@ class CellNode:
     def _join_transfer(self) -> Callable[[], float] | None:
         """The core's side of a satellite's weight pull on an emulated accelerator whose link is shared: the
         pull takes ``satellite_join_s`` alone and shares the core's egress with the other pulls and publishes
-        in flight, as `gyre sim` has it. The satellite still holds ``satellite_join_s`` from its own start
-        (`_join`), which a shared pull has already outlasted."""
+        in flight, as `gyre sim` has it. The satellite then holds nothing itself (`_join`): a hold from its own
+        start would count the link's sharing as the host's overrun."""
         pacer = self.pacer
         if pacer is None or pacer.link is None:
             return None
@@ -385,7 +385,8 @@ class CellNode:
                                               tls=self.config.cluster.tls)
         weights = join.weights if join.HasField("weights") and join.weights.manifest else None
         figures = dict(self.satellite.join(join.trainer_endpoint, weights) or {})
-        self._hold(started, self.pacer.emulation.accelerator.satellite_join_s if self.pacer else 0.0)
+        if self.pacer is not None and self.pacer.link is None:  # a shared link: the core timed the pull (Join)
+            self.pacer.hold(started, self.pacer.emulation.accelerator.satellite_join_s)
         figures["trainer_join_s"] = time.perf_counter() - started
         return figures
 
