@@ -86,6 +86,7 @@ from gyre.events.models import (
     WeightsPublished,
 )
 from gyre.events.wire import pack_events
+from gyre.log.writer import PREALLOCATE_BYTES
 from gyre.run.host import RunHost
 from gyre.scheduler import SchedulerView
 
@@ -431,7 +432,18 @@ class GcPauses:
 
 
 def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    """Bytes the log holds: each file's size less the zeros the live segment keeps written ahead of its last
+    frame (`gyre.log.writer.PREALLOCATE_BYTES`), which would otherwise hide its growth."""
+    return sum(_written(f) for f in path.rglob("*") if f.is_file())
+
+
+def _written(file: Path) -> int:
+    size = file.stat().st_size
+    tail = min(size, PREALLOCATE_BYTES + 4096)
+    with file.open("rb") as f:
+        f.seek(size - tail)
+        data = f.read(tail)
+    return size - (len(data) - len(data.rstrip(b"\0")))
 
 
 def bench_config(scenario: Scenario, run_dir: Path) -> ClusterConfig:
