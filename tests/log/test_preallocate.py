@@ -67,20 +67,25 @@ def test_a_rotation_cuts_the_full_segments_zeros(tmp_path: Path) -> None:
         assert LogReader(tmp_path / "log").verify().ok
 
 
-@given(commits=st.integers(1, 40), preallocate=st.sampled_from([0, 64, 1000, 4096, 1 << 20]))
-@HYPOTHESIS
-def test_a_crash_with_zeros_ahead_recovers_everything_without_a_warning(tmp_path: Path, commits: int,
-                                                                      preallocate: int) -> None:
-    events = run_events(executions=4, calls=4)[:commits]
+def _crashed_after(events: list, tmp_path: Path, preallocate: int) -> Path:
+    """A log that committed ``events`` one by one, as a crash would leave it on disk (the writer still open)."""
     path = Path(tempfile.mkdtemp(dir=tmp_path)) / "log"
     writer = LogWriter(path, preallocate_bytes=preallocate)
     try:
         for event in events:
             writer.append(event)
             writer.commit()
-        crashed = _crash_image(path, tmp_path)
+        return _crash_image(path, tmp_path)
     finally:
         writer.close()
+
+
+@given(commits=st.integers(1, 40), preallocate=st.sampled_from([0, 64, 1000, 4096, 1 << 20]))
+@HYPOTHESIS
+def test_a_crash_with_zeros_ahead_recovers_everything_without_a_warning(tmp_path: Path, commits: int,
+                                                                      preallocate: int) -> None:
+    events = run_events(executions=4, calls=4)[:commits]
+    crashed = _crashed_after(events, tmp_path, preallocate)
     reader = LogReader(crashed)
     assert [e.seq for e in reader.events()] == list(range(len(events)))
     report = reader.verify()
@@ -99,15 +104,7 @@ def test_a_torn_write_into_the_zeros_is_cut_back(tmp_path: Path, cut: float) -> 
     """A crash while the last frame was written: its bytes from some point on never reached the disk, which
     then holds the preallocated zeros there. The frames before it stay; the torn one is moved aside."""
     events = run_events(executions=2, calls=2)
-    path = Path(tempfile.mkdtemp(dir=tmp_path)) / "log"
-    writer = LogWriter(path, preallocate_bytes=1 << 16)
-    try:
-        for event in events:
-            writer.append(event)
-            writer.commit()
-        crashed = _crash_image(path, tmp_path)
-    finally:
-        writer.close()
+    crashed = _crashed_after(events, tmp_path, 1 << 16)
     (_, segment), = list_segments(crashed)
     frames = _frames(segment)
     last = frames[-1]
