@@ -65,7 +65,7 @@ class TrainerServicer(gyre_pb2_grpc.TrainerServicer):
             # an emulated core's link: the satellite's pull shares it with the others' and a publish, and
             # `satellite_joined` records what the pull took there, as `gyre sim` does
             waited = await asyncio.get_running_loop().run_in_executor(self._link_pool, self._join_transfer)
-            transfer_s += float(waited or 0.0)
+            transfer_s += waited
         try:
             joined: Joined = await self._call(context, TrainerHub.join, request.cell_id, request.transfer_session,
                                               transfer_s)

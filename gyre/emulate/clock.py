@@ -126,15 +126,7 @@ class Pacer:
         real = self.clock() - started
         wall = self.emulation.wall_s(emulated_s)
         wait = max(0.0, wall - real)
-        with self._lock:
-            s = self.stats
-            s.holds += 1
-            s.emulated_s += emulated_s
-            s.real_s += real
-            s.waited_s += wait
-            if real > wall:
-                s.overrun_s += real - wall
-                s.overruns += 1
+        self._count(emulated_s, real, wall, wait)
         if wait > 0:
             self.sleep(wait)
         return wait
@@ -147,16 +139,21 @@ class Pacer:
             return self.hold(started, emulated_s)
         real, wall = self.clock() - started, self.emulation.wall_s(emulated_s)
         took = self.link.transfer(wall, started)
+        wait = max(0.0, took - real)
+        self._count(took * self.emulation.time_scale, real, wall, wait)  # what the shared link made of it
+        return wait
+
+    def _count(self, emulated_s: float, real: float, wall: float, waited: float) -> None:
+        """One hold in the stats: ``real`` wall seconds of work against ``wall`` alone, ``waited`` after it."""
         with self._lock:
             s = self.stats
             s.holds += 1
-            s.emulated_s += took * self.emulation.time_scale  # what the shared link made of it
+            s.emulated_s += emulated_s
             s.real_s += real
-            s.waited_s += max(0.0, took - real)
+            s.waited_s += waited
             if real > wall:
                 s.overrun_s += real - wall
                 s.overruns += 1
-        return max(0.0, took - real)
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:

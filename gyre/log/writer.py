@@ -628,7 +628,10 @@ class LogWriter:
             self.stats.disk_full_s += waited
             log.warning("log %s: space came back after %.1fs; writing again", self.path, waited)
         self._offset = end
-        self._zeroed_end = max(self._zeroed_end, end + len(parts[-1]) if parts and parts[-1] is self._zeros else end)
+        if parts and parts[-1] is self._zeros:  # written ahead again (kept unless the disk was full)
+            self._zeroed_end = end + len(self._zeros)
+        else:
+            self._zeroed_end = max(self._zeroed_end, end)
         self.stats.bytes += size
 
     def _flush_loop(self) -> None:
