@@ -20,7 +20,11 @@ a fixed message: the HTTP floor); the proxy without the durable log (events kept
 the log. The same run measures the fsync floor (`pwrite` + `fdatasync` of one event-sized record in the
 log's directory) and each server's saturated throughput (closed loop, no think time), driven by several
 load-generator processes (raw HTTP/1.1 clients: one httpx client in one process tops out below the proxy),
-with the server's own CPU from `/proc`.
+with the server's own CPU from `/proc`. Each server's CPU while it serves nothing (`idle_cpu_ms_per_s`) and the
+instant engine's own CPU a call at each level (`engine_cpu_ms_per_call`) are reported beside: on a virtualised
+core, code that runs after its process slept runs 2-4x slower, so a call that finds the proxy idle (64 and 256
+sessions, a call every ~15-30 ms) costs more CPU than one of a back-to-back session, for the engine's ~30
+lines as for the proxy's work.
 """
 
 from __future__ import annotations
@@ -131,9 +135,7 @@ def run_empty_app_process() -> None:
     socket options and event loop): it drains the body and answers a fixed Anthropic message. URL on stdout."""
     import threading
 
-    import uvicorn
-
-    from gyre.http_server import listen, server_loop, uvicorn_config
+    from gyre.http_server import Server, listen, server_loop, uvicorn_config
     from gyre.proxy import ProxyConfig
     from gyre.proxy.http import refusal_parts
 
@@ -164,7 +166,7 @@ def run_empty_app_process() -> None:
 
     limits = ProxyConfig(engines={"cell0": "http://127.0.0.1:1"}).server_limits()
     sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn_config(app, limits, refusal_parts, log_level="warning"))
+    server = Server(uvicorn_config(app, limits, refusal_parts, log_level="warning"))
     def run() -> None:
         with asyncio.Runner(loop_factory=server_loop) as runner:
             runner.run(server.serve(sockets=[sock]))
@@ -407,23 +409,37 @@ def _saturation(quick: bool) -> Saturation:
 
 
 def _measure_level(
-    server_url: str, server_pid: int, level: Level, sessions: range, direct: list[float]
+    server_url: str, server_pid: int, level: Level, sessions: range, direct: list[float], engine_pid: int
 ) -> dict[str, Any]:
-    cpu = _cpu_s(server_pid)
+    cpu, engine_cpu = _cpu_s(server_pid), _cpu_s(engine_pid)
     proxied = asyncio.run(
         _run_sessions(server_url, level.workers, sessions, level.calls, level.think_s, direct=False, seed=level.workers)
     )
-    cpu = _cpu_s(server_pid) - cpu
+    cpu, engine_cpu = _cpu_s(server_pid) - cpu, _cpu_s(engine_pid) - engine_cpu
     row: dict[str, Any] = {
         "calls": len(proxied),
         "think_s": level.think_s,
         "offered_calls_per_s": level.workers / level.think_s if level.think_s else None,
         "proxy_cpu_ms_per_call": cpu / len(proxied) * 1e3,
+        # the instant engine's own CPU a call at this level: the same ~30-line answer whatever the level, so
+        # its rise from one session (back to back) to 64 (a call every ~30 ms) is what arriving at an idle,
+        # cache-cold process costs on this machine, not work the proxy added
+        "engine_cpu_ms_per_call": engine_cpu / len(proxied) * 1e3,
     }
     for name, q in (("p50", 0.5), ("p99", 0.99)):
         d, p = _percentile(direct, q) * 1e3, _percentile(proxied, q) * 1e3
         row |= {f"{name}_direct_ms": d, f"{name}_proxied_ms": p, f"{name}_added_ms": p - d}
     return row
+
+
+IDLE_S = 5.0
+
+
+def _idle_cpu(pid: int) -> float:
+    """CPU ms a second the server spends serving nothing (its timers and background threads), over `IDLE_S`."""
+    cpu = _cpu_s(pid)
+    time.sleep(IDLE_S)
+    return (_cpu_s(pid) - cpu) / IDLE_S * 1e3
 
 
 def _measure_saturation(server_url: str, server_pid: int, sat: Saturation, sessions: range) -> dict[str, float]:
@@ -578,7 +594,7 @@ def run_benchmark(*, quick: bool = False, directory: Path | None = None) -> dict
                 assert server.stdin is not None and server.stdout is not None
                 url = server.stdout.readline().strip()
                 try:
-                    out: dict[str, Any] = {"concurrency": {}}
+                    out: dict[str, Any] = {"concurrency": {}, "idle_cpu_ms_per_s": _idle_cpu(server.pid)}
                     first = 0
                     for level in levels:
                         asyncio.run(_run_sessions(url, 1, range(first, first + 1), 5, 0.0, direct=False, seed=0))
@@ -586,7 +602,7 @@ def run_benchmark(*, quick: bool = False, directory: Path | None = None) -> dict
                         sessions = range(first, first + level.sessions)
                         first += level.sessions
                         out["concurrency"][str(level.workers)] = _measure_level(
-                            url, server.pid, level, sessions, directs[str(level.workers)]
+                            url, server.pid, level, sessions, directs[str(level.workers)], engine.pid
                         )
                     out["saturated"] = _measure_saturation(url, server.pid, sat, range(first, first + sat.sessions))
                     first += sat.sessions

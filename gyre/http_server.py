@@ -23,6 +23,7 @@ a read leaves incomplete, so a request that arrives whole costs none.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 from collections.abc import Callable
@@ -231,6 +232,44 @@ def protocol(limits: ServerLimits, render: Render) -> type[GuardedHttpToolsProto
     """A `GuardedHttpToolsProtocol` class bound to `limits` and to the app's error shape."""
     return type("BoundGuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,),
                 {"limits": limits, "render": staticmethod(render)})
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, waking once a second (to refresh its `Date` header) instead of ten times, and at once
+    when told to exit (`should_exit = True`, from any thread or a signal handler).
+
+    uvicorn's main loop sleeps 0.1 s between looks at `should_exit`: ten wake-ups a second of a process that
+    may be serving nothing, each paid cold on a virtualised core (an idle proxy spent ~1.5 ms of CPU a second
+    on them, a proxy at 32 calls/s ~0.05 ms a call). Exit is an event instead of a poll, so stopping stays
+    immediate."""
+
+    TICK_S = 1.0
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        self._exit_flag = False
+        self._wake: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        super().__init__(config)
+
+    @property
+    def should_exit(self) -> bool:  # type: ignore[override]
+        return self._exit_flag
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        self._exit_flag = value
+        if value and self._wake is not None:
+            loop, event = self._wake
+            with contextlib.suppress(RuntimeError):  # a closed loop: nothing is left to wake
+                loop.call_soon_threadsafe(event.set)
+
+    async def main_loop(self) -> None:
+        event = asyncio.Event()
+        self._wake = (asyncio.get_running_loop(), event)
+        counter = 0  # uvicorn's `on_tick` refreshes the Date header when counter % 10 == 0: every tick here
+        while not await self.on_tick(counter):
+            counter = (counter + 10) % 864_000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), self.TICK_S)
 
 
 def uvicorn_config(app: Any, limits: ServerLimits, render: Render, **kwargs: Any) -> uvicorn.Config:

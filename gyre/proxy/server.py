@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from gyre.http_server import listen, server_loop, uvicorn_config
+from gyre.http_server import Server, listen, server_loop, uvicorn_config
 from gyre.proxy.app import build_app
 from gyre.proxy.core import Proxy, harness_env
 from gyre.proxy.errors import ProxyError
@@ -39,7 +39,7 @@ class ProxyServer:
         self.proxy = proxy
         self.host = host
         self.port = port
-        self._server: uvicorn.Server | None = None
+        self._server: Server | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -50,7 +50,7 @@ class ProxyServer:
     def start(self, timeout_s: float = 30.0) -> str:
         sock = listen(self.host, self.port)
         self.port = sock.getsockname()[1]
-        self._server = uvicorn.Server(_uvicorn_config(self.proxy, log_level="warning"))
+        self._server = Server(_uvicorn_config(self.proxy, log_level="warning"))
         self._thread = threading.Thread(target=self._run, args=(sock,), name="gyre-proxy-http", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout_s
@@ -107,7 +107,7 @@ def serve(proxy: Proxy, host: str = "127.0.0.1", port: int = 8080) -> None:
     """Serve in the foreground until interrupted (the CLI)."""
 
     async def main() -> None:
-        server = uvicorn.Server(_uvicorn_config(proxy, log_level="info"))
+        server = Server(_uvicorn_config(proxy, log_level="info"))
         try:
             await server.serve(sockets=[listen(host, port)])
         finally:

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar, cast
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -49,7 +48,7 @@ from gyre.engine.protocol import (
     UpdateWeightVersionRequest,
 )
 from gyre.errors import TransferError
-from gyre.http_server import Refusal, ServerLimits, listen, uvicorn_config
+from gyre.http_server import Refusal, Server, ServerLimits, listen, uvicorn_config
 
 M = TypeVar("M", bound=BaseModel)
 _DISCONNECT_POLL_S = 0.5
@@ -405,7 +404,7 @@ class LocalEngineServer:
         self.host = host
         self.port = port
         self.limits = limits
-        self._server: uvicorn.Server | None = None
+        self._server: Server | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -417,7 +416,7 @@ class LocalEngineServer:
         sock = listen(self.host, self.port)
         self.port = sock.getsockname()[1]
         self.engine.start()
-        self._server = uvicorn.Server(uvicorn_config(build_app(self.engine), self.limits, _refusal,
+        self._server = Server(uvicorn_config(build_app(self.engine), self.limits, _refusal,
                                                      log_level="warning"))
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [sock]}, name="gyre-engine-http", daemon=True
@@ -453,7 +452,7 @@ def serve(engine: LocalEngine, host: str = "127.0.0.1", port: int = 30000,
     """Run the engine server in the foreground until interrupted (the CLI entry)."""
     engine.start()
     try:
-        uvicorn.Server(uvicorn_config(build_app(engine), limits, _refusal, log_level="info")).run(
+        Server(uvicorn_config(build_app(engine), limits, _refusal, log_level="info")).run(
             sockets=[listen(host, port)])
     finally:
         engine.stop()
