@@ -1,4 +1,4 @@
-"""The controller's end of the control plane: one bidi stream per cell and one for the proxy, plus Admin.
+"""The controller's end of the control plane: one bidi stream per cell and two for the proxy, plus Admin.
 
 A `Hub` serves the Cell, Proxy and Admin services (grpc.aio, behind the run secret) on its own thread and
 event loop, so the controller's synchronous code keeps its threads. Per stream:
@@ -17,6 +17,12 @@ event loop, so the controller's synchronous code keeps its threads. Per stream:
   and answers a repeat with its recorded `CommandDone`);
 - a cell may ask, in the middle of a command, which weights its engine should load (`WeightsAsk`, a return to
   rollout's load once its leave is over): the hub answers down the stream at once from ``on_weights_ask``.
+
+A process may open several streams (*lanes*, `ProxyHello.lanes`; the hub keys a peer's streams by lane): the
+proxy's events lane carries its events, its commands lane its commands and their dones, so a done does not wait
+behind the event batches of the other (a done waits only for its own stream's batches; a command that recorded
+events answers once they are acknowledged durable). The peer is connected once every lane it names is, is lost
+when any of them is (silent, or gone for ``dead_after_s``: both end), and after a Stop leaves once all have ended.
 
 A peer is *lost* — ``on_cell_lost`` / ``on_proxy_lost``, its pending commands failed with `ClusterError` —
 when its stream ended and did not come back within ``dead_after_s``, when nothing arrived on a live stream

@@ -22,6 +22,9 @@ an exception is reported as ``ok=False`` with its text, and whether it is transi
 type: `gyre.cluster.failures`). A cell's command may ask the controller mid-way which weights to load
 (`ask_weights`), answered down the same stream.
 
+The proxy opens two links of one incarnation (`EVENTS_LANE`, `COMMANDS_LANE`: `gyre.cluster.proxy_node`); a
+command handled on one whose events went up the other answers `Durable` over that other link's sink, ``remote``.
+
 A link that the controller refuses for good — a wrong secret, a protocol error, a refused batch, a process
 declared lost — stops: ``error`` says why, ``on_failed`` is told, and the sink's waiters fail with `SinkError`.
 """
