@@ -67,7 +67,7 @@ from gyre.cluster import link as link_module
 from gyre.cluster.aio import GRPC_OPTIONS
 from gyre.cluster.auth import SECRET_ENV, metadata
 from gyre.cluster.config import ClusterConfig, ClusterSchedulerSection, ClusterSection
-from gyre.cluster.link import ControllerLink, Durable
+from gyre.cluster.link import COMMANDS_LANE, ControllerLink, Durable
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.cluster.run import Cluster
 from gyre.config import RolloutSection
@@ -132,6 +132,9 @@ class Scenario:
     switch_interval_ms: float = 0.0
     """An experiment: the controller's `sys.setswitchinterval` (0: Python's default, 5 ms), how long a thread that
     wants the interpreter lock waits before the one holding it is asked to let go."""
+    proxy_one_stream: bool = False
+    """An experiment (the A/B of issue 30's command lane): the proxy stand-in on one stream, its commands and dones
+    behind its events, as before its commands lane (`gyre.cluster.proxy_node`)."""
 
     @property
     def calls_per_s(self) -> float:
@@ -834,6 +837,9 @@ class _ProxyStandIn:
         self.due: list[tuple[float, int, str]] = []
         self.order = 0
         self.out: dict[str, list[Event]] = {"proxy": [], "harness": []}
+        self.moved: list[Event] = []
+        """`call_redirected` of the calls a redirect moved, recorded by the workload at its next tick: the real
+        proxy's calls record them as they move (after the abort and the KV move), not its redirect command."""
         self.stats = collections.Counter[str]()
 
     def _slice(self, pool: list, n: int) -> list:
@@ -865,7 +871,7 @@ class _ProxyStandIn:
                     policy_version=spec.policy_version, attempt=spec.attempt,
                     step=spec.step if spec.step >= 0 else None))
             return done, True
-        elif kind == "redirect":  # its events go up before its done, not waited for (`gyre.cluster.proxy_node`)
+        elif kind == "redirect":  # records nothing: its calls do as they move (`gyre.cluster.proxy_node`)
             self._redirect(command.redirect, done)
         elif kind == "redirects":  # each cell's in order, its figures named by cell (as `gyre.cluster.proxy_node`)
             for redirect in command.redirects.cells:
@@ -886,8 +892,8 @@ class _ProxyStandIn:
             if execution is None or execution.cell != source:
                 continue
             self._move(execution, move.to_cell_id)
-            self.out["proxy"].append(CallRedirected(execution_id=move.execution_id, call_id=move.call_id,
-                                                    from_cell_id=source, to_cell_id=move.to_cell_id))
+            self.moved.append(CallRedirected(execution_id=move.execution_id, call_id=move.call_id,
+                                             from_cell_id=source, to_cell_id=move.to_cell_id))
         for execution in [e for e in self.running.values() if e.cell == source]:
             target = self._place(execution.spec.policy_version)
             if target is not None:
@@ -910,6 +916,8 @@ class _ProxyStandIn:
 
     def advance(self, now: float) -> None:
         """Start what has a slot; make the calls that are due; finish what made its last call."""
+        self.out["proxy"] += self.moved
+        self.moved = []
         while self.pending:
             cell = self._place(self.pending[0].spec.policy_version)
             if cell is None:
@@ -962,11 +970,13 @@ class _ProxyStandIn:
 
 def _proxy(address: str, secret: str, scenario: Scenario, stats: dict[str, Any],
            lags: list[tuple[float, float]]) -> None:
-    """The proxy stand-in on the real proxy's stream: a `ControllerLink` (its loop packs and sends what was
-    recorded, coalescing what waits; its command thread runs one command at a time) fed by a workload thread
-    that records each event on its own, as the proxy's HTTP loop and the harness runner do. Only the engines
-    and harnesses are played (`_ProxyStandIn`); commands are answered as `gyre.cluster.proxy_node` answers
-    them (a queue once its events are durable, a sync once everything is)."""
+    """The proxy stand-in on the real proxy's streams: its events lane, a `ControllerLink` (its loop packs and
+    sends what was recorded, coalescing what waits) fed by a workload thread that records each event on its own,
+    as the proxy's HTTP loop and the harness runner do, and its commands lane, a second `ControllerLink` whose
+    command thread runs one command at a time (``proxy_one_stream``: one link for both, as before). Only the
+    engines and harnesses are played (`_ProxyStandIn`); commands are answered as `gyre.cluster.proxy_node`
+    answers them (a queue once its events are in the controller's log, a sync once everything is; a redirect at
+    once — the real proxy's `call_redirected` are recorded by the calls as they move, after the command)."""
     state, recording = threading.Lock(), threading.Lock()
     stopping = threading.Event()
     proxy = _ProxyStandIn(scenario)
@@ -987,37 +997,49 @@ def _proxy(address: str, secret: str, scenario: Scenario, stats: dict[str, Any],
         with state:
             done, durable = proxy.command(command)
             events = proxy.take()
-            recording.acquire()  # in the order they happened, but the workload goes on meanwhile
-        try:
-            position = record(events)
-        finally:
-            recording.release()
+            made = any(events.values())
+            if made:  # a command that made none (a routing) waits for no tick's recording: the real one does not
+                recording.acquire()  # in the order they happened, but the workload goes on meanwhile
+        position = -1
+        if made:
+            try:
+                position = record(events)
+            finally:
+                recording.release()
         done.figures["bench_received_at"] = received
         done.figures["bench_read_at"] = read_at.pop(command.command_id, received)
         done.figures["bench_handled_at"] = time.monotonic()
         if command.WhichOneof("body") == "sync":
             link.sink.commit(remote=True)
-            link.wait_deferred()
+            commands.wait_deferred()
         if command.WhichOneof("body") == "stop":
             stopping.set()
         done.figures["bench_answered_at"] = time.monotonic()
-        return Durable(done, position) if durable else done
+        if not durable:
+            return done
+        # on one stream the done goes up behind its events; up the commands lane, once the controller holds them
+        return Durable(done, position, sink=link.sink, remote=lanes)
 
-    link = ControllerLink(address, secret=secret, handler=handle, hello=gyre_pb2.ProxyHello(
-        proxy_id="proxy", url="http://stand-in/proxy", producers=["proxy", "harness"]))
-    on_command = link._on_command
+    lanes = not scenario.proxy_one_stream
+    hello = gyre_pb2.ProxyHello(proxy_id="proxy", url="http://stand-in/proxy", producers=["proxy", "harness"],
+                                lanes=[COMMANDS_LANE] if lanes else [])
+    link = ControllerLink(address, secret=secret, handler=None if lanes else handle, hello=hello)
+    commands = link if not lanes else ControllerLink(address, secret=secret, handler=handle, hello=gyre_pb2.ProxyHello(
+        proxy_id="proxy", incarnation=link.hello.incarnation, lanes=[COMMANDS_LANE], lane=COMMANDS_LANE))
+    on_command = commands._on_command
 
     def timed_on_command(command: gyre_pb2.ProxyCommand) -> None:  # when the link's loop read it
         read_at.setdefault(command.command_id, time.monotonic())
         on_command(command)
-    link._on_command = timed_on_command  # type: ignore[method-assign]
-    finished = link._finished
+    commands._on_command = timed_on_command  # type: ignore[method-assign]
+    finished = commands._finished
 
     def timed_finished(done: gyre_pb2.CommandDone) -> None:  # the done queued up the call (the link's loop)
         done.figures["bench_queued_at"] = time.monotonic()
-        done.figures["bench_ahead"] = float(link._conn.queue.qsize()) if link._conn is not None else -1.0
+        conn = commands._conn
+        done.figures["bench_ahead"] = float(conn.queue.qsize()) if conn is not None else -1.0
         finished(done)
-    link._finished = timed_finished  # type: ignore[method-assign]
+    commands._finished = timed_finished  # type: ignore[method-assign]
 
     class TimedConn(link_module._Conn):  # stamps a done as its write begins (after everything queued before it)
         def __init__(self, call: Any) -> None:
@@ -1031,6 +1053,8 @@ def _proxy(address: str, secret: str, scenario: Scenario, stats: dict[str, Any],
             call.write = timed_write
     link_module._Conn = TimedConn  # type: ignore[misc]
     link.start()
+    if lanes:
+        commands.start()
     producers.update(proxy=link.producer("proxy"), harness=link.producer("harness"))
     probe = asyncio.run_coroutine_threadsafe(_probe_lag(lags), link._thread.loop)  # the stream's loop
     acks: list[float] = []
@@ -1065,9 +1089,12 @@ def _proxy(address: str, secret: str, scenario: Scenario, stats: dict[str, Any],
         thread.join(10)
     probe.cancel()
     link.close(timeout_s=30)
+    if lanes:
+        commands.close(timeout_s=30)
     stats.update(proxy.stats)
     stats["event_ack_ms"] = _percentiles(acks)
     stats["sent"] = dict(link.sent)
+    stats["sent_commands_lane"] = dict(commands.sent) if lanes else {}
 
 
 def standin_main(args: argparse.Namespace) -> None:
@@ -1162,6 +1189,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             else:
                 parser.add_argument(flag, type=type(field.default), default=field.default)
     parser.add_argument("--profile", type=Path, help="sample each controller with py-spy; stacks go here")
+    parser.add_argument("--json", action="store_true", help="accepted for scripts: the report is always JSON")
     controller = sub.add_parser("controller")
     controller.add_argument("--scenario", required=True)
     controller.add_argument("--out", type=Path, required=True)

@@ -1,4 +1,4 @@
-"""The controller's end of the control plane: one bidi stream per cell and one for the proxy, plus Admin.
+"""The controller's end of the control plane: one bidi stream per cell and two for the proxy, plus Admin.
 
 A `Hub` serves the Cell, Proxy and Admin services (grpc.aio, behind the run secret) on its own thread and
 event loop, so the controller's synchronous code keeps its threads. Per stream:
@@ -17,6 +17,12 @@ event loop, so the controller's synchronous code keeps its threads. Per stream:
   and answers a repeat with its recorded `CommandDone`);
 - a cell may ask, in the middle of a command, which weights its engine should load (`WeightsAsk`, a return to
   rollout's load once its leave is over): the hub answers down the stream at once from ``on_weights_ask``.
+
+A process may open several streams (*lanes*, `ProxyHello.lanes`; the hub keys a peer's streams by lane): the
+proxy's events lane carries its events, its commands lane its commands and their dones, so a done does not wait
+behind the event batches of the other (a done waits only for its own stream's batches; a command that recorded
+events answers once they are acknowledged durable). The peer is connected once every lane it names is, is lost
+when any of them is (silent, or gone for ``dead_after_s``: both end), and after a Stop leaves once all have ended.
 
 A peer is *lost* — ``on_cell_lost`` / ``on_proxy_lost``, its pending commands failed with `ClusterError` —
 when its stream ended and did not come back within ``dead_after_s``, when nothing arrived on a live stream
@@ -56,6 +62,7 @@ from gyre.cluster.address import bracket
 from gyre.cluster.aio import GRPC_OPTIONS, LoopThread
 from gyre.cluster.auth import SecretInterceptor
 from gyre.cluster.errors import ClusterError, PeerLost
+from gyre.cluster.link import COMMANDS_LANE, EVENTS_LANE
 from gyre.cluster.proto import gyre_pb2, gyre_pb2_grpc
 from gyre.cluster.tls import TlsSection, add_port
 from gyre.errors import GyreError
@@ -87,13 +94,18 @@ class _End:
 
 
 class _Stream:
-    """One connected call: the messages queued down it, and why it ended."""
+    """One connected call (a peer's lane): the messages queued down it, its last batch in ingest, why it ended."""
 
-    def __init__(self) -> None:
+    def __init__(self, hello: Hello) -> None:
+        self.hello = hello
+        self.lane = lane_of(hello)
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.ended: _End | None = None
         self.refused = False
         """A batch of it was refused (set on the ingest thread): nothing it sent after takes effect."""
+        self.ingest: asyncio.Future[int] | None = None
+        """Its last batch handed to the ingest thread: a done it sends takes effect after it (a done on another
+        lane of the peer does not wait for this one's batches)."""
 
     def send(self, message: Any) -> None:
         if self.ended is None:
@@ -115,23 +127,56 @@ INGEST_AHEAD = 8
 once per batch in turn, few enough that a stream cannot queue unbounded work."""
 
 
+def lane_of(hello: Hello) -> str:
+    """The lane a hello opens ("": the events lane; a cell has only that one)."""
+    return hello.lane if isinstance(hello, gyre_pb2.ProxyHello) else EVENTS_LANE
+
+
+def lanes_of(hello: Hello) -> tuple[str, ...]:
+    """Every lane the process opens (its hello's ``lanes``), the events lane first."""
+    extra = hello.lanes if isinstance(hello, gyre_pb2.ProxyHello) else ()
+    return (EVENTS_LANE, *sorted(set(extra) - {EVENTS_LANE}))
+
+
 @dataclass
 class _Peer:
+    """One incarnation of a process, over its streams keyed by lane (a cell: one; the proxy: events, commands)."""
+
     kind: str
     peer_id: str
     hello: Hello
-    stream: _Stream | None = None
-    last_seen: float = 0.0  # on the hub's clock, set as it attaches
-    disconnected_at: float | None = None
-    disconnect_reason: str = ""
+    streams: dict[str, _Stream] = field(default_factory=dict)
+    seen: dict[str, float] = field(default_factory=dict)
+    """When anything last arrived on each attached lane, on the hub's clock (set as it attaches)."""
+    gone: dict[str, tuple[float, str]] = field(default_factory=dict)
+    """Each lane not attached: since when (on the hub's clock) and why it ended ("": it never connected)."""
     pending: dict[int, tuple[Command, concurrent.futures.Future[gyre_pb2.CommandDone]]] = field(default_factory=dict)
     lost: str | None = None
-    stopped: bool = False  # it has done a Stop command: its stream's end is its exit, not a loss
+    stopped: bool = False  # it has done a Stop command: its streams' end is its exit, not a loss
     ingest: asyncio.Future[int] | None = None  # its last batch handed to the ingest thread
 
     @property
     def name(self) -> str:
         return f"{self.kind} {self.peer_id}"
+
+    @property
+    def lanes(self) -> tuple[str, ...]:
+        return lanes_of(self.hello)
+
+    @property
+    def command_lane(self) -> str:
+        """Where its commands go down (and their dones come up)."""
+        return COMMANDS_LANE if COMMANDS_LANE in self.lanes else EVENTS_LANE
+
+    @property
+    def connected(self) -> bool:
+        """Every lane it opens is attached."""
+        return all(lane in self.streams for lane in self.lanes)
+
+    @property
+    def last_seen(self) -> float:
+        """When anything last arrived on its most silent attached lane (0: none attached)."""
+        return min(self.seen.values(), default=0.0)
 
 
 class Hub:
@@ -232,8 +277,8 @@ class Hub:
             for command_id, (_, future) in peer.pending.items():
                 _fail(future, ClusterError(f"the hub stopped before {peer.name} finished command {command_id}"))
             peer.pending.clear()
-            if peer.stream is not None:  # ended by hand: the server's stop then waits for no handler
-                peer.stream.end(grpc.StatusCode.UNAVAILABLE, f"the controller at {self.address} is stopping")
+            for stream in list(peer.streams.values()):  # ended by hand: the server's stop then waits for no handler
+                stream.end(grpc.StatusCode.UNAVAILABLE, f"the controller at {self.address} is stopping")
         if self._server is not None:
             await self._server.stop(grace=0.5)
         for task in list(self._tasks):
@@ -282,7 +327,7 @@ class Hub:
 
     def _live(self, key: Key) -> bool:
         peer = self._peers.get(key)
-        return peer is not None and peer.stream is not None and peer.lost is None
+        return peer is not None and peer.connected and peer.lost is None
 
     # -- commands (any thread) -----------------------------------------------------------------------------
 
@@ -358,8 +403,9 @@ class Hub:
                                    f"({command.WhichOneof('body')}) was not sent"))
         else:
             peer.pending[command.command_id] = (command, future)
-            if peer.stream is not None:
-                peer.stream.send(_down(peer.kind, command=command))
+            stream = peer.streams.get(peer.command_lane)
+            if stream is not None:
+                stream.send(_down(peer.kind, command=command))
 
     def lose(self, kind: str, peer_id: str, reason: str, incarnation: str = "") -> None:
         """Declare a peer's current incarnation (``incarnation``, if given: only that one) lost now (its
@@ -380,8 +426,9 @@ class Hub:
         """End a peer's current stream as a broken network would (tests of reconnects); the peer may come back."""
         async def drop() -> None:
             for peer in self._peers.values():
-                if peer.peer_id == peer_id and peer.stream is not None:
-                    peer.stream.end(grpc.StatusCode.UNAVAILABLE, f"the hub dropped {peer.name}'s stream")
+                if peer.peer_id == peer_id:
+                    for stream in list(peer.streams.values()):
+                        stream.end(grpc.StatusCode.UNAVAILABLE, f"the hub dropped {peer.name}'s stream")
         self._thread.submit(drop()).result(timeout=10)
 
     def swept(self, timeout_s: float = 10.0) -> None:
@@ -412,7 +459,22 @@ class Hub:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"a {kind} hello must name its {'cell_id' if kind == 'cell' else 'proxy_id'} "
                                 f"and incarnation (got {peer_id!r}, {hello.incarnation!r})")
+        lane = lane_of(hello)
+        if lane not in lanes_of(hello):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{kind} {peer_id} opens lane {lane!r}, which its hello's lanes "
+                                f"{list(lanes_of(hello))} do not name")
+        if lane != EVENTS_LANE and hello.producers:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{kind} {peer_id}'s {lane} lane names producers {list(hello.producers)}: only its "
+                                "events lane records (one stream numbers a producer)")
         key: Key = ("cell", peer_id) if kind == "cell" else ("proxy", "")
+        known = self._peers.get(key)
+        if (known is not None and known.lost is None and known.hello.incarnation == hello.incarnation
+                and lanes_of(known.hello) != lanes_of(hello)):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{kind} {peer_id} incarnation {hello.incarnation!r} named lanes "
+                                f"{list(lanes_of(known.hello))}, and now {list(lanes_of(hello))}")
         for other_key, other in self._peers.items():
             shared = set(other.hello.producers) & set(hello.producers)
             if other_key != key and other.lost is None and shared:
@@ -425,9 +487,10 @@ class Hub:
                                 f"{kind} {peer_id!r} incarnation {hello.incarnation!r} was declared lost ({lost}); "
                                 "a lost process does not come back: restart it")
         previous = self._peers.get(key)
-        while previous is not None and previous.ingest is not None and not previous.ingest.done():
+        while (lane == EVENTS_LANE and previous is not None and previous.ingest is not None
+               and not previous.ingest.done()):
             await asyncio.wait([previous.ingest])  # the Welcome's positions must follow what it sent
-        stream = _Stream()  # (no await from here to the attach: the old stream sends nothing in between)
+        stream = _Stream(hello)  # (no await from here to the attach: the old stream sends nothing in between)
         peer = self._attach(key, kind, peer_id, hello, stream)
         reader = asyncio.get_running_loop().create_task(self._read(peer, stream, context))
         try:
@@ -447,24 +510,34 @@ class Hub:
         fresh = peer is None or peer.lost is not None or peer.hello.incarnation != hello.incarnation
         if peer is not None and peer.lost is None and fresh:
             self._declare_lost(peer, f"replaced by incarnation {hello.incarnation!r}")
+        lane = stream.lane
         if fresh:
             peer = _Peer(kind, peer_id, hello)
         else:
             assert peer is not None
-            if peer.stream is not None:
-                peer.stream.end(grpc.StatusCode.ABORTED, f"{peer.name} connected again: this stream is replaced")
+            if lane == EVENTS_LANE:
+                peer.hello = hello  # the hello naming the producers
+            replaced = peer.streams.get(lane)
+            if replaced is not None:
+                replaced.end(grpc.StatusCode.ABORTED, f"{peer.name} connected again: this stream is replaced")
         assert peer is not None
         with self._cond:
             self._peers[key] = peer
-            peer.stream = stream
-            peer.last_seen = self._clock()
-            peer.disconnected_at = None
+            now = self._clock()
+            peer.streams[lane] = stream
+            peer.seen[lane] = now
+            peer.gone.pop(lane, None)
+            for other in peer.lanes:  # a lane that never connects is lost as one that ended
+                if other not in peer.streams:
+                    peer.gone.setdefault(other, (now, ""))
             self._cond.notify_all()
         held = {p: self.sink.held(p) for p in hello.producers}
         stream.send(_down(kind, welcome=gyre_pb2.Welcome(run_id=self.run_id, held=held, heartbeat_s=self.heartbeat_s)))
-        for command_id in sorted(peer.pending):
-            stream.send(_down(kind, command=peer.pending[command_id][0]))
-        log.info("%s connected (incarnation %s%s)", peer.name, hello.incarnation, "" if fresh else ", again")
+        if lane == peer.command_lane:
+            for command_id in sorted(peer.pending):
+                stream.send(_down(kind, command=peer.pending[command_id][0]))
+        log.info("%s connected (incarnation %s%s%s)", peer.name, hello.incarnation, f", lane {lane}" if lane else "",
+                 "" if fresh else ", again")
         if fresh:
             if kind == "cell":
                 self._callback("on_cell_hello", self.on_cell_hello, hello)
@@ -475,16 +548,16 @@ class Hub:
     def _detach(self, peer: _Peer, stream: _Stream) -> None:
         reason = stream.ended.message if stream.ended is not None else "the call ended"
         with self._cond:
-            if peer.stream is not stream:
+            if peer.streams.get(stream.lane) is not stream:
                 return
-            peer.stream = None
-            peer.disconnected_at = self._clock()
-            peer.disconnect_reason = reason
+            del peer.streams[stream.lane]
+            peer.seen.pop(stream.lane, None)
+            peer.gone[stream.lane] = (self._clock(), reason)
             self._cond.notify_all()
         if self._stopping:
             return
-        log.info("%s stream ended: %s", peer.name, reason)
-        if peer.stopped:
+        log.info("%s stream ended%s: %s", peer.name, f" (lane {stream.lane})" if stream.lane else "", reason)
+        if peer.stopped and not peer.streams:
             self._declare_lost(peer, "it stopped (its Stop command is done) and ended its stream")
 
     async def _read(self, peer: _Peer, stream: _Stream, context: grpc.aio.ServicerContext) -> None:
@@ -501,13 +574,14 @@ class Hub:
                     continue
                 message = await context.read()
                 if message is grpc.aio.EOF:  # a close, or a cancelled call: the server cannot tell them apart
-                    if peer.ingest is not None and not peer.ingest.done():  # its last dones take effect first
-                        await asyncio.wait([peer.ingest])
+                    if stream.ingest is not None and not stream.ingest.done():  # its last dones take effect first
+                        await asyncio.wait([stream.ingest])
                     stream.end(None, f"{peer.name} ended its stream")
                     return
                 if stream.ended is not None:
                     return
-                peer.last_seen = self._clock()
+                if peer.streams.get(stream.lane) is stream:
+                    peer.seen[stream.lane] = self._clock()
                 body = message.WhichOneof("body")
                 self.received[body] += 1
                 if body == "heartbeat":
@@ -559,7 +633,7 @@ class Hub:
             if self._stopping:
                 return None
             raise
-        peer.ingest = ingest
+        peer.ingest = stream.ingest = ingest
         ingest.add_done_callback(lambda _: self._recorded(peer, stream, batch, ingest))
         return ingest
 
@@ -586,8 +660,9 @@ class Hub:
     def _after_ingest(self, peer: _Peer, stream: _Stream, done: gyre_pb2.CommandDone) -> None:
         """Resolve ``done`` once the batches the stream sent before it are recorded (at once if they are): a
         command's events are in the log before its caller learns it is done. Not after a refused batch (the
-        stream ends there, as if nothing after it had been read)."""
-        ingest = peer.ingest
+        stream ends there, as if nothing after it had been read). Only that stream's: a done up a commands lane
+        waits for no batch of the events lane (its process sends it once its command's events are durable)."""
+        ingest = stream.ingest
         if ingest is None or ingest.done():
             if not stream.refused:
                 self._on_done(peer, done)
@@ -609,7 +684,7 @@ class Hub:
             if peer.lost is not None:
                 raise GyreError(f"{peer.name} was declared lost ({peer.lost})")
             for arrived in batches:
-                self._check_stamps(peer, arrived)
+                self._check_stamps(peer, stream, arrived)
             position = self.sink.writer.next_seq - 1
             for arrived in batches:
                 position = self.sink.record_batch(arrived)
@@ -618,8 +693,8 @@ class Hub:
             raise
         return position
 
-    def _check_stamps(self, peer: _Peer, batch: pa.RecordBatch) -> None:
-        named = set(peer.hello.producers)
+    def _check_stamps(self, peer: _Peer, stream: _Stream, batch: pa.RecordBatch) -> None:
+        named = set(stream.hello.producers)
         names = batch.schema.names
         if "producer" not in names or "producer_seq" not in names:
             unstamped = pa.array(np.zeros(batch.num_rows, dtype=bool))
@@ -632,9 +707,10 @@ class Hub:
         outside = pc.invert(pc.is_in(batch.column("producer"), value_set=pa.array(sorted(named), pa.string())))
         if pc.any(outside).as_py():
             index = _first(outside)
+            lane = f" on its {stream.lane} lane" if stream.lane else ""
             raise GyreError(f"event {index} ({batch.column('kind')[index].as_py()}) comes from producer "
-                            f"{batch.column('producer')[index].as_py()!r}, which {peer.name}'s hello does not name "
-                            f"(it names {sorted(named)})")
+                            f"{batch.column('producer')[index].as_py()!r}, which {peer.name}'s hello{lane} does not "
+                            f"name (it names {sorted(named)})")
 
     async def _ack_durable(self, peer: _Peer, stream: _Stream, batch_id: int, position: int) -> None:
         try:
@@ -664,8 +740,8 @@ class Hub:
             peer.lost = reason
             self._lost[((peer.kind, peer.peer_id if peer.kind == "cell" else ""), peer.hello.incarnation)] = reason
             self._cond.notify_all()
-        if peer.stream is not None:
-            peer.stream.end(grpc.StatusCode.FAILED_PRECONDITION, f"{peer.name} was declared lost: {reason}")
+        for stream in list(peer.streams.values()):
+            stream.end(grpc.StatusCode.FAILED_PRECONDITION, f"{peer.name} was declared lost: {reason}")
         log.log(logging.INFO if peer.stopped else logging.WARNING, "%s (incarnation %s) %s: %s", peer.name,
                 peer.hello.incarnation, "left" if peer.stopped else "lost", reason)
         pending, peer.pending = peer.pending, {}
@@ -690,13 +766,17 @@ class Hub:
             for peer in list(self._peers.values()):
                 if peer.lost is not None:
                     continue
-                if peer.stream is not None and now - peer.last_seen > self.dead_after_s:
-                    self._declare_lost(peer, f"nothing arrived for {now - peer.last_seen:.1f} s (heartbeats "
+                silent = min(peer.seen, key=peer.seen.__getitem__, default=None)  # its most silent lane
+                gone = min(peer.gone, key=lambda lane: peer.gone[lane][0], default=None)
+                if silent is not None and now - peer.seen[silent] > self.dead_after_s:
+                    on = f" on its {silent} lane" if silent else ""
+                    self._declare_lost(peer, f"nothing arrived{on} for {now - peer.seen[silent]:.1f} s (heartbeats "
                                              f"every {self.heartbeat_s} s; dead after {self.dead_after_s} s)")
-                elif (peer.stream is None and peer.disconnected_at is not None
-                      and now - peer.disconnected_at > self.dead_after_s):
-                    self._declare_lost(peer, f"its stream ended ({peer.disconnect_reason}) and it did not "
-                                             f"reconnect within {self.dead_after_s} s")
+                elif gone is not None and now - peer.gone[gone][0] > self.dead_after_s:
+                    stream, why = f"its {gone} lane" if gone else "its stream", peer.gone[gone][1]
+                    self._declare_lost(peer, f"{stream} ended ({why}) and it did not reconnect within "
+                                             f"{self.dead_after_s} s" if why else
+                                       f"{stream} did not connect within {self.dead_after_s} s of its process")
             with self._cond:
                 self.sweeps += 1
                 self._cond.notify_all()
@@ -725,7 +805,7 @@ class Hub:
 
     def _minimal_status(self) -> gyre_pb2.StatusReply:
         now = self._clock()
-        cells = [gyre_pb2.CellStatus(cell_id=p.peer_id, connected=p.stream is not None and p.lost is None,
+        cells = [gyre_pb2.CellStatus(cell_id=p.peer_id, connected=p.connected and p.lost is None,
                                      is_core=p.hello.is_core, slots=p.hello.slots,
                                      last_heartbeat_age_s=now - p.last_seen)
                  for k, p in sorted(self._peers.items()) if k[0] == "cell"]

@@ -22,6 +22,9 @@ an exception is reported as ``ok=False`` with its text, and whether it is transi
 type: `gyre.cluster.failures`). A cell's command may ask the controller mid-way which weights to load
 (`ask_weights`), answered down the same stream.
 
+The proxy opens two links of one incarnation (`EVENTS_LANE`, `COMMANDS_LANE`: `gyre.cluster.proxy_node`); a
+command handled on one whose events went up the other answers `Durable` over that other link's sink, ``remote``.
+
 A link that the controller refuses for good — a wrong secret, a protocol error, a refused batch, a process
 declared lost — stops: ``error`` says why, ``on_failed`` is told, and the sink's waiters fail with `SinkError`.
 """
@@ -65,14 +68,24 @@ Hello = gyre_pb2.CellHello | gyre_pb2.ProxyHello
 Command = gyre_pb2.CellCommand | gyre_pb2.ProxyCommand
 
 
+EVENTS_LANE = ""
+COMMANDS_LANE = "commands"
+"""A proxy's lanes (`ProxyHello.lanes`): its events go up the first; with the second, its commands come down and
+their dones go up there, so a done does not wait behind the model-call batches sent before it (issue 30)."""
+
+
 @dataclass(frozen=True)
 class Durable:
-    """A handler's answer whose done goes up only once ``position`` (of the link's sink) is durable; the
-    command thread takes the next command meanwhile (the proxy's queue waited there for its executions'
-    events to be durable, and every routing and redirect behind it waited too)."""
+    """A handler's answer whose done goes up only once ``position`` of ``sink`` (None: the link's own) is
+    durable — in the controller's log if ``remote`` (a done up another stream than its events': only their
+    acknowledgement says the hub recorded them first); the command thread takes the next command meanwhile
+    (the proxy's queue waited there for its executions' events to be durable, and every routing and redirect
+    behind it waited too)."""
 
     answer: Mapping[str, float] | gyre_pb2.CommandDone | None
     position: int
+    sink: RemoteSink | None = None
+    remote: bool = False
 
 
 Handler = Callable[[Any], Mapping[str, float] | gyre_pb2.CommandDone | Durable | None]
@@ -467,7 +480,7 @@ class ControllerLink:
     """A cell's or the proxy's stream to the controller (see the module docstring)."""
 
     def __init__(self, address: str, *, secret: str, hello: gyre_pb2.CellHello | gyre_pb2.ProxyHello,
-                 handler: Handler, backoff_s: tuple[float, float] = (0.05, 2.0),
+                 handler: Handler | None = None, backoff_s: tuple[float, float] = (0.05, 2.0),
                  connect_timeout_s: float = 30.0, spill_dir: str | Path | None = None,
                  tls: TlsSection | None = None) -> None:
         if isinstance(hello, gyre_pb2.CellHello):
@@ -486,6 +499,8 @@ class ControllerLink:
         self.backoff_s = backoff_s
         self.connect_timeout_s = connect_timeout_s
         self.peer_id = copy.cell_id if self.kind == "cell" else copy.proxy_id
+        self.lane = copy.lane if self.kind == "proxy" else EVENTS_LANE
+        name = f"{self.peer_id}-{self.lane}" if self.lane else self.peer_id
         self._metadata = metadata(secret)
         self._pump_due = False  # a wake-up to send what was recorded is on its way to the loop
         self.spill = None if spill_dir is None else Spill(spill_dir)
@@ -504,14 +519,14 @@ class ControllerLink:
         """Streams that reached their Welcome (1 + the reconnects so far)."""
         self.sent: collections.Counter[str] = collections.Counter()
         """Messages written up the stream after its hellos, by kind (events, done, heartbeat)."""
-        self._thread = LoopThread(f"gyre-link-{self.peer_id}")
-        self._packer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"gyre-pack-{self.peer_id}")
+        self._thread = LoopThread(f"gyre-link-{name}")
+        self._packer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"gyre-pack-{name}")
         """Packs event batches off the loop; one thread, so they are packed in the order they were queued."""
         self._ready = threading.Event()
         self._producers: dict[str, Producer] = {}
         self._producers_lock = threading.Lock()
         self._commands: queue.Queue[Any] = queue.Queue()
-        self._command_thread = threading.Thread(target=self._command_loop, name=f"gyre-commands-{self.peer_id}",
+        self._command_thread = threading.Thread(target=self._command_loop, name=f"gyre-commands-{name}",
                                                 daemon=True)
         self._done: dict[int, gyre_pb2.CommandDone] = {}
         self._asks = 0
@@ -903,7 +918,8 @@ class ControllerLink:
             else:
                 with self._deferred_cond:
                     self._deferred += 1
-                self._thread.call(self._finish_when_durable, done, durable)
+                self._thread.call(self._finish_when_durable, done, durable.sink or self.sink, durable.position,
+                                  durable.remote)
 
     def wait_deferred(self, timeout_s: float | None = None) -> bool:
         """Block until every done that waits for its events to be durable (`Durable`) has been sent up, so a
@@ -912,11 +928,12 @@ class ControllerLink:
         with self._deferred_cond:
             return self._deferred_cond.wait_for(lambda: self._deferred == 0, timeout_s)
 
-    def _finish_when_durable(self, done: gyre_pb2.CommandDone, position: int) -> None:
+    def _finish_when_durable(self, done: gyre_pb2.CommandDone, sink: RemoteSink, position: int,
+                             remote: bool) -> None:
         async def finish() -> None:
             try:
                 try:
-                    await self.sink.durable(position)
+                    await sink.durable(position, remote=remote)
                 except SinkError as e:  # the link failed: its done could not go up anyway
                     done.CopyFrom(failed_done(done.command_id, e))
                 self._finished(done)
@@ -928,14 +945,16 @@ class ControllerLink:
         self._waiting.add(task)  # the loop keeps only a weak reference to a task
         task.add_done_callback(self._waiting.discard)
 
-    def _execute(self, command: Command) -> tuple[gyre_pb2.CommandDone, int | None]:
-        """The command's done, and the sink position it waits for (None: it goes up at once)."""
+    def _execute(self, command: Command) -> tuple[gyre_pb2.CommandDone, Durable | None]:
+        """The command's done, and what it waits for to be durable (None: it goes up at once)."""
         body = command.WhichOneof("body")
         durable = None
         try:
+            if self.handler is None:
+                raise ClusterError(f"{self.kind} {self.peer_id!r} takes no command on its {self.lane!r} lane")
             result = self.handler(command)
             if isinstance(result, Durable):
-                result, durable = result.answer, result.position
+                durable, result = result, result.answer
             done = gyre_pb2.CommandDone(ok=True)
             if isinstance(result, gyre_pb2.CommandDone):  # a command with a result (Train: its WeightsRef)
                 done.CopyFrom(result)

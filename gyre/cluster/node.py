@@ -24,6 +24,7 @@ class Link(Protocol):
 class Node(Protocol):
     stopped: threading.Event | bool
     link: Link
+    """Its stream, or its first (a node with several names them all in ``links``, e.g. the proxy's lanes)."""
 
     def start(self) -> None: ...
     def close(self) -> None: ...
@@ -33,7 +34,9 @@ def serve_until_stopped(node: Node) -> None:
     """Start ``node``; return once the controller's ``stop`` command or SIGTERM/SIGINT ends it, closed. Exit
     (`SystemExit`, non-zero) once its link is refused for good."""
     done = threading.Event()
-    node.link.on_failed = lambda error: done.set()
+    links: tuple[Link, ...] = getattr(node, "links", (node.link,))
+    for link in links:
+        link.on_failed = lambda error: done.set()
 
     def on_signal(signum: int, frame: object) -> None:
         done.set()
@@ -53,5 +56,6 @@ def serve_until_stopped(node: Node) -> None:
         # a loaded 2-core VM; a run's end waits for every process's). Atexit handlers, the flush of stdout and
         # stderr, and destructors of what reference counts free still run; cycles go with the process.
         gc.freeze()
-    if node.link.error is not None:
-        raise SystemExit(f"exiting: the controller refused this process for good ({node.link.error})")
+    error = next((link.error for link in links if link.error is not None), None)
+    if error is not None:
+        raise SystemExit(f"exiting: the controller refused this process for good ({error})")

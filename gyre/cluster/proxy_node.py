@@ -11,6 +11,14 @@ this process through its Proxy stream:
 - **Sync**: done once every earlier command is done and every event recorded is durable; its detail lists
   the executions this process still runs (a restarted controller submits again only what no harness runs).
 
+Two streams of one incarnation (`ProxyHello.lanes`): the events lane carries every event; the commands lane
+carries the commands and their dones, so a routing's or a redirect's done does not wait behind the model-call
+batches sent before it (issue 30: it waited for their packing, the wire and the hub's ingest). Events never take
+the commands lane: the folds order a call's events by the one stream its producer is on (a `call_redirected`
+before its call's `model_call_started` would be dropped; a cut's `execution_queued` must precede its
+`execution_started` again). A command that records events (a queue, a cut, a stop) has its done go up once the
+controller acknowledged them durable (`Durable(remote=True)`), so it still takes effect after them.
+
 A proxy process that starts kills the harnesses a dead predecessor left behind (they work inside the run's
 execution directories); the controller submits their executions again as new attempts.
 Events (model calls, executions, rewards) go up as batches; a call's reply waits until its events are
@@ -39,7 +47,7 @@ from gyre.proxy.routing import Router
 from gyre.run.build import rollout_tasks
 
 if TYPE_CHECKING:
-    from gyre.cluster.link import Durable
+    from gyre.cluster.link import ControllerLink, Durable
     from gyre.harness.runner import HarnessRunner
     from gyre.harness.tasks import TaskSet
     from gyre.proxy import Proxy, ProxyServer
@@ -137,14 +145,20 @@ class ProxyNode:
     """Builds the proxy and the runner on the first routing update (it names the engines) and serves commands."""
 
     def __init__(self, config: ClusterConfig, controller: str, secret: str) -> None:
-        from gyre.cluster.link import ControllerLink
+        from gyre.cluster.link import COMMANDS_LANE, ControllerLink
         from gyre.cluster.spill import spill_path
 
         self.config = config
         self.hello = gyre_pb2.ProxyHello(proxy_id="proxy", incarnation=uuid.uuid4().hex,
-                                         producers=list(PROXY_PRODUCERS))
-        self.link = ControllerLink(controller, secret=secret, hello=self.hello, handler=self.handle,
+                                         producers=list(PROXY_PRODUCERS), lanes=[COMMANDS_LANE])
+        self.link = ControllerLink(controller, secret=secret, hello=self.hello,
                                    spill_dir=spill_path(Path(config.run_dir), "proxy"), tls=config.cluster.tls)
+        """The events lane: every event this process records goes up here (it takes no command)."""
+        commands = gyre_pb2.ProxyHello(proxy_id=self.hello.proxy_id, incarnation=self.hello.incarnation,
+                                       lanes=self.hello.lanes, lane=COMMANDS_LANE)
+        self.commands = ControllerLink(controller, secret=secret, hello=commands, handler=self.handle,
+                                       tls=config.cluster.tls)
+        """The commands lane: commands down, their dones up, nothing recorded."""
         self.parts: _Components | None = None
         self.stopped = False
         self._held: set[str] = set()
@@ -156,8 +170,22 @@ class ProxyNode:
         """Orders a cut against executions' ends: an execution is cut before it finishes, or not at all."""
         self._urls: dict[str, str] = {}
 
+    @property
+    def links(self) -> tuple[ControllerLink, ...]:
+        """Its streams: the process ends when either is refused for good (`gyre.cluster.node`)."""
+        return self.link, self.commands
+
     def start(self) -> None:
-        self.link.start()
+        self.link.start()  # first: its Welcome numbers the producers a command's handler records through
+        self.commands.start()
+
+    def _after_events(self, answer: Mapping[str, float] | gyre_pb2.CommandDone) -> Durable:
+        """``answer``'s done, up the commands lane once every event recorded so far (the command's among them)
+        is in the controller's log: the events lane's acknowledgement says the hub recorded them before it
+        reads the done, which no order between the two streams would."""
+        from gyre.cluster.link import Durable
+
+        return Durable(answer, self.link.sink.recorded, sink=self.link.sink, remote=True)
 
     # -- commands -------------------------------------------------------------------------------------------
 
@@ -167,18 +195,20 @@ class ProxyNode:
             return self._route(command.routing)
         if body == "queue":
             return self._queue(command.queue)
-        if body == "redirect":
-            return self._redirect(command.redirect)
-        if body == "redirects":  # each cell's, in order; its figures named by cell
-            return {f"{r.from_cell_id}/{name}": value for r in command.redirects.cells
-                    for name, value in self._redirect(r).items()}
+        if body in ("redirect", "redirects"):  # each cell's, in order; several: its figures named by cell
+            redirects = [command.redirect] if body == "redirect" else list(command.redirects.cells)
+            figures = [(r.from_cell_id, self._redirect(r)) for r in redirects]
+            answer = figures[0][1] if body == "redirect" else {
+                f"{cell}/{name}": value for cell, one in figures for name, value in one.items()}
+            # a cut recorded its executions' `execution_queued`: the done goes up once they are in the log
+            return self._after_events(answer) if any(one["cut_executions"] for _, one in figures) else answer
         if body == "sync":
             self.link.sink.commit(remote=True)
-            self.link.wait_deferred()  # a queue's done waits for its events: it goes up before this one
+            self.commands.wait_deferred()  # a queue's done waits for its events: it goes up before this one
             return gyre_pb2.CommandDone(detail=json.dumps(sorted(self._held)).encode())
         if body == "stop":
             self._stop_components()
-            return {}
+            return self._after_events({})
         raise ValueError(f"the proxy does not know command {body!r}")
 
     def _build(self, routing: gyre_pb2.Routing) -> _Components:
@@ -235,7 +265,6 @@ class ProxyNode:
         return {"admitting": float(sum(r.admitting for r in routing.cells))}
 
     def _queue(self, queue: gyre_pb2.QueueExecutions) -> Durable:
-        from gyre.cluster.link import Durable
         from gyre.harness.runner import Execution
         from gyre.proxy.routing import UNPLACED
 
@@ -255,7 +284,7 @@ class ProxyNode:
                                              step=step))
             future.add_done_callback(lambda _, e=spec.execution_id: self._ended(e))
         # done once every execution_queued is durable; the routings and redirects behind it go on meanwhile
-        return Durable({"queued": float(len(queue.executions))}, self.link.sink.recorded)
+        return self._after_events({"queued": float(len(queue.executions))})
 
     @contextlib.contextmanager
     def _finishing(self, execution_id: str) -> Iterator[None]:
@@ -332,9 +361,13 @@ class ProxyNode:
             self.parts.server.stop()
 
     def close(self) -> None:
-        """Stop the components, then flush the link (every event acknowledged durable, or a timeout)."""
+        """Stop the components, then flush the events lane (every event acknowledged durable, or a timeout) and
+        close the commands lane after it (the hub counts the process gone once both have ended)."""
         self._stop_components()
-        self.link.close(timeout_s=LINK_CLOSE_S)
+        try:
+            self.link.close(timeout_s=LINK_CLOSE_S)
+        finally:
+            self.commands.close(timeout_s=LINK_CLOSE_S)
 
 
 def main(config_path: Path, controller: str) -> None:

@@ -8,11 +8,12 @@ import pytest
 from benchmarks import control_plane_bench as cpb
 
 
-@pytest.mark.integration  # a controller and two stand-in processes over gRPC, ~10 s
-def test_a_tiny_run_measures_every_figure() -> None:
+@pytest.mark.integration  # a controller and two stand-in processes over gRPC, ~10 s each
+@pytest.mark.parametrize("one_stream", [False, True], ids=["lanes", "one-stream"])
+def test_a_tiny_run_measures_every_figure(one_stream: bool) -> None:
     scenario = cpb.Scenario(cells=3, slots=2, call_interval_s=0.4, call_s=0.1, calls_mean=2, prompt_delta_tokens=50,
                             output_tokens=20, heartbeat_s=0.5, train_s=0.05, warmup_s=1.5, duration_s=3.0,
-                            cell_processes=2)
+                            cell_processes=2, proxy_one_stream=one_stream)
     result = cpb.measure(scenario)
     assert result["cells"] == 3 and result["window_s"] >= 3.0
     kinds = result["events_by_kind"]
@@ -26,6 +27,10 @@ def test_a_tiny_run_measures_every_figure() -> None:
     assert standins["cells"]["stop"] == 3  # every cell stand-in was told to stop, and reported back
     assert len(standins["cells"]["processes"]) == 2  # three cells over two processes
     assert standins["proxy"]["loop_lag_ms"]["n"] > 0
+    sent, lane = standins["proxy"]["sent"], standins["proxy"]["sent_commands_lane"]
+    # the proxy's dones go up its commands lane, its events up the other (one stream: both there)
+    assert (sent.get("done", 0) > 0, lane.get("done", 0) > 0) == (one_stream, not one_stream)
+    assert sent["events"] > 0 and "events" not in lane
     parts = result["command_parts_ms_by_kind"]
     assert set(parts) == set(result["command_rtt_ms_by_kind"])  # every command timed was cut into its parts
     proxy_parts = {*cpb.PARTS, "events_wait", "turn_wait",  # the proxy's waits to send its events, for its turn,

@@ -255,16 +255,20 @@ class CellDown(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., ack: _Optional[_Union[EventAck, _Mapping]] = ..., command: _Optional[_Union[CellCommand, _Mapping]] = ..., weights: _Optional[_Union[WeightsAnswer, _Mapping]] = ...) -> None: ...
 
 class ProxyHello(_message.Message):
-    __slots__ = ("proxy_id", "url", "incarnation", "producers")
+    __slots__ = ("proxy_id", "url", "incarnation", "producers", "lanes", "lane")
     PROXY_ID_FIELD_NUMBER: _ClassVar[int]
     URL_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PRODUCERS_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     proxy_id: str
     url: str
     incarnation: str
     producers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, proxy_id: _Optional[str] = ..., url: _Optional[str] = ..., incarnation: _Optional[str] = ..., producers: _Optional[_Iterable[str]] = ...) -> None: ...
+    lanes: _containers.RepeatedScalarFieldContainer[str]
+    lane: str
+    def __init__(self, proxy_id: _Optional[str] = ..., url: _Optional[str] = ..., incarnation: _Optional[str] = ..., producers: _Optional[_Iterable[str]] = ..., lanes: _Optional[_Iterable[str]] = ..., lane: _Optional[str] = ...) -> None: ...
 
 class ProxyUp(_message.Message):
     __slots__ = ("hello", "events", "heartbeat", "done")
