@@ -38,6 +38,7 @@ from gyre.events.models import (
     WeightsPublished,
 )
 from gyre.sim.clock import US, to_us
+from gyre.sim.scenario import reshard_share
 from gyre.sim.workload import ExecutionSpec
 from gyre.trajectory.batches import balanced
 
@@ -115,6 +116,8 @@ class Trainer:
         self.group_tokens: dict[str, list[int]] = {}
         """Per group, its trained executions' tokens in completion order (the rows `balanced` bins)."""
         self.link = SharedLink(sim) if sim.scenario.training.share_core_link else None
+        self.shards = frozenset({sim.core_id})
+        """Cells holding a shard of the optimizer state (``shard_optimizer``; else only the core)."""
         sc = sim.scenario
         self.s_per_mtoken = sc.training.cell_s_per_mtoken(sc.cluster.gpus_per_cell)
 
@@ -217,15 +220,27 @@ class Trainer:
         if then is not None:
             then()
         if step.finished == step.planned:
-            training, k = sim.scenario.training, max(1, len(step.cells))
-            optimizer = max(1, to_us(training.optimizer_s + training.gradient_sync_s * 2 * (k - 1) / k))
-            sim.stats.training_busy(sim.core_id, optimizer)
-            self.busy[sim.core_id] = -1  # the core runs the optimizer step
-            sim.agenda.at(sim.now + optimizer, lambda: self._step_finished(step))
+            self._optimizer(step)
 
-    def _step_finished(self, step: OpenStep) -> None:
+    def _optimizer(self, step: OpenStep) -> None:
+        """The core runs the optimizer step, or with ``shard_optimizer`` every training cell joined now runs
+        its shard (state shards moved first when the set changed); they are busy until it ends."""
         sim = self.sim
-        del self.busy[sim.core_id]
+        training = sim.scenario.training
+        shards = frozenset(self.joined - self.leaving.keys() | {sim.core_id}) if training.shard_optimizer \
+            else frozenset({sim.core_id})
+        moved = reshard_share(self.shards, shards)
+        self.shards = shards
+        optimizer = max(1, to_us(training.optimizer_step_s(len(step.cells), len(shards), moved)))
+        for cell in sorted(shards):
+            sim.stats.training_busy(cell, optimizer)
+            self.busy[cell] = -1  # running the optimizer step (or its shard)
+        sim.agenda.at(sim.now + optimizer, lambda: self._step_finished(step, shards))
+
+    def _step_finished(self, step: OpenStep, shards: frozenset[str]) -> None:
+        sim = self.sim
+        for cell in shards:
+            del self.busy[cell]
         self.version += 1
         sim.emit(TrainStepFinished(ts=sim.ts, step=step.step, policy_version=self.version, micro_steps=step.planned,
                                    samples=step.samples, tokens=step.tokens,
@@ -238,6 +253,10 @@ class Trainer:
             self.link.start(publish_s, lambda took: self._published(version, took))
         else:
             sim.after(publish_s, lambda: self._published(version, publish_s))
+        for cell in sorted(shards - {sim.core_id}):  # a satellite released during its shard leaves now
+            then = self.leaving.pop(cell, None)
+            if then is not None:
+                then()
 
     def _published(self, version: int, took_s: float) -> None:
         sim = self.sim
