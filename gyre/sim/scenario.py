@@ -141,6 +141,9 @@ class TrainingSpec(_Section):
         6.0, description="with shard_optimizer: optimizer-state bytes per published weight byte (fp32 master "
                          "weights and Adam moments, 12 B/param, against bf16 weights, 2 B/param); a cell that "
                          "gains or gives up a shard moves it at the weight pull's rate (satellite_join_s)")
+    shard_min_steps: PositiveInt = Field(
+        1, description="with shard_optimizer: a satellite takes a shard only once it has been joined at this many "
+                       "consecutive step ends (1: at once); short loans then never move optimizer state")
 
     def cell_s_per_mtoken(self, gpus_per_cell: int) -> float:
         """Seconds per million tokens on a cell of ``gpus_per_cell`` GPUs."""

@@ -118,6 +118,8 @@ class Trainer:
         self.link = SharedLink(sim) if sim.scenario.training.share_core_link else None
         self.shards = frozenset({sim.core_id})
         """Cells holding a shard of the optimizer state (``shard_optimizer``; else only the core)."""
+        self.streak: dict[str, int] = {}
+        """Cell -> consecutive step ends it was joined at (``shard_min_steps``)."""
         sc = sim.scenario
         self.s_per_mtoken = sc.training.cell_s_per_mtoken(sc.cluster.gpus_per_cell)
 
@@ -227,8 +229,10 @@ class Trainer:
         its shard (state shards moved first when the set changed); they are busy until it ends."""
         sim = self.sim
         training = sim.scenario.training
-        shards = frozenset(self.joined - self.leaving.keys() | {sim.core_id}) if training.shard_optimizer \
-            else frozenset({sim.core_id})
+        self.streak = {cell: self.streak.get(cell, 0) + 1 for cell in self.joined}
+        shards = frozenset({sim.core_id})
+        if training.shard_optimizer:
+            shards |= {cell for cell, n in self.streak.items() if n >= training.shard_min_steps}
         moved = reshard_share(self.shards, shards)
         self.shards = shards
         optimizer = max(1, to_us(training.optimizer_step_s(len(step.cells), len(shards), moved)))

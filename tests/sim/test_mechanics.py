@@ -136,3 +136,24 @@ def test_oversampling_more_than_a_batch_is_refused():
     over = load_scenario("tiny").batch.groups + 1
     with pytest.raises(ConfigError, match="at most a batch"):
         with_values(load_scenario("tiny"), {"policy.colocate": {"partial_rollouts": True, "oversample_groups": over}})
+
+
+def test_the_ablation_sweep_over_sampling_past_half_a_batch_gives_it_to_every_design():
+    from gyre.sim.runner import ablation_variants
+
+    sc = load_scenario("seed-2.4t")
+    rows = [v for v in ablation_variants(sc, [4, 8, 12, 16]) if v.overrides.get("partial_rollouts")]
+    by_design = {(v.role, v.overrides.get("training_cells")): set() for v in rows}
+    for v in rows:
+        by_design[(v.role, v.overrides.get("training_cells"))].add(v.overrides["oversample_groups"])
+    assert set(by_design) == {("elastic+partial", None), ("colocate+partial", None), ("elastic3+partial", None),
+                              ("elastic3 ablation", None)} | {("async+partial", c) for c in (1, 2, 3)}
+    assert all(ks == {4, 8, 12, 16} for (role, _), ks in by_design.items() if role != "elastic3 ablation")
+
+
+@pytest.mark.parametrize("sweep", [[0], [17], []])
+def test_an_ablation_sweep_outside_a_batch_is_refused(sweep):
+    from gyre.sim.runner import oversample_sweep
+
+    with pytest.raises(ConfigError, match="at most|1..16"):
+        oversample_sweep(load_scenario("seed-2.4t"), sweep)
