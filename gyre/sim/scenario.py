@@ -7,7 +7,7 @@ parameter means, and where its value comes from, is in ``docs/simulator.md``.
 import json
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -129,6 +129,9 @@ class TrainingSpec(_Section):
         0.0, description="ring all-reduce of gradients between two cells; k contributing cells cost 2(k-1)/k of it")
     share_core_link: bool = Field(
         False, description="satellite weight pulls and publishes share the core's egress (each time is alone)")
+    core_link_first: Literal["publish", "join"] | None = Field(
+        None, description="with share_core_link: publishes (or satellite weight pulls) go first on the core's "
+                          "egress, the others pause meanwhile (None: all share it evenly)")
     reference_gpus: PositiveInt | None = Field(
         None, description="cell size s_per_mtoken was measured on (None: this scenario's cells)")
     scaling_exponent: NonNegativeFloat = Field(

@@ -65,21 +65,42 @@ class OpenStep:
 class SharedLink:
     """Transfers out of the core share its egress (`gyre.emulate.link.FairShare`, in microseconds).
 
-    Each transfer is given as the time it would take alone; ``done`` receives the time it took.
+    Each transfer is given as the time it would take alone; ``done`` receives the time it took. With
+    ``first`` set (``training.core_link_first``), transfers of that kind (``"publish"`` or ``"join"``) go
+    first: the others pause while one is in flight and resume where they stopped.
     """
 
-    def __init__(self, sim: "Simulation") -> None:
+    def __init__(self, sim: "Simulation", first: str | None = None) -> None:
         self.sim = sim
         self.share = FairShare(sim.now)
         self.active: dict[int, tuple[int, Callable[[float], None]]] = {}
+        self.first = first
+        self.kind: dict[int, str] = {}
+        self.paused: dict[int, float] = {}
+        """Transfers waiting for the first kind, with the time they still need alone."""
         self.epoch = 0
         self._ids = itertools.count()
 
-    def start(self, alone_s: float, done: "Callable[[float], None]") -> None:
+    def start(self, alone_s: float, done: "Callable[[float], None]", kind: str = "") -> None:
         key = next(self._ids)
-        self.share.add(key, float(max(1, to_us(alone_s))), self.sim.now)
+        self.share.advance(self.sim.now)
         self.active[key] = (self.sim.now, done)
+        self.kind[key] = kind
+        self.share.add(key, float(max(1, to_us(alone_s))), self.sim.now)
+        self._prioritise()
         self._retime()
+
+    def _prioritise(self) -> None:
+        """Pause the other transfers while one of the first kind is in flight; resume them after."""
+        if self.first is None:
+            return
+        remaining = self.share.remaining
+        if any(self.kind[k] == self.first for k in remaining):
+            for key in [k for k in remaining if self.kind[k] != self.first]:
+                self.paused[key] = remaining.pop(key)
+        elif self.paused:
+            remaining.update(self.paused)
+            self.paused.clear()
 
     def _retime(self) -> None:
         self.epoch += 1
@@ -94,6 +115,7 @@ class SharedLink:
             return
         self.share.advance(self.sim.now)
         finished = [self.active.pop(key) for key in self.share.pop_finished(1e-3)]
+        self._prioritise()
         self._retime()
         for started, callback in finished:
             callback((self.sim.now - started) / US)
@@ -115,7 +137,8 @@ class Trainer:
         self.leaving: dict[str, Callable[[], None]] = {}
         self.group_tokens: dict[str, list[int]] = {}
         """Per group, its trained executions' tokens in completion order (the rows `balanced` bins)."""
-        self.link = SharedLink(sim) if sim.scenario.training.share_core_link else None
+        training = sim.scenario.training
+        self.link = SharedLink(sim, training.core_link_first) if training.share_core_link else None
         self.shards = frozenset({sim.core_id})
         """Cells holding a shard of the optimizer state (``shard_optimizer``; else only the core)."""
         self.streak: dict[str, int] = {}
@@ -254,7 +277,7 @@ class Trainer:
         version = self.version
         publish_s = sim.scenario.training.publish_s
         if self.link is not None:
-            self.link.start(publish_s, lambda took: self._published(version, took))
+            self.link.start(publish_s, lambda took: self._published(version, took), "publish")
         else:
             sim.after(publish_s, lambda: self._published(version, publish_s))
         for cell in sorted(shards - {sim.core_id}):  # a satellite released during its shard leaves now
@@ -278,7 +301,7 @@ class Trainer:
             return
         join_s = sim.scenario.training.satellite_join_s
         if self.link is not None:
-            self.link.start(join_s, lambda took: self._join(cell, took))
+            self.link.start(join_s, lambda took: self._join(cell, took), "join")
         else:
             sim.after(join_s, lambda: self._join(cell, join_s))
 

@@ -157,3 +157,35 @@ def test_an_ablation_sweep_outside_a_batch_is_refused(sweep):
 
     with pytest.raises(ConfigError, match="at most|1..16"):
         oversample_sweep(load_scenario("seed-2.4t"), sweep)
+
+
+class _Clock:
+    """Just what SharedLink reads of a Simulation: the time and an agenda, run in order."""
+
+    def __init__(self) -> None:
+        from gyre.sim.clock import Agenda
+
+        self.now, self.agenda = 0, Agenda()
+
+    def run(self) -> None:
+        while (due := self.agenda.next_due()) is not None:
+            self.now = due
+            while (action := self.agenda.pop_due(due)) is not None:
+                action()
+
+
+@pytest.mark.parametrize("first, expected", [
+    (None, {"publish": 90, "join": 60}), ("publish", {"publish": 60, "join": 90}), ("join", {"publish": 90, "join": 30})])
+def test_the_core_link_shares_evenly_or_lets_one_kind_go_first(first, expected):
+    """A 60 s publish and a 30 s pull starting together: shared evenly the pull ends at 60 s and the publish
+    at 90 s (60 s more for the publish: processor sharing); either going first ends at its time alone and the
+    other pays the wait, resuming where it stopped — the link is never idle while work is left."""
+    from gyre.sim.training import SharedLink
+
+    clock = _Clock()
+    link = SharedLink(clock, first)  # type: ignore[arg-type]
+    took: dict[str, float] = {}
+    link.start(60, lambda s: took.__setitem__("publish", s), "publish")
+    link.start(30, lambda s: took.__setitem__("join", s), "join")
+    clock.run()
+    assert took == pytest.approx(expected, abs=1e-5)
