@@ -2,7 +2,7 @@
 past half a batch with the due rule kept. Off by default, a run is the run it was before them."""
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre.errors import ConfigError
@@ -190,3 +190,15 @@ def test_the_core_link_shares_evenly_or_lets_one_kind_go_first(first, expected):
     link.start(30, lambda s: took.__setitem__("join", s), "join")
     clock.run()
     assert took == pytest.approx(expected, abs=1e-5)
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10_000), oversample=st.integers(3, 4), staleness=st.integers(0, 2),
+       policy=st.sampled_from(["async", "elastic"]))
+def test_past_half_a_batch_no_group_is_ever_older_than_the_bound(seed, oversample, staleness, policy):
+    sc = with_values(tailed(4), {"seed": seed})
+    overrides = {"stream_micro_steps": True, "partial_rollouts": True, "oversample_groups": oversample,
+                 "staleness": staleness}
+    result, events = _run(sc, policy, overrides)
+    assert result.max_group_lag <= staleness + 1
+    assert sum(e.kind == "train_step_finished" for e in events) == 3
