@@ -230,9 +230,10 @@ ablation runs elastic/3 with them on, on every scenario (``docs/scheduler.md``).
 
 
 def elastic3_variants(scenario: Scenario, sweep: Sequence[int] | None = None) -> list[Variant]:
-    """elastic/3 with and without partial rollouts, and (at the most over-sampling) with each of its
-    mechanisms off: cutting what the next step does not need, at staleness >= 1 the rate split, at
-    staleness 0 the spreading of the tail, loans against the ready backlog and the recall of idle cells."""
+    """elastic/3 with and without partial rollouts, and (at the most over-sampling up to half a batch, where
+    it is at its best on the shipped scenarios, docs/simulator.md round 4) with each of its mechanisms off:
+    cutting what the next step does not need, at staleness >= 1 the rate split, at staleness 0 the
+    spreading of the tail, loans against the ready backlog and the recall of idle cells."""
     v3 = "elastic/3"
     out = [Variant("elastic/3", "elastic", ELASTIC3, "elastic3", v3)]
     if not scenario.policy.staleness:
@@ -242,7 +243,8 @@ def elastic3_variants(scenario: Scenario, sweep: Sequence[int] | None = None) ->
         out.append(Variant(f"elastic/3 + partial rollouts ({k} over-sampled)", "elastic",
                            {"partial_rollouts": True, "oversample_groups": k, **ELASTIC3_PARTIAL},
                            "elastic3+partial", v3))
-    most = {"partial_rollouts": True, "oversample_groups": sweep[-1], **ELASTIC3_PARTIAL}
+    k = max((k for k in sweep if 2 * k <= scenario.batch.groups), default=sweep[0])
+    most = {"partial_rollouts": True, "oversample_groups": k, **ELASTIC3_PARTIAL}
     off = [("no cuts", {"cut_unneeded": False}), ("no backlog loans", {"backlog_loans": False}),
            ("no idle recall", {"idle_recall": False})]
     if scenario.policy.staleness >= 1:
@@ -250,7 +252,7 @@ def elastic3_variants(scenario: Scenario, sweep: Sequence[int] | None = None) ->
     else:
         off.append(("no tail spreading", {"spread_tail": False}))
     for label, change in off:
-        out.append(Variant(f"elastic/3 + partial rollouts ({sweep[-1]} over-sampled), {label}", "elastic",
+        out.append(Variant(f"elastic/3 + partial rollouts ({k} over-sampled), {label}", "elastic",
                            {**most, **change}, "elastic3 ablation", v3))
     return out
 

@@ -149,6 +149,7 @@ def test_the_ablation_sweep_over_sampling_past_half_a_batch_gives_it_to_every_de
     assert set(by_design) == {("elastic+partial", None), ("colocate+partial", None), ("elastic3+partial", None),
                               ("elastic3 ablation", None)} | {("async+partial", c) for c in (1, 2, 3)}
     assert all(ks == {4, 8, 12, 16} for (role, _), ks in by_design.items() if role != "elastic3 ablation")
+    assert by_design[("elastic3 ablation", None)] == {8}  # its mechanisms off at half a batch, as before
 
 
 @pytest.mark.parametrize("sweep", [[0], [17], []])
