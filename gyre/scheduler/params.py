@@ -41,7 +41,7 @@ class PolicyParams(BaseModel):
                            "and continued later under the newer weights")
     oversample_groups: NonNegativeInt = Field(
         0, description="with partial_rollouts: groups of the next batch queued with each batch (they only "
-                       "take slots the batch leaves free); at most half a batch")
+                       "take slots the batch leaves free); at most a batch")
 
 
 class ElasticParams(PolicyParams):

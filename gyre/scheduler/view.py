@@ -95,11 +95,15 @@ class WorkState:
 
         Every *due* group is taken (the step waits for one that is not complete); the other complete
         groups of batches up to ``step + 1`` fill the rest in completion order, with room kept for the due
-        groups still running. Pure: the simulator's trainer and the policies read the same answer.
+        groups still running, and for as many of the groups due at ``step + 1`` as that step could not
+        hold (over-sampling past half a batch can queue more than a batch of them; the room binds only
+        where the next step would otherwise be handed more due groups than it holds). Pure: the
+        simulator's trainer and the policies read the same answer.
         """
         have = len(self.assigned.get(step, ()))
-        due = set(self._due(step))
+        due, due_next = set(self._due(step)), set(self._due(step + 1))
         need, reserve = groups - have, len(due)
+        extra = max(0, len(due_next) - groups - len(due))  # groups due next this step must take besides
         take = []
         for g in self.pool:
             if need <= 0:
@@ -107,9 +111,11 @@ class WorkState:
             if g in due:
                 take.append(g)
                 need, reserve = need - 1, reserve - 1
-            elif self.group_origin[g][0] <= step + 1 and need > reserve:
+            elif self.group_origin[g][0] <= step + 1 and need > reserve + (0 if g in due_next else extra):
                 take.append(g)
                 need -= 1
+                if g in due_next:
+                    extra = max(0, extra - 1)
         return take, need == 0
 
     def mean(self, what: str) -> float | None:

@@ -7,7 +7,8 @@ before its cheapest micro-step trains after that and the optimizer after it, and
 published ``publish_s`` later. Switching costs and slot limits are ignored, so no policy can beat it.
 With load-dependent decode an execution can run faster than its sampled (full-cell) duration: the work
 term divides by the fastest rate a full cell reaches (empty contexts), the critical path by the fastest
-rate of a lone request, and the optimizer is counted without the all-reduce (one contributing cell).
+rate of a lone request, and the optimizer is counted without the all-reduce (one contributing cell); with
+``shard_optimizer`` the critical path's optimizer step is split over every cell (its work is the same).
 In per-call mode (``[calls] simulate``) an execution is no faster than its calls' waits and prefill plus its
 output decoded alone with no context, or its timeout (``CallTiming.fastest_s``), on any cell.
 With partial rollouts a step need not wait for its own batch: every group of batch ``s`` is trained by
@@ -47,6 +48,8 @@ def lower_bound(scenario: Scenario, workload: Workload, staleness: int, partial:
         workload = Workload(tuple(tuple(replace(e, duration_s=fastest[e.execution_id]) for e in batch)
                                   for batch in workload.batches))
     s_per_mtoken = training.cell_s_per_mtoken(cluster.gpus_per_cell)
+    # sharded: at best every cell holds a shard that never moves, and no all-reduce
+    optimizer_s = training.optimizer_step_s(1, cluster.cells if training.shard_optimizer else 1)
     work = 0.0
     published = [0.0]  # time version v is on the rollout engines
     train_end = 0.0
@@ -62,7 +65,7 @@ def lower_bound(scenario: Scenario, workload: Workload, staleness: int, partial:
         waits_for = previous_ready if partial else ready
         if partial and step == len(workload.batches) - 1:
             waits_for = max(previous_ready, ready)  # the last step trains whatever is left
-        train_end = max(waits_for, train_end) + last_micro + training.optimizer_s
+        train_end = max(waits_for, train_end) + last_micro + optimizer_s
         published.append(train_end + training.publish_s)
         previous_ready = ready
     return Bound(work_s=work / cluster.cells, critical_path_s=published[-1])

@@ -37,6 +37,9 @@ def sim(
     log: Annotated[Path | None, typer.Option(help="write the run's log here (with --compare: one per policy)")] = None,
     cell_time: Annotated[bool, typer.Option(
         "--cell-time", help="one policy: also report where the cell-time went (gyre.sim.breakdown)")] = False,
+    oversample: Annotated[str | None, typer.Option(
+        "--oversample", help="with --ablate: the over-sampled groups every design's partial-rollout rows try, "
+                             "comma-separated, each at most a batch (default: a quarter and half a batch)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     try:
@@ -46,8 +49,11 @@ def sim(
                               "(the ablation already runs elastic/3)")
         if cell_time and (ablation or compare_all):
             raise ConfigError("--cell-time breaks down one run: not with --ablate or --compare")
+        if oversample is not None and not ablation:
+            raise ConfigError("--oversample sets the ablation's sweep: use it with --ablate "
+                              "(one run: --set POLICY.oversample_groups=K)")
         if ablation:
-            out: dict[str, Any] = ablate(sc, seed=seed, steps=steps)
+            out: dict[str, Any] = ablate(sc, seed=seed, steps=steps, sweep=_ints("--oversample", oversample))
         elif compare_all:
             out = compare(sc, seed=seed, steps=steps, log_dir=log)
         else:
@@ -64,6 +70,15 @@ def sim(
         _print_table(out["policies"] if compare_all else [out], out if compare_all else None)
         if out.get("cell_time"):
             Console().print("cell-time: " + ", ".join(f"{k} {v:.1%}" for k, v in out["cell_time"].items()))
+
+
+def _ints(option: str, text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{option} {text!r}: expected comma-separated integers, e.g. 4,8,12,16") from None
 
 
 def _configured(sc: Scenario, staleness: int | None, settings: list[str]) -> Scenario:

@@ -1,9 +1,11 @@
 """Running a scenario under a policy (or all three) and summarising the run."""
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre.errors import ConfigError
 from gyre.scheduler import Policy, PolicyParams, get_policy
 from gyre.sim.bound import lower_bound
 from gyre.sim.breakdown import CellTime
@@ -177,13 +179,19 @@ class Variant:
     """A shipped policy version other than the current one (``elastic/3`` while it is not the default)."""
 
 
-def oversample_sweep(scenario: Scenario) -> list[int]:
-    """Over-sampled groups tried with partial rollouts: a quarter and half a batch (the most allowed)."""
+def oversample_sweep(scenario: Scenario, sweep: Sequence[int] | None = None) -> list[int]:
+    """Over-sampled groups tried with partial rollouts: ``sweep`` (``--oversample``, each at most a batch), by
+    default a quarter and half a batch (the sweep before over-sampling past half a batch was allowed)."""
     groups = scenario.batch.groups
+    if sweep is not None:
+        bad = [k for k in sweep if not 1 <= k <= groups]
+        if bad or not sweep:
+            raise ConfigError(f"--oversample: each value must be 1..{groups} (a batch), got {list(sweep)}")
+        return sorted(set(sweep))
     return sorted({max(1, groups // 4), groups // 2} - {0})
 
 
-def ablation_variants(scenario: Scenario) -> list[Variant]:
+def ablation_variants(scenario: Scenario, sweep: Sequence[int] | None = None) -> list[Variant]:
     """Elastic with and without its mechanisms; every baseline with and without each one it can use.
 
     Partial rollouts are given to every design in its best form (with streaming, over-sampling a quarter
@@ -203,7 +211,7 @@ def ablation_variants(scenario: Scenario) -> list[Variant]:
                 continue
             label = f"async {cells} training" + (" + streaming" if stream else "")
             out.append(Variant(label, "async", {"stream_micro_steps": stream, "training_cells": cells}, "async"))
-    for k in oversample_sweep(scenario):
+    for k in oversample_sweep(scenario, sweep):
         partial = {"partial_rollouts": True, "oversample_groups": k}
         suffix = f" + partial rollouts ({k} over-sampled)"
         out.append(Variant("elastic" + suffix, "elastic", partial, "elastic+partial"))
@@ -212,7 +220,7 @@ def ablation_variants(scenario: Scenario) -> list[Variant]:
         for cells in range(1, scenario.cluster.cells):
             out.append(Variant(f"async {cells} training + streaming" + suffix, "async",
                                {"stream_micro_steps": True, "training_cells": cells, **partial}, "async+partial"))
-    return out + elastic3_variants(scenario)
+    return out + elastic3_variants(scenario, sweep)
 
 
 ELASTIC3 = {"spread_tail": True}
@@ -221,20 +229,22 @@ ELASTIC3_PARTIAL = {**ELASTIC3, "backlog_loans": True, "idle_recall": True}
 ablation runs elastic/3 with them on, on every scenario (``docs/scheduler.md``)."""
 
 
-def elastic3_variants(scenario: Scenario) -> list[Variant]:
-    """elastic/3 with and without partial rollouts, and (at the most over-sampling) with each of its
-    mechanisms off: cutting what the next step does not need, at staleness >= 1 the rate split, at
-    staleness 0 the spreading of the tail, loans against the ready backlog and the recall of idle cells."""
+def elastic3_variants(scenario: Scenario, sweep: Sequence[int] | None = None) -> list[Variant]:
+    """elastic/3 with and without partial rollouts, and (at the most over-sampling up to half a batch, where
+    it is at its best on the shipped scenarios, docs/simulator.md round 4) with each of its mechanisms off:
+    cutting what the next step does not need, at staleness >= 1 the rate split, at staleness 0 the
+    spreading of the tail, loans against the ready backlog and the recall of idle cells."""
     v3 = "elastic/3"
     out = [Variant("elastic/3", "elastic", ELASTIC3, "elastic3", v3)]
     if not scenario.policy.staleness:
         out.append(Variant("elastic/3, no tail spreading", "elastic", {}, "elastic3 ablation", v3))
-    sweep = oversample_sweep(scenario)
+    sweep = oversample_sweep(scenario, sweep)
     for k in sweep:
         out.append(Variant(f"elastic/3 + partial rollouts ({k} over-sampled)", "elastic",
                            {"partial_rollouts": True, "oversample_groups": k, **ELASTIC3_PARTIAL},
                            "elastic3+partial", v3))
-    most = {"partial_rollouts": True, "oversample_groups": sweep[-1], **ELASTIC3_PARTIAL}
+    k = max((k for k in sweep if 2 * k <= scenario.batch.groups), default=sweep[0])
+    most = {"partial_rollouts": True, "oversample_groups": k, **ELASTIC3_PARTIAL}
     off = [("no cuts", {"cut_unneeded": False}), ("no backlog loans", {"backlog_loans": False}),
            ("no idle recall", {"idle_recall": False})]
     if scenario.policy.staleness >= 1:
@@ -242,12 +252,13 @@ def elastic3_variants(scenario: Scenario) -> list[Variant]:
     else:
         off.append(("no tail spreading", {"spread_tail": False}))
     for label, change in off:
-        out.append(Variant(f"elastic/3 + partial rollouts ({sweep[-1]} over-sampled), {label}", "elastic",
+        out.append(Variant(f"elastic/3 + partial rollouts ({k} over-sampled), {label}", "elastic",
                            {**most, **change}, "elastic3 ablation", v3))
     return out
 
 
-def ablate(scenario: Scenario, *, seed: int | None = None, steps: int | None = None) -> dict[str, Any]:
+def ablate(scenario: Scenario, *, seed: int | None = None, steps: int | None = None,
+           sweep: Sequence[int] | None = None) -> dict[str, Any]:
     """Elastic against the best-tuned baselines given the same mechanisms, and its lead decomposed.
 
     Every run faces the same executions at the scenario's staleness (colocate: 0). Speedups are
@@ -262,7 +273,7 @@ def ablate(scenario: Scenario, *, seed: int | None = None, steps: int | None = N
     seed = scenario.seed if seed is None else seed
     workload = sample_workload(scenario, seed, steps)
     rows = []
-    for v in ablation_variants(scenario):
+    for v in ablation_variants(scenario, sweep):
         policy = get_policy(v.policy, v.version)
         params = policy_params(scenario, policy, v.overrides)
         r = simulate(scenario, v.policy, seed=seed, workload=workload, params=params, version=v.version)

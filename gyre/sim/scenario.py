@@ -7,7 +7,7 @@ parameter means, and where its value comes from, is in ``docs/simulator.md``.
 import json
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -129,15 +129,56 @@ class TrainingSpec(_Section):
         0.0, description="ring all-reduce of gradients between two cells; k contributing cells cost 2(k-1)/k of it")
     share_core_link: bool = Field(
         False, description="satellite weight pulls and publishes share the core's egress (each time is alone)")
+    core_link_first: Literal["publish", "join"] | None = Field(
+        None, description="with share_core_link: publishes (or satellite weight pulls) go first on the core's "
+                          "egress, the others pause meanwhile (None: all share it evenly)")
     reference_gpus: PositiveInt | None = Field(
         None, description="cell size s_per_mtoken was measured on (None: this scenario's cells)")
     scaling_exponent: NonNegativeFloat = Field(
         1.0, description="training time scales as (reference_gpus / gpus_per_cell) ** scaling_exponent")
+    shard_optimizer: bool = Field(
+        False, description="the optimizer step is sharded over the training cells joined when a step's last "
+                            "micro-step ends (ZeRO-1, Megatron's distributed optimizer): each runs optimizer_s / k "
+                            "(False: the core runs all of it)")
+    optimizer_state_ratio: NonNegativeFloat = Field(
+        6.0, description="with shard_optimizer: optimizer-state bytes per published weight byte (fp32 master "
+                         "weights and Adam moments, 12 B/param, against bf16 weights, 2 B/param); a cell that "
+                         "gains or gives up a shard moves it at the weight pull's rate (satellite_join_s)")
+    shard_min_steps: PositiveInt = Field(
+        1, description="with shard_optimizer: a satellite takes a shard only once it has been joined at this many "
+                       "consecutive step ends (1: at once); short loans then never move optimizer state")
 
     def cell_s_per_mtoken(self, gpus_per_cell: int) -> float:
         """Seconds per million tokens on a cell of ``gpus_per_cell`` GPUs."""
         reference = self.reference_gpus or gpus_per_cell
         return self.s_per_mtoken * (reference / gpus_per_cell) ** self.scaling_exponent
+
+    def optimizer_step_s(self, contributing: int, shards: int = 1, moved_share: float = 0.0) -> float:
+        """The optimizer step's wall time: the gradient all-reduce over the ``contributing`` cells (sharded,
+        a ring reduce-scatter plus all-gather: the same volume), the update split over ``shards`` cells, and
+        first, when the shard set changed, the largest share of the optimizer state one cell moves
+        (``moved_share``, ``reshard_share``). Without ``shard_optimizer`` the core runs the whole update."""
+        k = max(1, contributing)
+        sync = self.gradient_sync_s * 2 * (k - 1) / k
+        if not self.shard_optimizer:
+            return self.optimizer_s + sync
+        moved = moved_share * self.optimizer_state_ratio * self.satellite_join_s
+        return moved + self.optimizer_s / max(1, shards) + sync
+
+
+def reshard_share(before: frozenset[str], after: frozenset[str]) -> float:
+    """The largest share of the optimizer state one cell sends or receives when the shard set changes from
+    ``before`` to ``after`` (each holds an even shard): a cell that gains a shard receives ``1/len(after)``,
+    one that gives its shard up sends ``1/len(before)``; cells that keep theirs re-balance the rest in
+    parallel, each by less than either. 0 when the set is unchanged."""
+    if not before or not after:
+        raise ValueError("a shard set holds at least the core")
+    share = 0.0
+    if after - before:
+        share = max(share, 1 / len(after))
+    if before - after:
+        share = max(share, 1 / len(before))
+    return share
 
 
 class SwitchSpec(_Section):
@@ -214,9 +255,9 @@ class Scenario(_Section):
                 raise ValueError(f"[policy.{name}]: {errors[0]}") from None
             if params.oversample_groups and not params.partial_rollouts:
                 raise ValueError(f"policy.{name}.oversample_groups needs partial_rollouts = true")
-            if 2 * params.oversample_groups > self.batch.groups:
+            if params.oversample_groups > self.batch.groups:
                 raise ValueError(f"policy.{name}.oversample_groups ({params.oversample_groups}) may be at most "
-                                 f"half a batch ({self.batch.groups // 2} groups): a step must hold every group due")
+                                 f"a batch ({self.batch.groups} groups): a step must hold every group due")
             if name == "async" and params.training_cells >= self.cluster.cells:
                 raise ValueError(f"policy.async.training_cells ({params.training_cells}) must leave at "
                                  f"least one of the {self.cluster.cells} cells for rollout")

@@ -38,6 +38,7 @@ from gyre.events.models import (
     WeightsPublished,
 )
 from gyre.sim.clock import US, to_us
+from gyre.sim.scenario import reshard_share
 from gyre.sim.workload import ExecutionSpec
 from gyre.trajectory.batches import balanced
 
@@ -64,21 +65,42 @@ class OpenStep:
 class SharedLink:
     """Transfers out of the core share its egress (`gyre.emulate.link.FairShare`, in microseconds).
 
-    Each transfer is given as the time it would take alone; ``done`` receives the time it took.
+    Each transfer is given as the time it would take alone; ``done`` receives the time it took. With
+    ``first`` set (``training.core_link_first``), transfers of that kind (``"publish"`` or ``"join"``) go
+    first: the others pause while one is in flight and resume where they stopped.
     """
 
-    def __init__(self, sim: "Simulation") -> None:
+    def __init__(self, sim: "Simulation", first: str | None = None) -> None:
         self.sim = sim
         self.share = FairShare(sim.now)
         self.active: dict[int, tuple[int, Callable[[float], None]]] = {}
+        self.first = first
+        self.kind: dict[int, str] = {}
+        self.paused: dict[int, float] = {}
+        """Transfers waiting for the first kind, with the time they still need alone."""
         self.epoch = 0
         self._ids = itertools.count()
 
-    def start(self, alone_s: float, done: "Callable[[float], None]") -> None:
+    def start(self, alone_s: float, done: "Callable[[float], None]", kind: str = "") -> None:
         key = next(self._ids)
-        self.share.add(key, float(max(1, to_us(alone_s))), self.sim.now)
+        self.share.advance(self.sim.now)
         self.active[key] = (self.sim.now, done)
+        self.kind[key] = kind
+        self.share.add(key, float(max(1, to_us(alone_s))), self.sim.now)
+        self._prioritise()
         self._retime()
+
+    def _prioritise(self) -> None:
+        """Pause the other transfers while one of the first kind is in flight; resume them after."""
+        if self.first is None:
+            return
+        remaining = self.share.remaining
+        if any(self.kind[k] == self.first for k in remaining):
+            for key in [k for k in remaining if self.kind[k] != self.first]:
+                self.paused[key] = remaining.pop(key)
+        elif self.paused:
+            remaining.update(self.paused)
+            self.paused.clear()
 
     def _retime(self) -> None:
         self.epoch += 1
@@ -93,6 +115,7 @@ class SharedLink:
             return
         self.share.advance(self.sim.now)
         finished = [self.active.pop(key) for key in self.share.pop_finished(1e-3)]
+        self._prioritise()
         self._retime()
         for started, callback in finished:
             callback((self.sim.now - started) / US)
@@ -114,7 +137,12 @@ class Trainer:
         self.leaving: dict[str, Callable[[], None]] = {}
         self.group_tokens: dict[str, list[int]] = {}
         """Per group, its trained executions' tokens in completion order (the rows `balanced` bins)."""
-        self.link = SharedLink(sim) if sim.scenario.training.share_core_link else None
+        training = sim.scenario.training
+        self.link = SharedLink(sim, training.core_link_first) if training.share_core_link else None
+        self.shards = frozenset({sim.core_id})
+        """Cells holding a shard of the optimizer state (``shard_optimizer``; else only the core)."""
+        self.streak: dict[str, int] = {}
+        """Cell -> consecutive step ends it was joined at (``shard_min_steps``)."""
         sc = sim.scenario
         self.s_per_mtoken = sc.training.cell_s_per_mtoken(sc.cluster.gpus_per_cell)
 
@@ -217,15 +245,29 @@ class Trainer:
         if then is not None:
             then()
         if step.finished == step.planned:
-            training, k = sim.scenario.training, max(1, len(step.cells))
-            optimizer = max(1, to_us(training.optimizer_s + training.gradient_sync_s * 2 * (k - 1) / k))
-            sim.stats.training_busy(sim.core_id, optimizer)
-            self.busy[sim.core_id] = -1  # the core runs the optimizer step
-            sim.agenda.at(sim.now + optimizer, lambda: self._step_finished(step))
+            self._optimizer(step)
 
-    def _step_finished(self, step: OpenStep) -> None:
+    def _optimizer(self, step: OpenStep) -> None:
+        """The core runs the optimizer step, or with ``shard_optimizer`` every training cell joined now runs
+        its shard (state shards moved first when the set changed); they are busy until it ends."""
         sim = self.sim
-        del self.busy[sim.core_id]
+        training = sim.scenario.training
+        self.streak = {cell: self.streak.get(cell, 0) + 1 for cell in self.joined}
+        shards = frozenset({sim.core_id})
+        if training.shard_optimizer:
+            shards |= {cell for cell, n in self.streak.items() if n >= training.shard_min_steps}
+        moved = reshard_share(self.shards, shards)
+        self.shards = shards
+        optimizer = max(1, to_us(training.optimizer_step_s(len(step.cells), len(shards), moved)))
+        for cell in sorted(shards):
+            sim.stats.training_busy(cell, optimizer)
+            self.busy[cell] = -1  # running the optimizer step (or its shard)
+        sim.agenda.at(sim.now + optimizer, lambda: self._step_finished(step, shards))
+
+    def _step_finished(self, step: OpenStep, shards: frozenset[str]) -> None:
+        sim = self.sim
+        for cell in shards:
+            del self.busy[cell]
         self.version += 1
         sim.emit(TrainStepFinished(ts=sim.ts, step=step.step, policy_version=self.version, micro_steps=step.planned,
                                    samples=step.samples, tokens=step.tokens,
@@ -235,9 +277,13 @@ class Trainer:
         version = self.version
         publish_s = sim.scenario.training.publish_s
         if self.link is not None:
-            self.link.start(publish_s, lambda took: self._published(version, took))
+            self.link.start(publish_s, lambda took: self._published(version, took), "publish")
         else:
             sim.after(publish_s, lambda: self._published(version, publish_s))
+        for cell in sorted(shards - {sim.core_id}):  # a satellite released during its shard leaves now
+            then = self.leaving.pop(cell, None)
+            if then is not None:
+                then()
 
     def _published(self, version: int, took_s: float) -> None:
         sim = self.sim
@@ -255,7 +301,7 @@ class Trainer:
             return
         join_s = sim.scenario.training.satellite_join_s
         if self.link is not None:
-            self.link.start(join_s, lambda took: self._join(cell, took))
+            self.link.start(join_s, lambda took: self._join(cell, took), "join")
         else:
             sim.after(join_s, lambda: self._join(cell, join_s))
 
