@@ -83,7 +83,6 @@ class SharedLink:
 
     def start(self, alone_s: float, done: "Callable[[float], None]", kind: str = "") -> None:
         key = next(self._ids)
-        self.share.advance(self.sim.now)
         self.active[key] = (self.sim.now, done)
         self.kind[key] = kind
         self.share.add(key, float(max(1, to_us(alone_s))), self.sim.now)

@@ -417,7 +417,7 @@ class LocalEngineServer:
         self.port = sock.getsockname()[1]
         self.engine.start()
         self._server = Server(uvicorn_config(build_app(self.engine), self.limits, _refusal,
-                                                     log_level="warning"))
+                                             log_level="warning"))
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [sock]}, name="gyre-engine-http", daemon=True
         )
