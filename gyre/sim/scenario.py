@@ -147,6 +147,11 @@ class TrainingSpec(_Section):
     shard_min_steps: PositiveInt = Field(
         1, description="with shard_optimizer: a satellite takes a shard only once it has been joined at this many "
                        "consecutive step ends (1: at once); short loans then never move optimizer state")
+    reshard_overlap: bool = Field(
+        False, description="with shard_optimizer: a cell that gains a shard pulls it while it trains its "
+                           "micro-steps (the link carries nothing else between gradient syncs), so the step pays "
+                           "only what the time since it joined did not hide; a cell that gives its shard up "
+                           "sends it from host memory from when it left, the same way")
 
     def cell_s_per_mtoken(self, gpus_per_cell: int) -> float:
         """Seconds per million tokens on a cell of ``gpus_per_cell`` GPUs."""
@@ -179,6 +184,20 @@ def reshard_share(before: frozenset[str], after: frozenset[str]) -> float:
     if before - after:
         share = max(share, 1 / len(before))
     return share
+
+
+def hidden_reshard_share(before: frozenset[str], after: frozenset[str], since_s: dict[str, float],
+                         move_s: float) -> float:
+    """``reshard_share`` less what each moving cell moved in the background (``reshard_overlap``): a cell
+    that gains a shard pulls it from when it joined, one that gives its shard up sends it from when it left
+    (from host memory, as colocate offloads its state); ``since_s`` is those seconds per cell, ``move_s`` the
+    time of moving the whole optimizer state. What is left stalls the step, as ``reshard_share`` does."""
+    if not before or not after:
+        raise ValueError("a shard set holds at least the core")
+    if move_s <= 0:
+        return 0.0
+    moves = [(1 / len(after), c) for c in after - before] + [(1 / len(before), c) for c in before - after]
+    return max((max(0.0, share - since_s.get(c, 0.0) / move_s) for share, c in moves), default=0.0)
 
 
 class SwitchSpec(_Section):

@@ -38,7 +38,7 @@ from gyre.events.models import (
     WeightsPublished,
 )
 from gyre.sim.clock import US, to_us
-from gyre.sim.scenario import reshard_share
+from gyre.sim.scenario import hidden_reshard_share, reshard_share
 from gyre.sim.workload import ExecutionSpec
 from gyre.trajectory.batches import balanced
 
@@ -140,6 +140,10 @@ class Trainer:
         self.link = SharedLink(sim, training.core_link_first) if training.share_core_link else None
         self.shards = frozenset({sim.core_id})
         """Cells holding a shard of the optimizer state (``shard_optimizer``; else only the core)."""
+        self.joined_us: dict[str, int] = {}
+        """Cell -> when it joined training (``reshard_overlap``: the time its shard pull hid behind)."""
+        self.left_us: dict[str, int] = {}
+        """Cell -> when it last left training (``reshard_overlap``: the time its shard's send hid behind)."""
         self.streak: dict[str, int] = {}
         """Cell -> consecutive step ends it was joined at (``shard_min_steps``)."""
         sc = sim.scenario
@@ -255,7 +259,13 @@ class Trainer:
         shards = frozenset({sim.core_id})
         if training.shard_optimizer:
             shards |= {cell for cell, n in self.streak.items() if n >= training.shard_min_steps}
-        moved = reshard_share(self.shards, shards)
+        if training.reshard_overlap:
+            since = {c: (sim.now - self.joined_us.get(c, sim.now)) / US for c in shards - self.shards}
+            since |= {c: (sim.now - self.left_us.get(c, sim.now)) / US for c in self.shards - shards}
+            moved = hidden_reshard_share(self.shards, shards, since,
+                                         training.optimizer_state_ratio * training.satellite_join_s)
+        else:
+            moved = reshard_share(self.shards, shards)
         self.shards = shards
         optimizer = max(1, to_us(training.optimizer_step_s(len(step.cells), len(shards), moved)))
         for cell in sorted(shards):
@@ -307,6 +317,7 @@ class Trainer:
     def join_now(self, cell: str, transfer_s: float = 0.0) -> None:
         sim = self.sim
         self.joined.add(cell)
+        self.joined_us[cell] = sim.now
         if cell != sim.core_id:
             step = self.open.step if self.open is not None else self.next_train
             sim.emit(SatelliteJoined(ts=sim.ts, cell_id=cell, step=step, policy_version=self.version,
@@ -327,6 +338,7 @@ class Trainer:
             if was_joined and cell != sim.core_id:
                 step = self.open.step if self.open is not None else None
                 sim.emit(SatelliteLeft(ts=sim.ts, cell_id=cell, step=step, reason="returned to rollout"))
+            self.left_us[cell] = sim.now
             then()
 
         if cell in self.busy:

@@ -9,7 +9,7 @@ from gyre.errors import ConfigError
 from gyre.scheduler import get_policy
 from gyre.scheduler.view import WorkState
 from gyre.sim.runner import policy_params, simulate
-from gyre.sim.scenario import TrainingSpec, load_scenario, reshard_share, with_values
+from gyre.sim.scenario import TrainingSpec, hidden_reshard_share, load_scenario, reshard_share, with_values
 from gyre.sim.workload import sample_workload
 from gyre.sink import MemorySink
 
@@ -42,6 +42,19 @@ def test_reshard_share_is_symmetric_bounded_and_zero_only_when_nothing_changes(b
     assert (share == 0) == (before == after)
     assert 0 <= share <= 1 / min(len(before), len(after))
     assert share in {0.0, 1 / len(before), 1 / len(after)}
+
+
+@given(before=CELLS, after=CELLS, since=st.dictionaries(st.sampled_from(["c0", "c1", "c2", "c3", "c4", "c5"]),
+                                                        st.floats(0, 500)), move_s=st.floats(1, 400))
+def test_an_overlapped_reshard_stalls_at_most_as_long_as_a_serial_one_and_nothing_once_hidden(
+        before, after, since, move_s):
+    """Background moves only take time off: never more than ``reshard_share``, the serial move when no
+    time has passed, and nothing once every moving cell had its share's time (#27, round 5)."""
+    hidden = hidden_reshard_share(before, after, since, move_s)
+    assert 0 <= hidden <= reshard_share(before, after)
+    assert hidden_reshard_share(before, after, {}, move_s) == reshard_share(before, after)
+    assert hidden_reshard_share(before, after, dict.fromkeys(before | after, move_s), move_s) == 0
+    assert hidden_reshard_share(before, after, since, 0.0) == 0
 
 
 def test_reshard_share_refuses_an_empty_set():
@@ -86,10 +99,25 @@ def test_a_fixed_pool_of_two_training_cells_runs_half_the_update_each_and_never_
     assert fast.hours >= fast.lower_bound_hours
 
 
+def test_an_overlapped_reshard_hides_the_first_move_behind_the_satellites_micro_steps():
+    """The fixed pool above with ``reshard_overlap``: the satellite pulls its shard from when it joined, so
+    the first step's optimizer pays only what its micro-steps did not hide; the others are unchanged."""
+    sc = with_values(load_scenario("tiny"), {"cluster.cells": 3, "training.gradient_sync_s": 1.0,
+                                             "training.shard_optimizer": True})
+    overrides = {"training_cells": 2, "stream_micro_steps": True}
+    _, serial = _run(sc, "async", overrides)
+    _, events = _run(with_values(sc, {"training.reshard_overlap": True}), "async", overrides)
+    (first_serial, *rest_serial), (first, *rest) = _optimizer_spans(serial), _optimizer_spans(events)
+    t = sc.training
+    assert t.optimizer_s / 2 + t.gradient_sync_s - 1e-5 <= first < first_serial
+    assert rest == pytest.approx(rest_serial, abs=1e-5)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("policy, overrides", [
     ("colocate", {"stream_micro_steps": True}), ("elastic", {}), ("async", {"training_cells": 2})])
-def test_sharded_runs_stay_above_their_bound_and_train_every_step(policy, overrides):
-    sc = with_values(load_scenario("tiny"), {"training.shard_optimizer": True})
+def test_sharded_runs_stay_above_their_bound_and_train_every_step(policy, overrides, overlap):
+    sc = with_values(load_scenario("tiny"), {"training.shard_optimizer": True, "training.reshard_overlap": overlap})
     result, events = _run(sc, policy, overrides)
     assert [e.step for e in events if e.kind == "train_step_finished"] == [0, 1, 2]
     assert result.hours >= result.lower_bound_hours
