@@ -206,7 +206,7 @@ async def until_disconnect(request: Request, work: Awaitable[T], poll_s: float,
         return await _poll_until_disconnect(request, work, poll_s, on_gone)
     task = asyncio.current_task()
     assert task is not None
-    gone = False
+    gone = waiting = False
 
     def lost() -> None:
         nonlocal gone
@@ -214,10 +214,17 @@ async def until_disconnect(request: Request, work: Awaitable[T], poll_s: float,
         try:
             on_gone()
         finally:
-            task.cancel()
+            if waiting:
+                task.cancel()
 
     unwatch = watch(lost)
     try:
+        if gone:  # lost before the watch began: `work` never starts, and nothing was cancelled
+            close = getattr(work, "close", None)
+            if close is not None:
+                close()
+            raise ClientGone()
+        waiting = True
         return await work
     except asyncio.CancelledError:
         if gone and task.uncancel() == 0:  # our own cancel alone, not the server's shutdown as well

@@ -229,3 +229,33 @@ def test_a_harness_that_hangs_up_aborts_its_call_at_once(start_proxy: StartProxy
     finally:
         engine.aborted.set()
         engine.stop()
+
+
+def test_a_connection_lost_before_the_watch_never_starts_the_work() -> None:
+    """Watching a connection already lost answers `ClientGone` at once, after `on_gone`, without starting the
+    work and without leaving a cancel pending in the request's task."""
+    from starlette.requests import Request as StarletteRequest
+
+    from gyre.http_server import ON_DISCONNECT
+    from gyre.proxy.http import ClientGone, until_disconnect
+
+    def already_lost(watcher: Any) -> Any:
+        watcher()
+        return lambda: None
+
+    started: list[bool] = []
+    told: list[bool] = []
+
+    async def work() -> int:
+        started.append(True)
+        return 1
+
+    async def main() -> str:
+        request = StarletteRequest({"type": "http", ON_DISCONNECT: already_lost})
+        with pytest.raises(ClientGone):
+            await until_disconnect(request, work(), 3600.0, lambda: told.append(True))
+        await asyncio.sleep(0)  # a cancel left pending would be raised here
+        return "went on"
+
+    assert asyncio.run(main()) == "went on"
+    assert told == [True] and started == []
