@@ -42,6 +42,13 @@ _STATUS: dict[RefusalKind, int] = {"invalid_request": 400, "too_large": 413, "re
                                    "overloaded": 503}
 REFUSAL_LINGER_S = 2.0
 """How long a refused connection is still read (and discarded) after its answer, before it is closed."""
+ON_DISCONNECT = "gyre.on_disconnect"
+"""Scope key of a request this server serves: `OnDisconnect`, so that an app can watch for the client hanging
+up without polling (Starlette's `Request.is_disconnected` costs a wake-up and a task per poll)."""
+
+OnDisconnect = Callable[[Callable[[], None]], Callable[[], None]]
+"""Calls its argument once when the request's connection is lost (at once if it is already); returns the
+function that unregisters it."""
 
 
 class ServerLimits(BaseModel):
@@ -73,6 +80,10 @@ Render = Callable[[str | None, Refusal], tuple[int, dict[str, Any], dict[str, st
 """The app's error shape: (request path if known, refusal) -> (status, JSON body, extra headers)."""
 
 
+def _nothing() -> None:
+    pass
+
+
 class _Stop(Exception):
     """Raised from a parser callback once the request is refused: llhttp stops reading there."""
 
@@ -95,6 +106,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         than the head's own (a read that reaches the body stops the count), at most one read fewer."""
         self._body_bytes = 0
         self._refused = False
+        self._lost = False
+        self._on_lost: list[Callable[[], None]] = []
 
     # -- the events that arm, disarm or refuse ---------------------------------------------------------
 
@@ -106,6 +119,23 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+        self._lost = True
+        watchers, self._on_lost = self._on_lost, []
+        for watcher in watchers:
+            watcher()
+
+    def _on_disconnect(self, watcher: Callable[[], None]) -> Callable[[], None]:
+        """`OnDisconnect` of this connection's requests."""
+        if self._lost:
+            watcher()
+            return _nothing
+        self._on_lost.append(watcher)
+
+        def unwatch() -> None:
+            with contextlib.suppress(ValueError):  # it was called already: the connection is gone
+                self._on_lost.remove(watcher)
+
+        return unwatch
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -136,6 +166,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope[ON_DISCONNECT] = self._on_disconnect  # type: ignore[literal-required]
         self._state, self._body_bytes = "head", 0
 
     def on_headers_complete(self) -> None:

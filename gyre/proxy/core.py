@@ -61,6 +61,9 @@ from gyre.sink import EventSink, LogSink, MemorySink
 log = logging.getLogger(__name__)
 
 _RETRY_BACKOFF_S = 0.05
+SAMPLING_KEPT = 1024
+"""Sampling parameters kept per distinct `CallSettings` (all forgotten when full): a harness asks the same
+of every call, and `SamplingParams` validated once is the same object for the next (it is frozen)."""
 LOST_REASON = "source engine lost"
 """How a `call_redirected` event's `kv_refused` starts when the call left a lost engine."""
 CUT_REASON = "cut (partial rollouts): resumed by a re-prefill"
@@ -140,6 +143,7 @@ class Proxy:
         self.registry = ExecutionRegistry(self.codec, config.markers)
         self._active: dict[str, ActiveCall] = {}
         self._context: dict[str, int | None] = {}
+        self._params: dict[CallSettings, SamplingParams] = {}
         self._background: set[asyncio.Task[None]] = set()
         self.on_placed_again: Callable[[str], None] | None = None
         """Told the id of each cut execution once it is placed again (a cluster's harness runner stops holding
@@ -441,6 +445,14 @@ class Proxy:
         return call
 
     def _sampling(self, settings: CallSettings) -> SamplingParams:
+        params = self._params.get(settings)
+        if params is None:
+            if len(self._params) >= SAMPLING_KEPT:
+                self._params.clear()
+            params = self._params[settings] = self._sampling_of(settings)
+        return params
+
+    def _sampling_of(self, settings: CallSettings) -> SamplingParams:
         over = self.config.sampling
         max_tokens = settings.max_tokens
         if self.config.max_tokens_cap is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
 import orjson
@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from gyre.engine import EngineError, EngineHTTPError, EngineProtocolError
-from gyre.http_server import Refusal
+from gyre.http_server import ON_DISCONNECT, OnDisconnect, Refusal
 from gyre.proxy.core import Proxy
 from gyre.proxy.errors import ApiError, ErrorKind
 from gyre.proxy.registry import ExecutionState
@@ -193,8 +193,49 @@ def execution_of(proxy: Proxy, request: Request) -> ExecutionState:
     raise ApiError("authentication", "invalid API key: it is not the token of a registered execution")
 
 
-async def until_disconnect(request: Request, work: Awaitable[T], poll_s: float) -> T:
-    """Await `work`, but cancel it and raise `ClientGone` if the harness hangs up first."""
+async def until_disconnect(request: Request, work: Awaitable[T], poll_s: float,
+                           on_gone: Callable[[], None] = lambda: None) -> T:
+    """Await `work`, but cancel it and raise `ClientGone` if the harness hangs up first; `on_gone` runs when
+    it does, before `work` is cancelled (the engine request is still in flight then: it can be aborted).
+
+    Under `gyre.http_server` the connection's loss cancels `work` in place (`ON_DISCONNECT`): no task beside
+    the request's and no wake-up every `poll_s` while the engine generates (each would find the loop idle and
+    run cold); under another server, `work` runs as a task and the connection is polled every `poll_s`."""
+    watch: OnDisconnect | None = request.scope.get(ON_DISCONNECT)
+    if watch is None:
+        return await _poll_until_disconnect(request, work, poll_s, on_gone)
+    task = asyncio.current_task()
+    assert task is not None
+    gone = waiting = False
+
+    def lost() -> None:
+        nonlocal gone
+        gone = True
+        try:
+            on_gone()
+        finally:
+            if waiting:
+                task.cancel()
+
+    unwatch = watch(lost)
+    try:
+        if gone:  # lost before the watch began: `work` never starts, and nothing was cancelled
+            close = getattr(work, "close", None)
+            if close is not None:
+                close()
+            raise ClientGone()
+        waiting = True
+        return await work
+    except asyncio.CancelledError:
+        if gone and task.uncancel() == 0:  # our own cancel alone, not the server's shutdown as well
+            raise ClientGone() from None
+        raise
+    finally:
+        unwatch()
+
+
+async def _poll_until_disconnect(request: Request, work: Awaitable[T], poll_s: float,
+                                 on_gone: Callable[[], None]) -> T:
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -202,6 +243,7 @@ async def until_disconnect(request: Request, work: Awaitable[T], poll_s: float) 
             if done:
                 return task.result()
             if await request.is_disconnected():
+                on_gone()
                 task.cancel()
                 raise ClientGone()
     finally:

@@ -94,7 +94,7 @@ async def answer(request: Request, proxy: Proxy, call: ActiveCall, front: FrontE
             headers={"cache-control": "no-cache", **front.headers},
         )
     try:
-        final = await until_disconnect(request, last_generation(call), proxy.config.disconnect_poll_s)
+        final = await until_disconnect(request, last_generation(call), proxy.config.disconnect_poll_s, call.abandon)
         generated_at = time.time()
         if (problem := engine_aborted(final)) is not None:
             raise problem

@@ -4,8 +4,10 @@ refused before the engine sees it, a lost engine is a retryable error."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -163,3 +165,97 @@ def test_a_plain_answer_says_when_the_model_finished_it(scripted: ScriptedEngine
     received = time.time()
     assert reply.status_code == 200, reply.text
     assert sent <= float(reply.headers[STARTED_AT]) <= float(reply.headers[GENERATED_AT]) <= received
+
+
+class _HangingEngine(ScriptedEngine):
+    """A scripted engine that holds every generation until it is asked to abort it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received = threading.Event()
+        self.aborted = threading.Event()
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/generate")
+        async def generate(request: Request) -> Any:
+            body = json.loads(await request.body())
+            self.requests.append(body)
+            self.received.set()
+            await asyncio.get_running_loop().run_in_executor(None, self.aborted.wait, 60)
+            result = self._result(body["rid"], body["input_ids"], [], body.get("sampling_params", {}), True)
+            result["meta_info"]["finish_reason"] = {"type": "abort", "message": "aborted"}
+            return JSONResponse(result)
+
+        @app.post("/abort_request")
+        async def abort(request: Request) -> Any:
+            self.abort_rids.append(json.loads(await request.body())["rid"])
+            self.aborted.set()
+            return {"success": True, "aborted": 1}
+
+        self.abort_rids: list[str] = []
+        return app
+
+
+_RAW = {"anthropic": ("/v1/messages", "x-api-key: " + TOKEN,
+                      {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}),
+        "openai": ("/v1/chat/completions", "authorization: Bearer " + TOKEN,
+                   {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}),
+        "responses": ("/v1/responses", "authorization: Bearer " + TOKEN,
+                      {"model": "m", "max_output_tokens": 8, "input": "hello"})}
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_harness_that_hangs_up_aborts_its_call_at_once(start_proxy: StartProxy, api: str) -> None:
+    """The connection's loss cancels a plain call where it waits: the engine is told to abort and the call is
+    recorded as aborted, without waiting for a poll (an hour apart here)."""
+    engine = _HangingEngine()
+    engine.start()
+    try:
+        p = start_proxy({"cell0": engine.url}, disconnect_poll_s=3600.0, context_length=4096)
+        path, auth, body = _RAW[api]
+        payload = json.dumps(body).encode()
+        host, port = p.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nhost: proxy\r\n{auth}\r\ncontent-type: application/json\r\n"
+                         f"content-length: {len(payload)}\r\n\r\n".encode() + payload)
+            assert engine.received.wait(30), "the engine never saw the call"
+        assert engine.aborted.wait(10), "the hang-up did not abort the engine's request"
+        (request,) = engine.requests
+        assert engine.abort_rids == [request["rid"]]
+        (finished,) = p.events("model_call_finished")
+        assert finished.finish_reason == "abort" and finished.output_ids == []
+    finally:
+        engine.aborted.set()
+        engine.stop()
+
+
+def test_a_connection_lost_before_the_watch_never_starts_the_work() -> None:
+    """Watching a connection already lost answers `ClientGone` at once, after `on_gone`, without starting the
+    work and without leaving a cancel pending in the request's task."""
+    from starlette.requests import Request as StarletteRequest
+
+    from gyre.http_server import ON_DISCONNECT
+    from gyre.proxy.http import ClientGone, until_disconnect
+
+    def already_lost(watcher: Any) -> Any:
+        watcher()
+        return lambda: None
+
+    started: list[bool] = []
+    told: list[bool] = []
+
+    async def work() -> int:
+        started.append(True)
+        return 1
+
+    async def main() -> str:
+        request = StarletteRequest({"type": "http", ON_DISCONNECT: already_lost})
+        with pytest.raises(ClientGone):
+            await until_disconnect(request, work(), 3600.0, lambda: told.append(True))
+        await asyncio.sleep(0)  # a cancel left pending would be raised here
+        return "went on"
+
+    assert asyncio.run(main()) == "went on"
+    assert told == [True] and started == []
