@@ -17,6 +17,9 @@ event loop, so the controller's synchronous code keeps its threads. Per stream:
   and answers a repeat with its recorded `CommandDone`);
 - a cell may ask, in the middle of a command, which weights its engine should load (`WeightsAsk`, a return to
   rollout's load once its leave is over): the hub answers down the stream at once from ``on_weights_ask``.
+  A ToRollout that asks goes down with the answer as it stands (`ToRollout.plan`), and until its done comes up
+  the hub sends a newer answer whenever ``weights_changed()`` finds it changed: a cell that reads the plan
+  loads the last answer it received, with no ask (two messages fewer for each of a step end's returns).
 
 A process may open several streams (*lanes*, `ProxyHello.lanes`; the hub keys a peer's streams by lane): the
 proxy's events lane carries its events, its commands lane its commands and their dones, so a done does not wait
@@ -151,6 +154,8 @@ class _Peer:
     gone: dict[str, tuple[float, str]] = field(default_factory=dict)
     """Each lane not attached: since when (on the hub's clock) and why it ended ("": it never connected)."""
     pending: dict[int, tuple[Command, concurrent.futures.Future[gyre_pb2.CommandDone]]] = field(default_factory=dict)
+    plans: dict[int, gyre_pb2.WeightsAnswer] = field(default_factory=dict)
+    """Its ToRollouts not yet done that carry a plan, by command_id: the answer it last got for each."""
     lost: str | None = None
     stopped: bool = False  # it has done a Stop command: its streams' end is its exit, not a loss
     ingest: asyncio.Future[int] | None = None  # its last batch handed to the ingest thread
@@ -227,6 +232,7 @@ class Hub:
         self._outbox: collections.deque[tuple[Key, Command, concurrent.futures.Future[gyre_pb2.CommandDone], str]] = (
             collections.deque())
         self._outbox_woken = False
+        self._plans_woken = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._running = False
         self._stopping = False
@@ -403,9 +409,48 @@ class Hub:
                                    f"({command.WhichOneof('body')}) was not sent"))
         else:
             peer.pending[command.command_id] = (command, future)
+            if peer.kind == "cell" and command.WhichOneof("body") == "to_rollout" and command.to_rollout.ask:
+                self._plan(peer, command)
             stream = peer.streams.get(peer.command_lane)
             if stream is not None:
                 stream.send(_down(peer.kind, command=command))
+
+    def _plan(self, peer: _Peer, command: gyre_pb2.CellCommand) -> None:
+        """(The loop.) Put the ask's answer as it stands into the ToRollout (`ToRollout.plan`), and follow it until
+        the done: numbered and planned on the loop, a change made after the plan was read reaches `_push_plans`
+        after this. No plan when there is no answer (the cell asks, and gets the error then)."""
+        answer = self._answer(peer, gyre_pb2.WeightsAsk())
+        if answer.error:
+            return
+        command.to_rollout.plan.CopyFrom(answer)
+        peer.plans[command.command_id] = answer
+
+    def weights_changed(self) -> None:
+        """(Any thread.) The answer to a weights ask may have changed — the log names a newer version, the core
+        offered a copy, the core was lost: each ToRollout still following its plan gets the new answer if it
+        differs. Coalesced: one pass on the loop for every call made before it starts."""
+        if not self._running or self._plans_woken:
+            return
+        self._plans_woken = True
+        self._thread.call(self._push_plans)
+
+    def _push_plans(self, only: _Peer | None = None, *, again: bool = False) -> None:
+        """(The loop.) Send each followed plan whose answer changed (``again``: every one, to a reconnected
+        ``only``)."""
+        if only is None:
+            self._plans_woken = False
+        for peer in [only] if only is not None else list(self._peers.values()):
+            if not peer.plans or peer.lost is not None:
+                continue
+            stream = peer.streams.get(peer.command_lane)
+            for command_id, sent in list(peer.plans.items()):
+                answer = self._answer(peer, gyre_pb2.WeightsAsk())
+                if answer.error or (answer == sent and not again):
+                    continue
+                peer.plans[command_id] = answer
+                if stream is not None:
+                    stream.send(_down("cell", weights=gyre_pb2.WeightsAnswer(
+                        command_id=command_id, load=answer.load, weights=answer.weights)))
 
     def lose(self, kind: str, peer_id: str, reason: str, incarnation: str = "") -> None:
         """Declare a peer's current incarnation (``incarnation``, if given: only that one) lost now (its
@@ -536,6 +581,7 @@ class Hub:
         if lane == peer.command_lane:
             for command_id in sorted(peer.pending):
                 stream.send(_down(kind, command=peer.pending[command_id][0]))
+            self._push_plans(peer, again=True)  # what went down the old stream since may be lost
         log.info("%s connected (incarnation %s%s%s)", peer.name, hello.incarnation, f", lane {lane}" if lane else "",
                  "" if fresh else ", again")
         if fresh:
@@ -727,6 +773,7 @@ class Hub:
 
     def _on_done(self, peer: _Peer, done: gyre_pb2.CommandDone) -> None:
         entry = peer.pending.pop(done.command_id, None)
+        peer.plans.pop(done.command_id, None)
         if entry is None:  # a repeat of one already resolved
             return
         if done.ok and entry[0].WhichOneof("body") == "stop":
