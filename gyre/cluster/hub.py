@@ -229,10 +229,13 @@ class Hub:
         self._cond = threading.Condition()
         # command ids start at the clock (µs): a link that outlives a controller restart never sees one repeated
         self._ids = itertools.count(time.time_ns() // 1000)
-        self._outbox: collections.deque[tuple[Key, Command, concurrent.futures.Future[gyre_pb2.CommandDone], str]] = (
-            collections.deque())
+        self._outbox: collections.deque[tuple[Key, Command, concurrent.futures.Future[gyre_pb2.CommandDone], str,
+                                              int | None]] = collections.deque()
         self._outbox_woken = False
         self._plans_woken = False
+        self._plans_epoch = 0
+        """Counts `weights_changed` calls: a plan read on a caller's thread is kept only if none came since."""
+        self._epoch_lock = threading.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._running = False
         self._stopping = False
@@ -363,7 +366,15 @@ class Hub:
         if not self._running:
             _fail(future, ClusterError(f"the hub is not running; a {command.WhichOneof('body')} command was not sent"))
             return future
-        self._outbox.append((key, copy, future, incarnation))
+        epoch = None
+        if key[0] == "cell" and copy.WhichOneof("body") == "to_rollout" and copy.to_rollout.ask:
+            epoch = self._plans_epoch  # read before the plan: a change after it is seen on the loop (`_plan`)
+            known = self._peers.get(key)  # (a read from the caller's thread: the plan is checked again on the loop)
+            answer = self._answer(key[1], incarnation or (known.hello.incarnation if known is not None else ""),
+                                  gyre_pb2.WeightsAsk())
+            if not answer.error:  # read here, not in the loop's drain: ~127 at once in a step end's wave
+                copy.to_rollout.plan.CopyFrom(answer)
+        self._outbox.append((key, copy, future, incarnation, epoch))
         if not self._outbox_woken:  # a wake-up pending takes this one too (the loop clears the flag, then drains)
             self._outbox_woken = True
             self._thread.call(self._send_outbox)
@@ -376,23 +387,23 @@ class Hub:
         self._outbox_woken = False
         while self._outbox:
             try:
-                key, command, future, incarnation = self._outbox.popleft()
+                key, command, future, incarnation, epoch = self._outbox.popleft()
             except IndexError:  # taken by `_fail_outbox` as the hub stopped
                 return
             command.command_id = next(self._ids)
-            self._enqueue(key, command, future, incarnation)
+            self._enqueue(key, command, future, incarnation, epoch)
 
     def _fail_outbox(self) -> None:
         """Fail what was handed over but never numbered (the hub stopped first)."""
         while True:
             try:
-                _, command, future, _ = self._outbox.popleft()
+                _, command, future, _, _ = self._outbox.popleft()
             except IndexError:
                 return
             _fail(future, ClusterError(f"the hub stopped; a {command.WhichOneof('body')} command was not sent"))
 
     def _enqueue(self, key: Key, command: Command, future: concurrent.futures.Future[gyre_pb2.CommandDone],
-                 incarnation: str = "") -> None:
+                 incarnation: str = "", epoch: int | None = None) -> None:
         peer = self._peers.get(key)
         what = "the proxy" if key[0] == "proxy" else f"cell {key[1]!r}"
         if self._stopping:
@@ -410,25 +421,31 @@ class Hub:
         else:
             peer.pending[command.command_id] = (command, future)
             if peer.kind == "cell" and command.WhichOneof("body") == "to_rollout" and command.to_rollout.ask:
-                self._plan(peer, command)
+                self._plan(peer, command, epoch)
             stream = peer.streams.get(peer.command_lane)
             if stream is not None:
                 stream.send(_down(peer.kind, command=command))
 
-    def _plan(self, peer: _Peer, command: gyre_pb2.CellCommand) -> None:
-        """(The loop.) Put the ask's answer as it stands into the ToRollout (`ToRollout.plan`), and follow it until
-        the done: numbered and planned on the loop, a change made after the plan was read reaches `_push_plans`
-        after this. No plan when there is no answer (the cell asks, and gets the error then)."""
-        answer = self._answer(peer, gyre_pb2.WeightsAsk())
-        if answer.error:
-            return
-        command.to_rollout.plan.CopyFrom(answer)
-        peer.plans[command.command_id] = answer
+    def _plan(self, peer: _Peer, command: gyre_pb2.CellCommand, epoch: int | None) -> None:
+        """(The loop.) Follow the ToRollout's plan (`ToRollout.plan`, the ask's answer) until its done. The plan read
+        on the caller's thread stands when no `weights_changed` came since ``epoch`` was read before it; else it
+        is read again here. Either way a change after the read reaches `_push_plans` after this: its call comes
+        after its state changed and counts the epoch before it schedules the pass. No plan when there is no
+        answer (the cell asks, and gets the error then)."""
+        if epoch is None or epoch != self._plans_epoch:
+            command.to_rollout.ClearField("plan")
+            answer = self._answer(peer.peer_id, peer.hello.incarnation, gyre_pb2.WeightsAsk())
+            if not answer.error:
+                command.to_rollout.plan.CopyFrom(answer)
+        if command.to_rollout.HasField("plan"):
+            peer.plans[command.command_id] = command.to_rollout.plan
 
     def weights_changed(self) -> None:
         """(Any thread.) The answer to a weights ask may have changed — the log names a newer version, the core
         offered a copy, the core was lost: each ToRollout still following its plan gets the new answer if it
         differs. Coalesced: one pass on the loop for every call made before it starts."""
+        with self._epoch_lock:  # (an increment lost to a race could equal the epoch a plan was read at)
+            self._plans_epoch += 1
         if not self._running or self._plans_woken:
             return
         self._plans_woken = True
@@ -444,7 +461,7 @@ class Hub:
                 continue
             stream = peer.streams.get(peer.command_lane)
             for command_id, sent in list(peer.plans.items()):
-                answer = self._answer(peer, gyre_pb2.WeightsAsk())
+                answer = self._answer(peer.peer_id, peer.hello.incarnation, gyre_pb2.WeightsAsk())
                 if answer.error or (answer == sent and not again):
                     continue
                 peer.plans[command_id] = answer
@@ -633,7 +650,7 @@ class Hub:
                 if body == "heartbeat":
                     continue
                 if body == "ask" and peer.kind == "cell":
-                    stream.send(_down("cell", weights=self._answer(peer, message.ask)))
+                    stream.send(_down("cell", weights=self._answer(peer.peer_id, peer.hello.incarnation, message.ask)))
                 elif body == "events":
                     ingest = self._on_events(peer, stream, message.events)
                     if ingest is not None:
@@ -653,17 +670,17 @@ class Hub:
             log.exception("reading %s's stream failed", peer.name)
             stream.end(grpc.StatusCode.INTERNAL, f"the hub failed on {peer.name}'s stream: {e!r}")
 
-    def _answer(self, peer: _Peer, ask: gyre_pb2.WeightsAsk) -> gyre_pb2.WeightsAnswer:
+    def _answer(self, cell_id: str, incarnation: str, ask: gyre_pb2.WeightsAsk) -> gyre_pb2.WeightsAnswer:
         """The weights a cell's engine should load now, as the log names them at this moment (the cell asks
-        mid-command, after a leave during which the core may have published)."""
+        mid-command, after a leave during which the core may have published; any thread)."""
         answer = gyre_pb2.WeightsAnswer(ask_id=ask.ask_id)
         if self.on_weights_ask is None:
             answer.error = "this controller answers no weights asks"
             return answer
         try:
-            load, weights = self.on_weights_ask(peer.peer_id, peer.hello.incarnation)
+            load, weights = self.on_weights_ask(cell_id, incarnation)
         except Exception as e:  # the controller's bug: the cell's command fails with it, the stream goes on
-            log.exception("answering %s's weights ask failed", peer.name)
+            log.exception("answering cell %s's weights ask failed", cell_id)
             answer.error = f"the controller could not answer: {e!r}"
             return answer
         answer.load = load

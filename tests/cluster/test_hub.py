@@ -259,6 +259,30 @@ def test_a_return_s_plan_follows_the_weights_until_its_done(cluster) -> None:
     assert not any(peer.plans for peer in cluster.hub._peers.values())
 
 
+def test_a_change_between_a_plan_s_read_and_its_send_is_not_lost(cluster) -> None:
+    """The plan is read on the sender's thread; a change that lands after that read but before the loop sends the
+    command (its push pass finding no plan to follow yet) is caught on the loop: the plan is read again there."""
+    version = [4]
+    calls: list[int] = []
+
+    def answer(cell_id: str, incarnation: str) -> tuple[bool, gyre_pb2.WeightsRef]:
+        calls.append(version[0])
+        read = version[0]
+        if len(calls) == 1:  # the sender's read: the log names v5 right after it
+            version[0] = 5
+            cluster.hub.weights_changed()
+        return True, gyre_pb2.WeightsRef(version=read, location=f"weights/v{read}")
+
+    cluster.hub.on_weights_ask = answer
+    links: list[ControllerLink] = []
+    links.append(cluster.link("c0", handler=lambda command: {
+        "version": float(links[0].planned(command.command_id, command.to_rollout.plan).weights.version)},
+        incarnation="c0-a"))
+    sent = cluster.hub.command_cell("c0", gyre_pb2.CellCommand(to_rollout=gyre_pb2.ToRollout(ask=True)))
+    assert dict(sent.result(10).figures) == {"version": 5.0}
+    assert calls == [4, 5]
+
+
 def test_commands_from_many_threads_at_once_arrive_numbered_in_order(cluster) -> None:
     """As at a publish, when every actuator thread sends at once: each command reaches the cell once, a peer runs
     its commands in command_id order, and each thread's own commands keep the order it sent them in."""
