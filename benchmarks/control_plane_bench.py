@@ -135,6 +135,9 @@ class Scenario:
     proxy_one_stream: bool = False
     """An experiment (the A/B of issue 30's command lane): the proxy stand-in on one stream, its commands and dones
     behind its events, as before its commands lane (`gyre.cluster.proxy_node`)."""
+    cell_asks: bool = False
+    """An experiment (the A/B of issue 30's plans): a returning cell stand-in asks which weights to load after its
+    leave (`WeightsAsk`, a round trip) as a cell did before it read `ToRollout.plan`, kept current by the hub."""
 
     @property
     def calls_per_s(self) -> float:
@@ -745,6 +748,7 @@ async def _cell(channel: grpc.aio.Channel, secret: str, cell_id: str, core: bool
     await stream.write(gyre_pb2.CellUp(hello=hello))
     commands: asyncio.Queue[tuple[gyre_pb2.CellCommand, float] | None] = asyncio.Queue()
     asks: dict[int, asyncio.Future[gyre_pb2.WeightsAnswer]] = {}
+    plans: dict[int, gyre_pb2.WeightsAnswer] = {}  # newer plans the hub sent, by command (as `ControllerLink`)
 
     async def beat() -> None:  # as `ControllerLink` does: once nothing else went up for heartbeat_s
         while True:
@@ -761,10 +765,14 @@ async def _cell(channel: grpc.aio.Channel, secret: str, cell_id: str, core: bool
             stats[kind] = stats.get(kind, 0) + 1
             figures = {**CELL_FIGURES.get(kind, {}), "bench_received_at": received}
             if kind == "to_rollout" and command.to_rollout.ask:  # its leave is over: which weights now?
-                stats["weights_ask"] = stats.get("weights_ask", 0) + 1
-                answer = asks[len(asks) + 1] = asyncio.get_running_loop().create_future()
-                await stream.write(gyre_pb2.CellUp(ask=gyre_pb2.WeightsAsk(ask_id=len(asks))))
-                weights = await answer
+                if command.to_rollout.HasField("plan") and not scenario.cell_asks:
+                    stats["weights_planned"] = stats.get("weights_planned", 0) + 1
+                    weights = plans.pop(command.command_id, command.to_rollout.plan)
+                else:
+                    stats["weights_ask"] = stats.get("weights_ask", 0) + 1
+                    answer = asks[len(asks) + 1] = asyncio.get_running_loop().create_future()
+                    await stream.write(gyre_pb2.CellUp(ask=gyre_pb2.WeightsAsk(ask_id=len(asks))))
+                    weights = await answer
                 if weights.load:
                     figures["weights_version"] = float(weights.weights.version)
             done = gyre_pb2.CommandDone(command_id=command.command_id, ok=True, figures=figures)
@@ -786,6 +794,9 @@ async def _cell(channel: grpc.aio.Channel, secret: str, cell_id: str, core: bool
                 stream.acked(message.ack)
             elif body == "command":
                 commands.put_nowait((message.command, time.monotonic()))
+            elif body == "weights" and message.weights.command_id:
+                stats["weights_plan_changed"] = stats.get("weights_plan_changed", 0) + 1
+                plans[message.weights.command_id] = message.weights
             elif body == "weights":
                 asks[message.weights.ask_id].set_result(message.weights)
     except grpc.aio.AioRpcError:

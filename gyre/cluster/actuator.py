@@ -95,11 +95,15 @@ class Transfers:
         self._ref: gyre_pb2.WeightsRef | None = None
         self._incarnation: str | None = None
         self._training = 0
+        self.on_offer: Callable[[], None] | None = None
+        """Called after an offer (the answer to a weights ask may now carry the core's copy)."""
 
     def offer(self, ref: gyre_pb2.WeightsRef, incarnation: str | None) -> None:
         with self._lock:
             if self._ref is None or ref.version >= self._ref.version:
                 self._ref, self._incarnation = ref, incarnation
+        if self.on_offer is not None:
+            self.on_offer()
 
     @contextlib.contextmanager
     def training(self) -> Iterator[None]:

@@ -284,7 +284,7 @@ class CellNode:
         if body == "serve":
             return self._serve()
         if body == "to_rollout":
-            return self._to_rollout(command.to_rollout)
+            return self._to_rollout(command.to_rollout, command.command_id)
         if body == "load_weights":
             return self._load_weights(command.load_weights.weights)
         if body == "join_step":
@@ -336,20 +336,22 @@ class CellNode:
                        self.pacer.emulation.accelerator.to_rollout_s if self.pacer else 0.0)
         return {"engine_resume_s": time.perf_counter() - started}
 
-    def _to_rollout(self, to: gyre_pb2.ToRollout) -> Mapping[str, float]:
+    def _to_rollout(self, to: gyre_pb2.ToRollout, command_id: int = 0) -> Mapping[str, float]:
         """``leave``, ``load_weights`` and ``serve`` in turn, as their own commands do them (each safe to do
         again, so a retried ToRollout redoes none wrongly); every step's figures. With ``ask`` the weights to
         load are asked of the controller once the leave is over (a version published meanwhile is loaded now,
         not by a second pause after the return); ``weights_version`` then names the version the engine serves,
-        unless the controller said it holds the latest already. The emulated switch (``to_rollout_s``) is held
-        from the leave on, its parts inside it (as `_to_training`)."""
+        unless the controller said it holds the latest already; when the hub put its answer into the command
+        (``plan``, kept current down the stream) it is read here instead of asked. The emulated switch
+        (``to_rollout_s``) is held from the leave on, its parts inside it (as `_to_training`)."""
         started = time.perf_counter()
         figures: dict[str, float] = {}
         if to.leave:
             figures.update(self._leave(to.reason))
         weights = to.weights if to.HasField("weights") else None
         if to.ask:
-            answer = self.link.ask_weights()
+            answer = (self.link.planned(command_id, to.plan) if to.HasField("plan") and command_id else
+                      self.link.ask_weights())
             if answer.error:
                 raise ClusterError(f"cell {self.cell_id}: the controller did not say which weights to load: "
                                    f"{answer.error}")

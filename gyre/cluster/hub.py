@@ -17,6 +17,9 @@ event loop, so the controller's synchronous code keeps its threads. Per stream:
   and answers a repeat with its recorded `CommandDone`);
 - a cell may ask, in the middle of a command, which weights its engine should load (`WeightsAsk`, a return to
   rollout's load once its leave is over): the hub answers down the stream at once from ``on_weights_ask``.
+  A ToRollout that asks goes down with the answer as it stands (`ToRollout.plan`), and until its done comes up
+  the hub sends a newer answer whenever ``weights_changed()`` finds it changed: a cell that reads the plan
+  loads the last answer it received, with no ask (two messages fewer for each of a step end's returns).
 
 A process may open several streams (*lanes*, `ProxyHello.lanes`; the hub keys a peer's streams by lane): the
 proxy's events lane carries its events, its commands lane its commands and their dones, so a done does not wait
@@ -151,6 +154,8 @@ class _Peer:
     gone: dict[str, tuple[float, str]] = field(default_factory=dict)
     """Each lane not attached: since when (on the hub's clock) and why it ended ("": it never connected)."""
     pending: dict[int, tuple[Command, concurrent.futures.Future[gyre_pb2.CommandDone]]] = field(default_factory=dict)
+    plans: dict[int, gyre_pb2.WeightsAnswer] = field(default_factory=dict)
+    """Its ToRollouts not yet done that carry a plan, by command_id: the answer it last got for each."""
     lost: str | None = None
     stopped: bool = False  # it has done a Stop command: its streams' end is its exit, not a loss
     ingest: asyncio.Future[int] | None = None  # its last batch handed to the ingest thread
@@ -224,9 +229,13 @@ class Hub:
         self._cond = threading.Condition()
         # command ids start at the clock (µs): a link that outlives a controller restart never sees one repeated
         self._ids = itertools.count(time.time_ns() // 1000)
-        self._outbox: collections.deque[tuple[Key, Command, concurrent.futures.Future[gyre_pb2.CommandDone], str]] = (
-            collections.deque())
+        self._outbox: collections.deque[tuple[Key, Command, concurrent.futures.Future[gyre_pb2.CommandDone], str,
+                                              int | None]] = collections.deque()
         self._outbox_woken = False
+        self._plans_woken = False
+        self._plans_epoch = 0
+        """Counts `weights_changed` calls: a plan read on a caller's thread is kept only if none came since."""
+        self._epoch_lock = threading.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._running = False
         self._stopping = False
@@ -357,7 +366,15 @@ class Hub:
         if not self._running:
             _fail(future, ClusterError(f"the hub is not running; a {command.WhichOneof('body')} command was not sent"))
             return future
-        self._outbox.append((key, copy, future, incarnation))
+        epoch = None
+        if key[0] == "cell" and copy.WhichOneof("body") == "to_rollout" and copy.to_rollout.ask:
+            epoch = self._plans_epoch  # read before the plan: a change after it is seen on the loop (`_plan`)
+            known = self._peers.get(key)  # (a read from the caller's thread: the plan is checked again on the loop)
+            answer = self._answer(key[1], incarnation or (known.hello.incarnation if known is not None else ""),
+                                  gyre_pb2.WeightsAsk())
+            if not answer.error:  # read here, not in the loop's drain: ~127 at once in a step end's wave
+                copy.to_rollout.plan.CopyFrom(answer)
+        self._outbox.append((key, copy, future, incarnation, epoch))
         if not self._outbox_woken:  # a wake-up pending takes this one too (the loop clears the flag, then drains)
             self._outbox_woken = True
             self._thread.call(self._send_outbox)
@@ -370,23 +387,23 @@ class Hub:
         self._outbox_woken = False
         while self._outbox:
             try:
-                key, command, future, incarnation = self._outbox.popleft()
+                key, command, future, incarnation, epoch = self._outbox.popleft()
             except IndexError:  # taken by `_fail_outbox` as the hub stopped
                 return
             command.command_id = next(self._ids)
-            self._enqueue(key, command, future, incarnation)
+            self._enqueue(key, command, future, incarnation, epoch)
 
     def _fail_outbox(self) -> None:
         """Fail what was handed over but never numbered (the hub stopped first)."""
         while True:
             try:
-                _, command, future, _ = self._outbox.popleft()
+                _, command, future, _, _ = self._outbox.popleft()
             except IndexError:
                 return
             _fail(future, ClusterError(f"the hub stopped; a {command.WhichOneof('body')} command was not sent"))
 
     def _enqueue(self, key: Key, command: Command, future: concurrent.futures.Future[gyre_pb2.CommandDone],
-                 incarnation: str = "") -> None:
+                 incarnation: str = "", epoch: int | None = None) -> None:
         peer = self._peers.get(key)
         what = "the proxy" if key[0] == "proxy" else f"cell {key[1]!r}"
         if self._stopping:
@@ -403,9 +420,54 @@ class Hub:
                                    f"({command.WhichOneof('body')}) was not sent"))
         else:
             peer.pending[command.command_id] = (command, future)
+            if peer.kind == "cell" and command.WhichOneof("body") == "to_rollout" and command.to_rollout.ask:
+                self._plan(peer, command, epoch)
             stream = peer.streams.get(peer.command_lane)
             if stream is not None:
                 stream.send(_down(peer.kind, command=command))
+
+    def _plan(self, peer: _Peer, command: gyre_pb2.CellCommand, epoch: int | None) -> None:
+        """(The loop.) Follow the ToRollout's plan (`ToRollout.plan`, the ask's answer) until its done. The plan read
+        on the caller's thread stands when no `weights_changed` came since ``epoch`` was read before it; else it
+        is read again here. Either way a change after the read reaches `_push_plans` after this: its call comes
+        after its state changed and counts the epoch before it schedules the pass. No plan when there is no
+        answer (the cell asks, and gets the error then)."""
+        if epoch is None or epoch != self._plans_epoch:
+            command.to_rollout.ClearField("plan")
+            answer = self._answer(peer.peer_id, peer.hello.incarnation, gyre_pb2.WeightsAsk())
+            if not answer.error:
+                command.to_rollout.plan.CopyFrom(answer)
+        if command.to_rollout.HasField("plan"):
+            peer.plans[command.command_id] = command.to_rollout.plan
+
+    def weights_changed(self) -> None:
+        """(Any thread.) The answer to a weights ask may have changed — the log names a newer version, the core
+        offered a copy, the core was lost: each ToRollout still following its plan gets the new answer if it
+        differs. Coalesced: one pass on the loop for every call made before it starts."""
+        with self._epoch_lock:  # (an increment lost to a race could equal the epoch a plan was read at)
+            self._plans_epoch += 1
+        if not self._running or self._plans_woken:
+            return
+        self._plans_woken = True
+        self._thread.call(self._push_plans)
+
+    def _push_plans(self, only: _Peer | None = None, *, again: bool = False) -> None:
+        """(The loop.) Send each followed plan whose answer changed (``again``: every one, to a reconnected
+        ``only``)."""
+        if only is None:
+            self._plans_woken = False
+        for peer in [only] if only is not None else list(self._peers.values()):
+            if not peer.plans or peer.lost is not None:
+                continue
+            stream = peer.streams.get(peer.command_lane)
+            for command_id, sent in list(peer.plans.items()):
+                answer = self._answer(peer.peer_id, peer.hello.incarnation, gyre_pb2.WeightsAsk())
+                if answer.error or (answer == sent and not again):
+                    continue
+                peer.plans[command_id] = answer
+                if stream is not None:
+                    stream.send(_down("cell", weights=gyre_pb2.WeightsAnswer(
+                        command_id=command_id, load=answer.load, weights=answer.weights)))
 
     def lose(self, kind: str, peer_id: str, reason: str, incarnation: str = "") -> None:
         """Declare a peer's current incarnation (``incarnation``, if given: only that one) lost now (its
@@ -536,6 +598,7 @@ class Hub:
         if lane == peer.command_lane:
             for command_id in sorted(peer.pending):
                 stream.send(_down(kind, command=peer.pending[command_id][0]))
+            self._push_plans(peer, again=True)  # what went down the old stream since may be lost
         log.info("%s connected (incarnation %s%s%s)", peer.name, hello.incarnation, f", lane {lane}" if lane else "",
                  "" if fresh else ", again")
         if fresh:
@@ -587,7 +650,7 @@ class Hub:
                 if body == "heartbeat":
                     continue
                 if body == "ask" and peer.kind == "cell":
-                    stream.send(_down("cell", weights=self._answer(peer, message.ask)))
+                    stream.send(_down("cell", weights=self._answer(peer.peer_id, peer.hello.incarnation, message.ask)))
                 elif body == "events":
                     ingest = self._on_events(peer, stream, message.events)
                     if ingest is not None:
@@ -607,17 +670,17 @@ class Hub:
             log.exception("reading %s's stream failed", peer.name)
             stream.end(grpc.StatusCode.INTERNAL, f"the hub failed on {peer.name}'s stream: {e!r}")
 
-    def _answer(self, peer: _Peer, ask: gyre_pb2.WeightsAsk) -> gyre_pb2.WeightsAnswer:
+    def _answer(self, cell_id: str, incarnation: str, ask: gyre_pb2.WeightsAsk) -> gyre_pb2.WeightsAnswer:
         """The weights a cell's engine should load now, as the log names them at this moment (the cell asks
-        mid-command, after a leave during which the core may have published)."""
+        mid-command, after a leave during which the core may have published; any thread)."""
         answer = gyre_pb2.WeightsAnswer(ask_id=ask.ask_id)
         if self.on_weights_ask is None:
             answer.error = "this controller answers no weights asks"
             return answer
         try:
-            load, weights = self.on_weights_ask(peer.peer_id, peer.hello.incarnation)
+            load, weights = self.on_weights_ask(cell_id, incarnation)
         except Exception as e:  # the controller's bug: the cell's command fails with it, the stream goes on
-            log.exception("answering %s's weights ask failed", peer.name)
+            log.exception("answering cell %s's weights ask failed", cell_id)
             answer.error = f"the controller could not answer: {e!r}"
             return answer
         answer.load = load
@@ -727,6 +790,7 @@ class Hub:
 
     def _on_done(self, peer: _Peer, done: gyre_pb2.CommandDone) -> None:
         entry = peer.pending.pop(done.command_id, None)
+        peer.plans.pop(done.command_id, None)
         if entry is None:  # a repeat of one already resolved
             return
         if done.ok and entry[0].WhichOneof("body") == "stop":

@@ -531,6 +531,7 @@ class ControllerLink:
         self._done: dict[int, gyre_pb2.CommandDone] = {}
         self._asks = 0
         self._asked: dict[int, tuple[_Conn, asyncio.Future[gyre_pb2.WeightsAnswer]]] = {}  # (the loop)
+        self._plans: dict[int, gyre_pb2.WeightsAnswer] = {}  # newer `ToRollout.plan`s, by command (`planned`)
         self._waiting: set[asyncio.Task[None]] = set()  # dones waiting for their events to be durable
         self._deferred = 0  # how many: counted from the command thread, which hands them over
         self._deferred_cond = threading.Condition()
@@ -761,6 +762,10 @@ class ControllerLink:
                 self._pump()  # what was recorded while `PACK_AHEAD` batches were out, as one
         elif body == "command":
             self._on_command(message.command)
+        elif body == "weights" and message.weights.command_id:  # a newer plan for a ToRollout under way
+            command_id = message.weights.command_id
+            if command_id in self._seen and command_id not in self._done:
+                self._plans[command_id] = message.weights
         elif body == "weights":
             asked = self._asked.pop(message.weights.ask_id, None)
             if asked is not None and not asked[1].done():
@@ -886,6 +891,12 @@ class ControllerLink:
         finally:
             self._asked.pop(ask_id, None)
 
+    def planned(self, command_id: int, plan: gyre_pb2.WeightsAnswer) -> gyre_pb2.WeightsAnswer:
+        """(A cell's command thread.) The weights to load for the ToRollout ``command_id`` now: the last answer the
+        controller sent down for it, else its ``plan`` (`ToRollout.plan`; the stream is read in order, so an
+        answer sent before this moment's has arrived unless it is still in flight, as an ask's would be)."""
+        return self._plans.get(command_id, plan)
+
     def _unanswered(self, conn: _Conn) -> None:
         """The stream ``conn`` ended: its asks will not be answered (the command asking fails, transiently)."""
         for ask_id, (asked_on, answer) in list(self._asked.items()):
@@ -973,6 +984,7 @@ class ControllerLink:
 
     def _finished(self, done: gyre_pb2.CommandDone) -> None:
         self._done[done.command_id] = done
+        self._plans.pop(done.command_id, None)
         while len(self._done) > self.DONE_KEPT:
             del self._done[next(iter(self._done))]
         if self._conn is not None:

@@ -122,6 +122,9 @@ class Cluster:
         self.hub.on_weights_ask = self._weights_ask
         self.live = host.live
         self.transfers = Transfers(host.live)
+        # a ToRollout's plan (`ToRollout.plan`) follows what a weights ask would answer: the log's latest, the copy
+        self.transfers.on_offer = self.hub.weights_changed
+        host.live.watch_weights(self.hub.weights_changed)
         self.commands = Commands(self.hub, host.live, host.sink.producer("commands"))
         self.controller.observe(self._observe, kinds=(WeightsPublished.kind, RoleSwitchCompleted.kind))
         self.membership_sink = host.sink.producer("membership")

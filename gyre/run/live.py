@@ -31,6 +31,31 @@ class LiveRun:
         self.cells: CellsState = self._cells_view.initial()
         self.run: RunState = self._run_view.initial()
         self._cond = threading.Condition()
+        self._watchers: list[Callable[[], None]] = []
+        self._core_id = ""
+        self._weights_key = self._weights()
+
+    def watch_weights(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (on the recording thread, quick, never recording) after each fold that changed the
+        latest weights the log names or the core's incarnation or loss: what a weights ask's answer reads."""
+        self._watchers.append(callback)
+
+    def _weights(self) -> tuple[object, ...]:
+        core = self.cells.cells.get(self._core_id)  # `CellsState.core` scans every cell: once per fold is too many
+        if core is None or not core.is_core:
+            core = self.cells.core
+            self._core_id = core.cell_id if core is not None else ""
+        return self.run.latest, core and (core.cell_id, core.incarnation, core.lost)
+
+    def _folded(self) -> None:
+        """(Under the lock, after a fold.) Wake the waiters; tell the watchers if the weights changed."""
+        self._cond.notify_all()
+        if self._watchers:
+            key = self._weights()
+            if key != self._weights_key:
+                self._weights_key = key
+                for callback in self._watchers:
+                    callback()
 
     @property
     def kinds(self) -> frozenset[str]:
@@ -42,7 +67,7 @@ class LiveRun:
         with self._cond:
             self._cells_view.apply(self.cells, event)
             self._run_view.apply(self.run, event)
-            self._cond.notify_all()
+            self._folded()
 
     def apply_columns(self, first_seq: int, columns: BatchColumns) -> None:
         """Fold an Arrow batch as it was recorded, from its columns: the same state as ``apply`` of each of its
@@ -50,7 +75,7 @@ class LiveRun:
         with self._cond:
             self._cells_view.apply_columns(self.cells, columns)
             self._run_view.apply_columns(self.run, columns)
-            self._cond.notify_all()
+            self._folded()
 
     def read(self, what: Callable[[LiveRun], T]) -> T:
         """``what(self)`` under the lock: a consistent read of both states."""

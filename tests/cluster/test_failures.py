@@ -425,6 +425,25 @@ def test_publishing_lasts_from_a_train_until_the_log_names_its_version() -> None
     assert not transfers.publishing()
 
 
+def test_what_a_weights_ask_reads_is_watched_for_the_plans_the_hub_follows() -> None:
+    """The hub keeps a return's plan current (`Hub.weights_changed`) on each change of what a weights ask
+    answers: a version the log names, the core's incarnation or loss (`LiveRun.watch_weights`), a copy the core
+    offers (`Transfers.on_offer`) — and not on the folds that change none of them."""
+    live = LiveRun()
+    transfers = Transfers(live)
+    changes: list[str] = []
+    live.watch_weights(lambda: changes.append("log"))
+    transfers.on_offer = lambda: changes.append("offer")
+    live.apply(0, CellRegistered(cell_id="c0", role="training", is_core=True, slots=2, incarnation="c0-a"))
+    live.apply(1, CellRegistered(cell_id="c1", role="rollout", slots=2, incarnation="c1-a"))
+    assert changes == ["log"]  # the core registered; another cell changes no answer
+    live.apply(2, WeightsPublished(policy_version=1, location="weights/v1", sha256="a"))
+    live.apply(3, WeightsLoaded(cell_id="c1", policy_version=1, cause="publish", duration_s=0.1))
+    transfers.offer(gyre_pb2.WeightsRef(version=1, location="weights/v1", peer_session="s"), "c0-a")
+    live.apply(4, CellLost(cell_id="c0", reason="gone"))
+    assert changes == ["log", "log", "offer", "log"]
+
+
 def test_a_return_whose_load_was_superseded_is_sent_again_with_the_latest() -> None:
     cut = TransferError("pulling v1 from 10.77.0.2 failed: connection timed out")
     hub = FakeHub(to_rollout=[failed_done(1, cut)])

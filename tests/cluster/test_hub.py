@@ -190,9 +190,10 @@ def test_commands_return_figures_and_errors_in_order_on_one_thread(cluster) -> N
 def test_a_cell_asks_mid_command_which_weights_to_load(cluster) -> None:
     """A return to rollout asks, once its leave is over, for the weights the log names at that moment: the hub
     answers down the same stream from ``on_weights_ask``; a failing callback is an answer with its error (the
-    cell's command fails with it), and the stream goes on."""
+    cell's command fails with it), and the stream goes on. (The hub also asks it as it sends each ToRollout,
+    for the command's plan: `test_a_return_s_plan_follows_the_weights_until_its_done`.)"""
     asked: list[tuple[str, str]] = []
-    versions = iter([4, None])
+    versions = iter([4, 4, None, None])
 
     def answer(cell_id: str, incarnation: str) -> tuple[bool, gyre_pb2.WeightsRef]:
         asked.append((cell_id, incarnation))
@@ -210,15 +211,76 @@ def test_a_cell_asks_mid_command_which_weights_to_load(cluster) -> None:
         return {"load": float(reply.load), "version": float(reply.weights.version), "error": float(bool(reply.error))}
 
     links.append(cluster.link("c0", handler=handler, incarnation="c0-a"))
-    first, second = (cluster.hub.command_cell("c0", gyre_pb2.CellCommand(to_rollout=gyre_pb2.ToRollout(ask=True)))
-                     for _ in range(2))
-    assert dict(first.result(10).figures) == {"load": 1.0, "version": 4.0, "error": 0.0}
-    assert dict(second.result(10).figures) == {"load": 0.0, "version": 0.0, "error": 1.0}
-    assert asked == [("c0", "c0-a")] * 2
+    for figures in ({"load": 1.0, "version": 4.0, "error": 0.0}, {"load": 0.0, "version": 0.0, "error": 1.0}):
+        sent = cluster.hub.command_cell("c0", gyre_pb2.CellCommand(to_rollout=gyre_pb2.ToRollout(ask=True)))
+        assert dict(sent.result(10).figures) == figures
+    assert asked == [("c0", "c0-a")] * 4
     proxy = ControllerLink(cluster.address, secret=cluster.secret, hello=gyre_pb2.ProxyHello(proxy_id="p"),
                            handler=lambda command: None)
     with pytest.raises(TypeError, match="only a cell"):  # the proxy has no engine to load
         proxy.ask_weights()
+
+
+def test_a_return_s_plan_follows_the_weights_until_its_done(cluster) -> None:
+    """A ToRollout that asks goes down with the ask's answer as it stands (`ToRollout.plan`); until its done, a
+    change (`Hub.weights_changed`) that alters the answer goes down too and the cell reads the latest it received
+    (`ControllerLink.planned`) instead of asking; after the done nothing follows it, and the next ToRollout
+    carries the answer of its own send."""
+    version = [4]
+    cluster.hub.on_weights_ask = lambda cell_id, incarnation: (
+        True, gyre_pb2.WeightsRef(version=version[0], location=f"weights/v{version[0]}"))
+    entered, changed = threading.Event(), threading.Event()
+    links: list[ControllerLink] = []
+
+    def handler(command: gyre_pb2.CellCommand) -> dict[str, float]:
+        to = command.to_rollout
+        assert to.HasField("plan")
+        figures = {"sent": float(to.plan.weights.version)}
+        if not entered.is_set():  # the first return: the weights change while it is under way
+            entered.set()
+            assert changed.wait(10)
+            links[0].ask_weights(timeout_s=10)  # ordering only: its answer comes down after the change's plan
+        planned = links[0].planned(command.command_id, to.plan)
+        return {**figures, "load": float(planned.load), "version": float(planned.weights.version)}
+
+    links.append(cluster.link("c0", handler=handler, incarnation="c0-a"))
+    first = cluster.hub.command_cell("c0", gyre_pb2.CellCommand(to_rollout=gyre_pb2.ToRollout(ask=True)))
+    assert entered.wait(10)
+    cluster.hub.weights_changed()  # the answer is unchanged: nothing goes down
+    version[0] = 5
+    cluster.hub.weights_changed()
+    changed.set()
+    assert dict(first.result(10).figures) == {"sent": 4.0, "load": 1.0, "version": 5.0}
+    version[0] = 6
+    cluster.hub.weights_changed()  # the first is done: nothing follows it
+    second = cluster.hub.command_cell("c0", gyre_pb2.CellCommand(to_rollout=gyre_pb2.ToRollout(ask=True)))
+    assert dict(second.result(10).figures) == {"sent": 6.0, "load": 1.0, "version": 6.0}
+    assert cluster.hub.received["ask"] == 1  # the ordering ask alone: the returns read their plans
+    assert not any(peer.plans for peer in cluster.hub._peers.values())
+
+
+def test_a_change_between_a_plan_s_read_and_its_send_is_not_lost(cluster) -> None:
+    """The plan is read on the sender's thread; a change that lands after that read but before the loop sends the
+    command (its push pass finding no plan to follow yet) is caught on the loop: the plan is read again there."""
+    version = [4]
+    calls: list[int] = []
+
+    def answer(cell_id: str, incarnation: str) -> tuple[bool, gyre_pb2.WeightsRef]:
+        calls.append(version[0])
+        read = version[0]
+        if len(calls) == 1:  # the sender's read: the log names v5 right after it
+            version[0] = 5
+            cluster.hub.weights_changed()
+        return True, gyre_pb2.WeightsRef(version=read, location=f"weights/v{read}")
+
+    cluster.hub.on_weights_ask = answer
+    links: list[ControllerLink] = []
+    links.append(cluster.link("c0", handler=lambda command: {
+        "version": float(links[0].planned(command.command_id, command.to_rollout.plan).weights.version)},
+        incarnation="c0-a"))
+    sent = cluster.hub.command_cell("c0", gyre_pb2.CellCommand(to_rollout=gyre_pb2.ToRollout(ask=True)))
+    assert dict(sent.result(10).figures) == {"version": 5.0}
+    assert calls == [4, 5]
 
 
 def test_commands_from_many_threads_at_once_arrive_numbered_in_order(cluster) -> None:

@@ -181,16 +181,18 @@ class ToTraining(_message.Message):
     def __init__(self, pause_mode: _Optional[str] = ..., join: _Optional[_Union[JoinStep, _Mapping]] = ...) -> None: ...
 
 class ToRollout(_message.Message):
-    __slots__ = ("leave", "reason", "weights", "ask")
+    __slots__ = ("leave", "reason", "weights", "ask", "plan")
     LEAVE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     ASK_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     leave: bool
     reason: str
     weights: WeightsRef
     ask: bool
-    def __init__(self, leave: _Optional[bool] = ..., reason: _Optional[str] = ..., weights: _Optional[_Union[WeightsRef, _Mapping]] = ..., ask: _Optional[bool] = ...) -> None: ...
+    plan: WeightsAnswer
+    def __init__(self, leave: _Optional[bool] = ..., reason: _Optional[str] = ..., weights: _Optional[_Union[WeightsRef, _Mapping]] = ..., ask: _Optional[bool] = ..., plan: _Optional[_Union[WeightsAnswer, _Mapping]] = ...) -> None: ...
 
 class WeightsAsk(_message.Message):
     __slots__ = ("ask_id",)
@@ -199,16 +201,18 @@ class WeightsAsk(_message.Message):
     def __init__(self, ask_id: _Optional[int] = ...) -> None: ...
 
 class WeightsAnswer(_message.Message):
-    __slots__ = ("ask_id", "load", "weights", "error")
+    __slots__ = ("ask_id", "load", "weights", "error", "command_id")
     ASK_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     ask_id: int
     load: bool
     weights: WeightsRef
     error: str
-    def __init__(self, ask_id: _Optional[int] = ..., load: _Optional[bool] = ..., weights: _Optional[_Union[WeightsRef, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    command_id: int
+    def __init__(self, ask_id: _Optional[int] = ..., load: _Optional[bool] = ..., weights: _Optional[_Union[WeightsRef, _Mapping]] = ..., error: _Optional[str] = ..., command_id: _Optional[int] = ...) -> None: ...
 
 class Sync(_message.Message):
     __slots__ = ()
