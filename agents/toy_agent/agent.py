@@ -2,7 +2,8 @@
 """The bundled toy coding agent: a small black-box harness that behaves like a real one.
 
 It talks to OPENAI_BASE_URL with OPENAI_API_KEY through the official `openai` SDK, as any third-party
-harness would, and never imports Gyre: Gyre sees it only as a process and a stream of model calls.
+harness would (``--client http``: the same requests with the standard library, no SDK import), and never
+imports Gyre: Gyre sees it only as a process and a stream of model calls.
 
 What it does, each because real harnesses do it and the trainer must cope with it:
 - multi-turn tool use: write_file, read_file, run (a shell command in the workspace, with a timeout);
@@ -32,8 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import openai
-from agent_model import ModelClient, ModelUnavailable, Reply
+from agent_model import ModelClient, ModelUnavailable, Refused, Reply, connect
 from agent_tools import SCHEMAS, MalformedToolCall, ToolFailed, WorkspaceTools, parse_arguments
 
 SYSTEM_PROMPT = (
@@ -202,6 +202,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--summary-max-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument("--client", choices=("sdk", "http"), default="sdk",
+                        help="sdk: the openai package; http: the same requests with urllib (no ~0.5 s SDK import)")
     parser.add_argument("--run-timeout-s", type=float, default=10.0, help="limit of one `run` tool call")
     parser.add_argument("--no-subagent", action="store_true", help="do not offer the delegate tool")
     parser.add_argument("--env-latency", type=EnvironmentLatency.parse, default=None,
@@ -224,8 +226,8 @@ def main(argv: list[str]) -> int:
 
     task = args.prompt if args.prompt is not None else args.task_file.read_text()
     try:
-        client = openai.OpenAI(max_retries=0, timeout=args.request_timeout_s)
-    except openai.OpenAIError as e:  # no OPENAI_API_KEY
+        client = connect(args.client, args.request_timeout_s)
+    except Refused as e:  # no OPENAI_API_KEY
         print(f"toy-agent: {e}", file=sys.stderr)
         return 2
     model = ModelClient(client, model=args.model, max_tokens=args.max_tokens, temperature=args.temperature,

@@ -57,8 +57,9 @@ def test_the_agent_imports_only_the_standard_library_and_the_sdk() -> None:
                 assert top != "gyre" and top in allowed, f"{path.name} imports {name}"
 
 
+@pytest.mark.parametrize("client", ["sdk", "http"])
 def test_end_to_end_retry_malformed_call_subagent_compaction_and_fallback(server: StandInServer,
-                                                                          tmp_path: Path) -> None:
+                                                                          tmp_path: Path, client: str) -> None:
     server.script.main = deque([
         error(500),                                                     # retried with backoff
         tool("write_file", '{"path": "answer.txt", "content": '),       # malformed: error result, next turn
@@ -68,7 +69,8 @@ def test_end_to_end_retry_malformed_call_subagent_compaction_and_fallback(server
     ])
     server.script.sub = deque([tool("write_file", {"path": "draft.txt", "content": "draft"}), text("draft written")])
     server.script.summary = "Summary: a sub-agent wrote draft.txt."
-    result, sink = run_toy(server, tmp_path, "hello")
+    command = (*HarnessConfig.load(TOY_HARNESS).command, "--client", client)
+    result, sink = run_toy(server, tmp_path, "hello", command=command)
 
     assert result.status == "completed", result.message
     assert result.reward == 1.0 and (result.workspace / "answer.txt").read_text() == "hello"
@@ -78,7 +80,7 @@ def test_end_to_end_retry_malformed_call_subagent_compaction_and_fallback(server
         "stop_reason": "answer", "is_error": False, "answer_written_by": "fallback", "api_retries": 1,
         "malformed_tool_calls": 1, "subagents": 1, "compactions": 1, "turns": 6, "model_calls": 8,
         "duration_s": 0}
-    assert {s.authorization for s in server.seen} == {f"Bearer {TOKEN}"}  # the env reached the SDK
+    assert {s.authorization for s in server.seen} == {f"Bearer {TOKEN}"}  # the env reached the client
 
     main, sub, summary = server.requests("main"), server.requests("sub"), server.requests("summary")
     assert len(main) == 5 and len(sub) == 2 and len(summary) == 1
@@ -141,12 +143,14 @@ def test_max_turns_bounds_the_run(server: StandInServer, tmp_path: Path) -> None
     assert server.requests("main")[1]["messages"][-1]["content"].startswith("exit code 0\nhi")
 
 
-def test_an_unreachable_model_is_a_harness_error_after_the_retries(server: StandInServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize("client", ["sdk", "http"])
+def test_an_unreachable_model_is_a_harness_error_after_the_retries(server: StandInServer, tmp_path: Path,
+                                                                   client: str) -> None:
     server.script.main = deque([error(503)])
     server.script.repeat_last = True
     config = HarnessConfig.load(TOY_HARNESS)
     harness = config.model_copy(update={"command": (*config.command, "--max-retries", "2",
-                                                    "--retry-backoff-s", "0.01")})
+                                                    "--retry-backoff-s", "0.01", "--client", client)})
     sink = MemorySink()
     with HarnessRunner(harness, sink=sink, proxy_url=server.url, root=tmp_path / "x") as runner:
         result = runner.run(execution(TaskSet.load(TOY_TASKS)["hello"]))
@@ -156,3 +160,15 @@ def test_an_unreachable_model_is_a_harness_error_after_the_retries(server: Stand
     [finished] = sink.of(ExecutionFinished)
     assert finished.status == "harness_error"
     assert agent_report(result)["is_error"] is True
+
+
+@pytest.mark.parametrize("client", ["sdk", "http"])
+def test_a_refused_request_stops_the_agent_without_a_retry(server: StandInServer, tmp_path: Path,
+                                                          client: str) -> None:
+    server.script.main = deque([error(400)])
+    server.script.repeat_last = True
+    config = HarnessConfig.load(TOY_HARNESS)
+    result, _ = run_toy(server, tmp_path, "hello", command=(*config.command, "--client", client))
+    assert result.status == "harness_error" and result.exit_code == 1
+    assert "model call refused" in result.message and "400" in result.message
+    assert len(server.requests("main")) == 1
