@@ -144,31 +144,20 @@ def test_max_turns_bounds_the_run(server: StandInServer, tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("client", ["sdk", "http"])
-def test_an_unreachable_model_is_a_harness_error_after_the_retries(server: StandInServer, tmp_path: Path,
-                                                                   client: str) -> None:
-    server.script.main = deque([error(503)])
+@pytest.mark.parametrize(("status", "requests", "message"), [
+    (503, 3, "model call failed after 3 attempts"),  # retried with backoff, then given up
+    (400, 1, "model call refused"),                  # not worth a retry
+])
+def test_a_model_that_keeps_failing_is_a_harness_error(server: StandInServer, tmp_path: Path, client: str,
+                                                       status: int, requests: int, message: str) -> None:
+    server.script.main = deque([error(status)])
     server.script.repeat_last = True
     config = HarnessConfig.load(TOY_HARNESS)
-    harness = config.model_copy(update={"command": (*config.command, "--max-retries", "2",
-                                                    "--retry-backoff-s", "0.01", "--client", client)})
-    sink = MemorySink()
-    with HarnessRunner(harness, sink=sink, proxy_url=server.url, root=tmp_path / "x") as runner:
-        result = runner.run(execution(TaskSet.load(TOY_TASKS)["hello"]))
+    result, sink = run_toy(server, tmp_path, "hello", command=(
+        *config.command, "--max-retries", "2", "--retry-backoff-s", "0.01", "--client", client))
     assert result.status == "harness_error" and result.exit_code == 1
-    assert "model call failed after 3 attempts" in result.message
-    assert len(server.requests("main")) == 3 and result.evaluation is None
+    assert message in result.message and str(status) in result.message
+    assert len(server.requests("main")) == requests and result.evaluation is None
     [finished] = sink.of(ExecutionFinished)
     assert finished.status == "harness_error"
     assert agent_report(result)["is_error"] is True
-
-
-@pytest.mark.parametrize("client", ["sdk", "http"])
-def test_a_refused_request_stops_the_agent_without_a_retry(server: StandInServer, tmp_path: Path,
-                                                          client: str) -> None:
-    server.script.main = deque([error(400)])
-    server.script.repeat_last = True
-    config = HarnessConfig.load(TOY_HARNESS)
-    result, _ = run_toy(server, tmp_path, "hello", command=(*config.command, "--client", client))
-    assert result.status == "harness_error" and result.exit_code == 1
-    assert "model call refused" in result.message and "400" in result.message
-    assert len(server.requests("main")) == 1

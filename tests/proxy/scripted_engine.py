@@ -77,6 +77,28 @@ class ScriptedEngine:
             },
         }
 
+    async def generate(self, body: dict[str, Any]) -> Any:
+        """The reply to one `/generate` request (already recorded in `requests`); a subclass that fails or
+        holds calls overrides it."""
+        params = body.get("sampling_params", {})
+        reply = self._reply(body["input_ids"])
+        ids = reply[: params.get("max_new_tokens", 128)]
+        rid, prompt = body["rid"], body["input_ids"]
+        if not body.get("stream"):
+            return JSONResponse(self._result(rid, prompt, ids, params, True))
+
+        async def chunks():
+            for k in range(1, len(ids) + 1):
+                yield f"data: {json.dumps(self._result(rid, prompt, ids[:k], params, k == len(ids)))}\n\n"
+                await asyncio.sleep(0)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    async def abort(self, body: dict[str, Any]) -> Any:
+        """The reply to one `/abort_request`."""
+        return {"success": True, "aborted": 0}
+
     def app(self) -> FastAPI:
         app = FastAPI()
 
@@ -84,24 +106,11 @@ class ScriptedEngine:
         async def generate(request: Request) -> Any:
             body = json.loads(await request.body())
             self.requests.append(body)
-            params = body.get("sampling_params", {})
-            reply = self._reply(body["input_ids"])
-            ids = reply[: params.get("max_new_tokens", 128)]
-            rid, prompt = body["rid"], body["input_ids"]
-            if not body.get("stream"):
-                return JSONResponse(self._result(rid, prompt, ids, params, True))
-
-            async def chunks():
-                for k in range(1, len(ids) + 1):
-                    yield f"data: {json.dumps(self._result(rid, prompt, ids[:k], params, k == len(ids)))}\n\n"
-                    await asyncio.sleep(0)
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(chunks(), media_type="text/event-stream")
+            return await self.generate(body)
 
         @app.post("/abort_request")
-        async def abort() -> Any:
-            return {"success": True, "aborted": 0}
+        async def abort(request: Request) -> Any:
+            return await self.abort(json.loads(await request.body() or b"{}"))
 
         return app
 

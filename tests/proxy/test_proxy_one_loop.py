@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gyre.proxy.turn import GENERATED_AT, STARTED_AT
@@ -33,27 +32,19 @@ class _FaultyEngine(ScriptedEngine):
 
     mode = "abort"
 
-    def app(self) -> FastAPI:
-        app = FastAPI()
+    async def generate(self, body: dict[str, Any]) -> Any:
+        if self.mode == "reject":
+            return JSONResponse({"error": "input_ids: malformed"}, status_code=400)
+        result = self._result(body["rid"], body["input_ids"], [], body.get("sampling_params", {}), True)
+        result["meta_info"]["finish_reason"] = {"type": "abort", "message": "kv cache full"}
+        if not body.get("stream"):
+            return JSONResponse(result)
 
-        @app.post("/generate")
-        async def generate(request: Request) -> Any:
-            body = json.loads(await request.body())
-            self.requests.append(body)
-            if self.mode == "reject":
-                return JSONResponse({"error": "input_ids: malformed"}, status_code=400)
-            result = self._result(body["rid"], body["input_ids"], [], body.get("sampling_params", {}), True)
-            result["meta_info"]["finish_reason"] = {"type": "abort", "message": "kv cache full"}
-            if not body.get("stream"):
-                return JSONResponse(result)
+        async def chunks() -> Iterator[str]:  # type: ignore[misc]
+            yield f"data: {json.dumps(result)}\n\n"
+            yield "data: [DONE]\n\n"
 
-            async def chunks() -> Iterator[str]:  # type: ignore[misc]
-                yield f"data: {json.dumps(result)}\n\n"
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(chunks(), media_type="text/event-stream")
-
-        return app
+        return StreamingResponse(chunks(), media_type="text/event-stream")
 
 
 @pytest.fixture
@@ -174,28 +165,19 @@ class _HangingEngine(ScriptedEngine):
         super().__init__()
         self.received = threading.Event()
         self.aborted = threading.Event()
-
-    def app(self) -> FastAPI:
-        app = FastAPI()
-
-        @app.post("/generate")
-        async def generate(request: Request) -> Any:
-            body = json.loads(await request.body())
-            self.requests.append(body)
-            self.received.set()
-            await asyncio.get_running_loop().run_in_executor(None, self.aborted.wait, 60)
-            result = self._result(body["rid"], body["input_ids"], [], body.get("sampling_params", {}), True)
-            result["meta_info"]["finish_reason"] = {"type": "abort", "message": "aborted"}
-            return JSONResponse(result)
-
-        @app.post("/abort_request")
-        async def abort(request: Request) -> Any:
-            self.abort_rids.append(json.loads(await request.body())["rid"])
-            self.aborted.set()
-            return {"success": True, "aborted": 1}
-
         self.abort_rids: list[str] = []
-        return app
+
+    async def generate(self, body: dict[str, Any]) -> Any:
+        self.received.set()
+        await asyncio.get_running_loop().run_in_executor(None, self.aborted.wait, 60)
+        result = self._result(body["rid"], body["input_ids"], [], body.get("sampling_params", {}), True)
+        result["meta_info"]["finish_reason"] = {"type": "abort", "message": "aborted"}
+        return JSONResponse(result)
+
+    async def abort(self, body: dict[str, Any]) -> Any:
+        self.abort_rids.append(body["rid"])
+        self.aborted.set()
+        return {"success": True, "aborted": 1}
 
 
 _RAW = {"anthropic": ("/v1/messages", "x-api-key: " + TOKEN,
