@@ -3,8 +3,9 @@ slip, 8 steps of RL with the pass/fail reward move the policy toward the right a
 the rewards shuffled within each group (same rollouts, no signal) do not (`benchmarks/learning_gain.py`; ~2 min).
 
 The bounds come from seven pairs of runs on three warm starts (docs/benchmarks.md, "Seventh attempt"): with the
-reward the answer share gained 0.093-0.137, shuffled -0.039-+0.045, reward minus shuffled 0.055-0.175. A broken reward path (advantages of the wrong sign, rewards not reaching the batch, behaviour log-probs
-misaligned with the trained tokens) leaves the reward run where the shuffled one is, and fails the first bound.
+reward the answer share gained 0.093-0.137, shuffled -0.039-+0.045, reward minus shuffled 0.055-0.175. A broken
+reward path (advantages of the wrong sign, rewards not reaching the batch, behaviour log-probs misaligned with the
+trained tokens) leaves the reward run where the shuffled one is, and fails the first bound.
 """
 
 from pathlib import Path
