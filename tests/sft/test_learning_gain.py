@@ -10,9 +10,12 @@ trained tokens) leaves the reward run where the shuffled one is, and fails the f
 
 from pathlib import Path
 
+import pytest
+
 from benchmarks.learning_gain import answer_share, reinforce, warm_start
 
 
+@pytest.mark.slow  # ~2 min: `make test`'s serial pass runs it, `make check` does not
 def test_rl_moves_the_policy_toward_the_right_answer_and_shuffled_rewards_do_not(tmp_path: Path) -> None:
     model = warm_start(tmp_path / "warm", seed=0)
     warm = answer_share(model)
