@@ -36,7 +36,7 @@ import torch
 
 from gyre.config import TrainConfig
 from gyre.model.tiny import load_tiny
-from gyre.sft.expert import Expert, family_tasks, mistake
+from gyre.sft.expert import Expert, family_tasks, mistake, write_turn
 from gyre.sft.run import SftConfig, run_sft
 from gyre.train.inprocess import TrainingRun
 from gyre.trainer.export import export_policy
@@ -70,12 +70,13 @@ def warm_start(root: Path, seed: int = 0) -> Path:
 
 def reinforce(model: Path, root: Path, seed: int, *, shuffle_rewards: bool) -> Path:
     """RL from ``model`` on ``TASKS``; the exported policy's directory."""
-    run_dir = root / f"rl-{seed}{'-shuffled' if shuffle_rewards else ''}"
+    name = f"{seed}{'-shuffled' if shuffle_rewards else ''}"
+    run_dir = root / f"rl-{name}"
     config = TrainConfig.load(CONFIG, {**RL, "seed": seed, "run_dir": str(run_dir), "engine.model": str(model),
                                        "rollout.task_ids": list(TASKS),
                                        "trajectory.shuffle_rewards": shuffle_rewards})
     TrainingRun(config).run()
-    out = root / f"policy-{seed}{'-shuffled' if shuffle_rewards else ''}"
+    out = root / f"policy-{name}"
     export_policy(run_dir, out)
     return out
 
@@ -92,8 +93,7 @@ def answer_share(model: Path, tasks: tuple[str, ...] = TASKS) -> float:
     for task in (t for t in family_tasks(TRAIN) if t.id in tasks):
         record = expert.demonstrate(task)
         messages, tools = record["messages"], record["tools"]
-        turn = next(i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("tool_calls")
-                    and m["tool_calls"][0]["function"]["name"] == "write_file")
+        turn = write_turn(messages)
         prefix = tokenizer.apply_chat_template(messages[:turn], tools=tools, tokenize=True,
                                                add_generation_prompt=True, return_dict=False)
         logps = []

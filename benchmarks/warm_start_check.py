@@ -113,7 +113,7 @@ def probe(model: str, samples: int, tasks: Path = HELDOUT) -> dict[str, Any]:
     import torch
 
     from gyre.model.tiny import load_tiny
-    from gyre.sft.expert import Expert, family_tasks
+    from gyre.sft.expert import Expert, family_tasks, write_turn
 
     torch.set_num_threads(1)
     policy, tokenizer = load_tiny(Path(model))
@@ -123,8 +123,7 @@ def probe(model: str, samples: int, tasks: Path = HELDOUT) -> dict[str, Any]:
     for task in family_tasks(tasks):
         record = expert.demonstrate(task)
         messages = record["messages"]
-        turn = next(i for i, m in enumerate(messages) if m["role"] == "assistant"
-                    and m.get("tool_calls") and m["tool_calls"][0]["function"]["name"] == "write_file")
+        turn = write_turn(messages)
         ids = torch.tensor([tokenizer.apply_chat_template(messages[:turn], tools=record["tools"], tokenize=True,
                                                           add_generation_prompt=True, return_dict=False)])
         wanted, found = json.dumps(task.solution), 0

@@ -366,7 +366,7 @@ class Hub:
         if not self._running:
             _fail(future, ClusterError(f"the hub is not running; a {command.WhichOneof('body')} command was not sent"))
             return future
-        epoch = None
+        epoch = None  # set for a ToRollout that asks, and only for it: its plan is followed (`_plan`)
         if key[0] == "cell" and copy.WhichOneof("body") == "to_rollout" and copy.to_rollout.ask:
             epoch = self._plans_epoch  # read before the plan: a change after it is seen on the loop (`_plan`)
             known = self._peers.get(key)  # (a read from the caller's thread: the plan is checked again on the loop)
@@ -420,19 +420,19 @@ class Hub:
                                    f"({command.WhichOneof('body')}) was not sent"))
         else:
             peer.pending[command.command_id] = (command, future)
-            if peer.kind == "cell" and command.WhichOneof("body") == "to_rollout" and command.to_rollout.ask:
+            if epoch is not None:
                 self._plan(peer, command, epoch)
             stream = peer.streams.get(peer.command_lane)
             if stream is not None:
                 stream.send(_down(peer.kind, command=command))
 
-    def _plan(self, peer: _Peer, command: gyre_pb2.CellCommand, epoch: int | None) -> None:
+    def _plan(self, peer: _Peer, command: gyre_pb2.CellCommand, epoch: int) -> None:
         """(The loop.) Follow the ToRollout's plan (`ToRollout.plan`, the ask's answer) until its done. The plan read
         on the caller's thread stands when no `weights_changed` came since ``epoch`` was read before it; else it
         is read again here. Either way a change after the read reaches `_push_plans` after this: its call comes
         after its state changed and counts the epoch before it schedules the pass. No plan when there is no
         answer (the cell asks, and gets the error then)."""
-        if epoch is None or epoch != self._plans_epoch:
+        if epoch != self._plans_epoch:
             command.to_rollout.ClearField("plan")
             answer = self._answer(peer.peer_id, peer.hello.incarnation, gyre_pb2.WeightsAsk())
             if not answer.error:
@@ -459,10 +459,12 @@ class Hub:
         for peer in [only] if only is not None else list(self._peers.values()):
             if not peer.plans or peer.lost is not None:
                 continue
+            answer = self._answer(peer.peer_id, peer.hello.incarnation, gyre_pb2.WeightsAsk())  # one per cell
+            if answer.error:
+                continue
             stream = peer.streams.get(peer.command_lane)
             for command_id, sent in list(peer.plans.items()):
-                answer = self._answer(peer.peer_id, peer.hello.incarnation, gyre_pb2.WeightsAsk())
-                if answer.error or (answer == sent and not again):
+                if answer == sent and not again:
                     continue
                 peer.plans[command_id] = answer
                 if stream is not None:

@@ -114,6 +114,13 @@ class Expert:
         return messages
 
 
+def write_turn(messages: list[dict[str, Any]]) -> int:
+    """The index of a demonstration's assistant turn that writes the answer file (its ``write_file`` call): where
+    the probes of a warm start read what the policy would write."""
+    return next(i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("tool_calls")
+                and m["tool_calls"][0]["function"]["name"] == "write_file")
+
+
 def family_tasks(tasks_path: Path) -> list[FamilyTask]:
     """The tasks of a generated task set, rebuilt as `FamilyTask`s (with their solutions)."""
     out = []

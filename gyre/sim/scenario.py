@@ -171,19 +171,20 @@ class TrainingSpec(_Section):
         return moved + self.optimizer_s / max(1, shards) + sync
 
 
-def reshard_share(before: frozenset[str], after: frozenset[str]) -> float:
-    """The largest share of the optimizer state one cell sends or receives when the shard set changes from
-    ``before`` to ``after`` (each holds an even shard): a cell that gains a shard receives ``1/len(after)``,
-    one that gives its shard up sends ``1/len(before)``; cells that keep theirs re-balance the rest in
-    parallel, each by less than either. 0 when the set is unchanged."""
+def _shard_moves(before: frozenset[str], after: frozenset[str]) -> list[tuple[float, str]]:
+    """(share, cell) of each cell that moves optimizer state when the shard set changes from ``before`` to
+    ``after`` (each holds an even shard): a cell that gains a shard receives ``1/len(after)``, one that gives
+    its shard up sends ``1/len(before)``; cells that keep theirs re-balance the rest in parallel, each by less
+    than either."""
     if not before or not after:
         raise ValueError("a shard set holds at least the core")
-    share = 0.0
-    if after - before:
-        share = max(share, 1 / len(after))
-    if before - after:
-        share = max(share, 1 / len(before))
-    return share
+    return [(1 / len(after), c) for c in after - before] + [(1 / len(before), c) for c in before - after]
+
+
+def reshard_share(before: frozenset[str], after: frozenset[str]) -> float:
+    """The largest share of the optimizer state one cell sends or receives when the shard set changes from
+    ``before`` to ``after`` (`_shard_moves`); 0 when the set is unchanged."""
+    return max((share for share, _ in _shard_moves(before, after)), default=0.0)
 
 
 def hidden_reshard_share(before: frozenset[str], after: frozenset[str], since_s: dict[str, float],
@@ -192,11 +193,9 @@ def hidden_reshard_share(before: frozenset[str], after: frozenset[str], since_s:
     that gains a shard pulls it from when it joined, one that gives its shard up sends it from when it left
     (from host memory, as colocate offloads its state); ``since_s`` is those seconds per cell, ``move_s`` the
     time of moving the whole optimizer state. What is left stalls the step, as ``reshard_share`` does."""
-    if not before or not after:
-        raise ValueError("a shard set holds at least the core")
+    moves = _shard_moves(before, after)
     if move_s <= 0:
         return 0.0
-    moves = [(1 / len(after), c) for c in after - before] + [(1 / len(before), c) for c in before - after]
     return max((max(0.0, share - since_s.get(c, 0.0) / move_s) for share, c in moves), default=0.0)
 
 
