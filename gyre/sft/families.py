@@ -46,7 +46,11 @@ class FamilyTask:
 
 
 DRILL_FAMILIES = ("copy", "upper", "reverse", "concat")
-"""The families whose answer is the input rewritten letter by letter: what a copy drill exercises."""
+"""The families whose answer is the input rewritten letter by letter: what a copy drill exercises by default (and
+what the written-letter check measures)."""
+COPYING_FAMILIES = (*DRILL_FAMILIES, "pyfunc")
+"""Every family whose answer copies what the input files hold (pyfunc's K into a fixed template): what a drill
+may exercise. Not add: its answer is computed, not copied."""
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -125,6 +129,12 @@ def generate(seed: int = 0, train_per_pair: int = 6, heldout_per_pair: int = 3) 
     return train, heldout
 
 
+def _off_heldout(task: FamilyTask, unseen: set[str]) -> bool:
+    """A training task's parameters stay off the held-out split's (pyfunc's K aside: it has 8 values, so its
+    held-out tasks are new family x file pairs only)."""
+    return task.family == "pyfunc" or not parameters(task) & unseen
+
+
 def _heldout_parameters() -> set[str]:
     """The held-out split's words and numbers (pyfunc's K aside: it has 8 values), never used in training."""
     _, heldout = generate()
@@ -144,22 +154,26 @@ def fresh_training_tasks(count: int, seed: int) -> list[FamilyTask]:
     while len(out) < count:
         family, source = pairs[len(out) % len(pairs)]
         task = make_task(f"fresh-{family}-{len(out)}", family, source, rng)
-        if family == "pyfunc" or not parameters(task) & unseen:
+        if _off_heldout(task, unseen):
             out.append(task)
     return out
 
 
-def drill_tasks(count: int, seed: int) -> list[FamilyTask]:
-    """``count`` copy drills: tasks of the letter-rewriting families over random letter strings, on the training
-    split's family x file pairs only. A syllable word can be half guessed from the family's word distribution;
-    a random string can only be copied, so these teach the model to read the tool result (issue #29)."""
-    unseen, pairs = _heldout_parameters(), _training_pairs(DRILL_FAMILIES)
+def drill_tasks(count: int, seed: int, families: tuple[str, ...] = DRILL_FAMILIES) -> list[FamilyTask]:
+    """``count`` copy drills: tasks of ``families`` (of `COPYING_FAMILIES`) over random letter strings, on the
+    training split's family x file pairs only. A syllable word can be half guessed from the family's word
+    distribution; a random string can only be copied, so these teach the model to read the tool result (issue
+    #29). A pyfunc drill copies its K, a digit the template cannot predict."""
+    if unknown := set(families) - set(COPYING_FAMILIES):
+        raise ValueError(f"drill families {sorted(unknown)}: a drill copies its input; "
+                         f"families: {', '.join(COPYING_FAMILIES)}")
+    unseen, pairs = _heldout_parameters(), _training_pairs(families)
     rng = random.Random(seed)
     out: list[FamilyTask] = []
     while len(out) < count:
         family, source = pairs[rng.randrange(len(pairs))]
         task = make_task(f"drill-{family}-{len(out)}", family, source, rng, word=_letters)
-        if not parameters(task) & unseen:
+        if _off_heldout(task, unseen):
             out.append(task)
     return out
 

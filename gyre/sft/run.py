@@ -38,6 +38,7 @@ from pydantic import (
 )
 
 from gyre.errors import ConfigError
+from gyre.sft.families import COPYING_FAMILIES, DRILL_FAMILIES
 
 IGNORE = -100
 
@@ -56,6 +57,17 @@ class DemonstrationsSection(_Section):
     error_rate: float = Field(0.3, ge=0, le=1, description="share of demonstrations with a wrong answer")
     drills: NonNegativeInt = Field(0, description="short copy drills made at start (gyre.sft.families.drill_tasks: "
                                                   "random letter strings read, rewritten and written, never wrong)")
+    drill_families: tuple[str, ...] = Field(
+        DRILL_FAMILIES,
+        description="the families the drills exercise (gyre.sft.families.COPYING_FAMILIES: pyfunc's drills copy "
+                    "its K, a digit)")
+
+    @model_validator(mode="after")
+    def _known_drills(self) -> DemonstrationsSection:
+        if not self.drill_families or set(self.drill_families) - set(COPYING_FAMILIES):
+            raise ValueError(f"drill_families {list(self.drill_families)}: name one or more of "
+                             f"{', '.join(COPYING_FAMILIES)} (a drill copies its input)")
+        return self
 
 
 class ModelSection(_Section):
@@ -201,7 +213,9 @@ def _drills(config: SftConfig, tokenizer: Any) -> list[Any]:
     from gyre.sft.families import drill_tasks
 
     expert = Expert(seed=config.seed)
-    return [render(expert.drill(task), tokenizer) for task in drill_tasks(config.demonstrations.drills, config.seed)]
+    demos = config.demonstrations
+    return [render(expert.drill(task), tokenizer)
+            for task in drill_tasks(demos.drills, config.seed, demos.drill_families)]
 
 
 EARLY_ENDS = "phase_ends.jsonl"

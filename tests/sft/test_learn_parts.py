@@ -107,6 +107,26 @@ def test_copy_drills_are_right_random_and_stay_off_the_heldout_split(tmp_path):
         SftConfig.load(config)
 
 
+def test_pyfunc_drills_copy_the_digit_and_only_named_families_are_drilled(tmp_path):
+    from gyre.errors import ConfigError
+    from gyre.sft.families import DRILL_FAMILIES, drill_tasks
+
+    assert {t.family for t in drill_tasks(200, seed=3)} == set(DRILL_FAMILIES)  # the default: letters only
+    drills = drill_tasks(200, seed=3, families=("copy", "pyfunc"))
+    assert {t.family for t in drills} == {"copy", "pyfunc"}
+    pyfunc = [t for t in drills if t.family == "pyfunc"]
+    assert len({t.solution for t in pyfunc}) == 8  # every K of 2..9: the digit is what the drill copies
+    for task in pyfunc:
+        k = task.files[task.inputs[0]].strip()
+        assert task.solution == f"def f(x):\n    return x * {k}\n"
+    with pytest.raises(ValueError, match="add"):
+        drill_tasks(10, seed=3, families=("copy", "add"))  # computed, not copied
+    config = tmp_path / "sft.toml"
+    config.write_text('[demonstrations]\npath = "x"\ndrills = 10\ndrill_families = ["copy", "sum"]\n')
+    with pytest.raises(ConfigError, match="drill_families.*pyfunc"):
+        SftConfig.load(config)
+
+
 def test_interleaved_training_order_mixes_the_families_in_every_step():
     from benchmarks.warm_start_check import interleaved
 
