@@ -39,6 +39,7 @@ demo-train: $(STAMP)
 demo-learn: $(STAMP)
 	rm -rf runs/learn
 	$(BIN)/gyre sft examples/learn-cpu-sft.toml
+	$(BIN)/gyre sft examples/learn-cpu-sft-slips.toml
 	$(BIN)/gyre train examples/learn-cpu.toml
 
 # The full suite in two passes: everything but whole runs on both cores (the fast tier, the slow pure tests such

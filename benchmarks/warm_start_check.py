@@ -20,6 +20,7 @@ before advantages): same steps, same rollouts, no reward signal.
 
 import argparse
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -109,33 +110,42 @@ def interleaved(families: list[str], tasks: Path) -> list[str]:
 
 
 def probe(model: str, samples: int, tasks: Path = HELDOUT) -> dict[str, Any]:
-    """Share of sampled ``write_file`` turns that write the exact answer, per family (see the module doc)."""
+    """Share of sampled ``write_file`` turns that write the exact answer, per family (see the module doc), and
+    the share that write the expert's slip instead: right + slip is the content skill, right / (right + slip)
+    the mode RL moves (a slip it can turn into the answer; anything else it cannot)."""
     import torch
 
     from gyre.model.tiny import load_tiny
-    from gyre.sft.expert import Expert, family_tasks, write_turn
+    from gyre.sft.expert import Expert, family_tasks, mistake, write_turn
 
     torch.set_num_threads(1)
     policy, tokenizer = load_tiny(Path(model))
     policy.eval()
     expert = Expert(error_rate=0.0, skip_check_rate=1.0)
     hits: dict[str, list[float]] = defaultdict(list)
+    slips: dict[str, list[float]] = defaultdict(list)
     for task in family_tasks(tasks):
         record = expert.demonstrate(task)
         messages = record["messages"]
         turn = write_turn(messages)
         ids = torch.tensor([tokenizer.apply_chat_template(messages[:turn], tools=record["tools"], tokenize=True,
                                                           add_generation_prompt=True, return_dict=False)])
-        wanted, found = json.dumps(task.solution), 0
+        wanted, found, slipped = json.dumps(task.solution), 0, 0
+        slip = {json.dumps(mistake(task, random.Random(i))) for i in range(8)} - {wanted}  # add's three slips
         for sample in range(samples):
             torch.manual_seed(sample)
             out = policy.generate(ids, max_new_tokens=64, do_sample=True, temperature=1.0, top_k=0,
                                   pad_token_id=tokenizer.pad_token_id)
-            found += wanted in tokenizer.decode(out[0, ids.shape[1]:])
+            text = tokenizer.decode(out[0, ids.shape[1]:])
+            found += wanted in text
+            slipped += any(f'"content": {s}' in text for s in slip)
         hits[task.family].append(found / samples)
+        slips[task.family].append(slipped / samples)
     return {"samples": samples, "tasks": sum(map(len, hits.values())),
             "right_content": round(statistics.mean(x for v in hits.values() for x in v), 4),
-            "per_family": {f: round(statistics.mean(v), 3) for f, v in sorted(hits.items())}}
+            "slip_content": round(statistics.mean(x for v in slips.values() for x in v), 4),
+            "per_family": {f: round(statistics.mean(v), 3) for f, v in sorted(hits.items())},
+            "slip_per_family": {f: round(statistics.mean(v), 3) for f, v in sorted(slips.items())}}
 
 
 # The warm start alone: a run evaluates its initial and its final policy, so one step that changes nothing (a

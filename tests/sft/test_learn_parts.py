@@ -123,8 +123,22 @@ def test_pyfunc_drills_copy_the_digit_and_only_named_families_are_drilled(tmp_pa
         drill_tasks(10, seed=3, families=("copy", "add"))  # computed, not copied
     config = tmp_path / "sft.toml"
     config.write_text('[demonstrations]\npath = "x"\ndrills = 10\ndrill_families = ["copy", "sum"]\n')
-    with pytest.raises(ConfigError, match="drill_families.*pyfunc"):
+    with pytest.raises(ConfigError, match=r"drill_families.*pyfunc"):
         SftConfig.load(config)
+
+
+def test_the_learning_run_s_configs_chain_the_warm_start_into_rl_on_the_copying_families():
+    from benchmarks.warm_start_check import interleaved
+    from gyre.config import TrainConfig
+    from gyre.sft.families import COPYING_FAMILIES
+
+    examples = TOY.parents[1] / "examples"
+    first, second = (SftConfig.load(examples / f"learn-cpu-sft{s}.toml") for s in ("", "-slips"))
+    assert second.model.base == first.run_dir / "model"  # the second phase starts where the first ended
+    assert set(second.demonstrations.drill_families) == set(COPYING_FAMILIES)
+    rl = TrainConfig.load(examples / "learn-cpu.toml")
+    assert rl.engine.model == str(second.run_dir / "model")
+    assert list(rl.rollout.task_ids) == interleaved(list(COPYING_FAMILIES), TOY / "learn-train.toml")
 
 
 def test_interleaved_training_order_mixes_the_families_in_every_step():
