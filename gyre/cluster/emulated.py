@@ -74,7 +74,7 @@ def scenario_overrides(config: ClusterConfig, scenario_name: str, *, time_scale:
     costs = {"switch_to_training_s": scenario.switch.to_training_s / time_scale,
              "switch_to_rollout_s": scenario.switch.to_rollout_s / time_scale,
              "satellite_join_s": scenario.training.satellite_join_s / time_scale}
-    takes = get_policy(policy).params_type.model_fields  # colocate and async plan no switches: no such keys
+    takes = get_policy(policy, config.scheduler.version).params_type.model_fields  # colocate, async: no switches
     params = {**scenario.policy.values(policy), **(params or {}),
               **{key: value for key, value in costs.items() if key in takes}}
     staleness = params.pop("staleness", 0)  # the scenario's, as `gyre sim` gives it (colocate: 0, synchronous)

@@ -183,9 +183,12 @@ class RunHost:
                               f"or --resume to continue that run")
         else:
             self.run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
-        self.policy = get_policy(config.scheduler.policy)
         try:
-            self.params = self.policy.params(config.policy_params())
+            self.policy = get_policy(config.scheduler.policy, config.scheduler.version)
+        except ConfigError as error:
+            raise ConfigError(f"scheduler.version: {error}") from error
+        try:  # run_started records the version and every parameter: replay re-runs exactly this policy
+            self.params = self.policy.run_params(config.policy_params())
         except ValueError as error:
             raise ConfigError(f"scheduler.params do not fit policy {self.policy.version}: {error}") from error
         self.heldout = self._heldout_plan()

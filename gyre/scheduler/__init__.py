@@ -8,7 +8,15 @@ from gyre.scheduler.colocate import COLOCATE
 from gyre.scheduler.decisions import InsufficientCapacityError
 from gyre.scheduler.elastic import ELASTIC, ELASTIC_V1, ELASTIC_V2, ELASTIC_V3
 from gyre.scheduler.fixed_pools import ASYNC
-from gyre.scheduler.params import AsyncParams, ColocateParams, ElasticParams, PolicyParams
+from gyre.scheduler.params import (
+    ELASTIC3_MECHANISMS,
+    ELASTIC3_PARTIAL_MECHANISMS,
+    AsyncParams,
+    ColocateParams,
+    ElasticParams,
+    ElasticV3Params,
+    PolicyParams,
+)
 from gyre.scheduler.policy import CellSpec, Policy
 from gyre.scheduler.view import SchedulerFold, SchedulerView, WorkState, WorkView
 
@@ -40,6 +48,8 @@ __all__ = [
     "COLOCATE",
     "DECISION_KINDS",
     "ELASTIC",
+    "ELASTIC3_MECHANISMS",
+    "ELASTIC3_PARTIAL_MECHANISMS",
     "ELASTIC_V1",
     "ELASTIC_V2",
     "ELASTIC_V3",
@@ -49,6 +59,7 @@ __all__ = [
     "CellSpec",
     "ColocateParams",
     "ElasticParams",
+    "ElasticV3Params",
     "InsufficientCapacityError",
     "Policy",
     "PolicyParams",

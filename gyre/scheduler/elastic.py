@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from gyre.events.models import RoleSwitchRequested
 from gyre.scheduler.decisions import free_slots, leave_rollout, to_rollout
-from gyre.scheduler.params import ElasticParams, ElasticV3Params
+from gyre.scheduler.params import ElasticParams, ElasticV3Params, elastic3_values
 from gyre.scheduler.policy import Policy, all_rollout
 from gyre.scheduler.view import SchedulerView
 from gyre.state import Cell
@@ -364,5 +364,5 @@ ELASTIC_V1 = Policy(name="elastic", version="elastic/1", params_type=ElasticPara
 ELASTIC_V2 = Policy(name="elastic", version="elastic/2", params_type=ElasticParams, decide=decide_v2,
                     initial_roles=all_rollout)
 ELASTIC_V3 = Policy(name="elastic", version="elastic/3", params_type=ElasticV3Params, decide=decide_v3,
-                    initial_roles=all_rollout)
+                    initial_roles=all_rollout, run_values=elastic3_values)
 ELASTIC = ELASTIC_V2
