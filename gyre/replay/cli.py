@@ -33,7 +33,7 @@ def replay(
         overrides = json.loads(params) if params else None
         if policy is not None and policy_version is not None:
             raise ConfigError("--policy-version replays the recorded policy exactly as another of its versions: "
-                            "not with --policy (a re-timing)")
+                              "not with --policy (a re-timing)")
         if policy is not None:
             out = retime(log, policy, scenario=scenario, params=overrides)
         else:

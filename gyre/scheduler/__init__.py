@@ -14,7 +14,6 @@ from gyre.scheduler.params import (
     AsyncParams,
     ColocateParams,
     ElasticParams,
-    ElasticV3Params,
     PolicyParams,
 )
 from gyre.scheduler.policy import CellSpec, Policy
@@ -59,7 +58,6 @@ __all__ = [
     "CellSpec",
     "ColocateParams",
     "ElasticParams",
-    "ElasticV3Params",
     "InsufficientCapacityError",
     "Policy",
     "PolicyParams",
