@@ -94,3 +94,15 @@ def test_a_train_run_refuses_a_bad_version_before_it_starts(tmp_path: Path) -> N
     with pytest.raises(ConfigError, match=r"scheduler.version: unknown version 'elastic/9'.*elastic/1, elastic/2"):
         RunHost(config, topology=None)  # type: ignore[arg-type]  # refused before it is used
     assert not (tmp_path / "run").exists()
+
+
+def test_gyre_run_refuses_a_bad_version_before_anything_starts(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from gyre.cli import app
+
+    run_dir = tmp_path / "run"
+    result = CliRunner().invoke(app, ["run", str(EXAMPLE), "--run-dir", str(run_dir), "--policy-version", "elastic/9"])
+    assert result.exit_code == 2, result.output
+    assert "shipped versions: elastic/1, elastic/2, elastic/3" in " ".join(result.output.split())
+    assert not run_dir.exists()
