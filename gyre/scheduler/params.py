@@ -74,13 +74,17 @@ class ElasticV3Params(ElasticParams):
     idle_recall: bool = Field(
         False, description="with partial rollouts, an idle training satellite with no ready micro-step to "
                            "claim returns to rollout when queued executions would keep it busy for its round trip")
+    idle_demand: bool = Field(
+        False, description="while training has nothing to do now (no open step, no complete group, no busy cell), a "
+                           "loan weighs the whole watermark, as the recall then does (false: the next step's needs, "
+                           "and a cell lent while its needed groups are being scored is recalled as it arrives)")
     spread_tail: bool = Field(
         False, description="at staleness 0, a loan leaves at least half a cell's slots spare in the cells that "
                            "stay (not only hysteresis_slots): the tail, the step's critical path, is not packed "
                            "onto few cells, whose decode is slower")
 
 
-ELASTIC3_MECHANISMS: dict[str, bool] = {"spread_tail": True}
+ELASTIC3_MECHANISMS: dict[str, bool] = {"spread_tail": True, "idle_demand": True}
 """elastic/3's mechanisms that are parameters off by default (so logs recorded before them replay) and on in
 every elastic/3 run: the ablation's rows, and a live run unless its config says otherwise."""
 ELASTIC3_PARTIAL_MECHANISMS: dict[str, bool] = {**ELASTIC3_MECHANISMS, "backlog_loans": True, "idle_recall": True}

@@ -238,7 +238,8 @@ def elastic3_variants(scenario: Scenario, sweep: Sequence[int] | None = None) ->
     v3 = "elastic/3"
     out = [Variant("elastic/3", "elastic", ELASTIC3_MECHANISMS, "elastic3", v3)]
     if not scenario.policy.staleness:
-        out.append(Variant("elastic/3, no tail spreading", "elastic", {}, "elastic3 ablation", v3))
+        out.append(Variant("elastic/3, no tail spreading", "elastic", {**ELASTIC3_MECHANISMS, "spread_tail": False},
+                           "elastic3 ablation", v3))
     sweep = oversample_sweep(scenario, sweep)
     for k in sweep:
         out.append(Variant(f"elastic/3 + partial rollouts ({k} over-sampled)", "elastic",

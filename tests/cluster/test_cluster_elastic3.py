@@ -6,7 +6,9 @@ under it; the same log replayed as elastic/2 tells the versions apart (so these 
 - One cell with partial rollouts and one over-sampled group, ordered by files as `test_cluster_partial`: once
   step 0's own groups are complete the over-sampled group's two executions are work the step does not need,
   so elastic/3 sends the cell to training and cuts them (elastic/2 weighs the whole watermark and would keep
-  the cell in rollout until they finish). They resume on the new weights and step 1 trains them.
+  the cell in rollout until they finish). They resume on the new weights and step 1 trains them. While step
+  0's groups are scored (their harnesses ended: no demand, no complete group yet) the cell stays where it is:
+  before ``idle_demand`` it flapped between the roles, cutting the slow ones again.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ def test_elastic3_cuts_the_work_the_next_step_does_not_need(tmp_path: Path) -> N
 
     events = list(LogReader(log).events())
     assert [(e.step, e.samples) for e in events if e.kind == "train_step_finished"] == [(0, 4), (1, 4)]
+    switches = [e.to_role for e in events if e.kind == "role_switch_requested"]
+    assert switches == ["training", "rollout", "training"], switches  # no flapping while step 0 is scored
     first = next(e for e in events if e.kind == "role_switch_requested" and e.to_role == "training")
     assert "next step's 0 executions" in first.reason and not first.redirects  # nothing needed: all of it cut
     slow = {e.execution_id for e in events if e.kind == "execution_queued" and "-slow" in e.group_id}

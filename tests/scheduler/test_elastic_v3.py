@@ -160,12 +160,12 @@ def test_the_parameter_rule_is_the_ablations_and_a_config_overrides_it():
     assert ELASTIC_V3.run_params(scenario_values(sc, ELASTIC_V3, partial)) == policy_params(sc, ELASTIC_V3, row)
     on = ELASTIC_V3.run_params(partial)
     assert on.spread_tail and on.backlog_loans and on.idle_recall and on.cut_unneeded and on.rate_split
-    assert set(ELASTIC3_PARTIAL_MECHANISMS) == {"spread_tail", "backlog_loans", "idle_recall"}
+    assert set(ELASTIC3_PARTIAL_MECHANISMS) == {"spread_tail", "idle_demand", "backlog_loans", "idle_recall"}
     assert not ELASTIC_V3.run_params({}).backlog_loans and ELASTIC_V3.run_params({}).spread_tail
     assert not ELASTIC_V3.run_params({"spread_tail": False}).spread_tail
     assert not any(getattr(ELASTIC_V3.params({}), key) for key in ELASTIC3_PARTIAL_MECHANISMS)
     assert ELASTIC.run_params({"hysteresis_slots": 1}) == ELASTIC.params({"hysteresis_slots": 1})
-    assert ELASTIC3_MECHANISMS == {"spread_tail": True}
+    assert ELASTIC3_MECHANISMS == {"spread_tail": True, "idle_demand": True}
 
 
 def test_idle_training_cells_return_to_serve_the_queue_only_when_asked():
