@@ -266,7 +266,7 @@ def decide_v3(view: SchedulerView, params: ElasticV3Params) -> list[RoleSwitchRe
     floor = rate_split(view) if split else 0
     settled = view.cells_in("training")
     training = len(settled) + len(view.entering("training"))
-    idle = view.open_step is None and not view.work.training_ready() and not view.busy_training()
+    idle = view.open_step is None and not _training_ready(view, params) and not view.busy_training()
     shortfall = needs.demand - capacity - coming
     if shortfall <= 0 and idle:
         shortfall = view.watermark - capacity - coming
@@ -282,6 +282,16 @@ def decide_v3(view: SchedulerView, params: ElasticV3Params) -> list[RoleSwitchRe
     cut = params.partial_rollouts and params.cut_unneeded
     demand = max(needs.demand, view.watermark) if idle and params.idle_demand else needs.demand
     return _lend_v3(view, rollout, needs, demand, params, costs, training, floor, cut)
+
+
+def _training_ready(view: SchedulerView, params: ElasticV3Params) -> bool:
+    """Training has data now. A partial step that does not stream (``stream_micro_steps`` off: it starts
+    only once its groups fill its batch; live, every partial step) has data only then, under ``idle_demand``
+    (a complete group alone gives a lent cell nothing to train)."""
+    work = view.work
+    if params.idle_demand and params.partial_rollouts and not params.stream_micro_steps and work.open_train is None:
+        return work.assignable(work.next_train_step(), work.batch_groups())[1]
+    return work.training_ready()
 
 
 def _ready_micro_steps(view: SchedulerView) -> int:

@@ -83,6 +83,7 @@ def test_elastic3_cuts_the_work_the_next_step_does_not_need(tmp_path: Path) -> N
     log = summary.log
     started = _started(log)
     assert started["params"]["backlog_loans"] and started["params"]["idle_recall"]  # the rule with partial rollouts
+    assert not started["params"]["stream_micro_steps"]  # live, a partial step starts once full: recorded so
     report = audit(log, expected_steps=2, replay=True)
     assert report.ok, report.problems
     assert report.executions_cut == 2 and report.max_version_lag == 1, report
