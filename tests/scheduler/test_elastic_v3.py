@@ -182,3 +182,20 @@ def test_idle_training_cells_return_to_serve_the_queue_only_when_asked():
                           for e in sink.events)
     assert recalls == {False: 0, True: recalls[True]} and recalls[True] > 0
     assert not ELASTIC_V3.params({}).backlog_loans and not ELASTIC_V3.params({}).idle_recall
+
+
+def test_an_unstreamed_partial_step_gets_no_loan_before_it_can_start():
+    """Live, a partial step starts only once its groups fill its batch (it does not stream). elastic/3 lent for a
+    streamed step, so its lent cells waited idle in training: behind elastic/2 on the emulated cluster's
+    workload. With ``idle_demand`` (the parameter rule) training counts as ready only once the step is full."""
+    from gyre.cluster.emulated import played
+
+    sc = played("seed-2.4t-scaled")
+    unstreamed = {"stream_micro_steps": False, "partial_rollouts": True, "oversample_groups": 4}
+    hours = {}
+    for name, version, values in (("v2", None, unstreamed), ("v3", "elastic/3", unstreamed),
+                                  ("v3 before", "elastic/3", {**unstreamed, "idle_demand": False})):
+        policy = get_policy("elastic", version)
+        params = policy.run_params(scenario_values(sc, policy, values))
+        hours[name] = simulate(sc, "elastic", steps=2, version=version, params=params).hours
+    assert hours["v3"] < hours["v2"] < hours["v3 before"], hours
