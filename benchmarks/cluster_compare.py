@@ -20,8 +20,10 @@ their environment use none, which is the capacity elastic lends.
 With ``--emulate SCENARIO`` every run instead faces the scenario's emulated cluster and workload
 (`gyre run --emulate`, `gyre.cluster.emulated`): each cell is its own emulated accelerator, so a cell's
 idleness frees capacity as it would on GPUs. The designs are the ablation's best, chosen by the simulator on
-the same workload (`gyre.sim.runner.ablate`): elastic, colocate's best, async's best split, and with
-``--partial`` each one's best with partial rollouts. Each row then carries ``emulated_s`` (wall x
+the same workload (`gyre.sim.runner.ablate`): elastic (elastic/2), elastic/3 (its ablation row: the parameter
+rule of ``docs/scheduler.md``), colocate's best, async's best split, and with ``--partial`` each one's best
+with partial rollouts. ``--policies`` names designs by policy, or by version for a version other than the
+current one (``elastic,elastic/3,colocate,async``). Each row then carries ``emulated_s`` (wall x
 time_scale), the simulator's ``predicted_s`` for the same executions under the same parameters, their
 ``sim_error``, and whether the emulation held (``emulation_valid``: real compute stayed within its emulated
 time). Rankings live and simulated are compared at the end.
@@ -46,6 +48,9 @@ from gyre.replay.counterfactual import retime_run
 from gyre.sim.runner import ablate
 
 POLICIES = ("elastic", "colocate", "async")
+"""Designs without ``--emulate``."""
+DESIGNS = ("elastic", "elastic/3", "colocate", "async")
+"""Designs with ``--emulate``: a policy, or a version other than its current one."""
 
 _WINDOW = """
 SELECT epoch(min(ts) FILTER (WHERE kind = 'execution_queued')),
@@ -84,36 +89,47 @@ def emulated_designs(scenario_name: str, steps: int | None, partial: bool) -> li
 
     result = ablate(played(scenario_name), steps=steps)
     rows = {r["variant"]: r for r in result["runs"]}
-    chosen = ["elastic", result["best_colocate"], result["best_async"]]
+    chosen = ["elastic", "elastic/3", result["best_colocate"], result["best_async"]]
     if partial:
         chosen += [result["partial_rollouts"][f"best_{d}"] for d in ("elastic", "colocate", "async")]
+        chosen.insert(5, result["elastic3"]["best"])
     return [rows[name] for name in chosen]
+
+
+def design_policy(design: dict[str, Any]) -> tuple[str, str | None, str]:
+    """An ablation row's policy, its version where that is not the policy's current one, and the name
+    ``--policies`` knows it by (the version, or the policy)."""
+    from gyre.scheduler import get_policy
+
+    version = design["policy_version"]
+    name = version.split("/")[0]
+    if get_policy(name).version == version:  # an unknown name fails here, before any process starts
+        return name, None, name
+    return name, version, version
 
 
 def compare_emulated(base: ClusterConfig, args: argparse.Namespace) -> dict[str, Any]:
     """One live emulated run per design (module docstring), each beside the simulator's prediction."""
     from gyre.cluster.emulated import scenario_overrides
-    from gyre.scheduler import get_policy
 
     results = []
     wanted = set(args.policies.split(","))
     for design in emulated_designs(args.emulate, args.steps, args.partial):
-        policy = design["design"].split("+")[0]  # the ablation's role: elastic | colocate | async (+partial)
-        if policy not in wanted:  # --policies: a subset of the designs (each run is independent)
+        policy, version, key = design_policy(design)
+        if key not in wanted:  # --policies: a subset of the designs (each run is independent)
             continue
         params = dict(design["params"])
         params.pop("staleness", None)
-        run_dir = args.out / design["variant"].replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
+        run_dir = args.out / "".join(c for c in design["variant"].replace(" ", "_") if c not in ",()/")
         shutil.rmtree(run_dir, ignore_errors=True)
-        get_policy(policy)  # an unknown design name fails here, before any process starts
+        scheduler = {"scheduler.policy": policy, "scheduler.version": version}
         staged = base.model_copy(update={"run_dir": run_dir, "scheduler": base.scheduler.model_copy(
-            update={"policy": policy})})
+            update={"policy": policy, "version": version})})
         overrides = scenario_overrides(staged, args.emulate, time_scale=args.time_scale,
                                        token_scale=args.token_scale, params=params)
         if args.steps is not None:
             overrides["steps"] = args.steps
-        config = ClusterConfig.load(args.config, {**overrides, "run_dir": str(run_dir),
-                                                  "scheduler.policy": policy})
+        config = ClusterConfig.load(args.config, {**overrides, "run_dir": str(run_dir), **scheduler})
         summary = ClusterRun(config).run()
         if summary.status != "completed":
             raise SystemExit(f"the {design['variant']} run did not complete: {summary.status}")
@@ -143,7 +159,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="train steps (default 3; --emulate: the "
                                                                  "scenario's)")
     parser.add_argument("--out", type=Path, default=Path("runs/compare"))
-    parser.add_argument("--policies", default=",".join(POLICIES), help="which designs to run (with --emulate too)")
+    parser.add_argument("--policies", default=None, help=f"which designs to run (default {','.join(POLICIES)}; "
+                                                          f"with --emulate {','.join(DESIGNS)})")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--emulate", default=None, help="a scenario (replay/scenarios name or file): see above")
     parser.add_argument("--time-scale", type=float, default=10.0, help="with --emulate: emulated s per wall s")
@@ -152,6 +169,7 @@ def main() -> None:
                                                                  "partial rollouts")
     args = parser.parse_args()
     base = ClusterConfig.load(args.config)
+    args.policies = args.policies or ",".join(DESIGNS if args.emulate is not None else POLICIES)
     if args.emulate is not None:
         print(json.dumps(compare_emulated(base, args), indent=None if args.json else 2))
         return

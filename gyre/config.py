@@ -87,6 +87,11 @@ class SchedulerSection(_Section):
     policy: str = Field("elastic", pattern="^(elastic|colocate)$",
                         description="elastic or colocate (async needs a second cell: one cell cannot be both "
                                     "fixed pools)")
+    version: str | None = Field(
+        None, description="a shipped version of the policy other than its current one, e.g. 'elastic/3' (None: the "
+                          "current one, elastic/2); recorded in run_started, so replay re-runs the version that "
+                          "decided. Its parameter rule fills in what [scheduler] params leave unset "
+                          "(docs/scheduler.md)")
     staleness: NonNegativeInt = Field(0, description="steps a batch may lag the policy that trains it")
     wait_for_lent_cells: bool = Field(
         True, description="a step starts only once every cell the policy lends is in training, so it joins "

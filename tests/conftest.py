@@ -93,6 +93,7 @@ INTEGRATION = (
 SERIAL = (
     "tests/chaos/",
     # cluster runs: a controller, cell processes, a proxy (test_cluster_config and _membership are pure)
+    "tests/cluster/test_cluster_elastic3.py",
     "tests/cluster/test_cluster_emulated.py",
     "tests/cluster/test_cluster_faults.py",
     "tests/cluster/test_cluster_observe.py",

@@ -18,6 +18,9 @@ console = Console()
 def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g. examples/cluster-cpu.toml")],
         steps: Annotated[int | None, typer.Option(help="override the number of steps")] = None,
         policy: Annotated[str | None, typer.Option(help="override scheduler.policy (elastic|colocate|async)")] = None,
+        policy_version: Annotated[str | None, typer.Option(
+            help="override scheduler.version: a shipped version of the policy, e.g. elastic/3 (default: the "
+                 "current one)")] = None,
         run_dir: Annotated[Path | None, typer.Option(help="override run_dir")] = None,
         bind: Annotated[str | None, typer.Option(help="override cluster.bind (the interface to listen on)")] = None,
         advertise: Annotated[str | None, typer.Option(
@@ -37,8 +40,9 @@ def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g
     from gyre.cluster.run import ClusterRun
 
     overrides = {key: value for key, value in (("steps", steps), ("run_dir", run_dir and str(run_dir)),
-                                               ("scheduler.policy", policy), ("cluster.bind", bind),
-                                               ("cluster.advertise", advertise)) if value is not None}
+                                               ("scheduler.policy", policy), ("scheduler.version", policy_version),
+                                               ("cluster.bind", bind), ("cluster.advertise", advertise))
+                 if value is not None}
     try:
         settings = ClusterConfig.load(config, overrides)  # an override is checked as a key in the file is
         if emulate is not None:
@@ -51,8 +55,8 @@ def run(config: Annotated[Path, typer.Argument(help="TOML run configuration, e.g
         raise typer.Exit(2) from None
     cluster = settings.cluster
     console.print(f"[bold]gyre run[/bold] {settings.name}: {cluster.cells} cells x {cluster.slots} slots "
-                  f"(core {cluster.core}), policy {settings.scheduler.policy}, {settings.steps} steps, "
-                  f"run directory {settings.run_dir}")
+                  f"(core {cluster.core}), policy {settings.scheduler.version or settings.scheduler.policy}, "
+                  f"{settings.steps} steps, run directory {settings.run_dir}")
     status = console.status("starting the controller, the cells and the proxy")
 
     def progress(phase: str, figures: dict) -> None:

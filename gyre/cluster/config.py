@@ -10,13 +10,22 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import (
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from gyre.cluster.address import WILDCARDS
 from gyre.cluster.tls import TlsSection
 from gyre.config import SchedulerSection, TrainConfig, _Section, apply_overrides
 from gyre.emulate import Emulation
 from gyre.errors import ConfigError
+from gyre.scheduler import get_policy
 
 
 class RaySection(_Section):
@@ -98,6 +107,14 @@ class ClusterSchedulerSection(SchedulerSection):
     @classmethod
     def _json(cls, value: dict[str, Any]) -> dict[str, Any]:
         json.dumps(value)
+        return value
+
+    @field_validator("version")
+    @classmethod
+    def _shipped(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """Refused here, before any process starts, in the words `get_policy` uses (it names the shipped ones)."""
+        if value is not None and "policy" in info.data:
+            get_policy(info.data["policy"], value)
         return value
 
 

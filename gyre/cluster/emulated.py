@@ -74,7 +74,7 @@ def scenario_overrides(config: ClusterConfig, scenario_name: str, *, time_scale:
     costs = {"switch_to_training_s": scenario.switch.to_training_s / time_scale,
              "switch_to_rollout_s": scenario.switch.to_rollout_s / time_scale,
              "satellite_join_s": scenario.training.satellite_join_s / time_scale}
-    takes = get_policy(policy).params_type.model_fields  # colocate and async plan no switches: no such keys
+    takes = get_policy(policy, config.scheduler.version).params_type.model_fields  # colocate, async: no switches
     params = {**scenario.policy.values(policy), **(params or {}),
               **{key: value for key, value in costs.items() if key in takes}}
     staleness = params.pop("staleness", 0)  # the scenario's, as `gyre sim` gives it (colocate: 0, synchronous)
@@ -107,7 +107,8 @@ def _task_set(name: str, seed: int, tasks: list[tuple[str, str, dict[str, Any]]]
     return "\n".join(lines) + "\n"
 
 
-COMPARED_PARAMS = ("stream_micro_steps", "partial_rollouts", "oversample_groups", "hysteresis_slots")
+COMPARED_PARAMS = ("stream_micro_steps", "partial_rollouts", "oversample_groups", "hysteresis_slots", "cut_unneeded",
+                   "rate_split", "backlog_loans", "idle_recall", "spread_tail")
 """The run's policy parameters the prediction takes (switch and join times are the scenario's, unscaled)."""
 
 _STEPS = """
@@ -130,7 +131,7 @@ def measure(run_dir: Path) -> dict[str, Any]:
     con = LogReader(run_dir / "log").duckdb()
     start, end = con.execute("SELECT epoch(min(ts)) FROM executions_queued").fetchone()[0], \
         con.execute("SELECT epoch(max(ts)) FROM weights_published").fetchone()[0]
-    policy, raw = con.execute("SELECT policy, policy_params FROM runs_started").fetchone()
+    policy, version, raw = con.execute("SELECT policy, policy_version, policy_params FROM runs_started").fetchone()
     params = json.loads(raw)
     steps = [{"step": step, "planned_micro_steps": planned, "opened_s": round((opened - start) * scale, 1),
               "last_reward_s": round((last - start) * scale, 1), "finished_s": round((done - start) * scale, 1)}
@@ -138,9 +139,9 @@ def measure(run_dir: Path) -> dict[str, Any]:
     scenario = with_policy_values(played(emulate["scenario"]), {
         "staleness": params.get("staleness", 0),
         **{f"{policy}.{k}": params[k] for k in COMPARED_PARAMS if k in params}})
-    predicted = simulate(scenario, policy, steps=len(steps)).hours * 3600
+    predicted = simulate(scenario, policy, steps=len(steps), version=version).hours * 3600
     live = (end - start) * scale
-    return {"run_dir": str(run_dir), "scenario": emulate["scenario"], "policy": policy, "time_scale": scale,
+    return {"run_dir": str(run_dir), "scenario": emulate["scenario"], "policy": version, "time_scale": scale,
             "params": {k: params[k] for k in COMPARED_PARAMS if k in params}, "wall_s": round(end - start, 1),
             "emulated_s": round(live, 1), "predicted_s": round(predicted, 1),
             "sim_error": round(predicted / live - 1, 4), "steps": steps, "agents": agent_reports(run_dir)}

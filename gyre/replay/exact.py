@@ -13,6 +13,7 @@ Two kinds of decision points, named by ``run_started.decision_points``:
 Either way the policy is the recorded one (name, version and parameters from ``run_started``).
 """
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -77,15 +78,20 @@ def decision_record(event: RoleSwitchRequested) -> dict[str, Any]:
     return out
 
 
-def recorded_policy(start: RunStarted, policy: str | None = None,
-                    params: dict[str, Any] | None = None) -> tuple[Policy, PolicyParams]:
+def recorded_policy(start: RunStarted, policy: str | None = None, params: dict[str, Any] | None = None,
+                    version: str | None = None) -> tuple[Policy, PolicyParams]:
+    """The recorded policy and parameters; ``version``: another shipped version of it, given the recorded
+    parameters it takes (what that version would have decided on the same log prefixes)."""
     try:
-        chosen = get_policy(policy) if policy else get_policy(start.policy, _shipped(start))
+        chosen = get_policy(policy) if policy else get_policy(start.policy, version or _shipped(start))
     except GyreError as error:
         raise ReplayError(f"cannot replay run {start.run_id}: {error}") from error
-    if params is None:
+    if params is not None:
+        return chosen, chosen.params(params)
+    if version is None:
         return chosen, chosen.params(start.policy_params)
-    return chosen, chosen.params(params)
+    recorded = json.loads(start.policy_params or "{}")
+    return chosen, chosen.params({k: v for k, v in recorded.items() if k in chosen.params_type.model_fields})
 
 
 def _shipped(start: RunStarted) -> str | None:
@@ -93,13 +99,15 @@ def _shipped(start: RunStarted) -> str | None:
     return start.policy_version if start.policy_version in VERSIONS else None
 
 
-def replay_decisions(log_path: str | Path, params: dict[str, Any] | None = None) -> ReplayReport:
-    """Replay the recorded policy (optionally with other ``params``, to see what would change)."""
+def replay_decisions(log_path: str | Path, params: dict[str, Any] | None = None,
+                     version: str | None = None) -> ReplayReport:
+    """Replay the recorded policy (optionally with other ``params``, or as another shipped ``version`` of it,
+    to see what would change)."""
     events = _events(log_path)
     start = next(events, None)
     if not isinstance(start, RunStarted):
         raise ReplayError(f"log {log_path} does not begin with run_started, so its policy is unknown")
-    policy, policy_params = recorded_policy(start, params=params)
+    policy, policy_params = recorded_policy(start, params=params, version=version)
     report = ReplayReport(log=str(log_path), run_id=start.run_id, policy=policy.name,
                           recorded_version=start.policy_version, current_version=policy.version,
                           params=policy_params.model_dump())

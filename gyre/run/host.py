@@ -183,11 +183,19 @@ class RunHost:
                               f"or --resume to continue that run")
         else:
             self.run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
-        self.policy = get_policy(config.scheduler.policy)
         try:
-            self.params = self.policy.params(config.policy_params())
+            self.policy = get_policy(config.scheduler.policy, config.scheduler.version)
+        except ConfigError as error:
+            raise ConfigError(f"scheduler.version: {error}") from error
+        try:  # run_started records the version and every parameter: replay re-runs exactly this policy
+            self.params = self.policy.run_params(config.policy_params())
         except ValueError as error:
             raise ConfigError(f"scheduler.params do not fit policy {self.policy.version}: {error}") from error
+        if self.params.partial_rollouts and self.params.stream_micro_steps:
+            # live, a partial step starts once its groups fill its batch (`gyre.controller.plan`): it does not
+            # stream, and the recorded parameters say so — elastic/3 would lend cells to a step that cannot open
+            # yet, and `gyre sim` on the log's parameters would predict a streamed run
+            self.params = self.params.model_copy(update={"stream_micro_steps": False})
         self.heldout = self._heldout_plan()
         self.live = LiveRun()
         """Membership and run state, folded as each event is recorded (`gyre.run.live`)."""

@@ -8,7 +8,14 @@ from gyre.scheduler.colocate import COLOCATE
 from gyre.scheduler.decisions import InsufficientCapacityError
 from gyre.scheduler.elastic import ELASTIC, ELASTIC_V1, ELASTIC_V2, ELASTIC_V3
 from gyre.scheduler.fixed_pools import ASYNC
-from gyre.scheduler.params import AsyncParams, ColocateParams, ElasticParams, PolicyParams
+from gyre.scheduler.params import (
+    ELASTIC3_MECHANISMS,
+    ELASTIC3_PARTIAL_MECHANISMS,
+    AsyncParams,
+    ColocateParams,
+    ElasticParams,
+    PolicyParams,
+)
 from gyre.scheduler.policy import CellSpec, Policy
 from gyre.scheduler.view import SchedulerFold, SchedulerView, WorkState, WorkView
 
@@ -40,6 +47,8 @@ __all__ = [
     "COLOCATE",
     "DECISION_KINDS",
     "ELASTIC",
+    "ELASTIC3_MECHANISMS",
+    "ELASTIC3_PARTIAL_MECHANISMS",
     "ELASTIC_V1",
     "ELASTIC_V2",
     "ELASTIC_V3",

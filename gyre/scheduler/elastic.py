@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from gyre.events.models import RoleSwitchRequested
 from gyre.scheduler.decisions import free_slots, leave_rollout, to_rollout
-from gyre.scheduler.params import ElasticParams, ElasticV3Params
+from gyre.scheduler.params import ElasticParams, ElasticV3Params, elastic3_values
 from gyre.scheduler.policy import Policy, all_rollout
 from gyre.scheduler.view import SchedulerView
 from gyre.state import Cell
@@ -246,6 +246,11 @@ def decide_v3(view: SchedulerView, params: ElasticV3Params) -> list[RoleSwitchRe
       it could claim now (complete, unclaimed), not the step's whole remainder, which arrives as groups
       complete; and (``idle_recall``) a joined satellite with nothing to claim returns to serve the queue
       when the queue outlasts its round trip. Both are off by default so logs recorded before them replay.
+    - While training has nothing to do now (no open step, no complete group, no busy cell), the recall weighs
+      the whole watermark; with ``idle_demand`` (off by default so earlier logs replay) a loan then weighs it
+      too, so a cell lent is not recalled as soon as it arrives. Without it, a step's last groups finished but
+      not yet scored (their needs are 0, the watermark is not) make the core flap between the roles: found
+      live (one cell, `tests/cluster/test_cluster_elastic3.py`: 46 switches in 0.8 s of scoring).
     - Tail placement (``spread_tail``, off by default; staleness 0 only): a loan must leave at least half a
       cell's slots spare, not just ``hysteresis_slots``, so the tail is not packed onto few cells, whose
       decode slows down with their batch: at staleness 0 the next batch waits for this step's weights, so
@@ -261,7 +266,7 @@ def decide_v3(view: SchedulerView, params: ElasticV3Params) -> list[RoleSwitchRe
     floor = rate_split(view) if split else 0
     settled = view.cells_in("training")
     training = len(settled) + len(view.entering("training"))
-    idle = view.open_step is None and not view.work.training_ready() and not view.busy_training()
+    idle = view.open_step is None and not _training_ready(view, params) and not view.busy_training()
     shortfall = needs.demand - capacity - coming
     if shortfall <= 0 and idle:
         shortfall = view.watermark - capacity - coming
@@ -275,7 +280,18 @@ def decide_v3(view: SchedulerView, params: ElasticV3Params) -> list[RoleSwitchRe
     if training >= floor and not view.training_pending:
         return []
     cut = params.partial_rollouts and params.cut_unneeded
-    return _lend_v3(view, rollout, needs, params, costs, training, floor, cut)
+    demand = max(needs.demand, view.watermark) if idle and params.idle_demand else needs.demand
+    return _lend_v3(view, rollout, needs, demand, params, costs, training, floor, cut)
+
+
+def _training_ready(view: SchedulerView, params: ElasticV3Params) -> bool:
+    """Training has data now. A partial step that does not stream (``stream_micro_steps`` off: it starts
+    only once its groups fill its batch; live, every partial step) has data only then, under ``idle_demand``
+    (a complete group alone gives a lent cell nothing to train)."""
+    work = view.work
+    if params.idle_demand and params.partial_rollouts and not params.stream_micro_steps and work.open_train is None:
+        return work.assignable(work.next_train_step(), work.batch_groups())[1]
+    return work.training_ready()
 
 
 def _ready_micro_steps(view: SchedulerView) -> int:
@@ -304,8 +320,8 @@ def _recall_idle(view: SchedulerView, costs: SwitchCosts, capacity: int, most: i
     return out
 
 
-def _lend_v3(view: SchedulerView, rollout: list[Cell], needs: Needs, params: ElasticV3Params, costs: SwitchCosts,
-             training: int, floor: int, cut: bool) -> list[RoleSwitchRequested]:
+def _lend_v3(view: SchedulerView, rollout: list[Cell], needs: Needs, demand: int, params: ElasticV3Params,
+             costs: SwitchCosts, training: int, floor: int, cut: bool) -> list[RoleSwitchRequested]:
     core = view.core
     if core is None:
         return []
@@ -322,7 +338,7 @@ def _lend_v3(view: SchedulerView, rollout: list[Cell], needs: Needs, params: Ela
             return False
         if training + len(leaving) < floor:
             return True
-        rest, demand = view.capacity(staying), needs.demand
+        rest = view.capacity(staying)
         spread = params.spread_tail and not params.staleness
         spare = max(params.hysteresis_slots, cell.slots // 2) if spread else params.hysteresis_slots
         return demand <= rest and (demand == 0 or demand + spare <= rest)
@@ -355,7 +371,7 @@ def _lend_v3(view: SchedulerView, rollout: list[Cell], needs: Needs, params: Ela
     staying = [c for c in rollout if c.cell_id not in gone]
     free = free_slots(view, staying)
     keep = needs.running.__contains__ if cut else None
-    reason = f"remaining rollout capacity {view.capacity(staying)} serves the next step's {needs.demand} executions"
+    reason = f"remaining rollout capacity {view.capacity(staying)} serves the next step's {demand} executions"
     return [leave_rollout(view, cell, staying, free, reason, keep=keep) for cell in leaving]
 
 
@@ -364,5 +380,5 @@ ELASTIC_V1 = Policy(name="elastic", version="elastic/1", params_type=ElasticPara
 ELASTIC_V2 = Policy(name="elastic", version="elastic/2", params_type=ElasticParams, decide=decide_v2,
                     initial_roles=all_rollout)
 ELASTIC_V3 = Policy(name="elastic", version="elastic/3", params_type=ElasticV3Params, decide=decide_v3,
-                    initial_roles=all_rollout)
+                    initial_roles=all_rollout, run_values=elastic3_values)
 ELASTIC = ELASTIC_V2

@@ -24,7 +24,7 @@ The defaults are the brief's designs (streaming for elastic only); scenarios and
 change them per policy.
 """
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
@@ -74,10 +74,28 @@ class ElasticV3Params(ElasticParams):
     idle_recall: bool = Field(
         False, description="with partial rollouts, an idle training satellite with no ready micro-step to "
                            "claim returns to rollout when queued executions would keep it busy for its round trip")
+    idle_demand: bool = Field(
+        False, description="while training has nothing to do now (no open step, no complete group, no busy cell), a "
+                           "loan weighs the whole watermark, as the recall then does (false: the next step's needs, "
+                           "and a cell lent while its needed groups are being scored is recalled as it arrives)")
     spread_tail: bool = Field(
         False, description="at staleness 0, a loan leaves at least half a cell's slots spare in the cells that "
                            "stay (not only hysteresis_slots): the tail, the step's critical path, is not packed "
                            "onto few cells, whose decode is slower")
+
+
+ELASTIC3_MECHANISMS: dict[str, bool] = {"spread_tail": True, "idle_demand": True}
+"""elastic/3's mechanisms that are parameters off by default (so logs recorded before them replay) and on in
+every elastic/3 run: the ablation's rows, and a live run unless its config says otherwise."""
+ELASTIC3_PARTIAL_MECHANISMS: dict[str, bool] = {**ELASTIC3_MECHANISMS, "backlog_loans": True, "idle_recall": True}
+"""The same with partial rollouts (the mechanisms that only act with them)."""
+
+
+def elastic3_values(values: dict[str, Any]) -> dict[str, Any]:
+    """elastic/3's parameter rule (``docs/scheduler.md``): ``values`` with the mechanisms above turned on
+    where ``values`` does not set them, the partial-rollout ones when ``values`` turns partial rollouts on."""
+    mechanisms = ELASTIC3_PARTIAL_MECHANISMS if values.get("partial_rollouts") else ELASTIC3_MECHANISMS
+    return {**mechanisms, **values}
 
 
 class ColocateParams(PolicyParams):

@@ -1,7 +1,9 @@
 """A policy is a name, a version, a parameter model and two pure functions.
 
 ``decide(view, params)`` returns role-switch decisions (events) for the current view; ``initial_roles``
-says which role each cell comes up in. Neither reads a clock, does I/O or draws unseeded random numbers:
+says which role each cell comes up in. ``run_values`` is the version's parameter rule: what a run (live or
+a whole simulated one) that leaves parameters unset runs with, where that differs from the model's defaults
+(which stay what older logs recorded). Neither reads a clock, does I/O or draws unseeded random numbers:
 given the same log prefix they return the same decisions, in the simulator, in replay and live.
 Bump ``version`` whenever a change alters decisions; replay refuses to call a mismatch a drift silently.
 """
@@ -37,6 +39,11 @@ class Policy:
     params_type: type[PolicyParams]
     decide: Decide
     initial_roles: InitialRoles
+    run_values: Callable[[dict[str, Any]], dict[str, Any]] = dict
+
+    def run_params(self, values: dict[str, Any] | None = None) -> PolicyParams:
+        """The parameters a run given ``values`` runs with: the rule fills in what they leave unset."""
+        return self.params(self.run_values(values or {}))
 
     def params(self, values: dict[str, Any] | str | None = None) -> PolicyParams:
         """Validate parameters (a dict or the JSON stored in ``run_started``) with a clear error."""

@@ -22,8 +22,8 @@ def sim(
     scenario: Annotated[str, typer.Argument(help=f"scenario name ({', '.join(scenario_names())}) or file path")],
     policy: Annotated[str, typer.Option(help="elastic | colocate | async")] = "elastic",
     policy_version: Annotated[str | None, typer.Option(
-        help="a shipped version other than the current one, e.g. elastic/3 (its own parameters then go in "
-             "--set elastic.FIELD=VALUE)")] = None,
+        help="a shipped version other than the current one, e.g. elastic/3, under its parameter rule "
+             "(docs/scheduler.md; its own parameters go in --set elastic.FIELD=VALUE)")] = None,
     compare_all: Annotated[bool, typer.Option("--compare", help="run all three policies on the same work")] = False,
     ablation: Annotated[bool, typer.Option(
         "--ablate", help="elastic against every baseline variant (streaming, async splits) on the same work")] = False,

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.errors import ConfigError
-from gyre.scheduler import Policy, PolicyParams, get_policy
+from gyre.scheduler import ELASTIC3_MECHANISMS, ELASTIC3_PARTIAL_MECHANISMS, Policy, PolicyParams, get_policy
 from gyre.sim.bound import lower_bound
 from gyre.sim.breakdown import CellTime
 from gyre.sim.engine import Simulation
@@ -67,6 +67,11 @@ def policy_params(scenario: Scenario, policy: Policy, overrides: dict[str, Any] 
     Elastic's expected switch costs default to the scenario's (an operator configures measured costs);
     the policy replaces them with the log's own measurements as switches happen.
     """
+    return policy.params(scenario_values(scenario, policy, overrides))
+
+
+def scenario_values(scenario: Scenario, policy: Policy, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The parameter values the scenario sets for a policy (``policy_params``, unvalidated)."""
     values: dict[str, Any] = {}
     if policy.name == "elastic":
         values.update(switch_to_training_s=scenario.switch.to_training_s,
@@ -74,16 +79,18 @@ def policy_params(scenario: Scenario, policy: Policy, overrides: dict[str, Any] 
                       satellite_join_s=scenario.training.satellite_join_s)
     values.update(scenario.policy.values(policy.name))
     values.update(overrides or {})
-    return policy.params(values)
+    return values
 
 
 def simulate(scenario: Scenario, policy_name: str, *, seed: int | None = None, steps: int | None = None,
              log_dir: str | Path | None = None, sink: EventSink | None = None, workload: Workload | None = None,
              params: PolicyParams | None = None, version: str | None = None, cell_time: bool = False) -> SimResult:
     """One policy (its current version, or ``version`` when still shipped) on the scenario's work;
-    ``cell_time``: also fold where the cell-time went (``gyre.sim.breakdown``; the run is unchanged)."""
+    ``cell_time``: also fold where the cell-time went (``gyre.sim.breakdown``; the run is unchanged).
+    Without ``params``: the scenario's, under the version's parameter rule (``Policy.run_params``), as a live
+    run from a config gets them."""
     policy = get_policy(policy_name, version)
-    params = params or policy_params(scenario, policy)
+    params = params or policy.run_params(scenario_values(scenario, policy))
     seed = scenario.seed if seed is None else seed
     workload = workload or sample_workload(scenario, seed, steps)
     run_id = f"sim-{scenario.name}-{policy.name}-s{seed}"
@@ -223,28 +230,23 @@ def ablation_variants(scenario: Scenario, sweep: Sequence[int] | None = None) ->
     return out + elastic3_variants(scenario, sweep)
 
 
-ELASTIC3 = {"spread_tail": True}
-ELASTIC3_PARTIAL = {**ELASTIC3, "backlog_loans": True, "idle_recall": True}
-"""elastic/3's mechanisms that are parameters off by default (logs recorded before them replay): the
-ablation runs elastic/3 with them on, on every scenario (``docs/scheduler.md``)."""
-
-
 def elastic3_variants(scenario: Scenario, sweep: Sequence[int] | None = None) -> list[Variant]:
     """elastic/3 with and without partial rollouts, and (at the most over-sampling up to half a batch, where
     it is at its best on the shipped scenarios, docs/simulator.md round 4) with each of its mechanisms off:
     cutting what the next step does not need, at staleness >= 1 the rate split, at staleness 0 the
     spreading of the tail, loans against the ready backlog and the recall of idle cells."""
     v3 = "elastic/3"
-    out = [Variant("elastic/3", "elastic", ELASTIC3, "elastic3", v3)]
+    out = [Variant("elastic/3", "elastic", ELASTIC3_MECHANISMS, "elastic3", v3)]
     if not scenario.policy.staleness:
-        out.append(Variant("elastic/3, no tail spreading", "elastic", {}, "elastic3 ablation", v3))
+        out.append(Variant("elastic/3, no tail spreading", "elastic", {**ELASTIC3_MECHANISMS, "spread_tail": False},
+                           "elastic3 ablation", v3))
     sweep = oversample_sweep(scenario, sweep)
     for k in sweep:
         out.append(Variant(f"elastic/3 + partial rollouts ({k} over-sampled)", "elastic",
-                           {"partial_rollouts": True, "oversample_groups": k, **ELASTIC3_PARTIAL},
+                           {"partial_rollouts": True, "oversample_groups": k, **ELASTIC3_PARTIAL_MECHANISMS},
                            "elastic3+partial", v3))
     k = max((k for k in sweep if 2 * k <= scenario.batch.groups), default=sweep[0])
-    most = {"partial_rollouts": True, "oversample_groups": k, **ELASTIC3_PARTIAL}
+    most = {"partial_rollouts": True, "oversample_groups": k, **ELASTIC3_PARTIAL_MECHANISMS}
     off = [("no cuts", {"cut_unneeded": False}), ("no backlog loans", {"backlog_loans": False}),
            ("no idle recall", {"idle_recall": False})]
     if scenario.policy.staleness >= 1:

@@ -71,3 +71,38 @@ def test_a_section_the_command_does_not_use_is_refused_naming_it() -> None:
 
     with pytest.raises(ConfigError, match="cluster: a train run has no such key or section"):
         TrainConfig.load(EXAMPLE)
+
+
+def test_the_policy_version_is_chosen_by_the_config_and_a_bad_one_names_the_shipped_ones() -> None:
+    assert ClusterConfig.load(EXAMPLE).scheduler.version is None  # the policy's current one: elastic/2
+    chosen = ClusterConfig.load(EXAMPLE, {"scheduler.version": "elastic/3"})
+    assert get_policy(chosen.scheduler.policy, chosen.scheduler.version).version == "elastic/3"
+    with pytest.raises(ConfigError, match="invalid cluster config") as refused:
+        ClusterConfig.load(EXAMPLE, {"scheduler.version": "elastic/9"})
+    assert ("scheduler.version: Value error, unknown version 'elastic/9' of policy 'elastic'; shipped versions: "
+            "elastic/1, elastic/2, elastic/3 (given on the command line)") in str(refused.value)
+    with pytest.raises(ConfigError, match="unknown version 'elastic/3' of policy 'colocate'"):
+        ClusterConfig.load(EXAMPLE, {"scheduler.policy": "colocate", "scheduler.version": "elastic/3"})
+
+
+def test_a_train_run_refuses_a_bad_version_before_it_starts(tmp_path: Path) -> None:
+    """`gyre train`'s config (one cell) cannot import the scheduler to check it: the run host does, first."""
+    from gyre.config import TrainConfig
+    from gyre.run.host import RunHost
+
+    config = TrainConfig.model_validate({"run_dir": str(tmp_path / "run"), "scheduler": {"version": "elastic/9"}})
+    with pytest.raises(ConfigError, match=r"scheduler.version: unknown version 'elastic/9'.*elastic/1, elastic/2"):
+        RunHost(config, topology=None)  # type: ignore[arg-type]  # refused before it is used
+    assert not (tmp_path / "run").exists()
+
+
+def test_gyre_run_refuses_a_bad_version_before_anything_starts(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from gyre.cli import app
+
+    run_dir = tmp_path / "run"
+    result = CliRunner().invoke(app, ["run", str(EXAMPLE), "--run-dir", str(run_dir), "--policy-version", "elastic/9"])
+    assert result.exit_code == 2, result.output
+    assert "shipped versions: elastic/1, elastic/2, elastic/3" in " ".join(result.output.split())
+    assert not run_dir.exists()

@@ -91,3 +91,19 @@ def test_cli_reports_json_and_fails_on_mismatch():
     assert result.exit_code == 0 and json.loads(result.stdout)["policy"] == "async"
     result = runner.invoke(app, ["replay", "/no/such/log"])
     assert result.exit_code == 2 and "no log at" in result.output
+
+
+def test_cli_replays_a_log_as_another_shipped_version_of_its_policy():
+    """``--policy-version``: the recorded prefixes decided by another version (here elastic/3 on an elastic/2
+    log, given the recorded parameters it takes): mismatches where they differ; the recorded one: none."""
+    app = typer.Typer()
+    app.add_typer(replay_app, name="replay")
+    runner = CliRunner()
+    path = str(next(log for log in SHIPPED if log.version == "elastic/2").path)
+    same = runner.invoke(app, ["replay", path, "--policy-version", "elastic/2", "--json"])
+    assert same.exit_code == 0 and json.loads(same.stdout)["mismatches"] == 0, same.output
+    other = runner.invoke(app, ["replay", path, "--policy-version", "elastic/3"])
+    assert other.exit_code == 1 and "elastic/2 replayed as elastic/3" in other.stdout, other.output
+    for bad in (["--policy-version", "elastic/9"], ["--policy-version", "elastic/3", "--policy", "colocate"]):
+        refused = runner.invoke(app, ["replay", path, *bad])
+        assert refused.exit_code == 2 and "error:" in refused.output, bad

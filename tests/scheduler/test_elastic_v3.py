@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gyre.errors import ConfigError
-from gyre.scheduler import ELASTIC, ELASTIC_V3, get_policy
+from gyre.scheduler import ELASTIC, ELASTIC3_MECHANISMS, ELASTIC3_PARTIAL_MECHANISMS, ELASTIC_V3, get_policy
 from gyre.scheduler.elastic import Needs
 from gyre.sim.engine import Simulation
-from gyre.sim.runner import policy_params, simulate, summarise
+from gyre.sim.runner import elastic3_variants, policy_params, scenario_values, simulate, summarise
 from gyre.sim.scenario import load_scenario, with_values
 from gyre.sim.workload import sample_workload
 from gyre.sink import MemorySink, NullSink
@@ -142,6 +142,30 @@ def test_an_elastic3_log_replays_exactly(tmp_path):
     report = replay_decisions(tmp_path / "log")
     assert report.decision_points > 0 and not report.mismatches
     assert report.recorded_version == report.current_version == "elastic/3"
+    # the same prefixes decided by elastic/2 (the parameters it takes): the log tells the versions apart
+    as_v2 = replay_decisions(tmp_path / "log", version="elastic/2")
+    assert as_v2.mismatches and (as_v2.recorded_version, as_v2.current_version) == ("elastic/3", "elastic/2")
+
+
+def test_the_parameter_rule_is_the_ablations_and_a_config_overrides_it():
+    """A run that leaves elastic/3's mechanisms unset (live from a config, `gyre sim --policy-version`) runs
+    the ablation's elastic/3 rows: spread_tail on, with partial rollouts backlog_loans and idle_recall too;
+    what the values set wins; the model's defaults (what older logs recorded) are unchanged; elastic/2 has
+    no rule."""
+    sc = tailed()
+    rows = {v.name: v.overrides for v in elastic3_variants(sc)}
+    assert ELASTIC_V3.run_params(scenario_values(sc, ELASTIC_V3)) == policy_params(sc, ELASTIC_V3, rows["elastic/3"])
+    partial = {"partial_rollouts": True, "oversample_groups": 2}
+    row = rows["elastic/3 + partial rollouts (2 over-sampled)"]
+    assert ELASTIC_V3.run_params(scenario_values(sc, ELASTIC_V3, partial)) == policy_params(sc, ELASTIC_V3, row)
+    on = ELASTIC_V3.run_params(partial)
+    assert on.spread_tail and on.backlog_loans and on.idle_recall and on.cut_unneeded and on.rate_split
+    assert set(ELASTIC3_PARTIAL_MECHANISMS) == {"spread_tail", "idle_demand", "backlog_loans", "idle_recall"}
+    assert not ELASTIC_V3.run_params({}).backlog_loans and ELASTIC_V3.run_params({}).spread_tail
+    assert not ELASTIC_V3.run_params({"spread_tail": False}).spread_tail
+    assert not any(getattr(ELASTIC_V3.params({}), key) for key in ELASTIC3_PARTIAL_MECHANISMS)
+    assert ELASTIC.run_params({"hysteresis_slots": 1}) == ELASTIC.params({"hysteresis_slots": 1})
+    assert ELASTIC3_MECHANISMS == {"spread_tail": True, "idle_demand": True}
 
 
 def test_idle_training_cells_return_to_serve_the_queue_only_when_asked():
@@ -158,3 +182,20 @@ def test_idle_training_cells_return_to_serve_the_queue_only_when_asked():
                           for e in sink.events)
     assert recalls == {False: 0, True: recalls[True]} and recalls[True] > 0
     assert not ELASTIC_V3.params({}).backlog_loans and not ELASTIC_V3.params({}).idle_recall
+
+
+def test_an_unstreamed_partial_step_gets_no_loan_before_it_can_start():
+    """Live, a partial step starts only once its groups fill its batch (it does not stream). elastic/3 lent for a
+    streamed step, so its lent cells waited idle in training: behind elastic/2 on the emulated cluster's
+    workload. With ``idle_demand`` (the parameter rule) training counts as ready only once the step is full."""
+    from gyre.cluster.emulated import played
+
+    sc = played("seed-2.4t-scaled")
+    unstreamed = {"stream_micro_steps": False, "partial_rollouts": True, "oversample_groups": 4}
+    hours = {}
+    for name, version, values in (("v2", None, unstreamed), ("v3", "elastic/3", unstreamed),
+                                  ("v3 before", "elastic/3", {**unstreamed, "idle_demand": False})):
+        policy = get_policy("elastic", version)
+        params = policy.run_params(scenario_values(sc, policy, values))
+        hours[name] = simulate(sc, "elastic", steps=2, version=version, params=params).hours
+    assert hours["v3"] < hours["v2"] < hours["v3 before"], hours
