@@ -14,19 +14,16 @@ under it; the same log replayed as elastic/2 tells the versions apart (so these 
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
 
 from gyre.audit import audit
-from gyre.cluster.config import ClusterConfig, ClusterSchedulerSection, ClusterSection
+from gyre.cluster.config import ClusterSchedulerSection, ClusterSection
 from gyre.cluster.run import ClusterRun
-from gyre.config import RolloutSection, SamplingSection, TrainerSection, TrajectorySection
 from gyre.log import LogReader
 from gyre.replay.exact import replay_decisions
-from tests.cluster.test_cluster_partial import HERE as PARTIAL
-from tests.cluster.test_cluster_partial import tasks as hold_tasks
+from tests.cluster.test_cluster_partial import held_run
 from tests.cluster.test_cluster_run import cluster_config
 
 pytestmark = pytest.mark.integration
@@ -57,27 +54,10 @@ def test_elastic3_runs_live_and_its_log_replays_under_it(tmp_path: Path) -> None
 
 
 def test_elastic3_cuts_the_work_the_next_step_does_not_need(tmp_path: Path) -> None:
-    hold = tmp_path / "hold"
-    hold.mkdir()
-    config = ClusterConfig(
-        name="elastic3-partial", run_dir=tmp_path / "run", seed=5, steps=2,
-        cluster=ClusterSection(cells=1, slots=6, core="cell0", heartbeat_s=0.5, dead_after_s=60),
-        scheduler=ClusterSchedulerSection(policy="elastic", version="elastic/3", params={
-            "partial_rollouts": True, "oversample_groups": 1, "hysteresis_slots": 0}),
-        # batch s: groups (s*2 + g) % 3 of the task ids, so batch 1's first group (over-sampled) is the slow one
-        rollout=RolloutSection(tasks=hold_tasks(tmp_path, hold), harness=PARTIAL / "harness.toml",
-                               task_ids=("fast", "fast2", "slow"), groups_per_step=2, group_size=2, timeout_s=300),
-        sampling=SamplingSection(max_tokens=4),
-        trajectory=TrajectorySection(min_valid_per_group=2),
-        trainer=TrainerSection(lr=1e-3, eps_low=0.2, eps_high=0.28),
-    )
-    released = threading.Event()
-
-    def progress(phase: str, figures: dict) -> None:
-        if phase == "switch" and figures.get("to") == "training" and not released.is_set():
-            released.set()  # the cell left rollout with the slow ones cut: let them go on
-            (hold / "release").touch()
-
+    config, released, progress = held_run(
+        tmp_path, "elastic3-partial", ClusterSection(cells=1, slots=6, core="cell0", heartbeat_s=0.5, dead_after_s=60),
+        ClusterSchedulerSection(policy="elastic", version="elastic/3", params={
+            "partial_rollouts": True, "oversample_groups": 1, "hysteresis_slots": 0}))
     summary = ClusterRun(config, progress).run()
     assert summary.status == "completed" and released.is_set()
     log = summary.log

@@ -13,6 +13,7 @@ version (allowed with partial rollouts), and replay re-derives every decision.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -55,14 +56,14 @@ prompt = "HOLD {hold} slow"
     return path
 
 
-def test_a_cut_execution_resumes_on_the_next_weights_and_trains_in_the_next_step(tmp_path: Path) -> None:
+def held_run(tmp_path: Path, name: str, cluster: ClusterSection,
+             scheduler: ClusterSchedulerSection) -> tuple[ClusterConfig, threading.Event, Callable[[str, dict], None]]:
+    """A two-step run of one over-sampled group whose slow executions wait on a file until the first switch to
+    training (the cut) releases them: the config, the release's event, and the progress hook that releases."""
     hold = tmp_path / "hold"
     hold.mkdir()
     config = ClusterConfig(
-        name="partial", run_dir=tmp_path / "run", seed=5, steps=2,
-        cluster=ClusterSection(cells=2, slots=3, core="cell0", heartbeat_s=0.5, dead_after_s=60),
-        scheduler=ClusterSchedulerSection(policy="colocate",
-                                          params={"partial_rollouts": True, "oversample_groups": 1}),
+        name=name, run_dir=tmp_path / "run", seed=5, steps=2, cluster=cluster, scheduler=scheduler,
         # batch s: groups (s*2 + g) % 3 of the task ids, so batch 1's first group (over-sampled) is the slow one
         rollout=RolloutSection(tasks=tasks(tmp_path, hold), harness=HERE / "harness.toml",
                                task_ids=("fast", "fast2", "slow"), groups_per_step=2, group_size=2, timeout_s=300),
@@ -74,9 +75,16 @@ def test_a_cut_execution_resumes_on_the_next_weights_and_trains_in_the_next_step
 
     def progress(phase: str, figures: dict) -> None:
         if phase == "switch" and figures.get("to") == "training" and not released.is_set():
-            released.set()  # the batch was full and the slow ones were cut: let them go on
+            released.set()  # the slow ones were cut: let them go on
             (hold / "release").touch()
 
+    return config, released, progress
+
+
+def test_a_cut_execution_resumes_on_the_next_weights_and_trains_in_the_next_step(tmp_path: Path) -> None:
+    config, released, progress = held_run(
+        tmp_path, "partial", ClusterSection(cells=2, slots=3, core="cell0", heartbeat_s=0.5, dead_after_s=60),
+        ClusterSchedulerSection(policy="colocate", params={"partial_rollouts": True, "oversample_groups": 1}))
     summary = ClusterRun(config, progress).run()
     assert summary.status == "completed" and released.is_set()
     log = summary.log
