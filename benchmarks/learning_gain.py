@@ -36,7 +36,7 @@ import torch
 
 from gyre.config import TrainConfig
 from gyre.model.tiny import load_tiny
-from gyre.sft.expert import Expert, family_tasks, mistake, write_turn
+from gyre.sft.expert import Expert, answer_call, answer_turn, family_tasks, mistake
 from gyre.sft.run import SftConfig, run_sft
 from gyre.train.inprocess import TrainingRun
 from gyre.trainer.export import export_policy
@@ -93,13 +93,13 @@ def answer_share(model: Path, tasks: tuple[str, ...] = TASKS) -> float:
     for task in (t for t in family_tasks(TRAIN) if t.id in tasks):
         record = expert.demonstrate(task)
         messages, tools = record["messages"], record["tools"]
-        turn = write_turn(messages)
+        turn = answer_turn(messages)
         prefix = tokenizer.apply_chat_template(messages[:turn], tools=tools, tokenize=True,
                                                add_generation_prompt=True, return_dict=False)
         logps = []
         for answer in (task.solution, mistake(task, random.Random(0))):
-            call = {**messages[turn]["tool_calls"][0], "function": {
-                "name": "write_file", "arguments": json.dumps({"path": task.answer_file, "content": answer})}}
+            name, arguments = answer_call(task, answer)
+            call = {**messages[turn]["tool_calls"][0], "function": {"name": name, "arguments": json.dumps(arguments)}}
             full = tokenizer.apply_chat_template([*messages[:turn], {**messages[turn], "tool_calls": [call]}],
                                                  tools=tools, tokenize=True, return_dict=False)
             if full[:len(prefix)] != prefix:

@@ -109,6 +109,14 @@ def interleaved(families: list[str], tasks: Path) -> list[str]:
     return [ids[i] for i in range(rounds) for ids in by_family.values() if i < len(ids)]
 
 
+def _written(task: Any, answer: str) -> str:
+    """How the call that writes ``answer`` spells it (`answer_call`'s last argument, JSON-encoded)."""
+    from gyre.sft.expert import answer_call
+
+    key, value = list(answer_call(task, answer)[1].items())[-1]
+    return f'"{key}": {json.dumps(value)}'
+
+
 def probe(model: str, samples: int, tasks: Path = HELDOUT) -> dict[str, Any]:
     """Share of sampled ``write_file`` turns that write the exact answer, per family (see the module doc), and
     the share that write the expert's slip instead: right + slip is the content skill, right / (right + slip)
@@ -116,7 +124,7 @@ def probe(model: str, samples: int, tasks: Path = HELDOUT) -> dict[str, Any]:
     import torch
 
     from gyre.model.tiny import load_tiny
-    from gyre.sft.expert import Expert, family_tasks, mistake, write_turn
+    from gyre.sft.expert import Expert, answer_turn, family_tasks, mistake
 
     torch.set_num_threads(1)
     policy, tokenizer = load_tiny(Path(model))
@@ -127,18 +135,18 @@ def probe(model: str, samples: int, tasks: Path = HELDOUT) -> dict[str, Any]:
     for task in family_tasks(tasks):
         record = expert.demonstrate(task)
         messages = record["messages"]
-        turn = write_turn(messages)
+        turn = answer_turn(messages)
         ids = torch.tensor([tokenizer.apply_chat_template(messages[:turn], tools=record["tools"], tokenize=True,
                                                           add_generation_prompt=True, return_dict=False)])
-        wanted, found, slipped = json.dumps(task.solution), 0, 0
-        slip = {json.dumps(mistake(task, random.Random(i))) for i in range(8)} - {wanted}  # add's three slips
+        wanted, found, slipped = _written(task, task.solution), 0, 0
+        slip = {_written(task, mistake(task, random.Random(i))) for i in range(8)} - {wanted}
         for sample in range(samples):
             torch.manual_seed(sample)
             out = policy.generate(ids, max_new_tokens=64, do_sample=True, temperature=1.0, top_k=0,
                                   pad_token_id=tokenizer.pad_token_id)
             text = tokenizer.decode(out[0, ids.shape[1]:])
             found += wanted in text
-            slipped += any(f'"content": {s}' in text for s in slip)
+            slipped += any(s in text for s in slip)
         hits[task.family].append(found / samples)
         slips[task.family].append(slipped / samples)
     return {"samples": samples, "tasks": sum(map(len, hits.values())),

@@ -3,11 +3,12 @@
 It plays what `agents/toy_agent` does with a model — the same system prompt, the same tool schemas, real tool
 results from the same workspace tools in a scratch directory — and writes one conversation per line (JSONL,
 OpenAI message format by default, Anthropic with ``--format anthropic``): read each input file, write the
-answer file, check it with ``cat``, then a short final answer without a tool call.
+answer file (a sum: with `SUM_COMMAND`), check it with ``cat``, then a short final answer without a tool call.
 
 Imperfect on purpose: with probability ``error_rate`` a demonstration writes a plausible wrong answer (a
-family-specific slip: a dropped last letter, an off-by-one sum, a half-reversed word, ``x + K`` for ``x * K``),
-and sometimes skips the check. A policy cloned from it solves a task sometimes, not always, which is where RL helps.
+family-specific slip: a dropped last letter, a difference for a sum, a half-reversed word, ``x + K`` for
+``x * K``), and sometimes skips the check. A policy cloned from it solves a task sometimes, not always, which is
+where RL helps.
 
     python -m gyre.sft.expert tasks/toy/learn-train.toml runs/learn/demos.jsonl --per-task 8 --fresh 2000 --seed 0
 """
@@ -30,6 +31,9 @@ from gyre.sft.families import FamilyTask, fresh_training_tasks
 AGENT_DIR = Path(__file__).resolve().parents[2] / "agents" / "toy_agent"
 TOOLS = ("write_file", "read_file", "run")
 """The tools the toy agent offers with ``--no-subagent`` (agents/toy_agent/harness-learn.toml)."""
+SUM_COMMAND = "awk '{{print $1 {op} $2}}' {path} > {answer}"
+"""How the expert adds (family add): a tool computes the sum into the answer file, as a coding agent would; a
+1M-parameter model cannot add two-digit numbers, and an agent should not need to. Its slip is the wrong operator."""
 FINAL_ANSWER = "Done: {answer}"
 """The final reply repeats what was written: more copying to learn from (the answer file is what is graded)."""
 
@@ -55,14 +59,32 @@ def mistake(task: FamilyTask, rng: random.Random) -> str:
         return s[0].lower() + s[1:]
     if task.family == "reverse":
         return s[: len(s) // 2] + s[len(s) // 2:][::-1]
-    if task.family == "add":
-        return str(int(s) + rng.choice((-1, 1, 10)))
+    if task.family == "add":  # the difference: `SUM_COMMAND` with the wrong operator
+        a, b = map(int, task.files[task.inputs[0]].split())
+        return str(a - b)
     if task.family == "pyfunc":
         return s.replace(" * ", " + ")
     if task.family == "concat":
         first, second = s.split(" ")
         return f"{second} {first}"
     raise ValueError(task.family)
+
+
+def answer_call(task: FamilyTask, answer: str) -> tuple[str, dict[str, Any]]:
+    """The call that writes ``answer`` into the answer file: ``write_file``, or for a sum the command that computes
+    it there (``answer`` = the result that command gives: the sum or, slipping, the difference)."""
+    if task.family != "add":
+        return "write_file", {"path": task.answer_file, "content": answer}
+    a, b = map(int, task.files[task.inputs[0]].split())
+    op = "+" if int(answer) == a + b else "-"
+    if int(answer) != (a + b if op == "+" else a - b):
+        raise ValueError(f"{task.id}: {answer!r} is neither {a} + {b} nor {a} - {b}")
+    return "run", {"command": SUM_COMMAND.format(op=op, path=task.inputs[0], answer=task.answer_file)}
+
+
+def solving_calls(task: FamilyTask, answer: str) -> list[tuple[str, dict[str, Any]]]:
+    """The tool calls that solve ``task`` writing ``answer``: read every input, then `answer_call`."""
+    return [*(("read_file", {"path": p}) for p in task.inputs), answer_call(task, answer)]
 
 
 class Expert:
@@ -79,8 +101,7 @@ class Expert:
                                           {"role": "user", "content": task.prompt}]
         wrong = self.rng.random() < self.error_rate
         answer = mistake(task, self.rng) if wrong else task.solution
-        calls = [("read_file", {"path": p}) for p in task.inputs]
-        calls.append(("write_file", {"path": task.answer_file, "content": answer}))
+        calls = solving_calls(task, answer)
         if self.rng.random() >= self.skip_check_rate:
             calls.append(("run", {"command": f"cat {task.answer_file}"}))
         messages += self._play(task, calls)
@@ -91,9 +112,7 @@ class Expert:
         """A short conversation that only copies: the task, its input files read, the right answer written,
         the final reply — no system prompt, no tool schemas, no check, never a mistake (~70 tokens against a
         demonstration's ~450, so a step sees several times more copies)."""
-        calls = [("read_file", {"path": p}) for p in task.inputs]
-        calls.append(("write_file", {"path": task.answer_file, "content": task.solution}))
-        messages = [{"role": "user", "content": task.prompt}, *self._play(task, calls),
+        messages = [{"role": "user", "content": task.prompt}, *self._play(task, solving_calls(task, task.solution)),
                     {"role": "assistant", "content": FINAL_ANSWER.format(answer=task.solution)}]
         return {"messages": messages, "task_id": task.id, "correct": True}
 
@@ -114,11 +133,11 @@ class Expert:
         return messages
 
 
-def write_turn(messages: list[dict[str, Any]]) -> int:
-    """The index of a demonstration's assistant turn that writes the answer file (its ``write_file`` call): where
-    the probes of a warm start read what the policy would write."""
+def answer_turn(messages: list[dict[str, Any]]) -> int:
+    """The index of a demonstration's assistant turn that writes the answer file (`answer_call`, the first call
+    after the reads): where the probes of a warm start read what the policy would write."""
     return next(i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("tool_calls")
-                and m["tool_calls"][0]["function"]["name"] == "write_file")
+                and m["tool_calls"][0]["function"]["name"] != "read_file")
 
 
 def family_tasks(tasks_path: Path) -> list[FamilyTask]:

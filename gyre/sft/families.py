@@ -48,9 +48,9 @@ class FamilyTask:
 DRILL_FAMILIES = ("copy", "upper", "reverse", "concat")
 """The families whose answer is the input rewritten letter by letter: what a copy drill exercises by default (and
 what the written-letter check measures)."""
-COPYING_FAMILIES = (*DRILL_FAMILIES, "pyfunc")
-"""Every family whose answer copies what the input files hold (pyfunc's K into a fixed template): what a drill
-may exercise. Not add: its answer is computed, not copied."""
+COPYING_FAMILIES = (*DRILL_FAMILIES, "pyfunc", "add")
+"""Every family whose answer copies what a tool returned: the input files (pyfunc's K into a fixed template), or
+the sum a command computed (add, `gyre.sft.expert.SUM_COMMAND`). What a drill may exercise."""
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 

@@ -11,7 +11,7 @@ import pytest
 from gyre.harness.tasks import TaskSet
 from gyre.model import build_tokenizer
 from gyre.sft.data import render
-from gyre.sft.expert import Expert, family_tasks, mistake, to_anthropic
+from gyre.sft.expert import Expert, answer_call, family_tasks, mistake, to_anthropic
 from gyre.sft.families import FAMILIES, HELDOUT_PAIRS, fresh_training_tasks, generate, parameters, task_set_toml
 
 TOY = Path(__file__).resolve().parents[2] / "tasks" / "toy"
@@ -47,6 +47,26 @@ def test_solutions_pass_the_grader_and_mistakes_fail_it(family, tmp_path):
         (tmp_path / task.answer_file).write_text(content)
         reward, _ = grade(task.grading, tmp_path, task.answer_file)
         assert (reward == 1.0) is passes, (content, reward)
+
+
+def test_a_sum_is_computed_by_a_tool_into_the_answer_file_and_its_slip_is_the_operator(tmp_path):
+    task = next(t for t in family_tasks(TOY / "learn-train.toml") if t.family == "add")
+    expert = Expert(error_rate=0.0, skip_check_rate=0.0)
+    workspace = expert.tools_module.WorkspaceTools(tmp_path)
+    for answer, passes in ((task.solution, True), (mistake(task, random.Random(0)), False)):
+        for name, content in task.files.items():
+            (tmp_path / name).write_text(content)
+        name, arguments = answer_call(task, answer)
+        assert name == "run" and workspace.call(name, arguments) == "exit code 0\n"
+        assert (tmp_path / task.answer_file).read_text() == f"{answer}\n"  # the tool computed it
+        reward, _ = grade(task.grading, tmp_path, task.answer_file)
+        assert (reward == 1.0) is passes, (answer, reward)
+    with pytest.raises(ValueError, match="neither"):
+        answer_call(task, str(int(task.solution) + 1))  # no command computes an off-by-one
+    record = expert.demonstrate(task)
+    assert [c["function"]["name"] for m in record["messages"] for c in m.get("tool_calls", [])] == \
+        ["read_file", "run", "run"]
+    assert record["messages"][-2]["content"] == f"exit code 0\n{task.solution}\n"  # the check reads it back
 
 
 def test_demonstration_is_multi_turn_with_real_tool_results():
