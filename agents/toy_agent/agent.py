@@ -13,8 +13,9 @@ What it does, each because real harnesses do it and the trainer must cope with i
 - retries: API errors are retried with backoff; a malformed tool call gets an error result and another turn;
 - a max-turns bound;
 - a plain-text fallback: a reply without tool calls ends the run, and its text is written to the answer file
-  unless a tool wrote that file already. A model that cannot call tools yet (a random-init one) still
-  leaves an answer to grade, so reinforcement learning has a signal from the first step.
+  unless a tool wrote that file already (`write_file`, or a `run` command such as `awk ... > answer.txt`). A
+  model that cannot call tools yet (a random-init one) still leaves an answer to grade, so reinforcement learning
+  has a signal from the first step.
 
 Output: progress lines on stderr; one JSON object on stdout at the end, like `claude -p --output-format json`.
 Exit status: 0 when the run ended (answer or max turns), 1 when the model stayed unreachable, 2 on bad usage.
@@ -217,6 +218,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """What the answer file is now (modification time, size), or None: a tool that wrote it changes this."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_mtime_ns, stat.st_size
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     started = time.monotonic()
@@ -239,6 +249,7 @@ def main(argv: list[str]) -> int:
     except ToolFailed as e:
         print(f"toy-agent: --answer-file: {e}", file=sys.stderr)
         return 2
+    before = _stamp(answer)
     stats = Stats()
     environment = (args.env_latency.sampler(os.environ.get("GYRE_EXECUTION_ID", "") + task)
                    if args.env_latency is not None else None)
@@ -262,7 +273,7 @@ def main(argv: list[str]) -> int:
         result |= {"is_error": True, "error": str(e)}
         outcome = None
     if outcome is not None:
-        if answer in tools.written:
+        if answer in tools.written or _stamp(answer) != before:  # write_file, or a command (`run ... > answer`)
             stats.answer_written_by = "tool"
         elif outcome.stop_reason == "answer" and outcome.text.strip():
             answer.parent.mkdir(parents=True, exist_ok=True)

@@ -122,9 +122,11 @@ def test_plain_text_from_the_start_earns_graded_credit(server: StandInServer, tm
     assert agent_report(result)["answer_written_by"] == "fallback"
 
 
-def test_a_file_written_by_a_tool_is_not_overwritten_by_the_final_text(server: StandInServer,
-                                                                       tmp_path: Path) -> None:
-    server.script.main = deque([tool("write_file", {"path": "answer.txt", "content": "hello"}), text("Done!")])
+@pytest.mark.parametrize("call", [("write_file", {"path": "answer.txt", "content": "hello"}),
+                                  ("run", {"command": "echo hello > answer.txt"})], ids=["write_file", "run"])
+def test_a_file_written_by_a_tool_is_not_overwritten_by_the_final_text(server: StandInServer, tmp_path: Path,
+                                                                       call: tuple[str, dict[str, str]]) -> None:
+    server.script.main = deque([tool(*call), text("Done: hello")])  # a command's file counts too (#29's sums)
     result, _ = run_toy(server, tmp_path, "hello")
     assert result.reward == 1.0 and agent_report(result)["answer_written_by"] == "tool"
 
