@@ -218,7 +218,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-
 def _stamp(path: Path) -> tuple[int, int] | None:
     """What the answer file is now (modification time, size), or None: a tool that wrote it changes this."""
     try:
@@ -226,6 +225,7 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return stat.st_mtime_ns, stat.st_size
+
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)

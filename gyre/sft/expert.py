@@ -60,7 +60,7 @@ def mistake(task: FamilyTask, rng: random.Random) -> str:
     if task.family == "reverse":
         return s[: len(s) // 2] + s[len(s) // 2:][::-1]
     if task.family == "add":  # the difference: `SUM_COMMAND` with the wrong operator
-        a, b = map(int, task.files[task.inputs[0]].split())
+        a, b = _operands(task)
         return str(a - b)
     if task.family == "pyfunc":
         return s.replace(" * ", " + ")
@@ -70,16 +70,22 @@ def mistake(task: FamilyTask, rng: random.Random) -> str:
     raise ValueError(task.family)
 
 
+def _operands(task: FamilyTask) -> tuple[int, int]:
+    """The two numbers of a sum task, as its input file holds them."""
+    a, b = map(int, task.files[task.inputs[0]].split())
+    return a, b
+
+
 def answer_call(task: FamilyTask, answer: str) -> tuple[str, dict[str, Any]]:
     """The call that writes ``answer`` into the answer file: ``write_file``, or for a sum the command that computes
     it there (``answer`` = the result that command gives: the sum or, slipping, the difference)."""
     if task.family != "add":
         return "write_file", {"path": task.answer_file, "content": answer}
-    a, b = map(int, task.files[task.inputs[0]].split())
-    op = "+" if int(answer) == a + b else "-"
-    if int(answer) != (a + b if op == "+" else a - b):
+    a, b = _operands(task)
+    ops = {a + b: "+", a - b: "-"}  # b >= 1: never the same result
+    if int(answer) not in ops:
         raise ValueError(f"{task.id}: {answer!r} is neither {a} + {b} nor {a} - {b}")
-    return "run", {"command": SUM_COMMAND.format(op=op, path=task.inputs[0], answer=task.answer_file)}
+    return "run", {"command": SUM_COMMAND.format(op=ops[int(answer)], path=task.inputs[0], answer=task.answer_file)}
 
 
 def solving_calls(task: FamilyTask, answer: str) -> list[tuple[str, dict[str, Any]]]:
