@@ -71,11 +71,12 @@ class FakeOpenAI:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 if fake.generated_ago_s is not None:
-                    fake.generated.append(time.time() - fake.generated_ago_s)
+                    # what the header carries (6 places), so a test's own rounding matches the agent's
+                    fake.generated.append(round(time.time() - fake.generated_ago_s, 6))
                     self.send_header("gyre-generated-at", f"{fake.generated[-1]:.6f}")
                 if fake.opened_after_s is not None:
-                    fake.opened.append(arrived + fake.opened_after_s)
-                    fake.generated.append(fake.opened[-1] + 0.01)
+                    fake.opened.append(round(arrived + fake.opened_after_s, 6))
+                    fake.generated.append(round(fake.opened[-1] + 0.01, 6))
                     time.sleep(max(0.0, fake.generated[-1] - time.time()))  # both in the past when it leaves
                     self.send_header("gyre-started-at", f"{fake.opened[-1]:.6f}")
                     self.send_header("gyre-generated-at", f"{fake.generated[-1]:.6f}")
