@@ -18,6 +18,11 @@ inherit; when the leader ends, every process with the tag, or descending from th
 re-parented to the runner rather than to init, and is reaped here: none survives as a zombie either.
 Trap: a descendant that both leaves the session and clears its environment (`env -i`) after its parent
 died is out of reach; only a per-execution cgroup would close that, and none is delegated to Gyre here.
+
+Trap: bubblewrap with a PID namespace is two processes. The outer `bwrap` (the leader) exits as soon as the
+namespace's init reports the exit code, without reaping that init (the inner `bwrap`), which is then
+re-parented to the subreaper: unreaped, one zombie per sandboxed process piles up until the host runs out
+of pids. bwrap's `--info-fd` names that pid (`child-pid`), and it is reaped here after the leader.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import json
 import os
 import resource
 import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -43,6 +50,7 @@ TAG_VAR = "GYRE_PROCESS_TAG"
 REAP_LIMIT_S = 10.0
 """How long `kill_tagged` waits for killed processes to disappear (one stuck in the kernel, state D)."""
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 
 
 def become_subreaper() -> bool:
@@ -51,6 +59,15 @@ def become_subreaper() -> bool:
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def is_subreaper() -> bool:
+    """Whether this process reaps its orphaned descendants (`become_subreaper`)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    flag = ctypes.c_int(0)
+    return libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0 and flag.value != 0
 
 
 def new_tag() -> str:
@@ -159,10 +176,21 @@ class GroupProcess:
         """
         self.tag = new_tag()
         self.sandboxed = sandboxed
-        with open(stdout, "wb") as out, open(stderr, "wb") as err:
-            self._popen = subprocess.Popen(list(argv), cwd=cwd, env={**env, TAG_VAR: self.tag},
-                                           stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                           start_new_session=True, close_fds=True)
+        argv = list(argv)
+        # bwrap writes its inner pid here (--info-fd); closed in `_reap_sandbox_init`
+        self._info = tempfile.TemporaryFile() if sandboxed else None  # noqa: SIM115
+        if self._info is not None:
+            argv[1:1] = ["--info-fd", str(self._info.fileno())]
+        try:
+            with open(stdout, "wb") as out, open(stderr, "wb") as err:
+                self._popen = subprocess.Popen(argv, cwd=cwd, env={**env, TAG_VAR: self.tag},
+                                               stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                               start_new_session=True, close_fds=True,
+                                               pass_fds=() if self._info is None else (self._info.fileno(),))
+        except BaseException:
+            if self._info is not None:
+                self._info.close()
+            raise
         self._started = time.monotonic()
         if memory_bytes is not None:
             with contextlib.suppress(ProcessLookupError):
@@ -204,7 +232,37 @@ class GroupProcess:
                 kill_tagged(self.tag, self.pid)  # (the sweep reads every process's environ: ~15 ms of CPU at
                 # 300 processes, on the runner's GIL, after each of a step's executions and evaluations)
         returncode = self._popen.wait()
+        self._reap_sandbox_init()
         return ProcessOutcome(returncode, timed_out, cancelled, time.monotonic() - self._started, self.pid)
+
+    def _reap_sandbox_init(self) -> None:
+        """Reap the namespace's init that the exited bwrap left to this subreaper (see the module's trap).
+
+        Only as a subreaper: then that pid is this process's child and stays a zombie until reaped here, so
+        the pid cannot have been reused by another child. Otherwise init reaps it and it is not ours to wait.
+        """
+        if self._info is None:
+            return
+        with self._info:
+            self._info.seek(0)
+            try:
+                child = int(json.loads(self._info.read() or b"{}").get("child-pid", 0))
+            except (ValueError, AttributeError):  # bwrap failed before it cloned: no init was started
+                child = 0
+        if child <= 0 or not is_subreaper():
+            return
+        end = time.monotonic() + REAP_LIMIT_S  # the init exits right after reporting; bounded all the same
+        delay = POLL_MIN_S
+        while True:
+            try:
+                if os.waitpid(child, os.WNOHANG) != (0, 0):
+                    return
+            except ChildProcessError:  # not re-parented here (still under a living bwrap?) or already reaped
+                return
+            if time.monotonic() > end:
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, POLL_MAX_S)
 
     def _exited(self) -> bool:
         """Whether the leader has exited, leaving it unreaped so its pid (the group id) stays reserved."""

@@ -16,6 +16,7 @@ import pytest
 
 from gyre.harness import HarnessRunner, PythonEvaluator
 from gyre.harness.bwrap import SandboxSpec, UidPool, check_available, give_to
+from gyre.harness.process import _process_table
 from gyre.harness.relay import ProxyRelay
 from gyre.sink import MemorySink
 from tests.harness.graders import probes_its_sandbox
@@ -156,3 +157,23 @@ def test_a_python_evaluator_runs_in_the_sandbox_and_alone_sees_its_task_set(tmp_
     assert details["seen"] == {"taskset": True, "secret": False, "checkout": False}
     assert details["processes"] <= 3  # its own PID namespace: bwrap's init, sandbox_init, itself
     assert os.geteuid() != 0 or details["uid"] >= UidPool.BASE
+
+
+def zombie_children() -> set[int]:
+    """This process's children that exited and were never reaped."""
+    return {pid for pid, (ppid, state) in _process_table().items() if ppid == os.getpid() and state == "Z"}
+
+
+def test_sandboxed_executions_and_evaluations_leave_no_zombie_behind(tmp_path: Path) -> None:
+    """bwrap's namespace init outlives the bwrap the runner started and is re-parented to the runner (a
+    subreaper): each one left unreaped is a pid the host never gets back (an hours-long run ran out of them)."""
+    before = zombie_children()
+    with HarnessRunner(shell("printf hello > answer.txt", max_concurrency=2), sink=MemorySink(),
+                       proxy_url="http://127.0.0.1:9", root=tmp_path / "done") as runner:
+        assert runner.subreaper and runner.sandboxed
+        results = runner.run_group([execution(make_task(), n) for n in range(4)])
+        assert [r.reward for r in results] == [1.0] * 4  # each evaluated, in a sandbox of its own
+    with HarnessRunner(shell("sleep 300", timeout_s=0.2, kill_grace_s=0.0), sink=MemorySink(),
+                       proxy_url="http://127.0.0.1:9", root=tmp_path / "cut") as runner:
+        assert runner.run(execution(make_task())).status == "timed_out"
+    assert zombie_children() - before == set()
