@@ -28,6 +28,13 @@ def print_phase(console: Console, phase: str, figures: dict) -> bool:
         rate = "n/a" if event.pass_rate is None else f"{event.pass_rate:.0%}"
         console.print(f"held-out after {event.step} steps: pass rate {rate} ({event.passed}/{event.scored}) on "
                       f"policy v{event.policy_version}")
+    elif phase == "heldout-redo":
+        console.print(f"[yellow]held-out after {figures['step']} steps: cut by the crash, run again[/yellow] "
+                      f"({figures['unscored']} executions not yet scored)")
+    elif phase == "heldout-lost":
+        steps = ", ".join(map(str, figures["steps"]))
+        console.print(f"[yellow]held-out after {steps} steps: cut by a crash; that policy is no longer served, so "
+                      "it is not measured[/yellow]")
     elif phase == "resubmitted":
         console.print(f"[yellow]{figures['executions']} executions queued again[/yellow] (their harnesses were "
                       "lost before they were scored)")

@@ -57,6 +57,14 @@ def queued_attempts(log_path: Path, run_id: str) -> dict[str, tuple[int, str, st
         "FROM executions_queued WHERE run_id = ? GROUP BY execution_id", [run_id]).fetchall()}
 
 
+def heldout_recorded(log_path: Path) -> set[int]:
+    """The steps (done before each) of the held-out evaluations the log recorded."""
+    from gyre.log import LogReader
+
+    con = LogReader(log_path).duckdb()
+    return {step for (step,) in con.execute("SELECT step FROM heldout_evaluations").fetchall()}
+
+
 def reap_orphans(executions_dir: Path) -> int:
     """Kill the process groups of harnesses a crash orphaned: every process working inside the run's
     execution directories (their start may never have reached the log, so their pids are not known).

@@ -39,7 +39,14 @@ from gyre.events.codec import decode_kinds
 from gyre.events.models import Event, RunFinished, RunStarted, TrainStepFinished
 from gyre.log import LogWriter
 from gyre.run.build import PlannedExecution, rollout_tasks, step_plan
-from gyre.run.history import RoleSpan, config_differences, queued_attempts, role_timeline, run_start
+from gyre.run.history import (
+    RoleSpan,
+    config_differences,
+    heldout_recorded,
+    queued_attempts,
+    role_timeline,
+    run_start,
+)
 from gyre.run.live import LiveRun
 from gyre.scheduler import PolicyParams, SchedulerView, get_policy
 from gyre.sink import LogSink
@@ -338,6 +345,32 @@ class RunHost:
             self._evaluations[steps_done] = _Evaluation(policy_version, time.monotonic(), executions)
         self.topology.queue(executions)
 
+    def _redo_cut_evaluation(self) -> None:
+        """A resumed run: the evaluation its predecessor died running is recorded after all, if it measures the
+        policy the run resumes with (the one due after the last trained step, or the initial one before any).
+        Its executions the log scored count; those it queued and never scored were queued again as new attempts
+        (`resubmit`); those the crash kept from being queued are queued here. An earlier evaluation cut by a
+        crash measured a policy no cell serves any more: it is reported lost, never faked."""
+        from gyre.evaluation import heldout_executions
+
+        steps_done = len(self.records())
+        recorded = heldout_recorded(self.log_path)
+        lost = [n for n in range(steps_done) if self.heldout.due(n, self.config.steps) and n not in recorded]
+        if lost:
+            self.progress("heldout-lost", {"steps": lost})
+        if steps_done in recorded or not self.heldout.due(steps_done, self.config.steps):
+            return
+        version = self.policy_version  # the trainer's, as the last step's train_step_finished has it
+        queued = queued_attempts(self.log_path, self.run_id)
+        scored = self.live.read(lambda live: set(live.run.outcomes))
+        executions = [Queued(execution_id, group_id, task_id, None, version)
+                      for execution_id, group_id, task_id in heldout_executions(self.heldout, steps_done)]
+        with self._lock:
+            self._evaluations[steps_done] = _Evaluation(version, time.monotonic(), executions)
+        self.topology.queue([e for e in executions if e.execution_id not in queued])
+        self.progress("heldout-redo", {"step": steps_done,
+                                       "unscored": sum(e.execution_id not in scored for e in executions)})
+
     def _record_evaluations(self) -> None:
         from gyre.evaluation import summarize
 
@@ -370,8 +403,11 @@ class RunHost:
         try:
             with self._exporting():
                 try:
-                    if not self.resumed and self.heldout.due(0, self.config.steps):
+                    if self.resumed:
+                        self._redo_cut_evaluation()
+                    elif self.heldout.due(0, self.config.steps):
                         self._start_evaluation(0, 0)
+                    if not self.records():  # the initial policy is measured before any step can take a cell
                         self.controller.fold_until(lambda: not self._evaluating())
                     self.controller.run(tick=self.topology.tick, tick_s=self.topology.tick_s,
                                         hold=self._evaluating)

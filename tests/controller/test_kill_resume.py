@@ -1,14 +1,24 @@
 """kill -9 a training run at 20+ seeded points (rollout, mid-step, publish, resume itself), resume each time:
 the run completes with every reward counted once, gapless policy versions and an exact replay."""
 
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 
-from gyre.config import CheckpointSection, RolloutSection, SamplingSection, TrainConfig, TrainerSection
+from gyre.config import (
+    CheckpointSection,
+    EvaluationSection,
+    RolloutSection,
+    SamplingSection,
+    TrainConfig,
+    TrainerSection,
+)
 from gyre.log import LogReader, LogWriter
-from gyre.train.crash import torture
+from gyre.run.history import heldout_recorded
+from gyre.train.crash import _child, torture, warm
 from gyre.train.inprocess import TrainingRun
 from gyre.trainer.weights import WeightsError, file_sha256
 
@@ -68,3 +78,31 @@ def test_a_resume_that_cannot_reproduce_the_logged_weights_stops(tmp_path: Path)
                                     else {"seq": None}) for e in events])
     with pytest.raises(WeightsError, match="did not reproduce the logged weights of version 1"):
         TrainingRun(config, resume=True)
+
+
+def test_a_resume_runs_again_the_held_out_evaluation_a_kill_cut(tmp_path: Path) -> None:
+    """Killed during the final evaluation, a run resumes to record it: the executions already scored count,
+    the rest run again as new attempts — none is scored twice."""
+    held = tmp_path / "heldout"
+    held.mkdir()
+    shutil.copy(QUICK / "score.py", held)
+    (held / "tasks.toml").write_text((QUICK / "tasks.toml").read_text().replace('id = "hello"', 'id = "hello-held"'))
+    config = quick_config(tmp_path / "run", steps=1).model_copy(
+        update={"evaluation": EvaluationSection(every=1, tasks=held / "tasks.toml", samples=3)})
+    warm(config)
+    # rewards in order: the initial evaluation's 3, step 0's 2, then the final evaluation's: die at its second
+    pid = os.fork()
+    if pid == 0:
+        _child(config, resume=False, kill_at=("reward_recorded", 3 + 2 + 2), notes=tmp_path / "notes")
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    log = config.run_dir / "log"
+    assert heldout_recorded(log) == {0}
+    said: list[tuple[str, dict]] = []
+    TrainingRun(config, lambda phase, figures: said.append((phase, figures)), resume=True).run()
+    assert heldout_recorded(log) == {0, 1}
+    assert ("heldout-redo", {"step": 1, "unscored": 2}) in said  # the one scored before the kill is kept
+    [final] = [e for e in LogReader(log).events(kinds=["heldout_evaluated"]) if e.step == 1]
+    assert (final.executions, final.scored, final.policy_version) == (3, 3, 1)
+    scored = [e.execution_id for e in LogReader(log).events(kinds=["reward_recorded"])]
+    assert len(scored) == len(set(scored)) == 3 + 2 + 3
