@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import json
 import os
 import resource
@@ -53,21 +54,25 @@ _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """libc, loaded once: `find_library` runs `ldconfig`, too slow for the end of every sandboxed process."""
+    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
 def become_subreaper() -> bool:
     """Make this process the reaper of its orphaned descendants (Linux); False where that is unavailable."""
     if not sys.platform.startswith("linux"):
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    return _libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
 def is_subreaper() -> bool:
     """Whether this process reaps its orphaned descendants (`become_subreaper`)."""
     if not sys.platform.startswith("linux"):
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     flag = ctypes.c_int(0)
-    return libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0 and flag.value != 0
+    return _libc().prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0 and flag.value != 0
 
 
 def new_tag() -> str:
