@@ -26,7 +26,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -336,14 +336,17 @@ class RunHost:
         return plan_heldout(section.every, self.heldout_tasks, section.task_ids, trained, section.samples,
                             section.pass_threshold)
 
-    def _start_evaluation(self, steps_done: int, policy_version: int) -> None:
+    def _start_evaluation(self, steps_done: int, policy_version: int,
+                          queued: Container[str] = frozenset()) -> list[Queued]:
+        """Wait for the evaluation before step ``steps_done``, and queue its executions but those in ``queued``."""
         from gyre.evaluation import heldout_executions
 
         executions = [Queued(execution_id, group_id, task_id, None, policy_version)
                       for execution_id, group_id, task_id in heldout_executions(self.heldout, steps_done)]
         with self._lock:
             self._evaluations[steps_done] = _Evaluation(policy_version, time.monotonic(), executions)
-        self.topology.queue(executions)
+        self.topology.queue([e for e in executions if e.execution_id not in queued])
+        return executions
 
     def _redo_cut_evaluation(self) -> None:
         """A resumed run: the evaluation its predecessor died running is recorded after all, if it measures the
@@ -351,8 +354,6 @@ class RunHost:
         Its executions the log scored count; those it queued and never scored were queued again as new attempts
         (`resubmit`); those the crash kept from being queued are queued here. An earlier evaluation cut by a
         crash measured a policy no cell serves any more: it is reported lost, never faked."""
-        from gyre.evaluation import heldout_executions
-
         steps_done = len(self.records())
         recorded = heldout_recorded(self.log_path)
         lost = [n for n in range(steps_done) if self.heldout.due(n, self.config.steps) and n not in recorded]
@@ -360,14 +361,10 @@ class RunHost:
             self.progress("heldout-lost", {"steps": lost})
         if steps_done in recorded or not self.heldout.due(steps_done, self.config.steps):
             return
-        version = self.policy_version  # the trainer's, as the last step's train_step_finished has it
-        queued = queued_attempts(self.log_path, self.run_id)
+        # the trainer's version, as the last step's train_step_finished has it
+        executions = self._start_evaluation(steps_done, self.policy_version,
+                                            queued_attempts(self.log_path, self.run_id))
         scored = self.live.read(lambda live: set(live.run.outcomes))
-        executions = [Queued(execution_id, group_id, task_id, None, version)
-                      for execution_id, group_id, task_id in heldout_executions(self.heldout, steps_done)]
-        with self._lock:
-            self._evaluations[steps_done] = _Evaluation(version, time.monotonic(), executions)
-        self.topology.queue([e for e in executions if e.execution_id not in queued])
         self.progress("heldout-redo", {"step": steps_done,
                                        "unscored": sum(e.execution_id not in scored for e in executions)})
 
