@@ -93,7 +93,7 @@ def kill_tagged(tag: str, root: int | None = None) -> set[int]:
     deadline = time.monotonic() + REAP_LIMIT_S
     delay = POLL_MIN_S
     while True:
-        table = _process_table()
+        table = process_table()
         found = {pid for pid, (_, state) in table.items() if state != "Z" and pid != root and _tagged(pid, marker)}
         if root is not None:
             found |= _descendants(root, table)
@@ -114,7 +114,7 @@ def kill_tagged(tag: str, root: int | None = None) -> set[int]:
         delay = min(delay * 2, POLL_MAX_S)
 
 
-def _process_table() -> dict[int, tuple[int, str]]:
+def process_table() -> dict[int, tuple[int, str]]:
     """pid -> (parent pid, state letter) of every process in /proc."""
     table: dict[int, tuple[int, str]] = {}
     for name in os.listdir("/proc"):
@@ -222,7 +222,7 @@ class GroupProcess:
             cancelled = cancel is not None and cancel.is_set()
             timed_out = not cancelled
             if self.sandboxed:
-                for pid in _descendants(self.pid, _process_table()):
+                for pid in _descendants(self.pid, process_table()):
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(pid, signal.SIGTERM)
             else:

@@ -41,7 +41,7 @@ class CrashReport:
         return not self.problems
 
 
-def _child(config: TrainConfig, resume: bool, kill_at: tuple[str, int] | None, notes: Path) -> None:
+def run_child(config: TrainConfig, resume: bool, kill_at: tuple[str, int] | None, notes: Path) -> None:
     """The body of a forked child: run or resume, SIGKILL itself at ``kill_at``; never returns."""
     code = 0
 
@@ -117,7 +117,7 @@ def torture(config: TrainConfig, *, points: int, seed: int, children: int = 200)
         resume = bool(logged)
         pid = os.fork()
         if pid == 0:
-            _child(config, resume=resume, kill_at=kill_at, notes=notes)
+            run_child(config, resume=resume, kill_at=kill_at, notes=notes)
         _, status = os.waitpid(pid, 0)
         report.resumes += resume
         if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL and kill_at is not None:

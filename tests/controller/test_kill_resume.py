@@ -18,7 +18,7 @@ from gyre.config import (
 )
 from gyre.log import LogReader, LogWriter
 from gyre.run.history import heldout_recorded
-from gyre.train.crash import _child, torture, warm
+from gyre.train.crash import run_child, torture, warm
 from gyre.train.inprocess import TrainingRun
 from gyre.trainer.weights import WeightsError, file_sha256
 
@@ -93,7 +93,7 @@ def test_a_resume_runs_again_the_held_out_evaluation_a_kill_cut(tmp_path: Path) 
     # rewards in order: the initial evaluation's 3, step 0's 2, then the final evaluation's: die at its second
     pid = os.fork()
     if pid == 0:
-        _child(config, resume=False, kill_at=("reward_recorded", 3 + 2 + 2), notes=tmp_path / "notes")
+        run_child(config, resume=False, kill_at=("reward_recorded", 3 + 2 + 2), notes=tmp_path / "notes")
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     log = config.run_dir / "log"

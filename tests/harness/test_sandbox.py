@@ -16,7 +16,7 @@ import pytest
 
 from gyre.harness import HarnessRunner, PythonEvaluator
 from gyre.harness.bwrap import SandboxSpec, UidPool, check_available, give_to
-from gyre.harness.process import _process_table
+from gyre.harness.process import process_table
 from gyre.harness.relay import ProxyRelay
 from gyre.sink import MemorySink
 from tests.harness.graders import probes_its_sandbox
@@ -161,7 +161,7 @@ def test_a_python_evaluator_runs_in_the_sandbox_and_alone_sees_its_task_set(tmp_
 
 def zombie_children() -> set[int]:
     """This process's children that exited and were never reaped."""
-    return {pid for pid, (ppid, state) in _process_table().items() if ppid == os.getpid() and state == "Z"}
+    return {pid for pid, (ppid, state) in process_table().items() if ppid == os.getpid() and state == "Z"}
 
 
 def test_sandboxed_executions_and_evaluations_leave_no_zombie_behind(tmp_path: Path) -> None:
