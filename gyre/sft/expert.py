@@ -122,6 +122,17 @@ class Expert:
                     {"role": "assistant", "content": FINAL_ANSWER.format(answer=task.solution)}]
         return {"messages": messages, "task_id": task.id, "correct": True}
 
+    def first_read(self, task: FamilyTask) -> dict[str, Any]:
+        """The opening of a demonstration, cut after its first call (reading the file the prompt names), in the
+        harness's own context (system prompt and tool schemas): a drill for the choice a policy gets wrong when
+        it guesses the file from the family instead of reading the prompt. A copy drill has no system prompt,
+        and what it teaches about the file name did not carry over to that context (#29, twelfth attempt)."""
+        call = {"id": "call_0", "type": "function",
+                "function": {"name": "read_file", "arguments": json.dumps({"path": task.inputs[0]})}}
+        messages = [{"role": "system", "content": self.agent.SYSTEM_PROMPT}, {"role": "user", "content": task.prompt},
+                    {"role": "assistant", "content": "", "tool_calls": [call]}]
+        return {"messages": messages, "tools": self.tools, "task_id": task.id, "correct": True}
+
     def _play(self, task: FamilyTask, calls: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
         """The assistant turns making ``calls`` and the real results of the workspace tools on ``task``'s files."""
         messages: list[dict[str, Any]] = []

@@ -66,7 +66,9 @@ def _letters(rng: random.Random) -> str:
 def make_task(task_id: str, family: str, source: str, rng: random.Random,
               word: Callable[[random.Random], str] = _word) -> FamilyTask:
     """A task of ``family`` reading ``source`` (concat reads two files), parameters from ``rng``, words from
-    ``word``."""
+    ``word``. Every prompt names its file after " in", never first: a sentence-initial name is another token
+    sequence (the BPE merges "data" at a line's start, " d" "ata" inside one), and the tiny policy never learned
+    to copy it from there (#29, twelfth attempt: it read one of the three files at random)."""
     if family in ("copy", "upper", "reverse"):
         word = word(rng)
         how = {"copy": "unchanged", "upper": "in capital letters", "reverse": "spelled backwards"}[family]
@@ -76,14 +78,14 @@ def make_task(task_id: str, family: str, source: str, rng: random.Random,
                           (source,))
     if family == "add":
         a, b = rng.randint(1, 49), rng.randint(1, 49)
-        return FamilyTask(task_id, family, f"{source} holds two numbers. Write their sum into answer.txt.",
+        return FamilyTask(task_id, family, f"Two numbers are in {source}. Write their sum into answer.txt.",
                           {source: f"{a} {b}\n"}, "answer.txt", {"kind": "text", "expected": str(a + b)},
                           str(a + b), (source,))
     if family == "pyfunc":
         k = rng.randint(2, 9)
         solution = f"def f(x):\n    return x * {k}\n"
         checks = [f"f({x}) == {x * k}" for x in (0, 1, 3, 7)]
-        return FamilyTask(task_id, family, f"{source} holds a number K. Write solution.py defining f(x) that "
+        return FamilyTask(task_id, family, f"A number K is in {source}. Write solution.py defining f(x) that "
                                            "returns x times K.", {source: f"{k}\n"}, "solution.py",
                           {"kind": "python", "checks": checks, "reference": solution}, solution, (source,))
     if family == "concat":

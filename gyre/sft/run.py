@@ -57,6 +57,9 @@ class DemonstrationsSection(_Section):
     error_rate: float = Field(0.3, ge=0, le=1, description="share of demonstrations with a wrong answer")
     drills: NonNegativeInt = Field(0, description="short copy drills made at start (gyre.sft.families.drill_tasks: "
                                                   "random letter strings read, rewritten and written, never wrong)")
+    reads: NonNegativeInt = Field(0, description="first-read drills made at start (`Expert.first_read`: system "
+                                                 "prompt, tools, a training task's prompt, the call reading the "
+                                                 "file it names); a phase trains them with `read_share`")
     drill_families: tuple[str, ...] = Field(
         DRILL_FAMILIES,
         description="the families the drills exercise (gyre.sft.families.COPYING_FAMILIES: pyfunc's drills copy "
@@ -92,12 +95,21 @@ class Phase(_Section):
                                                              "cosine over the phase's steps (None: constant)")
     drill_share: float = Field(0.0, ge=0, le=1, description="share of steps that train a batch of drills "
                                                             "instead of demonstrations (1: drills only)")
+    read_share: float = Field(0.0, ge=0, le=1, description="share of steps that train a batch (`batch_size`) of "
+                                                           "first-read drills instead of demonstrations")
     until_written_loss: PositiveFloat | None = Field(
         None, description="end the phase early once the written letters' loss on held-back drills "
                           "(gyre.sft.copying) is under this; checked every `check_every` steps of the phase")
     check_every: PositiveInt | None = Field(None, description="measure the written letters' loss every N steps "
                                                               "of the phase (RUN_DIR/copy_checks.jsonl); "
                                                               "None: 50 with `until_written_loss`, else never")
+
+    @model_validator(mode="after")
+    def _shares(self) -> Phase:
+        if self.drill_share + self.read_share > 1:
+            raise ValueError(f"phase {self.name!r}: drill_share {self.drill_share} + read_share {self.read_share} "
+                             "is over 1 (both are shares of the phase's steps)")
+        return self
 
     @property
     def checks(self) -> int | None:
@@ -151,6 +163,11 @@ class SftConfig(_Section):
                 if phase.drill_share > 0:
                     raise ValueError(f"drill_share = {phase.drill_share} (phase {phase.name!r}) needs "
                                      "[demonstrations] drills > 0")
+        if self.demonstrations.reads == 0:
+            for phase in self.plan():
+                if phase.read_share > 0:
+                    raise ValueError(f"read_share = {phase.read_share} (phase {phase.name!r}) needs "
+                                     "[demonstrations] reads > 0")
         return self
 
     @classmethod
@@ -216,6 +233,20 @@ def _drills(config: SftConfig, tokenizer: Any) -> list[Any]:
     demos = config.demonstrations
     return [render(expert.drill(task), tokenizer)
             for task in drill_tasks(demos.drills, config.seed, demos.drill_families)]
+
+
+def _reads(config: SftConfig, tokenizer: Any) -> list[Any]:
+    """The run's first-read drills, rendered: fresh training-split tasks (never a held-out word or number), made
+    from the run's seed."""
+    if config.demonstrations.reads == 0:
+        return []
+    from gyre.sft.data import render
+    from gyre.sft.expert import Expert
+    from gyre.sft.families import fresh_training_tasks
+
+    expert = Expert(seed=config.seed)
+    return [render(expert.first_read(task), tokenizer)
+            for task in fresh_training_tasks(config.demonstrations.reads, config.seed + 1)]
 
 
 EARLY_ENDS = "phase_ends.jsonl"
@@ -306,6 +337,7 @@ def run_sft(config: SftConfig, *, resume: bool = False,
     model, tokenizer = load_tiny(base)
     examples = [render(r, tokenizer) for r in records]
     drills = _drills(config, tokenizer)
+    reads = _reads(config, tokenizer)
     backend = TorchBackend(model, TorchBackendConfig(optimizer=OptimizerConfig(
         lr=config.plan()[0].lr, max_grad_norm=config.max_grad_norm)))
     checkpoints = run_dir / "checkpoints"
@@ -332,10 +364,14 @@ def run_sft(config: SftConfig, *, resume: bool = False,
                 started = time.monotonic()
                 local = step - phase_start
                 rng = random.Random(config.seed * 1_000_003 + step)
-                drilling = phase.drill_share > 0 and rng.random() < phase.drill_share
-                pool, size = (drills, config.drill_batch_size) if drilling else (examples, config.batch_size)
+                # no draw in a phase of demonstrations only: its batches stay those it drew before reads existed
+                draw = rng.random() if phase.drill_share + phase.read_share > 0 else 1.0
+                kind = ("drills" if draw < phase.drill_share else
+                        "reads" if draw < phase.drill_share + phase.read_share else "demonstrations")
+                pool, size = {"drills": (drills, config.drill_batch_size), "reads": (reads, config.batch_size),
+                              "demonstrations": (examples, config.batch_size)}[kind]
                 batch = [pool[rng.randrange(len(pool))] for _ in range(size)]
-                line = {"step": step, "phase": phase.name, "batch": "drills" if drilling else "demonstrations",
+                line = {"step": step, "phase": phase.name, "batch": kind,
                         **_train_step(backend, batch, pad, phase.lr_at(local)),
                         "seconds": round(time.monotonic() - started, 3)}
                 log.write(json.dumps(line) + "\n")

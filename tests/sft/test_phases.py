@@ -58,6 +58,11 @@ def test_phases_make_the_plan_and_each_its_own_cosine(tmp_path):
     (lambda t: t.replace("steps = 30", "steps = 0"), "phases.0.steps"),
     (lambda t: t.replace("until_written_loss", "until_loss"), "phases.0.until_loss"),
     (lambda t: t.replace('name = "copy"\n', ""), "phases.0.name"),
+    (lambda t: t.replace("drill_share = 0.3", "drill_share = 0.3\nread_share = 0.2"),
+     "read_share = 0.2 \\(phase 'mixture'\\) needs \\[demonstrations\\] reads > 0"),
+    (lambda t: t.replace("drills = 10", "drills = 10\nreads = 5").replace("drill_share = 0.3", "drill_share = 0.9\n"
+                                                                      "read_share = 0.2"),
+     "phase 'mixture': drill_share 0.9 \\+ read_share 0.2 is over 1"),
 ])
 def test_bad_phases_are_refused_with_a_clear_error(tmp_path, change, message):
     with pytest.raises(ConfigError, match=message):
@@ -120,3 +125,29 @@ def test_phases_run_in_order_end_early_and_resume_mid_phase(tmp_path):
     for name in (EARLY_ENDS, COPY_CHECKS):  # the check of step-000003's weights kept once, the later ones redone
         assert (tmp_path / "b" / name).read_text() == (tmp_path / "a" / name).read_text()
     assert (tmp_path / "b" / "model" / "config.json").is_file()
+
+
+@pytest.mark.integration
+def test_a_phase_of_first_read_drills_trains_on_them_and_mixes_them_at_its_share(tmp_path):
+    from gyre.sft.expert import write_demonstrations
+    from gyre.sft.run import run_sft
+
+    demos = tmp_path / "demos.jsonl"
+    write_demonstrations(TOY / "learn-train.toml", demos, per_task=1, seed=0, error_rate=0.3)
+    demos.write_text("\n".join(demos.read_text().splitlines()[:8]) + "\n")
+    config = SftConfig.model_validate({
+        "run_dir": tmp_path / "run", "batch_size": 2, "checkpoint_every": 100,
+        "demonstrations": {"path": demos, "reads": 6},
+        "phases": [{"name": "reads", "steps": 2, "lr": 1e-3, "read_share": 1.0},
+                   {"name": "mixed", "steps": 12, "lr": 1e-3, "read_share": 0.5}],
+        "model": {"vocab_size": 300, "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1,
+                  "intermediate_size": 64, "context": 2048}})
+    run_sft(config)
+    curve = [json.loads(line) for line in (tmp_path / "run" / "loss.jsonl").read_text().splitlines()]
+    assert [c["batch"] for c in curve[:2]] == ["reads", "reads"]
+    mixed = {c["batch"] for c in curve[2:]}
+    assert mixed == {"reads", "demonstrations"}, mixed
+    reads = [c for c in curve if c["batch"] == "reads"]
+    demos_steps = [c for c in curve if c["batch"] == "demonstrations"]
+    # a read drill trains one short call; a demonstration every turn of a solved task
+    assert max(c["trained_tokens"] for c in reads) < min(c["trained_tokens"] for c in demos_steps) / 2

@@ -92,6 +92,27 @@ def test_loss_mask_covers_assistant_output_only_in_both_formats():
     assert f'"content": "{task.solution}"' in trained
 
 
+def test_every_prompt_names_its_input_file_after_in_never_first():
+    """A sentence-initial file name tokenizes apart from the same name inside a sentence (the BPE merges "data"
+    at a line's start): the tiny policy read one of the three files at random where the prompt began with it."""
+    train, heldout = generate()
+    for task in train + heldout:
+        assert f" in {task.inputs[0]}" in task.prompt and not task.prompt.startswith(task.inputs[0]), task.prompt
+
+
+def test_a_first_read_drill_trains_only_the_call_reading_the_named_file_in_the_harness_context():
+    tokenizer = build_tokenizer()
+    expert = Expert()
+    for task in [t for t in fresh_training_tasks(12, seed=3) if t.family in ("pyfunc", "add", "concat")]:
+        record = expert.first_read(task)
+        assert [m["role"] for m in record["messages"]] == ["system", "user", "assistant"]
+        assert record["messages"][0]["content"] == expert.agent.SYSTEM_PROMPT and record["tools"] == expert.tools
+        example = render(record, tokenizer)
+        trained = tokenizer.decode([t for t, m in zip(example.input_ids, example.assistant, strict=True) if m])
+        assert trained.count("<|im_end|>") == 1 and f'"path": "{task.inputs[0]}"' in trained
+        assert task.prompt not in trained and "read_file" in trained
+
+
 @pytest.mark.integration
 def test_resumed_sft_equals_an_uninterrupted_run(tmp_path):
     from gyre.sft.expert import write_demonstrations
