@@ -120,7 +120,9 @@ def _written(task: Any, answer: str) -> str:
 def probe(model: str, samples: int, tasks: Path = HELDOUT) -> dict[str, Any]:
     """Share of sampled ``write_file`` turns that write the exact answer, per family (see the module doc), and
     the share that write the expert's slip instead: right + slip is the content skill, right / (right + slip)
-    the mode RL moves (a slip it can turn into the answer; anything else it cannot)."""
+    the mode RL moves (a slip it can turn into the answer; anything else it cannot). Also the share of first
+    calls that read the file the prompt names (``read_per_family``): a policy that guesses the file fails
+    before the answer turn, and RL cannot help where the guess does not depend on the prompt."""
     import torch
 
     from gyre.model.tiny import load_tiny
@@ -132,19 +134,28 @@ def probe(model: str, samples: int, tasks: Path = HELDOUT) -> dict[str, Any]:
     expert = Expert(error_rate=0.0, skip_check_rate=1.0)
     hits: dict[str, list[float]] = defaultdict(list)
     slips: dict[str, list[float]] = defaultdict(list)
+    reads: dict[str, list[float]] = defaultdict(list)
+
+    def sample(ids: Any, seed: int, tokens: int) -> str:
+        torch.manual_seed(seed)
+        out = policy.generate(ids, max_new_tokens=tokens, do_sample=True, temperature=1.0, top_k=0,
+                              pad_token_id=tokenizer.pad_token_id)
+        return tokenizer.decode(out[0, ids.shape[1]:])
+
     for task in family_tasks(tasks):
         record = expert.demonstrate(task)
         messages = record["messages"]
+        opening = torch.tensor([tokenizer.apply_chat_template(messages[:2], tools=record["tools"], tokenize=True,
+                                                              add_generation_prompt=True, return_dict=False)])
+        named = f'"path": "{task.inputs[0]}"'
+        reads[task.family].append(sum(named in sample(opening, i, 24) for i in range(samples)) / samples)
         turn = answer_turn(messages)
         ids = torch.tensor([tokenizer.apply_chat_template(messages[:turn], tools=record["tools"], tokenize=True,
                                                           add_generation_prompt=True, return_dict=False)])
         wanted, found, slipped = _written(task, task.solution), 0, 0
         slip = {_written(task, mistake(task, random.Random(i))) for i in range(8)} - {wanted}
-        for sample in range(samples):
-            torch.manual_seed(sample)
-            out = policy.generate(ids, max_new_tokens=64, do_sample=True, temperature=1.0, top_k=0,
-                                  pad_token_id=tokenizer.pad_token_id)
-            text = tokenizer.decode(out[0, ids.shape[1]:])
+        for i in range(samples):
+            text = sample(ids, i, 64)
             found += wanted in text
             slipped += any(s in text for s in slip)
         hits[task.family].append(found / samples)
@@ -153,7 +164,8 @@ def probe(model: str, samples: int, tasks: Path = HELDOUT) -> dict[str, Any]:
             "right_content": round(statistics.mean(x for v in hits.values() for x in v), 4),
             "slip_content": round(statistics.mean(x for v in slips.values() for x in v), 4),
             "per_family": {f: round(statistics.mean(v), 3) for f, v in sorted(hits.items())},
-            "slip_per_family": {f: round(statistics.mean(v), 3) for f, v in sorted(slips.items())}}
+            "slip_per_family": {f: round(statistics.mean(v), 3) for f, v in sorted(slips.items())},
+            "read_per_family": {f: round(statistics.mean(v), 3) for f, v in sorted(reads.items())}}
 
 
 # The warm start alone: a run evaluates its initial and its final policy, so one step that changes nothing (a
