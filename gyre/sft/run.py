@@ -124,7 +124,7 @@ class Phase(_Section):
         return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1 + math.cos(math.pi * step / self.steps))
 
 
-_PER_PHASE = ("steps", "lr", "min_lr", "drill_share")
+_PER_PHASE = ("steps", "lr", "min_lr", "drill_share", "read_share")
 
 
 class SftConfig(_Section):
@@ -139,11 +139,13 @@ class SftConfig(_Section):
     max_grad_norm: PositiveFloat = 1.0
     drill_share: float = Field(0.0, ge=0, lt=1, description="share of steps that train a batch of drills "
                                                             "instead of demonstrations")
+    read_share: float = Field(0.0, ge=0, le=1, description="share of steps that train a batch of first-read drills "
+                                                           "instead of demonstrations")
     drill_batch_size: PositiveInt = Field(48, description="conversations in a drill step (a drill is ~1/6 of a "
                                                           "demonstration's tokens)")
     phases: list[Phase] = Field(default_factory=list, description="a curriculum, run in order (`[[phases]]`); "
                                                                   "empty: one phase of the top-level steps, lr, "
-                                                                  "min_lr and drill_share")
+                                                                  "min_lr, drill_share and read_share")
     checkpoint_every: PositiveInt = 50
     threads: PositiveInt = 1
     demonstrations: DemonstrationsSection
@@ -158,13 +160,14 @@ class SftConfig(_Section):
             names = [p.name for p in self.phases]
             if len(set(names)) != len(names):
                 raise ValueError(f"phase names must be unique: {names}")
+        plan = self.plan()  # the top-level fields' phase is checked here too, not when the run starts
         if self.demonstrations.drills == 0:
-            for phase in self.plan():
+            for phase in plan:
                 if phase.drill_share > 0:
                     raise ValueError(f"drill_share = {phase.drill_share} (phase {phase.name!r}) needs "
                                      "[demonstrations] drills > 0")
         if self.demonstrations.reads == 0:
-            for phase in self.plan():
+            for phase in plan:
                 if phase.read_share > 0:
                     raise ValueError(f"read_share = {phase.read_share} (phase {phase.name!r}) needs "
                                      "[demonstrations] reads > 0")
@@ -190,7 +193,7 @@ class SftConfig(_Section):
     def plan(self) -> list[Phase]:
         """The phases the run trains, in order."""
         return self.phases or [Phase(name="sft", steps=self.steps, lr=self.lr, min_lr=self.min_lr,
-                                     drill_share=self.drill_share)]
+                                     drill_share=self.drill_share, read_share=self.read_share)]
 
     def lr_at(self, step: int) -> float:
         """The learning rate of the run's ``step`` when no phase ends early."""

@@ -47,6 +47,11 @@ def test_phases_make_the_plan_and_each_its_own_cosine(tmp_path):
         config.lr_at(130)
     plain = load(tmp_path, 'steps = 7\nlr = 2e-3\n[demonstrations]\npath = "x"\n')
     assert [(p.name, p.steps, p.lr, p.drill_share) for p in plain.plan()] == [("sft", 7, 2e-3, 0.0)]
+    reads = load(tmp_path, 'steps = 7\nlr = 2e-3\ndrill_share = 0.2\nread_share = 0.1\n'
+                           '[demonstrations]\npath = "x"\ndrills = 5\nreads = 5\n')
+    assert [(p.drill_share, p.read_share) for p in reads.plan()] == [(0.2, 0.1)]
+    with pytest.raises(ConfigError, match=r"drill_share 0.95 \+ read_share 0.1 is over 1"):
+        load(tmp_path, 'drill_share = 0.95\nread_share = 0.1\n[demonstrations]\npath = "x"\ndrills = 5\nreads = 5\n')
 
 
 @pytest.mark.parametrize(("change", "message"), [
