@@ -152,6 +152,11 @@ class TrainingSpec(_Section):
                            "micro-steps (the link carries nothing else between gradient syncs), so the step pays "
                            "only what the time since it joined did not hide; a cell that gives its shard up "
                            "sends it from host memory from when it left, the same way")
+    rejoin_keeps_weights: bool = Field(
+        False, description="a satellite that switches back to training while the weights it last trained on are "
+                           "still the trainer's (no optimizer step since it left) reloads them from its host memory "
+                           "as part of its switch (offloaded there when it left) instead of pulling them from the "
+                           "core again (False: every join pulls satellite_join_s)")
 
     def cell_s_per_mtoken(self, gpus_per_cell: int) -> float:
         """Seconds per million tokens on a cell of ``gpus_per_cell`` GPUs."""

@@ -142,6 +142,8 @@ class Trainer:
         """Cells holding a shard of the optimizer state (``shard_optimizer``; else only the core)."""
         self.joined_us: dict[str, int] = {}
         """Cell -> when it joined training (``reshard_overlap``: the time its shard pull hid behind)."""
+        self.held: dict[str, int] = {}
+        """Cell -> the version of the weights it last trained on (``rejoin_keeps_weights``)."""
         self.left_us: dict[str, int] = {}
         """Cell -> when it last left training (``reshard_overlap``: the time its shard's send hid behind)."""
         self.streak: dict[str, int] = {}
@@ -278,6 +280,8 @@ class Trainer:
         for cell in shards:
             del self.busy[cell]
         self.version += 1
+        for cell in self.joined:
+            self.held[cell] = self.version
         sim.emit(TrainStepFinished(ts=sim.ts, step=step.step, policy_version=self.version, micro_steps=step.planned,
                                    samples=step.samples, tokens=step.tokens,
                                    duration_s=(sim.now - step.started_us) / US))
@@ -303,12 +307,16 @@ class Trainer:
     # -- cells joining and leaving -----------------------------------------------------------------------
 
     def arrive(self, cell: str) -> None:
-        """A cell finished switching to training: the core trains at once, a satellite pulls weights first."""
+        """A cell finished switching to training: the core trains at once, a satellite pulls weights first
+        (with ``rejoin_keeps_weights``, not when it already holds the trainer's version)."""
         sim = self.sim
         if cell == sim.core_id:
             self.joined.add(cell)
             return
         join_s = sim.scenario.training.satellite_join_s
+        if sim.scenario.training.rejoin_keeps_weights and self.held.get(cell) == self.version:
+            self.join_now(cell)  # the weights it left with are still current: reloaded with its switch
+            return
         if self.link is not None:
             self.link.start(join_s, lambda took: self._join(cell, took), "join")
         else:
@@ -318,6 +326,7 @@ class Trainer:
         sim = self.sim
         self.joined.add(cell)
         self.joined_us[cell] = sim.now
+        self.held[cell] = self.version
         if cell != sim.core_id:
             step = self.open.step if self.open is not None else self.next_train
             sim.emit(SatelliteJoined(ts=sim.ts, cell_id=cell, step=step, policy_version=self.version,

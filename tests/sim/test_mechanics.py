@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from gyre.errors import ConfigError
 from gyre.scheduler import get_policy
 from gyre.scheduler.view import WorkState
-from gyre.sim.runner import policy_params, simulate
+from gyre.sim.runner import policy_params, scenario_values, simulate
 from gyre.sim.scenario import TrainingSpec, hidden_reshard_share, load_scenario, reshard_share, with_values
 from gyre.sim.workload import sample_workload
 from gyre.sink import MemorySink
@@ -231,3 +231,50 @@ def test_past_half_a_batch_no_group_is_ever_older_than_the_bound(seed, oversampl
     result, events = _run(sc, policy, overrides)
     assert result.max_group_lag <= staleness + 1
     assert sum(e.kind == "train_step_finished" for e in events) == 3
+
+
+def _rejoin_run(rejoin: bool, policy: str = "elastic", version: str | None = "elastic/3", overrides=None):
+    sc = with_values(load_scenario("tiny"), {"training.rejoin_keeps_weights": rejoin, "steps": 5})
+    pol = get_policy(policy, version)
+    values = scenario_values(sc, pol, overrides if overrides is not None else
+                             {"partial_rollouts": True, "oversample_groups": 2})
+    sink = MemorySink()
+    result = simulate(sc, policy, sink=sink, version=version, params=pol.run_params(values),
+                      workload=sample_workload(sc, sc.seed, 5))
+    return result, sink.events
+
+
+@pytest.mark.parametrize("policy, version, overrides", [
+    ("elastic", "elastic/3", None), ("colocate", None, {"stream_micro_steps": True})])
+def test_a_satellite_back_in_the_version_it_trained_reloads_its_weights_instead_of_pulling_them(
+        policy, version, overrides):
+    """``rejoin_keeps_weights`` (#27): a satellite that comes back to training while the trainer's weights are
+    still those it last trained on or was handed at a step end (offloaded to host memory when it left) costs
+    no pull — elastic/3's satellite recalled mid-step and lent again, colocate's satellites each step, which
+    were handed the update at the step end. Every other join pulls, as before. Which joins are free is read
+    back from the log alone."""
+    _, plain = _rejoin_run(False, policy, version, overrides)
+    assert all(e.transfer_s > 0 for e in plain if e.kind == "satellite_joined")
+    _, events = _rejoin_run(True, policy, version, overrides)
+    held, joined, free, pulled = {}, set(), 0, 0
+    for e in events:
+        if e.kind == "satellite_joined":
+            if held.get(e.cell_id) == e.policy_version:
+                assert e.transfer_s == 0
+                free += 1
+            else:
+                assert e.transfer_s > 0
+                pulled += 1
+            held[e.cell_id] = e.policy_version
+            joined.add(e.cell_id)
+        elif e.kind == "satellite_left":
+            joined.discard(e.cell_id)
+        elif e.kind == "train_step_finished":
+            held |= dict.fromkeys(joined, e.policy_version)
+    assert free and pulled
+
+
+def test_a_fixed_training_pool_never_rejoins_and_runs_the_same_with_rejoins_free():
+    overrides = {"training_cells": 2, "stream_micro_steps": True}
+    (off, _), (on, _) = (_rejoin_run(flag, "async", None, overrides) for flag in (False, True))
+    assert on.hours == off.hours
