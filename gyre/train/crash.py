@@ -19,9 +19,13 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gyre.config import TrainConfig
 from gyre.log import LogReader
+
+if TYPE_CHECKING:
+    from gyre.train.inprocess import KillPoint
 
 
 @dataclass
@@ -41,7 +45,7 @@ class CrashReport:
         return not self.problems
 
 
-def run_child(config: TrainConfig, resume: bool, kill_at: tuple[str, int] | None, notes: Path) -> None:
+def run_child(config: TrainConfig, resume: bool, kill_at: KillPoint | None, notes: Path) -> None:
     """The body of a forked child: run or resume, SIGKILL itself at ``kill_at``; never returns."""
     code = 0
 

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from gyre.config import TrainConfig
 
 CELL = "cell0"
+KillPoint = tuple[str, int] | tuple[str, int, str]
+"""Where `InProcess` kills its process: (event kind, n) or (event kind, n, execution id prefix)."""
 
 
 class InProcess:
@@ -39,9 +41,10 @@ class InProcess:
 
     tick_s = 0.5
 
-    def __init__(self, kill_at: tuple[str, int] | None = None) -> None:
+    def __init__(self, kill_at: KillPoint | None = None) -> None:
         """``kill_at = (kind, n)``: SIGKILL this process once the controller folds the log's ``n``-th event of
-        that kind (counted from the log's start, resumed events included; `gyre.train.crash`)."""
+        that kind (counted from the log's start, resumed events included; `gyre.train.crash`); ``(kind, n,
+        prefix)`` counts only the events of executions whose id starts with ``prefix``."""
         self.kill_at = kill_at
         self._closers: list[Callable[[], None]] = []
         self._futures: list[Future] = []
@@ -187,12 +190,12 @@ class InProcess:
         self.stop()
 
 
-def _killer(kind: str, nth: int) -> Callable[[int, Event], None]:
+def _killer(kind: str, nth: int, prefix: str = "") -> Callable[[int, Event], None]:
     seen = 0
 
     def observe(seq: int, event: Event) -> None:
         nonlocal seen
-        if event.kind == kind:
+        if event.kind == kind and (event.execution_id or "").startswith(prefix):
             seen += 1
             if seen >= nth:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -201,7 +204,7 @@ def _killer(kind: str, nth: int) -> Callable[[int, Event], None]:
 
 
 def TrainingRun(config: TrainConfig, progress: Progress | None = None, *, resume: bool = False,
-                kill_at: tuple[str, int] | None = None) -> RunHost:
+                kill_at: KillPoint | None = None) -> RunHost:
     """A `gyre train` run: the run host over the in-process topology."""
     return RunHost(config, InProcess(kill_at), progress, resume=resume)
 

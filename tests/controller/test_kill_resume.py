@@ -82,7 +82,11 @@ def test_a_resume_that_cannot_reproduce_the_logged_weights_stops(tmp_path: Path)
 
 def test_a_resume_runs_again_the_held_out_evaluation_a_kill_cut(tmp_path: Path) -> None:
     """Killed during the final evaluation, a run resumes to record it: the executions already scored count,
-    the rest run again as new attempts — none is scored twice."""
+    the rest run again as new attempts — none is scored twice.
+
+    The kill lands when the controller folds the final evaluation's first reward (counted among the final
+    evaluation's own: how many training rewards come first depends on timing); how many of its rewards were
+    durable by then is read from the log, not assumed (none, or all three, on a loaded machine)."""
     held = tmp_path / "heldout"
     held.mkdir()
     shutil.copy(QUICK / "score.py", held)
@@ -90,19 +94,24 @@ def test_a_resume_runs_again_the_held_out_evaluation_a_kill_cut(tmp_path: Path) 
     config = quick_config(tmp_path / "run", steps=1).model_copy(
         update={"evaluation": EvaluationSection(every=1, tasks=held / "tasks.toml", samples=3)})
     warm(config)
-    # rewards in order: the initial evaluation's 3, step 0's 2, then the final evaluation's: die at its second
     pid = os.fork()
     if pid == 0:
-        run_child(config, resume=False, kill_at=("reward_recorded", 3 + 2 + 2), notes=tmp_path / "notes")
+        run_child(config, resume=False, kill_at=("reward_recorded", 1, "heldout-s1-"), notes=tmp_path / "notes")
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     log = config.run_dir / "log"
     assert heldout_recorded(log) == {0}
+    before = [e.execution_id for e in LogReader(log).events(kinds=["reward_recorded"])
+              if e.execution_id.startswith("heldout-s1-")]
     said: list[tuple[str, dict]] = []
     TrainingRun(config, lambda phase, figures: said.append((phase, figures)), resume=True).run()
     assert heldout_recorded(log) == {0, 1}
-    assert ("heldout-redo", {"step": 1, "unscored": 2}) in said  # the one scored before the kill is kept
+    # the ones scored before the kill are kept, the others run again (the resume's resubmission may score some
+    # before the redo counts what is left)
+    [redo] = [figures for phase, figures in said if phase == "heldout-redo"]
+    assert redo["step"] == 1 and 0 <= redo["unscored"] <= 3 - len(before)
     [final] = [e for e in LogReader(log).events(kinds=["heldout_evaluated"]) if e.step == 1]
     assert (final.executions, final.scored, final.policy_version) == (3, 3, 1)
     scored = [e.execution_id for e in LogReader(log).events(kinds=["reward_recorded"])]
-    assert len(scored) == len(set(scored)) == 3 + 2 + 3
+    assert len(scored) == len(set(scored))
+    assert [sum(e.startswith(f"heldout-s{step}-") for e in scored) for step in (0, 1)] == [3, 3]
