@@ -239,8 +239,8 @@ def _drills(config: SftConfig, tokenizer: Any) -> list[Any]:
 
 
 def _reads(config: SftConfig, tokenizer: Any) -> list[Any]:
-    """The run's first-read drills, rendered: fresh training-split tasks (never a held-out word or number), made
-    from the run's seed."""
+    """The run's first-read drills, rendered: fresh training-split tasks (never a held-out word or number), from
+    the run's seed + 1 (other tasks than the demonstrations' fresh ones, made from the seed)."""
     if config.demonstrations.reads == 0:
         return []
     from gyre.sft.data import render
