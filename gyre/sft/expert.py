@@ -127,10 +127,8 @@ class Expert:
         harness's own context (system prompt and tool schemas): a drill for the choice a policy gets wrong when
         it guesses the file from the family instead of reading the prompt. A copy drill has no system prompt,
         and what it teaches about the file name did not carry over to that context (#29, twelfth attempt)."""
-        call = {"id": "call_0", "type": "function",
-                "function": {"name": "read_file", "arguments": json.dumps({"path": task.inputs[0]})}}
         messages = [{"role": "system", "content": self.agent.SYSTEM_PROMPT}, {"role": "user", "content": task.prompt},
-                    {"role": "assistant", "content": "", "tool_calls": [call]}]
+                    _assistant_call(0, *solving_calls(task, task.solution)[0])]
         return {"messages": messages, "tools": self.tools, "task_id": task.id, "correct": True}
 
     def _play(self, task: FamilyTask, calls: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -141,13 +139,16 @@ class Expert:
             for name, content in task.files.items():
                 (Path(root) / name).write_text(content)
             for i, (name, arguments) in enumerate(calls):
-                call_id = f"call_{i}"
-                messages.append({"role": "assistant", "content": "", "tool_calls": [
-                    {"id": call_id, "type": "function",
-                     "function": {"name": name, "arguments": json.dumps(arguments)}}]})
-                messages.append({"role": "tool", "tool_call_id": call_id,
+                messages.append(_assistant_call(i, name, arguments))
+                messages.append({"role": "tool", "tool_call_id": f"call_{i}",
                                  "content": workspace.call(name, arguments)})
         return messages
+
+
+def _assistant_call(i: int, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """The assistant turn making the conversation's ``i``-th tool call (OpenAI format, id ``call_{i}``)."""
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
 
 
 def answer_turn(messages: list[dict[str, Any]]) -> int:
