@@ -195,13 +195,13 @@ def to_anthropic(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_demonstrations(tasks_path: Path | None, out: Path, *, per_task: int, seed: int, error_rate: float,
-                         fresh: int = 0, anthropic: bool = False) -> int:
+                         fresh: int = 0, other_names: float = 0.0, anthropic: bool = False) -> int:
     """``per_task`` demonstrations of each task of ``tasks_path`` and one of each of ``fresh`` new tasks of the
-    training distribution (`fresh_training_tasks`)."""
+    training distribution (`fresh_training_tasks`; a share ``other_names`` of them on randomly named files)."""
     expert = Expert(error_rate=error_rate, seed=seed)
     out.parent.mkdir(parents=True, exist_ok=True)
     listed = family_tasks(tasks_path) if tasks_path is not None else []
-    plan = [task for task in listed for _ in range(per_task)] + fresh_training_tasks(fresh, seed)
+    plan = [task for task in listed for _ in range(per_task)] + fresh_training_tasks(fresh, seed, other_names)
     with out.open("w") as f:
         for task in plan:
             record = expert.demonstrate(task)
@@ -217,10 +217,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--error-rate", type=float, default=0.3)
     parser.add_argument("--fresh", type=int, default=0, help="also demonstrate this many new training-split tasks")
+    parser.add_argument("--other-names", type=float, default=0.0,
+                        help="share of the fresh tasks that read a randomly named file")
     parser.add_argument("--format", choices=("openai", "anthropic"), default="openai")
     args = parser.parse_args(argv)
     n = write_demonstrations(args.tasks, args.out, per_task=args.per_task, seed=args.seed,
-                             error_rate=args.error_rate, fresh=args.fresh, anthropic=args.format == "anthropic")
+                             error_rate=args.error_rate, fresh=args.fresh, other_names=args.other_names,
+                             anthropic=args.format == "anthropic")
     print(f"{args.out}: {n} demonstrations")
     return 0
 

@@ -147,34 +147,57 @@ def _training_pairs(families: tuple[str, ...]) -> list[tuple[str, str]]:
     return [(f, s) for f in families for s in INPUT_FILES if (f, s) not in HELDOUT_PAIRS]
 
 
-def fresh_training_tasks(count: int, seed: int) -> list[FamilyTask]:
+RESERVED_NAMES = frozenset({*INPUT_FILES, "answer.txt", "solution.py", "b.txt"})
+
+
+def other_name(rng: random.Random) -> str:
+    """A random file name no task set uses (3-6 letters + ``.txt``). Training tasks pair each family with two of
+    the three input files, and a policy that learns the pairing instead of reading the name the prompt gives
+    fails the held-out split's unseen pairs (#29, thirteenth attempt: held-out copy of ``data.txt`` and sum of
+    ``input.txt`` at 0% after RL); tasks over names like these can only be solved by copying the name."""
+    while (name := "".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 6))) + ".txt") in RESERVED_NAMES:
+        pass
+    return name
+
+
+def _renamer(seed: int, share: float) -> Callable[[str], str]:
+    """``source`` -> itself, or with probability ``share`` an `other_name`. Its own generator: the tasks' draws
+    (and so every set made with ``share`` 0, as before it existed) stay the same."""
+    rng = random.Random(f"other-names-{seed}")
+    return lambda source: other_name(rng) if share and rng.random() < share else source
+
+
+def fresh_training_tasks(count: int, seed: int, other_names: float = 0.0) -> list[FamilyTask]:
     """``count`` new tasks from the training distribution (training family x file pairs, parameters never in
-    the held-out split): what the expert demonstrates, so a policy learns the families, not 72 answers."""
-    unseen, pairs = _heldout_parameters(), _training_pairs(FAMILIES)
+    the held-out split): what the expert demonstrates, so a policy learns the families, not 72 answers. A share
+    ``other_names`` of them read a file of a random name (`other_name`) instead of the pair's."""
+    unseen, pairs, rename = _heldout_parameters(), _training_pairs(FAMILIES), _renamer(seed, other_names)
     rng = random.Random(seed)
     out: list[FamilyTask] = []
     while len(out) < count:
         family, source = pairs[len(out) % len(pairs)]
-        task = make_task(f"fresh-{family}-{len(out)}", family, source, rng)
+        task = make_task(f"fresh-{family}-{len(out)}", family, rename(source), rng)
         if _off_heldout(task, unseen):
             out.append(task)
     return out
 
 
-def drill_tasks(count: int, seed: int, families: tuple[str, ...] = DRILL_FAMILIES) -> list[FamilyTask]:
+def drill_tasks(count: int, seed: int, families: tuple[str, ...] = DRILL_FAMILIES,
+                other_names: float = 0.0) -> list[FamilyTask]:
     """``count`` copy drills: tasks of ``families`` (of `COPYING_FAMILIES`) over random letter strings, on the
-    training split's family x file pairs only. A syllable word can be half guessed from the family's word
-    distribution; a random string can only be copied, so these teach the model to read the tool result (issue
-    #29). A pyfunc drill copies its K, a digit the template cannot predict."""
+    training split's family x file pairs only (a share ``other_names`` on a random file name instead). A
+    syllable word can be half guessed from the family's word distribution; a random string can only be copied,
+    so these teach the model to read the tool result (issue #29). A pyfunc drill copies its K, a digit the
+    template cannot predict."""
     if unknown := set(families) - set(COPYING_FAMILIES):
         raise ValueError(f"drill families {sorted(unknown)}: a drill copies its input; "
                          f"families: {', '.join(COPYING_FAMILIES)}")
-    unseen, pairs = _heldout_parameters(), _training_pairs(families)
+    unseen, pairs, rename = _heldout_parameters(), _training_pairs(families), _renamer(seed, other_names)
     rng = random.Random(seed)
     out: list[FamilyTask] = []
     while len(out) < count:
         family, source = pairs[rng.randrange(len(pairs))]
-        task = make_task(f"drill-{family}-{len(out)}", family, source, rng, word=_letters)
+        task = make_task(f"drill-{family}-{len(out)}", family, rename(source), rng, word=_letters)
         if _off_heldout(task, unseen):
             out.append(task)
     return out

@@ -60,6 +60,10 @@ class DemonstrationsSection(_Section):
     reads: NonNegativeInt = Field(0, description="first-read drills made at start (`Expert.first_read`: system "
                                                  "prompt, tools, a training task's prompt, the call reading the "
                                                  "file it names); a phase trains them with `read_share`")
+    other_names: float = Field(0.0, ge=0, le=1, description=(
+        "share of the fresh tasks, drills and first-read drills whose input file has a random name "
+        "(gyre.sft.families.other_name) instead of the training split's: the policy learns to read the file the "
+        "prompt names, not the file its family is usually paired with (the held-out pairs stay unseen)"))
     drill_families: tuple[str, ...] = Field(
         DRILL_FAMILIES,
         description="the families the drills exercise (gyre.sft.families.COPYING_FAMILIES: pyfunc's drills copy "
@@ -235,7 +239,7 @@ def _drills(config: SftConfig, tokenizer: Any) -> list[Any]:
     expert = Expert(seed=config.seed)
     demos = config.demonstrations
     return [render(expert.drill(task), tokenizer)
-            for task in drill_tasks(demos.drills, config.seed, demos.drill_families)]
+            for task in drill_tasks(demos.drills, config.seed, demos.drill_families, demos.other_names)]
 
 
 def _reads(config: SftConfig, tokenizer: Any) -> list[Any]:
@@ -249,7 +253,8 @@ def _reads(config: SftConfig, tokenizer: Any) -> list[Any]:
 
     expert = Expert(seed=config.seed)
     return [render(expert.first_read(task), tokenizer)
-            for task in fresh_training_tasks(config.demonstrations.reads, config.seed + 1)]
+            for task in fresh_training_tasks(config.demonstrations.reads, config.seed + 1,
+                                             config.demonstrations.other_names)]
 
 
 EARLY_ENDS = "phase_ends.jsonl"
@@ -332,7 +337,8 @@ def run_sft(config: SftConfig, *, resume: bool = False,
         from gyre.sft.expert import write_demonstrations
 
         write_demonstrations(demos.tasks, demos.path, per_task=demos.per_task, seed=config.seed,
-                             error_rate=demos.error_rate, fresh=demos.fresh)
+                             error_rate=demos.error_rate, fresh=demos.fresh,
+                             other_names=demos.other_names)
     records = read_records(demos.path)
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)

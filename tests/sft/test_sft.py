@@ -12,7 +12,18 @@ from gyre.harness.tasks import TaskSet
 from gyre.model import build_tokenizer
 from gyre.sft.data import render
 from gyre.sft.expert import Expert, answer_call, family_tasks, mistake, to_anthropic
-from gyre.sft.families import FAMILIES, HELDOUT_PAIRS, fresh_training_tasks, generate, parameters, task_set_toml
+from gyre.sft.families import (
+    COPYING_FAMILIES,
+    FAMILIES,
+    HELDOUT_PAIRS,
+    INPUT_FILES,
+    RESERVED_NAMES,
+    drill_tasks,
+    fresh_training_tasks,
+    generate,
+    parameters,
+    task_set_toml,
+)
 
 TOY = Path(__file__).resolve().parents[2] / "tasks" / "toy"
 sys.path.insert(0, str(TOY))
@@ -112,6 +123,44 @@ def test_a_first_read_drill_trains_only_the_call_reading_the_named_file_in_the_h
         assert trained.count("<|im_end|>") == 1 and f'"path": "{task.inputs[0]}"' in trained
         assert task.prompt not in trained and "read_file" in trained
 
+
+
+@pytest.mark.parametrize("make", [lambda share: fresh_training_tasks(300, seed=2, other_names=share),
+                                  lambda share: drill_tasks(300, seed=2, families=COPYING_FAMILIES,
+                                                            other_names=share)], ids=["fresh", "drills"])
+def test_other_names_move_a_share_of_tasks_to_random_files_and_leave_the_rest_as_they_were(make):
+    """Renaming draws from its own generator: with share 0 the tasks are those made before the option existed,
+    and with a share the tasks that keep their file are unchanged too (same words, same numbers)."""
+    plain, renamed = make(0.0), make(0.5)
+    assert plain == make(0.0)
+    moved = [t for t in renamed if t.inputs[0] not in INPUT_FILES]
+    assert 100 < len(moved) < 200
+    for task in moved:
+        assert task.inputs[0] not in RESERVED_NAMES and task.inputs[0].endswith(".txt")
+        assert f" in {task.inputs[0]}" in task.prompt and set(task.inputs) <= set(task.files)
+    assert all(a == b for a, b in zip(plain, renamed, strict=True) if b.inputs[0] in INPUT_FILES)
+
+
+def test_a_sum_over_a_randomly_named_file_reads_and_computes_from_that_file(tmp_path):
+    """What the held-out sum of input.txt needs: the command's path copied from the prompt, not the family's."""
+    task = next(t for t in fresh_training_tasks(60, seed=2, other_names=1.0) if t.family == "add")
+    record = Expert(error_rate=0.0, skip_check_rate=0.0).demonstrate(task)
+    calls = [json.loads(c["function"]["arguments"]) for m in record["messages"] for c in m.get("tool_calls") or []]
+    assert calls[0] == {"path": task.inputs[0]} and f" {task.inputs[0]} > answer.txt" in calls[1]["command"]
+    assert record["messages"][-1]["content"] == f"Done: {task.solution}"
+    assert record["messages"][-2] == {"role": "tool", "tool_call_id": "call_2",
+                                      "content": f"exit code 0\n{task.solution}\n"}, \
+        "the check (cat answer.txt) shows the sum the command computed from the renamed file"
+
+
+def test_other_names_is_a_share():
+    from pydantic import ValidationError
+
+    from gyre.sft.run import DemonstrationsSection
+
+    assert DemonstrationsSection(path="d.jsonl", other_names=0.5).other_names == 0.5
+    with pytest.raises(ValidationError, match="other_names"):
+        DemonstrationsSection(path="d.jsonl", other_names=1.5)
 
 @pytest.mark.integration
 def test_resumed_sft_equals_an_uninterrupted_run(tmp_path):
