@@ -163,6 +163,8 @@ def other_name(rng: random.Random) -> str:
 def _renamer(seed: int, share: float) -> Callable[[str], str]:
     """``source`` -> itself, or with probability ``share`` an `other_name`. Its own generator: the tasks' draws
     (and so every set made with ``share`` 0, as before it existed) stay the same."""
+    if not 0 <= share <= 1:
+        raise ValueError(f"other_names {share}: a share, between 0 and 1")
     rng = random.Random(f"other-names-{seed}")
     return lambda source: other_name(rng) if share and rng.random() < share else source
 

@@ -161,6 +161,8 @@ def test_other_names_is_a_share():
     assert DemonstrationsSection(path="d.jsonl", other_names=0.5).other_names == 0.5
     with pytest.raises(ValidationError, match="other_names"):
         DemonstrationsSection(path="d.jsonl", other_names=1.5)
+    with pytest.raises(ValueError, match=r"other_names -0\.1: a share"):
+        fresh_training_tasks(10, seed=0, other_names=-0.1)  # what `python -m gyre.sft.expert --other-names` reaches
 
 @pytest.mark.integration
 def test_resumed_sft_equals_an_uninterrupted_run(tmp_path):
