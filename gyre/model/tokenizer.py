@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from gyre.model.chat_template import CHAT_TEMPLATE
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
 #: Added tokens in id order, starting at 256. The ChatML markers and `<|endoftext|>` are *special*
@@ -37,6 +38,8 @@ QWEN2_SPLIT_REGEX = (
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 EOS_TOKEN = "<|im_end|>"
+NAMED_SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, EOS_TOKEN)
+"""The special tokens `build_tokenizer` names (pad, eos): its `all_special_ids` are theirs."""
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -52,13 +55,13 @@ def bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The tiny tokenizer as a `PreTrainedTokenizerFast` with the ChatML + tool-call chat template.
+def build_backend() -> Tokenizer:
+    """The tiny tokenizer's `tokenizers` pipeline alone, which `build_tokenizer` wraps: the same ids both ways
+    without importing `transformers` (~1 s of CPU, all a proxy process would import it for).
 
     Id of byte `b` is `b`; `<|endoftext|>` is 256 (pad), `<|im_start|>` 257, `<|im_end|>` 258 (eos).
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     byte_map = bytes_to_unicode()
     vocab = {byte_map[b]: b for b in range(BYTE_VOCAB_SIZE)}
@@ -74,8 +77,15 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     core.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
     assert core.get_vocab_size(with_added_tokens=True) == VOCAB_SIZE
+    return core
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny tokenizer as a `PreTrainedTokenizerFast` with the ChatML + tool-call chat template."""
+    from transformers import PreTrainedTokenizerFast
+
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
+        tokenizer_object=build_backend(),
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         chat_template=CHAT_TEMPLATE,

@@ -71,7 +71,7 @@ def serve(
     from gyre.log import LogWriter
     from gyre.proxy import MarkersConfig, Proxy, ProxyConfig
     from gyre.proxy import serve as run_server
-    from gyre.proxy.template_render import renderer_for
+    from gyre.proxy.template_render import codec_renderer
     from gyre.proxy.tokens import TokenCodec
     from gyre.sink import LogSink, MemorySink
 
@@ -97,7 +97,7 @@ def serve(
     )
     try:  # the tokenizer (and its chat template) is checked before anything is opened
         codec = TokenCodec.load(tokenizer)
-        renderer = renderer_for(codec.tokenizer, codec.stop_texts)
+        renderer = codec_renderer(codec)
     except (OSError, GyreError) as e:
         raise typer.BadParameter(str(e), param_hint="--tokenizer") from e
     sink = LogSink(LogWriter(log_dir, run_id=run_id)) if log_dir else MemorySink()

@@ -52,7 +52,7 @@ from gyre.proxy.kv_mover import MooncakeKvMover
 from gyre.proxy.registry import ExecutionRegistry, ExecutionState, Registration
 from gyre.proxy.render import ChatRenderer
 from gyre.proxy.routing import UNPLACED, Flight, KvMove, KvMover, RecomputeKv, Router
-from gyre.proxy.template_render import renderer_for
+from gyre.proxy.template_render import codec_renderer
 from gyre.proxy.tito import CallRecord, Plan
 from gyre.proxy.tokens import TokenCodec
 from gyre.proxy.transport import GenerateEngine, Prompt, engine_link, prompt_of
@@ -129,7 +129,7 @@ class Proxy:
             self.sink.busy_when(lambda: bool(self._active))
         self.codec = codec if codec is not None else TokenCodec.load(config.tokenizer)
         if renderer is None:
-            renderer = renderer_for(self.codec.tokenizer, self.codec.stop_texts)
+            renderer = codec_renderer(self.codec)
         self.renderer: ChatRenderer = renderer
         if engines is None:
             engines = {cell: engine_link(url, timeout_s=config.engine_timeout_s)

@@ -43,6 +43,8 @@ from gyre.proxy.render import ChatMLRenderer, ChatRenderer, Rendered, Rendering,
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from gyre.proxy.tokens import TokenCodec
+
 _PROBE_TEXT = "Gyre probe 7"
 
 
@@ -313,6 +315,16 @@ def check_template(renderer: TemplateRenderer, stop_texts: Sequence[str] = ()) -
     if "print(1)" not in text:
         raise TemplateError("the chat template drops tool results")
 
+
+
+def codec_renderer(codec: TokenCodec) -> ChatRenderer:
+    """`renderer_for` the codec's tokenizer, without building one a `TokenCodec.tiny` left unbuilt (the tiny
+    template's renderer needs none)."""
+    from gyre.model.chat_template import CHAT_TEMPLATE
+
+    if codec.chat_template == CHAT_TEMPLATE:
+        return ChatMLRenderer()
+    return renderer_for(codec.tokenizer, codec.stop_texts)
 
 
 def renderer_for(tokenizer: PreTrainedTokenizerBase, stop_texts: Sequence[str] = ()) -> ChatRenderer:

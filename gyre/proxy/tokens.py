@@ -6,7 +6,7 @@ recorded prompt to re-encode it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,22 +33,48 @@ class TokenCodec:
         backend: Tokenizer | None = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise TypeError("the proxy needs a fast (Rust `tokenizers`) tokenizer")
-        self.tokenizer = tokenizer
+        self._setup(backend, tokenizer.all_special_ids, getattr(tokenizer, "chat_template", None), stop_texts)
+        self._tokenizer: PreTrainedTokenizerBase | None = tokenizer
+
+    def _setup(self, backend: Tokenizer, special_ids: Iterable[int], chat_template: str | None,
+               stop_texts: tuple[str, ...]) -> None:
         self._backend = backend
-        self.special_ids = frozenset(int(i) for i in tokenizer.all_special_ids)
+        self.special_ids = frozenset(int(i) for i in special_ids)
+        self.chat_template = chat_template
         self._short: dict[str, tuple[int, ...]] = {}
         self.stop_texts = stop_texts
         """Texts of the model's stop tokens, when known (a checkpoint directory says): the chat template must
         end a turn with one of them."""
 
     @classmethod
+    def tiny(cls) -> TokenCodec:
+        """The in-code tiny tokenizer straight from its `tokenizers` pipeline (`build_backend`): the same ids as
+        `TokenCodec(build_tokenizer())`, but a proxy serving it never imports `transformers` (~1 s of CPU in
+        every proxy process); `tokenizer` builds the wrapped one only if something asks for it."""
+        from gyre.model.chat_template import CHAT_TEMPLATE
+        from gyre.model.tokenizer import NAMED_SPECIAL_TOKENS, build_backend
+
+        codec = cls.__new__(cls)
+        backend = build_backend()
+        codec._setup(backend, [backend.token_to_id(t) for t in NAMED_SPECIAL_TOKENS], CHAT_TEMPLATE, ())
+        codec._tokenizer = None
+        return codec
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The Hugging Face tokenizer (its chat template, its vocabulary); built on first use by `tiny`."""
+        if self._tokenizer is None:
+            from gyre.model.tokenizer import build_tokenizer
+
+            self._tokenizer = build_tokenizer()
+        return self._tokenizer
+
+    @classmethod
     def load(cls, name: str) -> TokenCodec:
         """`"tiny"` (the in-code tiny tokenizer) or a local tokenizer or checkpoint directory; nothing is
         downloaded. A checkpoint directory's tokenizer is checked against its model's vocabulary."""
         if name == TINY_TOKENIZER:
-            from gyre.model.tokenizer import build_tokenizer
-
-            return cls(build_tokenizer())
+            return cls.tiny()
         from transformers import AutoTokenizer
 
         if not Path(name).is_dir():
