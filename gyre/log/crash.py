@@ -8,6 +8,7 @@ exactly the one that was appended with that seq (nothing corrupted, nothing inve
 
 import os
 import random
+import select
 import signal
 import struct
 import threading
@@ -67,6 +68,26 @@ def _victim(path: Path, ack_fd: int, seed: int, segment_bytes: int) -> None:
 
     threading.Thread(target=work, args=(random.Random(seed + 1),), daemon=True).start()
     work(random.Random(seed))
+
+
+_MAX_AWAITED_ACKS = 1
+"""A round waits for 0..this many acknowledged commits before its random delay (an eighth as long after one): kills
+then land after the victim has written, however slowly a loaded machine starts it (a delay alone let most rounds
+die before their first commit under load), and half the rounds still kill at any point from the start."""
+
+
+def _await_acks(fd: int, count: int, timeout_s: float = 60.0) -> bytes:
+    """Read acknowledgements from ``fd`` until ``count`` have come, the victim died (EOF) or ``timeout_s``."""
+    data = b""
+    deadline = time.monotonic() + timeout_s
+    while len(data) < count * _ACK.size:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            break
+        if not (chunk := os.read(fd, 4096)):
+            break
+        data += chunk
+    return data
 
 
 @dataclass
@@ -140,11 +161,13 @@ def run_crash_points(directory: Path, points: int, seed: int = 0, segment_bytes:
             finally:
                 os._exit(1)
         os.close(write_fd)
-        time.sleep(rng.uniform(0, max_delay_s))
+        awaited = rng.randrange(_MAX_AWAITED_ACKS + 1)
+        data = _await_acks(read_fd, awaited)
+        time.sleep(rng.uniform(0, max_delay_s if awaited == 0 else max_delay_s / 8))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         with os.fdopen(read_fd, "rb") as acks:
-            data = acks.read()
+            data += acks.read()
         for (seq,) in _ACK.iter_unpack(data[: len(data) // _ACK.size * _ACK.size]):
             max_acked = max(max_acked, seq)
         if not path.exists() or not any(path.glob("*.seg")):
