@@ -317,23 +317,25 @@ def check_template(renderer: TemplateRenderer, stop_texts: Sequence[str] = ()) -
 
 
 
+def _fast_renderer(chat_template: str | None) -> ChatRenderer | None:
+    """The tiny template's fast Python renderer when ``chat_template`` is exactly that template."""
+    from gyre.model.chat_template import CHAT_TEMPLATE
+
+    return ChatMLRenderer() if chat_template == CHAT_TEMPLATE else None
+
+
 def codec_renderer(codec: TokenCodec) -> ChatRenderer:
     """`renderer_for` the codec's tokenizer, without building one a `TokenCodec.tiny` left unbuilt (the tiny
     template's renderer needs none)."""
-    from gyre.model.chat_template import CHAT_TEMPLATE
-
-    if codec.chat_template == CHAT_TEMPLATE:
-        return ChatMLRenderer()
-    return renderer_for(codec.tokenizer, codec.stop_texts)
+    fast = _fast_renderer(codec.chat_template)
+    return fast if fast is not None else renderer_for(codec.tokenizer, codec.stop_texts)
 
 
 def renderer_for(tokenizer: PreTrainedTokenizerBase, stop_texts: Sequence[str] = ()) -> ChatRenderer:
     """The tiny template's fast Python renderer when the tokenizer carries exactly that template, else the
     tokenizer's own jinja template, probed (`TemplateError` when it cannot be handled)."""
-    from gyre.model.chat_template import CHAT_TEMPLATE
-
-    if getattr(tokenizer, "chat_template", None) == CHAT_TEMPLATE:
-        return ChatMLRenderer()
+    if (fast := _fast_renderer(getattr(tokenizer, "chat_template", None))) is not None:
+        return fast
     try:
         renderer = TemplateRenderer(tokenizer)
         check_template(renderer, stop_texts)
