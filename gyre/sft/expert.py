@@ -26,7 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from gyre.harness.tasks import TaskSet
-from gyre.sft.families import FamilyTask, fresh_training_tasks
+from gyre.sft.families import COMMAND_FAMILIES, FamilyTask, fresh_training_tasks
 
 AGENT_DIR = Path(__file__).resolve().parents[2] / "agents" / "toy_agent"
 TOOLS = ("write_file", "read_file", "run")
@@ -34,6 +34,12 @@ TOOLS = ("write_file", "read_file", "run")
 SUM_COMMAND = "awk '{{print $1 {op} $2}}' {path} > {answer}"
 """How the expert adds (family add): a tool computes the sum into the answer file, as a coding agent would; a
 1M-parameter model cannot add two-digit numbers, and an agent should not need to. Its slip is the wrong operator."""
+REVERSE_COMMAND = "{tool} {path} > {answer}"
+"""How the expert reverses with ``commands`` naming reverse: ``rev`` writes the word backwards; its slip is ``cat``
+(the word unreversed). Spelling a word backwards letter by letter is the content skill the tiny policy never learned
+(#29: held-out reverse <= 33% after RL)."""
+CONCAT_COMMAND = "paste -d ' ' {first} {second} > {answer}"
+"""How the expert joins two words with ``commands`` naming concat; its slip is the files in the other order."""
 FINAL_ANSWER = "Done: {answer}"
 """The final reply repeats what was written: more copying to learn from (the answer file is what is graded)."""
 
@@ -50,15 +56,15 @@ def load_agent_module(name: str) -> ModuleType:
     return module
 
 
-def mistake(task: FamilyTask, rng: random.Random) -> str:
-    """A plausible wrong answer for ``task``."""
+def mistake(task: FamilyTask, rng: random.Random, commands: tuple[str, ...] = ("add",)) -> str:
+    """A plausible wrong answer for ``task`` (with ``commands``: what the slip of the family's command writes)."""
     s = task.solution
     if task.family == "copy":
         return s[:-1]
     if task.family == "upper":
         return s[0].lower() + s[1:]
     if task.family == "reverse":
-        return s[: len(s) // 2] + s[len(s) // 2:][::-1]
+        return s[::-1] if "reverse" in commands else s[: len(s) // 2] + s[len(s) // 2:][::-1]
     if task.family == "add":  # the difference: `SUM_COMMAND` with the wrong operator
         a, b = _operands(task)
         return str(a - b)
@@ -76,26 +82,47 @@ def _operands(task: FamilyTask) -> tuple[int, int]:
     return a, b
 
 
-def answer_call(task: FamilyTask, answer: str) -> tuple[str, dict[str, Any]]:
-    """The call that writes ``answer`` into the answer file: ``write_file``, or for a sum the command that computes
-    it there (``answer`` = the result that command gives: the sum or, slipping, the difference)."""
-    if task.family != "add":
+def answer_call(task: FamilyTask, answer: str, commands: tuple[str, ...] = ("add",)) -> tuple[str, dict[str, Any]]:
+    """The call that writes ``answer`` into the answer file: ``write_file``, or for a family of ``commands`` the
+    command that computes it there (``answer`` = what that command gives: the right answer or the family's slip)."""
+    if task.family not in commands:
         return "write_file", {"path": task.answer_file, "content": answer}
-    a, b = _operands(task)
-    ops = {a + b: "+", a - b: "-"}  # b >= 1: never the same result
-    if int(answer) not in ops:
-        raise ValueError(f"{task.id}: {answer!r} is neither {a} + {b} nor {a} - {b}")
-    return "run", {"command": SUM_COMMAND.format(op=ops[int(answer)], path=task.inputs[0], answer=task.answer_file)}
+    if task.family == "add":
+        a, b = _operands(task)
+        ops = {a + b: "+", a - b: "-"}  # b >= 1: never the same result
+        if not answer.lstrip("-").isdigit() or int(answer) not in ops:
+            raise ValueError(f"{task.id}: {answer!r} is neither {a} + {b} nor {a} - {b}")
+        command = SUM_COMMAND.format(op=ops[int(answer)], path=task.inputs[0], answer=task.answer_file)
+    elif task.family == "reverse":
+        tools = {task.solution: "rev", task.solution[::-1]: "cat"}  # a syllable word is never its own reverse
+        if answer not in tools:
+            raise ValueError(f"{task.id}: {answer!r} is neither the word reversed nor the word")
+        command = REVERSE_COMMAND.format(tool=tools[answer], path=task.inputs[0], answer=task.answer_file)
+    elif task.family == "concat":
+        first, second = task.inputs
+        orders = {task.solution: (first, second), " ".join(task.solution.split(" ")[::-1]): (second, first)}
+        if answer not in orders:
+            raise ValueError(f"{task.id}: {answer!r} is neither the two words in order nor swapped")
+        a, b = orders[answer]
+        command = CONCAT_COMMAND.format(first=a, second=b, answer=task.answer_file)
+    else:
+        raise ValueError(f"{task.family!r} has no command; command families: {', '.join(COMMAND_FAMILIES)}")
+    return "run", {"command": command}
 
 
-def solving_calls(task: FamilyTask, answer: str) -> list[tuple[str, dict[str, Any]]]:
+def solving_calls(task: FamilyTask, answer: str,
+                  commands: tuple[str, ...] = ("add",)) -> list[tuple[str, dict[str, Any]]]:
     """The tool calls that solve ``task`` writing ``answer``: read every input, then `answer_call`."""
-    return [*(("read_file", {"path": p}) for p in task.inputs), answer_call(task, answer)]
+    return [*(("read_file", {"path": p}) for p in task.inputs), answer_call(task, answer, commands)]
 
 
 class Expert:
-    def __init__(self, error_rate: float = 0.3, skip_check_rate: float = 0.2, seed: int = 0) -> None:
-        self.error_rate, self.skip_check_rate = error_rate, skip_check_rate
+    def __init__(self, error_rate: float = 0.3, skip_check_rate: float = 0.2, seed: int = 0,
+                 commands: tuple[str, ...] = ("add",)) -> None:
+        if unknown := set(commands) - set(COMMAND_FAMILIES):
+            raise ValueError(f"commands {sorted(unknown)}: the expert has a command for "
+                             f"{', '.join(COMMAND_FAMILIES)} only")
+        self.error_rate, self.skip_check_rate, self.commands = error_rate, skip_check_rate, tuple(commands)
         self.rng = random.Random(seed)
         self.agent = load_agent_module("agent")
         self.tools_module = load_agent_module("agent_tools")
@@ -106,8 +133,8 @@ class Expert:
         messages: list[dict[str, Any]] = [{"role": "system", "content": self.agent.SYSTEM_PROMPT},
                                           {"role": "user", "content": task.prompt}]
         wrong = self.rng.random() < self.error_rate
-        answer = mistake(task, self.rng) if wrong else task.solution
-        calls = solving_calls(task, answer)
+        answer = mistake(task, self.rng, self.commands) if wrong else task.solution
+        calls = solving_calls(task, answer, self.commands)
         if self.rng.random() >= self.skip_check_rate:
             calls.append(("run", {"command": f"cat {task.answer_file}"}))
         messages += self._play(task, calls)
@@ -118,7 +145,8 @@ class Expert:
         """A short conversation that only copies: the task, its input files read, the right answer written,
         the final reply — no system prompt, no tool schemas, no check, never a mistake (~70 tokens against a
         demonstration's ~450, so a step sees several times more copies)."""
-        messages = [{"role": "user", "content": task.prompt}, *self._play(task, solving_calls(task, task.solution)),
+        calls = solving_calls(task, task.solution, self.commands)
+        messages = [{"role": "user", "content": task.prompt}, *self._play(task, calls),
                     {"role": "assistant", "content": FINAL_ANSWER.format(answer=task.solution)}]
         return {"messages": messages, "task_id": task.id, "correct": True}
 
@@ -128,7 +156,7 @@ class Expert:
         it guesses the file from the family instead of reading the prompt. A copy drill has no system prompt,
         and what it teaches about the file name did not carry over to that context (#29, twelfth attempt)."""
         messages = [{"role": "system", "content": self.agent.SYSTEM_PROMPT}, {"role": "user", "content": task.prompt},
-                    _assistant_call(0, *solving_calls(task, task.solution)[0])]
+                    _assistant_call(0, *solving_calls(task, task.solution, self.commands)[0])]
         return {"messages": messages, "tools": self.tools, "task_id": task.id, "correct": True}
 
     def _play(self, task: FamilyTask, calls: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -195,10 +223,12 @@ def to_anthropic(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_demonstrations(tasks_path: Path | None, out: Path, *, per_task: int, seed: int, error_rate: float,
-                         fresh: int = 0, other_names: float = 0.0, anthropic: bool = False) -> int:
+                         fresh: int = 0, other_names: float = 0.0, anthropic: bool = False,
+                         commands: tuple[str, ...] = ("add",)) -> int:
     """``per_task`` demonstrations of each task of ``tasks_path`` and one of each of ``fresh`` new tasks of the
-    training distribution (`fresh_training_tasks`; a share ``other_names`` of them on randomly named files)."""
-    expert = Expert(error_rate=error_rate, seed=seed)
+    training distribution (`fresh_training_tasks`; a share ``other_names`` of them on randomly named files), the
+    families of ``commands`` solved with a command."""
+    expert = Expert(error_rate=error_rate, seed=seed, commands=commands)
     out.parent.mkdir(parents=True, exist_ok=True)
     listed = family_tasks(tasks_path) if tasks_path is not None else []
     plan = [task for task in listed for _ in range(per_task)] + fresh_training_tasks(fresh, seed, other_names)
@@ -219,11 +249,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fresh", type=int, default=0, help="also demonstrate this many new training-split tasks")
     parser.add_argument("--other-names", type=float, default=0.0,
                         help="share of the fresh tasks that read a randomly named file")
+    parser.add_argument("--commands", nargs="+", default=["add"], choices=COMMAND_FAMILIES,
+                        help="the families solved with a command that writes the answer file")
     parser.add_argument("--format", choices=("openai", "anthropic"), default="openai")
     args = parser.parse_args(argv)
     n = write_demonstrations(args.tasks, args.out, per_task=args.per_task, seed=args.seed,
                              error_rate=args.error_rate, fresh=args.fresh, other_names=args.other_names,
-                             anthropic=args.format == "anthropic")
+                             anthropic=args.format == "anthropic", commands=tuple(args.commands))
     print(f"{args.out}: {n} demonstrations")
     return 0
 

@@ -51,6 +51,9 @@ what the written-letter check measures)."""
 COPYING_FAMILIES = (*DRILL_FAMILIES, "pyfunc", "add")
 """Every family whose answer copies what a tool returned: the input files (pyfunc's K into a fixed template), or
 the sum a command computed (add, `gyre.sft.expert.SUM_COMMAND`). What a drill may exercise."""
+COMMAND_FAMILIES = ("add", "reverse", "concat")
+"""The families the scripted expert can solve with a shell command writing the answer file (`gyre.sft.expert`;
+add always does)."""
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 

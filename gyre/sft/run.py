@@ -38,7 +38,7 @@ from pydantic import (
 )
 
 from gyre.errors import ConfigError
-from gyre.sft.families import COPYING_FAMILIES, DRILL_FAMILIES
+from gyre.sft.families import COMMAND_FAMILIES, COPYING_FAMILIES, DRILL_FAMILIES
 
 IGNORE = -100
 
@@ -66,6 +66,10 @@ class DemonstrationsSection(_Section):
         "prompt names, not the file its family is usually paired with (the held-out pairs stay unseen). "
         "Measured at 0.5 (#29, thirteenth attempt): held-out copy of data.txt 0 -> 83% after RL, but the "
         "policy then invents a name for upper of word.txt (50 -> 0%); off in make demo-learn"))
+    commands: tuple[str, ...] = Field(
+        ("add",), description="the families the expert solves with a shell command writing the answer file "
+                              "(gyre.sft.expert.COMMAND_FAMILIES: add's awk always; reverse's rev, concat's paste) "
+                              "in demonstrations and drills, instead of writing the answer letter by letter")
     drill_families: tuple[str, ...] = Field(
         DRILL_FAMILIES,
         description="the families the drills exercise (gyre.sft.families.COPYING_FAMILIES: pyfunc's drills copy "
@@ -76,6 +80,9 @@ class DemonstrationsSection(_Section):
         if not self.drill_families or set(self.drill_families) - set(COPYING_FAMILIES):
             raise ValueError(f"drill_families {list(self.drill_families)}: name one or more of "
                              f"{', '.join(COPYING_FAMILIES)} (a drill copies its input)")
+        if "add" not in self.commands or set(self.commands) - set(COMMAND_FAMILIES):
+            raise ValueError(f"commands {list(self.commands)}: add and any of "
+                             f"{', '.join(f for f in COMMAND_FAMILIES if f != 'add')} (the expert's commands)")
         return self
 
 
@@ -238,8 +245,8 @@ def _drills(config: SftConfig, tokenizer: Any) -> list[Any]:
     from gyre.sft.expert import Expert
     from gyre.sft.families import drill_tasks
 
-    expert = Expert(seed=config.seed)
     demos = config.demonstrations
+    expert = Expert(seed=config.seed, commands=demos.commands)
     return [render(expert.drill(task), tokenizer)
             for task in drill_tasks(demos.drills, config.seed, demos.drill_families, demos.other_names)]
 
@@ -253,7 +260,7 @@ def _reads(config: SftConfig, tokenizer: Any) -> list[Any]:
     from gyre.sft.expert import Expert
     from gyre.sft.families import fresh_training_tasks
 
-    expert = Expert(seed=config.seed)
+    expert = Expert(seed=config.seed, commands=config.demonstrations.commands)
     return [render(expert.first_read(task), tokenizer)
             for task in fresh_training_tasks(config.demonstrations.reads, config.seed + 1,
                                              config.demonstrations.other_names)]
@@ -340,7 +347,7 @@ def run_sft(config: SftConfig, *, resume: bool = False,
 
         write_demonstrations(demos.tasks, demos.path, per_task=demos.per_task, seed=config.seed,
                              error_rate=demos.error_rate, fresh=demos.fresh,
-                             other_names=demos.other_names)
+                             other_names=demos.other_names, commands=demos.commands)
     records = read_records(demos.path)
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)

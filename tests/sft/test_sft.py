@@ -80,6 +80,32 @@ def test_a_sum_is_computed_by_a_tool_into_the_answer_file_and_its_slip_is_the_op
     assert record["messages"][-2]["content"] == f"exit code 0\n{task.solution}\n"  # the check reads it back
 
 
+@pytest.mark.parametrize("family", ["reverse", "concat"])
+def test_with_commands_the_expert_reverses_and_joins_with_a_tool_and_slips_in_the_command(family, tmp_path):
+    """``commands``: rev / paste compute the answer into the file (the grader passes it), the slip is the same
+    command's plausible mistake (cat, the files swapped), and neither the expert nor answer_call invents another."""
+    commands = ("add", "reverse", "concat")
+    task = next(t for t in family_tasks(TOY / "learn-train.toml") if t.family == family)
+    expert = Expert(error_rate=0.0, skip_check_rate=0.0, commands=commands)
+    workspace = expert.tools_module.WorkspaceTools(tmp_path)
+    slip = mistake(task, random.Random(0), commands)
+    for answer, passes in ((task.solution, True), (slip, False)):
+        for name, content in task.files.items():
+            (tmp_path / name).write_text(content)
+        name, arguments = answer_call(task, answer, commands)
+        assert name == "run" and workspace.call(name, arguments) == "exit code 0\n", arguments
+        assert (tmp_path / task.answer_file).read_text() == f"{answer}\n"  # the tool computed it
+        reward, _ = grade(task.grading, tmp_path, task.answer_file)
+        assert (reward == 1.0) is passes, (answer, reward)
+    with pytest.raises(ValueError, match="neither"):
+        answer_call(task, task.solution[:-1], commands)
+    assert answer_call(task, task.solution)[0] == "write_file"  # without commands: written letter by letter
+    drill = expert.drill(drill_tasks(8, seed=1, families=(family,))[0])
+    assert [c["function"]["name"] for m in drill["messages"] for c in m.get("tool_calls", [])][-1] == "run"
+    with pytest.raises(ValueError, match="a command for add, reverse, concat only"):
+        Expert(commands=("add", "upper"))
+
+
 def test_demonstration_is_multi_turn_with_real_tool_results():
     task = next(t for t in family_tasks(TOY / "learn-train.toml") if t.family == "concat")
     record = Expert(error_rate=0.0, skip_check_rate=0.0).demonstrate(task)
@@ -163,6 +189,18 @@ def test_other_names_is_a_share():
         DemonstrationsSection(path="d.jsonl", other_names=1.5)
     with pytest.raises(ValueError, match=r"other_names -0\.1: a share"):
         fresh_training_tasks(10, seed=0, other_names=-0.1)  # what `python -m gyre.sft.expert --other-names` reaches
+
+
+def test_commands_name_add_and_known_command_families():
+    from pydantic import ValidationError
+
+    from gyre.sft.run import DemonstrationsSection
+
+    assert DemonstrationsSection(path="d.jsonl", commands=["add", "reverse"]).commands == ("add", "reverse")
+    for bad in (["reverse"], ["add", "upper"]):
+        with pytest.raises(ValidationError, match=r"commands \[.*\]: add and any of reverse, concat"):
+            DemonstrationsSection(path="d.jsonl", commands=bad)
+
 
 @pytest.mark.integration
 def test_resumed_sft_equals_an_uninterrupted_run(tmp_path):
