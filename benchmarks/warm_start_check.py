@@ -189,14 +189,15 @@ def warm_start(model: str, samples: int, root: Path) -> dict[str, Any]:
 
 def run_seed(model: str, seed: int, steps: int, every: int, root: Path, *, samples: int = 1,
              shuffle_rewards: bool = False, overrides: dict[str, Any] | None = None,
-             pooled: bool = False) -> dict[str, Any]:
+             pooled: bool = False, resume: bool = False) -> dict[str, Any]:
+    """One RL run (``resume``: continue the one ``root`` holds for this seed, if any, from its log)."""
     run_dir = root / f"seed{seed}{'-shuffled' if shuffle_rewards else ''}"
     config = TrainConfig.load(CONFIG, {"seed": seed, "steps": steps, "run_dir": str(run_dir),
                                        "engine.model": model, "evaluation.every": every,
                                        "evaluation.samples": samples, "trajectory.shuffle_rewards": shuffle_rewards,
                                        **(overrides or {})})
     started = time.monotonic()
-    summary = TrainingRun(config).run()
+    summary = TrainingRun(config, resume=resume and (run_dir / "log").exists()).run()
     return {"shuffle_rewards": shuffle_rewards, "heldout": heldout_passes(config.run_dir / "log", pooled=pooled),
             "rewards": [round(r.reward_mean, 4) for r in summary.steps],
             "train_pass": training_passes(config.run_dir / "log"),
@@ -216,6 +217,8 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=None, metavar="FAMILY",
                         help="train only on these families' tasks, interleaved (e.g. copy upper reverse concat)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the runs --keep holds (same arguments), e.g. after a kill")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
     parser.add_argument("--probe", type=int, default=0, metavar="K",
                         help="no RL: sample K write_file turns per held-out task and count exact answers")
@@ -231,6 +234,8 @@ def main() -> None:
             result = {"model": args.model, **warm_start(args.model, args.warm_start, args.keep or Path(tmp))}
         print(json.dumps(result))
         return
+    if args.resume and args.keep is None:
+        raise SystemExit("--resume continues the runs --keep holds: give --keep DIR")
     overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
     if args.families:
         overrides["rollout.task_ids"] = interleaved(args.families, TrainConfig.load(CONFIG).rollout.tasks)
@@ -238,7 +243,8 @@ def main() -> None:
         root = args.keep or Path(tmp)
         result = {"model": args.model, "steps": args.steps, "overrides": overrides,
                   "per_seed": {s: run_seed(args.model, s, args.steps, args.every, root, samples=args.samples,
-                                           shuffle_rewards=args.shuffle_rewards, overrides=overrides)
+                                           shuffle_rewards=args.shuffle_rewards, overrides=overrides,
+                                           resume=args.resume)
                                for s in args.seeds}}
     text = json.dumps(result) if args.json else json.dumps(result, indent=2)
     if args.out is not None:
