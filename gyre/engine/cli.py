@@ -18,7 +18,8 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
     advertise: str = typer.Option("", help="Address other engines reach this one's KV transfer endpoint at "
                                   "(default: --host; required when --host is a wildcard)."),
-    port: int = typer.Option(30000, help="TCP port."),
+    port: int = typer.Option(30000, min=0, help="TCP port (0: a free one). The URL served is printed on stdout "
+                             "once bound."),
     seed: int = typer.Option(0, help="Seed of the tiny model's weights and of unseeded sampling."),
     threads: int = typer.Option(1, help="torch CPU threads."),
     max_running_requests: int = typer.Option(64, help="Sequences decoded together at most."),

@@ -10,12 +10,13 @@ import torch
 from gyre.engine import SyncHttpEngineClient
 from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
 from gyre.model import build_tiny_model, build_tokenizer
+from tests.conftest import HANG_S
 
 
 @pytest.fixture
 def server() -> Iterator[LocalEngineServer]:
     srv = LocalEngineServer(LocalEngine(LocalEngineConfig(seed=0)))
-    srv.start()
+    srv.start(HANG_S)
     yield srv
     srv.stop()
 

@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import torch
 
+from tests.conftest import HANG_S
+
 
 def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     """`[len(ids), vocab]` float32 logits of one plain forward pass."""
@@ -25,7 +27,9 @@ def hf_greedy(model: torch.nn.Module, ids: list[int], max_new_tokens: int, eos: 
     return out
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+def wait_for(predicate: Callable[[], bool], timeout_s: float = HANG_S) -> None:
+    """Poll until `predicate` holds. Only for states that stay once reached (a request queued, a counter
+    reached): the deadline bounds a hang and never decides an outcome."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"

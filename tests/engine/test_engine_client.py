@@ -26,6 +26,7 @@ from gyre.engine import (
 from gyre.engine.client import EngineClientConfig, generate_body, parse_generate
 from gyre.engine.local import LocalEngineServer
 from gyre.model import build_tiny_model
+from tests.conftest import HANG_S, refused_url
 
 
 def test_async_client_conforms(server: LocalEngineServer, prompt) -> None:
@@ -40,11 +41,13 @@ def test_async_client_conforms(server: LocalEngineServer, prompt) -> None:
             assert r.rid == "r1" and len(r.output_ids) == 8 and r.latency > 0 and r.e2e_latency is not None
             chunks = [chunk async for chunk in c.generate_stream(ids, greedy)]
             assert chunks[-1].output_ids == r.output_ids and chunks[-1].finished
-            # abort through the client while a generation is in flight
+            # abort through the client while a generation is in flight (held there until the abort lands)
             long = SamplingParams(temperature=0.0, max_new_tokens=5000, ignore_eos=True)
+            held = server.engine.scheduler.hold(1)
             task = asyncio.ensure_future(c.generate(ids, long, rid="long"))
-            await asyncio.sleep(0.2)
+            assert await asyncio.to_thread(held.wait, HANG_S)
             await c.abort("long")
+            server.engine.scheduler.release_hold()
             aborted = await task
             assert aborted.finish_reason is not None and aborted.finish_reason.type == "abort"
             await c.pause("in_place")
@@ -70,26 +73,20 @@ def test_sync_client_conforms(server: LocalEngineServer, prompt) -> None:
         c.abort("nothing-by-this-name")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unreachable_engine_raises_clearly() -> None:
-    url = f"http://127.0.0.1:{_free_port()}"
-    with SyncHttpEngineClient(url) as c:
-        with pytest.raises(EngineUnreachableError, match="unreachable") as e:
-            c.generate([1, 2, 3])
-        assert url in str(e.value)
-        assert c.health() is False
+    with refused_url() as url:
+        with SyncHttpEngineClient(url) as c:
+            with pytest.raises(EngineUnreachableError, match="unreachable") as e:
+                c.generate([1, 2, 3])
+            assert url in str(e.value)
+            assert c.health() is False
 
-    async def go() -> None:
-        async with HttpEngineClient(url) as c:
-            with pytest.raises(EngineUnreachableError):
-                await c.model_info()
+        async def go() -> None:
+            async with HttpEngineClient(url) as c:
+                with pytest.raises(EngineUnreachableError):
+                    await c.model_info()
 
-    asyncio.run(go())
+        asyncio.run(go())
 
 
 @pytest.fixture
@@ -158,28 +155,32 @@ def test_cli_serves_the_tiny_model() -> None:
     assert "--model" in help_text and "--port" in help_text and "--kv-pool-tokens" in help_text
     refused = CliRunner().invoke(engine_app, ["serve", "--kv-pool-tokens", "-1"])
     assert refused.exit_code == 2 and "--kv-pool-tokens" in refused.output
-    port = _free_port()
     code = "from gyre.engine.cli import engine_app; engine_app()"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, "serve", "--model", "tiny", "--port", str(port), "--seed", "0",
+    proc = subprocess.Popen(  # port 0: the engine binds a free port and prints its URL (no port probed before)
+        [sys.executable, "-c", code, "serve", "--model", "tiny", "--port", "0", "--seed", "0",
          "--kv-pool-tokens", "4096"],
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        with SyncHttpEngineClient(f"http://127.0.0.1:{port}") as c:
+        assert proc.stdout is not None
+        announced = proc.stdout.readline()
+        assert announced.startswith("gyre engine: serving on http://127.0.0.1:"), announced
+        url = announced.split()[-1]
+        deadline = time.monotonic() + HANG_S
+        with SyncHttpEngineClient(url) as c:
             while not c.health():
                 assert proc.poll() is None, "engine process exited"
                 assert time.monotonic() < deadline, "engine did not come up"
                 time.sleep(0.2)
             assert c.model_info().model_path == "tiny"
             assert c.generate([1, 2, 3], {"max_new_tokens": 3}).completion_tokens == 3
-        pool = httpx.get(f"http://127.0.0.1:{port}/gyre/stats").json()["kv_pool"]
+        pool = httpx.get(url + "/gyre/stats").json()["kv_pool"]
         assert (pool["pages"], pool["page_size"]) == (4096 // 16, 16)  # the flag sized the import pool
     finally:
         proc.terminate()
-        proc.wait(10)
+        proc.communicate(timeout=HANG_S)
 
 
 def test_client_package_does_not_import_torch() -> None:

@@ -12,6 +12,7 @@ from engine_helpers import hf_greedy, wait_for
 from gyre.engine import EngineHTTPError, GenerateResult, SamplingParams, SyncHttpEngineClient
 from gyre.engine.local import LocalEngineServer
 from gyre.model import build_tiny_model, save_tiny
+from tests.conftest import HANG_S
 
 LONG = SamplingParams(temperature=0.0, max_new_tokens=3000, ignore_eos=True)
 
@@ -34,18 +35,21 @@ class Background:
         self.thread.start()
 
     def join(self) -> GenerateResult:
-        self.thread.join(60)
+        self.thread.join(HANG_S)
         assert self.result is not None
         return self.result
 
 
 def test_abort_running_request_returns_partial_output(server, client, prompt) -> None:
+    held = server.engine.scheduler.hold(5)  # the reply cannot end before the abort lands
     bg = Background(server, prompt("long"), LONG, rid="victim")
-    wait_for(lambda: stats(server)["steps"] > 5)
+    assert held.wait(HANG_S)
     client.abort("victim")
+    server.engine.scheduler.release_hold()
     r = bg.join()
     assert r.finish_reason is not None and r.finish_reason.type == "abort"
     assert 0 < len(r.output_ids) < 3000
+    assert len(r.output_ids) == 5  # one token per step: the abort landed where the loop held
     assert len(r.output_logprobs or []) == len(r.output_ids)
 
 
@@ -69,10 +73,12 @@ def test_pause_freezes_generation_and_continue_finishes_identically(server, clie
     params = SamplingParams(temperature=0.0, max_new_tokens=300, ignore_eos=True)
     expected = client.generate(ids, params).output_ids
     client.flush_cache()
+    held = server.engine.scheduler.hold(3)  # mid-generation, however slow the machine: the pause lands there
     bg = Background(server, ids, params, rid="paused")
-    wait_for(lambda: stats(server)["steps"] > 300 + 3)  # the reference run took ~300 steps
+    assert held.wait(HANG_S)
     client.pause(mode)
     frozen = stats(server)["steps"]
+    server.engine.scheduler.release_hold()  # from here only the pause keeps the engine from stepping
     assert stats(server)["paused"] and stats(server)["running"] == 1
     httpx.get(server.url + "/health")  # the server keeps answering while paused
     assert stats(server)["steps"] == frozen
@@ -83,9 +89,11 @@ def test_pause_freezes_generation_and_continue_finishes_identically(server, clie
 
 
 def test_pause_in_abort_mode_aborts_in_flight(server, client, prompt) -> None:
+    held = server.engine.scheduler.hold(3)
     bg = Background(server, prompt("doomed"), LONG, rid="doomed")
-    wait_for(lambda: stats(server)["steps"] > 3)
+    assert held.wait(HANG_S)
     client.pause("abort")
+    server.engine.scheduler.release_hold()
     r = bg.join()
     assert r.finish_reason is not None and r.finish_reason.type == "abort"
     queued = Background(server, prompt("queued"), SamplingParams(max_new_tokens=3), rid="queued")
@@ -151,16 +159,20 @@ def test_bad_weight_updates_are_rejected_without_changing_anything(server, clien
 
 def test_client_hanging_up_aborts_its_request(server, prompt) -> None:
     body = {"input_ids": prompt("bye"), "sampling_params": {"max_new_tokens": 20000, "ignore_eos": True}}
+    server.engine.scheduler.hold(2)  # the reply cannot end before the server notices the client has left
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/generate", json=body, timeout=0.3)
+        httpx.post(server.url + "/generate", json=body, timeout=httpx.Timeout(HANG_S, read=0.3))
     wait_for(lambda: stats(server)["aborted_requests"] == 1 and stats(server)["running"] == 0)
+    server.engine.scheduler.release_hold()
 
 
 def test_closing_a_stream_aborts_its_request(server, client, prompt) -> None:
+    server.engine.scheduler.hold(1)  # the reply cannot end before the server notices the stream closed
     stream = client.generate_stream(prompt("stream"), LONG)
     assert len(next(stream).output_ids) == 1
     stream.close()
     wait_for(lambda: stats(server)["aborted_requests"] == 1 and stats(server)["running"] == 0)
+    server.engine.scheduler.release_hold()
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
@@ -185,8 +197,9 @@ def test_a_draining_weight_load_finishes_calls_in_flight_on_the_old_weights_and_
     new weights. No call is served by two versions."""
     engine = server.engine
     client.update_weight_version("0")
+    held = engine.scheduler.hold(1)  # "old" runs until aborted below, however slow the machine
     old = Background(server, prompt("old"), LONG, rid="old")
-    wait_for(lambda: stats(server)["running"] == 1)
+    assert held.wait(HANG_S) and stats(server)["running"] == 1
     tensors = dict(build_tiny_model(seed=1).state_dict())
     loaded: list = []
     load = threading.Thread(target=lambda: loaded.append(engine.load_weights(tensors, version="1", drain=True)))
@@ -196,7 +209,8 @@ def test_a_draining_weight_load_finishes_calls_in_flight_on_the_old_weights_and_
     wait_for(lambda: stats(server)["waiting"] == 1)
     assert stats(server)["running"] == 1  # not admitted while the engine drains
     client.abort("old")
-    load.join(60)
+    engine.scheduler.release_hold()
+    load.join(HANG_S)
     old_result, new_result = old.join(), new.join()
     assert old_result.finish_reason is not None and old_result.finish_reason.type == "abort"
     assert old_result.weight_version == "0" and new_result.weight_version == "1"

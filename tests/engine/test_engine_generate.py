@@ -12,6 +12,7 @@ from engine_helpers import hf_greedy, hf_logits, wait_for
 
 from gyre.engine import GenerateResult, SamplingParams, SyncHttpEngineClient
 from gyre.engine.local import LocalEngineServer
+from tests.conftest import HANG_S
 
 EOS = {258, 256}
 
@@ -115,7 +116,7 @@ def test_concurrent_requests_are_batched_and_match_solo_runs(server, client, pro
     wait_for(lambda: stats(server)["waiting"] == 8)
     client.resume()
     for t in threads:
-        t.join(30)
+        t.join(HANG_S)
     assert sorted(results) == list(range(8))
     assert stats(server)["max_batch_size"] == 8
     for i in (0, 7):
@@ -212,10 +213,10 @@ def test_invalid_json_and_bad_admin_bodies(server) -> None:
 def test_duplicate_rid_in_flight_is_rejected(server, client, prompt) -> None:
     client.pause("in_place")
     body = {"input_ids": prompt("dup"), "rid": "same", "sampling_params": {"max_new_tokens": 2}}
-    first = threading.Thread(target=lambda: httpx.post(server.url + "/generate", json=body, timeout=30))
+    first = threading.Thread(target=lambda: httpx.post(server.url + "/generate", json=body, timeout=HANG_S))
     first.start()
     wait_for(lambda: stats(server)["waiting"] == 1)
     resp = httpx.post(server.url + "/generate", json=body)
     assert resp.status_code == 400 and resp.json()["error"]["field"] == "rid"
     client.resume()
-    first.join(30)
+    first.join(HANG_S)

@@ -17,6 +17,7 @@ from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
 from gyre.engine.local.kv_port import MAX_OPEN_OFFERS
 from gyre.engine.wire import WirePool
 from gyre.model import build_tiny_model
+from tests.conftest import HANG_S
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 PROMPT = [(7 * i + 3) % 250 + 1 for i in range(150)]  # 150 ids of the byte vocabulary, no special tokens
@@ -96,9 +97,13 @@ def test_only_missing_pages_move_and_a_paused_request_exports_its_live_kv(pair, 
     a, b = pair
     with SyncHttpEngineClient(a.url) as old, SyncHttpEngineClient(b.url) as new:
         new.generate(PROMPT[:64], {"max_new_tokens": 1})  # B now caches these 64 tokens of the prefix
+        held = a.engine.scheduler.hold(1)  # A holds after its first token, so the pause lands mid-generation
         stream = old.generate_stream(PROMPT, {**GREEDY, "max_new_tokens": 200}, rid="live")
         chunk = next(stream)  # A has produced output; freeze it with its KV in the running sequence
+        assert held.wait(HANG_S)
         old.pause("in_place")
+        a.engine.scheduler.release_hold()
+        assert a.engine.scheduler.num_running == 1  # still live: paused, not finished
         ids = PROMPT + chunk.output_ids[:2]
         exported, committed = migrate(a.url, b.url, ids, rid="live", path=path)
         old.abort("live")

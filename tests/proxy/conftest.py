@@ -12,6 +12,7 @@ from gyre.engine.local import LocalEngine, LocalEngineConfig, LocalEngineServer
 from gyre.log import LogWriter
 from gyre.proxy import Proxy, ProxyConfig, ProxyServer
 from gyre.sink import EventSink, LogSink, MemorySink
+from tests.conftest import HANG_S
 from tests.proxy.proxy_helpers import TOKEN, Engines, Running, Seen, StartProxy, capture
 from tests.proxy.scripted_engine import ScriptedEngine
 
@@ -19,7 +20,7 @@ from tests.proxy.scripted_engine import ScriptedEngine
 @pytest.fixture(scope="module")
 def engine_server() -> Iterator[LocalEngineServer]:
     server = LocalEngineServer(LocalEngine(LocalEngineConfig(seed=0)))
-    server.start()
+    server.start(HANG_S)
     yield server
     server.stop()
 
@@ -38,7 +39,7 @@ def two_engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[Engines]:
     servers = [LocalEngineServer(LocalEngine(LocalEngineConfig(seed=0))) for _ in range(2)]
     seen: dict[str, Seen] = {}
     for server in servers:
-        server.start()
+        server.start(HANG_S)
         capture(server, monkeypatch, seen)
     yield servers[0], servers[1], seen
     for server in servers:
@@ -64,7 +65,7 @@ def start_proxy(tmp_path: Path) -> Iterator[StartProxy]:
         sink: EventSink = LogSink(LogWriter(log_dir, run_id="test")) if log_dir else MemorySink()
         proxy = Proxy(proxy_config, sink=sink)
         server = ProxyServer(proxy)
-        server.start()
+        server.start(HANG_S)
         registration = server.register_execution(execution_id, TOKEN)
         item = Running(server, proxy, sink, registration, log_dir)
         running.append(item)

@@ -20,7 +20,7 @@ from gyre.engine.local import LocalEngineServer
 from gyre.model.tokenizer import build_tokenizer
 from gyre.proxy.core import LOST_REASON
 from gyre.proxy.routing import Router
-from tests.conftest import Threads
+from tests.conftest import HANG_S, Threads
 from tests.proxy.proxy_helpers import TOKEN, Engines, Running, StartProxy
 from tests.proxy.test_proxy_redirect import _wait
 
@@ -70,9 +70,9 @@ def _crash(server: LocalEngineServer) -> None:
         done.set()
 
     loop.call_soon_threadsafe(crash)
-    assert done.wait(30), "the engine's loop did not run the crash"
+    assert done.wait(HANG_S), "the engine's loop did not run the crash"
     assert server._thread is not None
-    server._thread.join(30)
+    server._thread.join(HANG_S)
     assert not server._thread.is_alive()
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health", timeout=5)
@@ -101,8 +101,8 @@ def test_a_crashed_engine_s_calls_continue_on_another_cell(
     p.server.register_execution("exec-2", TOKEN2, cell_id="a")
     router = _routed(p, a=True, b=True)
     frozen = _freeze_when_all_have_tokens(a, monkeypatch, calls=2)
-    oa = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
-    an = anthropic.Anthropic(base_url=p.url, api_key=TOKEN2, max_retries=0, timeout=120)
+    oa = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=HANG_S)
+    an = anthropic.Anthropic(base_url=p.url, api_key=TOKEN2, max_retries=0, timeout=HANG_S)
     streamed: list[str] = []
     replies: dict[str, Any] = {}
 
@@ -123,13 +123,13 @@ def test_a_crashed_engine_s_calls_continue_on_another_cell(
     with SyncHttpEngineClient(a.url) as engine_a:
         engine_a.pause("in_place")  # both calls reach a before either generates
         workers = Threads(stream, whole)
-        _wait(lambda: len(seen) == 2 or bool(workers.errors), 20)
+        _wait(lambda: len(seen) == 2 or bool(workers.errors))
         assert not workers.errors, workers.errors
         engine_a.resume()
-    assert frozen.wait(120), "engine a never had both calls mid-generation"
+    assert frozen.wait(HANG_S), "engine a never had both calls mid-generation"
     _wait(lambda: _received(p, "exec-1") >= 2)  # the streamed tokens reached the proxy (on their way out)
     _crash(a)
-    workers.join(120)
+    workers.join(HANG_S)
 
     redirects = p.events("call_redirected")
     finished = {c.execution_id: c for c in p.events("model_call_finished")}
@@ -181,7 +181,7 @@ def test_without_a_controller_the_call_moves_to_another_engine(
     a, b, seen = two_engines
     p = start_proxy({"a": a.url, "b": b.url})
     frozen = _freeze_when_all_have_tokens(a, monkeypatch, calls=1, tokens=1)
-    client = anthropic.Anthropic(base_url=p.url, api_key=TOKEN, max_retries=0, timeout=120)
+    client = anthropic.Anthropic(base_url=p.url, api_key=TOKEN, max_retries=0, timeout=HANG_S)
     texts: list[str] = []
 
     def consume() -> None:
@@ -190,9 +190,9 @@ def test_without_a_controller_the_call_moves_to_another_engine(
             texts.extend(events.text_stream)
 
     worker = Threads(consume)
-    assert frozen.wait(120)
+    assert frozen.wait(HANG_S)
     _crash(a)
-    worker.join(120)
+    worker.join(HANG_S)
     (moved,) = p.events("call_redirected")
     (call,) = p.events("model_call_finished")
     assert (moved.from_cell_id, moved.to_cell_id, call.cell_id) == ("a", "b", "b")
@@ -211,7 +211,7 @@ def test_with_no_admitting_cell_the_harness_gets_a_retryable_error(
     result: dict[str, Any] = {}
 
     def call() -> None:
-        with httpx.Client(base_url=p.url, timeout=60) as http:
+        with httpx.Client(base_url=p.url, timeout=HANG_S) as http:
             result["anthropic"] = http.post("/v1/messages", headers={"x-api-key": TOKEN}, json={
                 "model": "c", "max_tokens": 8, "messages": [{"role": "user", "content": OTHER}]})
 
@@ -220,15 +220,15 @@ def test_with_no_admitting_cell_the_harness_gets_a_retryable_error(
         worker = Threads(call)
         _wait(lambda: len(seen) == 1)
     _crash(a)
-    worker.join(60)
+    worker.join(HANG_S)
     reply = result["anthropic"]
     assert reply.status_code == 529 and reply.json()["error"]["type"] == "overloaded_error"
     assert "no other cell admitted" in reply.json()["error"]["message"]
-    with httpx.Client(base_url=p.url, timeout=60) as http:  # a later call of another execution on a: the same
+    with httpx.Client(base_url=p.url, timeout=HANG_S) as http:  # a later call of another execution on a: the same
         reply = http.post("/v1/chat/completions", headers={"authorization": f"Bearer {TOKEN2}"},
                           json={"model": "m", "max_tokens": 8, "messages": MESSAGES})
     assert reply.status_code == 503 and reply.json()["error"]["type"] == "server_error"
-    with httpx.Client(base_url=p.url, timeout=60) as http, http.stream(  # a stream has said 200 already
+    with httpx.Client(base_url=p.url, timeout=HANG_S) as http, http.stream(  # a stream has said 200 already
         "POST", "/v1/messages", headers={"x-api-key": TOKEN},
         json={"model": "c", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": OTHER}]},
     ) as streamed:
@@ -248,7 +248,7 @@ def test_a_call_waiting_for_a_cell_continues_when_the_controller_routes_one(
     a, b, seen = two_engines
     p = start_proxy({"a": a.url, "b": b.url}, engine_lost_wait_s=600)
     router = _routed(p, a=True, b=False)
-    client = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=HANG_S)
     result: dict[str, Any] = {}
     with SyncHttpEngineClient(a.url) as engine_a:
         engine_a.pause("in_place")
@@ -260,7 +260,7 @@ def test_a_call_waiting_for_a_cell_continues_when_the_controller_routes_one(
     router.set_route("a", 4, admitting=True)  # a stale table (sent before the loss was known): a stays down
     assert "a" not in router.admitting()
     router.set_route("b", 4, admitting=True)  # b returns to rollout: the waiting call goes there
-    worker.join(60)
+    worker.join(HANG_S)
     assert result["reply"].choices[0].finish_reason in ("stop", "length")
     (moved,) = p.events("call_redirected")
     (call,) = p.events("model_call_finished")
@@ -272,7 +272,7 @@ def test_an_engine_s_4xx_is_still_the_harness_s_error(engine_server: LocalEngine
     limit = engine_server.engine.runner.max_positions
     p = start_proxy({"cell0": engine_server.url}, context_length=limit * 4)  # the engine refuses it, not us
     long_prompt = [{"role": "user", "content": "x " * limit}]
-    with httpx.Client(base_url=p.url, timeout=60) as http:
+    with httpx.Client(base_url=p.url, timeout=HANG_S) as http:
         reply = http.post("/v1/chat/completions", headers={"authorization": f"Bearer {TOKEN}"},
                           json={"model": "m", "max_tokens": 8, "messages": long_prompt})
     assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"

@@ -5,37 +5,41 @@ records what moved (or why nothing did) in the log's `call_redirects` view."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import openai
 import pytest
 
 from gyre.engine import SyncHttpEngineClient
-from gyre.engine.local import LocalEngineConfig
+from gyre.engine.local import LocalEngineConfig, LocalEngineServer
 from gyre.log import LogReader
 from gyre.model import build_tiny_model
 from gyre.proxy.kv_mover import MooncakeKvMover
 from gyre.proxy.routing import KvMove, KvMoveResult
+from tests.conftest import HANG_S, Threads, refused_url
 from tests.proxy.proxy_helpers import TOKEN, Engines, Running, StartProxy
+from tests.proxy.test_proxy_redirect import _freeze_after_first_token
 
 MESSAGES = [{"role": "user", "content": "Write a long answer about caches, pages and engines. " * 4}]
 MAX_TOKENS = 48
 
 
-def _redirect_mid_stream(p: Running, old_url: str) -> None:
-    """Stream a greedy reply; after its first chunk freeze engine `a` and move the execution to `b`."""
-    client = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
-    stream = client.chat.completions.create(
-        model="m", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True
-    )
-    with SyncHttpEngineClient(old_url) as old:
-        redirected = False
-        for chunk in stream:
-            if not redirected and chunk.choices and chunk.choices[0].delta.content:
-                old.pause("in_place")
-                assert p.server.redirect("a", ["b"]) == {"exec-1": "b"}
-                redirected = True
-        old.resume()
+def _redirect_mid_stream(p: Running, old: LocalEngineServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stream a greedy reply; freeze engine `a` right after its first token (from its scheduler thread, so the
+    call is mid-generation however slow the machine) and move the execution to `b`."""
+    frozen = _freeze_after_first_token(old, monkeypatch)
+    client = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=HANG_S)
+
+    def consume() -> None:
+        for _ in client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+                                                stream=True):
+            pass
+
+    consumer = Threads(consume)
+    assert frozen.wait(HANG_S), "engine a never streamed a token"
+    assert p.server.redirect("a", ["b"]) == {"exec-1": "b"}
+    with SyncHttpEngineClient(old.url) as engine_a:
+        engine_a.resume()
+    consumer.join(HANG_S)
 
 
 def _view(p: Running, sql: str) -> list[tuple]:
@@ -43,10 +47,12 @@ def _view(p: Running, sql: str) -> list[tuple]:
     return LogReader(p.log_dir).duckdb().execute(sql).fetchall()
 
 
-def test_redirect_moves_kv_and_continues_as_the_old_engine_would(two_engines: Engines, start_proxy: StartProxy) -> None:
+def test_redirect_moves_kv_and_continues_as_the_old_engine_would(
+    two_engines: Engines, start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
     a, b, seen = two_engines
     p = start_proxy({"a": a.url, "b": b.url}, kv_mover="mooncake", log=True)
-    _redirect_mid_stream(p, a.url)
+    _redirect_mid_stream(p, a, monkeypatch)
     ((call_id, output_ids, logprobs, cell),) = _view(
         p, "select call_id, output_ids, output_logprobs, cell_id from model_calls"
     )
@@ -71,12 +77,14 @@ def test_redirect_moves_kv_and_continues_as_the_old_engine_would(two_engines: En
     assert logprobs == pytest.approx(reference.output_logprobs[:n], abs=1e-4)
 
 
-def test_a_policy_version_mismatch_recomputes_and_says_why(two_engines: Engines, start_proxy: StartProxy) -> None:
+def test_a_policy_version_mismatch_recomputes_and_says_why(
+    two_engines: Engines, start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
     a, b, seen = two_engines
     with SyncHttpEngineClient(b.url) as new:
         new.update_weights_from_tensor(dict(build_tiny_model(0).named_parameters()), version="v7")
     p = start_proxy({"a": a.url, "b": b.url}, kv_mover="mooncake", log=True)
-    _redirect_mid_stream(p, a.url)
+    _redirect_mid_stream(p, a, monkeypatch)
     ((call_id,),) = _view(p, "select call_id from model_calls")
     ((tokens, nbytes, recomputed, refused),) = _view(
         p, "select kv_tokens, kv_bytes, tokens_recomputed, kv_refused from call_redirects"
@@ -88,21 +96,16 @@ def test_a_policy_version_mismatch_recomputes_and_says_why(two_engines: Engines,
 
 def test_an_unreachable_or_unknown_cell_is_a_refusal_not_an_error() -> None:
     async def run() -> tuple[KvMoveResult, KvMoveResult]:
-        mover = MooncakeKvMover({"a": f"http://127.0.0.1:{_closed_port()}", "b": "http://127.0.0.1:1"})
-        try:
-            dead = await mover.move(KvMove("e", "c", "a", "b", [1, 2, 3]))
-            unknown = await mover.move(KvMove("e", "c", "a", "nowhere", [1, 2, 3]))
-        finally:
-            await mover.aclose()
+        with refused_url() as closed:
+            mover = MooncakeKvMover({"a": closed, "b": "http://127.0.0.1:1"})
+            try:
+                dead = await mover.move(KvMove("e", "c", "a", "b", [1, 2, 3]))
+                unknown = await mover.move(KvMove("e", "c", "a", "nowhere", [1, 2, 3]))
+            finally:
+                await mover.aclose()
         return dead, unknown
 
     dead, unknown = asyncio.run(run())
     assert dead.refused is not None and "unreachable" in dead.refused
     assert (dead.tokens, dead.tokens_recomputed) == (0, 3)
     assert unknown.refused is not None and "'nowhere'" in unknown.refused
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

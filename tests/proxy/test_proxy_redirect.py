@@ -17,14 +17,14 @@ from gyre.engine import SyncHttpEngineClient
 from gyre.engine.local import LocalEngineServer
 from gyre.model.tokenizer import build_tokenizer
 from gyre.proxy import Proxy
-from tests.conftest import Threads
+from tests.conftest import HANG_S, Threads
 from tests.proxy.proxy_helpers import TOKEN, Engines, StartProxy
 
 MESSAGES = [{"role": "user", "content": "Write a long answer."}]
 SEED = 11  # the seed-0 tiny model samples 64 tokens for this prompt and seed without an end-of-turn
 
 
-def _wait(predicate: Callable[[], bool], timeout_s: float = 120.0) -> None:
+def _wait(predicate: Callable[[], bool], timeout_s: float = HANG_S) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
@@ -61,7 +61,7 @@ def test_redirect_mid_stream_continues_on_the_new_engine(
     p = start_proxy({"a": a.url, "b": b.url})
     assert p.registration.cell_id == "a"
     frozen = _freeze_after_first_token(a, monkeypatch)
-    client = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=HANG_S)
     text: list[str] = []
 
     def consume() -> None:
@@ -72,11 +72,11 @@ def test_redirect_mid_stream_continues_on_the_new_engine(
                 text.append(delta)
 
     consumer = Threads(consume)
-    assert frozen.wait(120), "engine a never streamed a token"
+    assert frozen.wait(HANG_S), "engine a never streamed a token"
     assert p.server.redirect("a", ["b"]) == {"exec-1": "b"}  # the old engine is frozen mid-generation
     with SyncHttpEngineClient(a.url) as old:
         old.resume()
-    consumer.join(120)
+    consumer.join(HANG_S)
     redirects = p.events("call_redirected")
     finished = p.events("model_call_finished")
     assert len(redirects) == 1 and len(finished) == 1
@@ -99,7 +99,7 @@ def test_redirect_mid_stream_continues_on_the_new_engine(
 def _redirect_while_waiting(p: Any, engine_url: str, redirect: Callable[[], object]) -> tuple[ChatCompletion, object]:
     """A call waiting on a paused engine (its flight registered on cell ``a``) when ``redirect()`` runs; the
     harness's reply and what ``redirect`` returned."""
-    client = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=HANG_S)
     result: dict[str, ChatCompletion] = {}
     with SyncHttpEngineClient(engine_url) as old:
         old.pause("in_place")
@@ -111,7 +111,7 @@ def _redirect_while_waiting(p: Any, engine_url: str, redirect: Callable[[], obje
         worker.start()
         _wait(lambda: p.server.call(_flights(p.proxy, "a")) > 0)
         answer = redirect()
-        worker.join(30)
+        worker.join(HANG_S)
         old.resume()
     return result["reply"], answer
 

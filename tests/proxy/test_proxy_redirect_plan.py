@@ -9,6 +9,7 @@ from openai.types.chat import ChatCompletion
 
 from gyre.engine import SyncHttpEngineClient
 from gyre.proxy.routing import UNPLACED, Router
+from tests.conftest import HANG_S
 from tests.proxy.proxy_helpers import TOKEN, Engines, StartProxy
 from tests.proxy.test_proxy_redirect import MESSAGES, _flights, _wait
 
@@ -74,7 +75,7 @@ def test_a_redirect_plan_moves_the_named_call_where_the_plan_says(two_engines: E
     router = p.proxy.router
     router.set_route("a", 1, admitting=True)
     router.set_route("b", 1, admitting=True)
-    client = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=f"{p.url}/v1", api_key=TOKEN, max_retries=0, timeout=HANG_S)
     result: dict[str, ChatCompletion] = {}
     with SyncHttpEngineClient(a.url) as old:
         old.pause("in_place")  # the call waits on a: in flight when the cell leaves
@@ -84,7 +85,7 @@ def test_a_redirect_plan_moves_the_named_call_where_the_plan_says(two_engines: E
         _wait(lambda: p.server.call(_flights(p.proxy, "a")) > 0)
         (flight,) = router.flights_on("a")
         calls, moved = p.server.call(p.proxy.redirect_plan("a", {flight.call_id: "b"}, {"exec-1": "b"}))
-        worker.join(30)
+        worker.join(HANG_S)
         old.resume()
     assert (calls, moved) == (1, {"exec-1": "b"})
     assert "a" not in router.admitting()  # the leaving cell admits nothing new

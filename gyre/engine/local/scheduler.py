@@ -163,6 +163,9 @@ class Scheduler:
         self._running: list[_Sequence] = []
         self._in_flight: set[str] = set()  # rids submitted and not yet finished (guarded by _cond)
         self._paused = False
+        self._hold_at: int | None = None
+        """`hold`: the step count at which the loop stops stepping until `release_hold` (None: no hold)."""
+        self._held = threading.Event()
         self._stopping = False
         self._fatal: BaseException | None = None
         self._free_since: float | None = None
@@ -250,6 +253,32 @@ class Scheduler:
     def flush_cache(self) -> Future[None]:
         return self.call(self.cache.clear)
 
+    def hold(self, steps: int) -> threading.Event:
+        """A test seam: take at most `steps` more forward steps, then hold — admit and step nothing — until
+        `release_hold`. Control calls (abort, pause, weight loads, KV moves) still run while held, and nothing
+        reports the hold: to a client the requests are running. Returns an event set once the loop holds.
+
+        Why: a test that acts on a request mid-generation (aborts, pauses or redirects it) must act before the
+        reply ends. Waiting on a step counter and then sending the call races the generation on a loaded
+        machine; holding the loop orders the two whatever the machine's speed."""
+        if steps < 0:
+            raise ValueError("steps must be >= 0")
+        with self._cond:
+            self._hold_at = self.stats.steps + steps
+            self._held.clear()
+            if steps == 0:
+                self._held.set()
+        return self._held
+
+    def release_hold(self) -> None:
+        """End a `hold`: the loop admits and steps again."""
+        with self._cond:
+            self._hold_at = None
+            self._cond.notify_all()
+
+    def _holding(self) -> bool:
+        return self._hold_at is not None and self.stats.steps >= self._hold_at
+
     def snapshot(self) -> dict[str, Any]:
         """Counters for `/gyre/stats` (read without locking; values may be one step stale)."""
         s = self.stats
@@ -284,7 +313,8 @@ class Scheduler:
                         or self._calls
                         or self._inbox
                         or (self._idle_calls and (self._paused or not self._running))
-                        or (not self._paused and (self._running or (self._waiting and not self._idle_calls)))
+                        or (not self._paused and not self._holding()
+                            and (self._running or (self._waiting and not self._idle_calls)))
                     ):
                         self._free_since = None  # idle: the next step starts when its work arrives
                         self._cond.wait()
@@ -301,7 +331,7 @@ class Scheduler:
                     self._free_since = None  # control calls (weights, pause, KV moves) are paced by their callers
                 for fn, fut in calls:
                     self._run_call(fn, fut)
-                if not self._paused:
+                if not self._paused and not self._holding():
                     with self._cond:
                         draining = bool(self._idle_calls)
                     if not draining:
@@ -416,6 +446,8 @@ class Scheduler:
             seq.pending = seq.pending[take:]
             if row is not None:
                 self._sample(seq, row)
+        if self._holding():
+            self._held.set()  # after the step's tokens reached their sinks
 
     def _sample(self, seq: _Sequence, logits: torch.Tensor) -> None:
         if not seq.prompt_cached and not seq.output_ids:

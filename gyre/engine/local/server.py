@@ -449,10 +449,13 @@ def _wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> N
 
 def serve(engine: LocalEngine, host: str = "127.0.0.1", port: int = 30000,
           limits: ServerLimits = DEFAULT_LIMITS) -> None:
-    """Run the engine server in the foreground until interrupted (the CLI entry)."""
+    """Run the engine server in the foreground until interrupted (the CLI entry). Once bound it prints
+    `gyre engine: serving on URL` on stdout: with `port` 0 the system picks a free port, and a launcher reads
+    the URL there instead of probing for a free port that another process may take before the engine binds."""
+    sock = listen(host, port)
+    print(f"gyre engine: serving on http://{host}:{sock.getsockname()[1]}", flush=True)
     engine.start()
     try:
-        Server(uvicorn_config(build_app(engine), limits, _refusal, log_level="info")).run(
-            sockets=[listen(host, port)])
+        Server(uvicorn_config(build_app(engine), limits, _refusal, log_level="info")).run(sockets=[sock])
     finally:
         engine.stop()
