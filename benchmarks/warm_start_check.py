@@ -219,7 +219,7 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     parser.add_argument("--resume", action="store_true",
                         help="continue the runs --keep holds (same arguments), e.g. after a kill")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON result here (every mode)")
     parser.add_argument("--probe", type=int, default=0, metavar="K",
                         help="no RL: sample K write_file turns per held-out task and count exact answers")
     parser.add_argument("--warm-start", type=int, default=0, metavar="K",
@@ -227,12 +227,12 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.probe:
-        print(json.dumps({"model": args.model, **probe(args.model, args.probe)}))
+        _emit({"model": args.model, **probe(args.model, args.probe)}, args.out, compact=True)
         return
     if args.warm_start:
         with tempfile.TemporaryDirectory(prefix="gyre-warm-") as tmp:
             result = {"model": args.model, **warm_start(args.model, args.warm_start, args.keep or Path(tmp))}
-        print(json.dumps(result))
+        _emit(result, args.out, compact=True)
         return
     if args.resume and args.keep is None:
         raise SystemExit("--resume continues the runs --keep holds: give --keep DIR")
@@ -246,9 +246,14 @@ def main() -> None:
                                            shuffle_rewards=args.shuffle_rewards, overrides=overrides,
                                            resume=args.resume)
                                for s in args.seeds}}
-    text = json.dumps(result) if args.json else json.dumps(result, indent=2)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    _emit(result, args.out, compact=args.json)
+
+
+def _emit(result: dict[str, Any], out: Path | None, *, compact: bool) -> None:
+    """Print the result, and write it to ``--out`` too when given (every mode)."""
+    text = json.dumps(result) if compact else json.dumps(result, indent=2)
+    if out is not None:
+        out.write_text(text + "\n")
     print(text)
 
 
