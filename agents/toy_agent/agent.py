@@ -187,6 +187,22 @@ class EnvironmentLatency:
         return wait
 
 
+def gated(wait: Callable[[], float] | None, gate: Path) -> Callable[[], float]:
+    """``wait``, then until ``gate`` exists: a test holds every execution at its next environment step by removing
+    the file and lets them go by creating it again, so that a run cannot finish before something the test waits
+    for has happened (an ordering by a fact, not by a sleep). Returns the seconds waited in all."""
+
+    def wait_gated() -> float:
+        started = time.monotonic()
+        if wait is not None:
+            wait()
+        while not gate.exists():
+            time.sleep(0.05)
+        return time.monotonic() - started
+
+    return wait_gated
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("prompt", nargs="?", help="the task (or use --task-file)")
@@ -210,6 +226,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--env-latency", type=EnvironmentLatency.parse, default=None,
                         help="heavy-tailed wait after each model reply: MU,SIGMA[,TAIL_P,TAIL_S] (seconds, "
                              "lognormal body; seeded by $GYRE_EXECUTION_ID)")
+    parser.add_argument("--env-gate", type=Path, default=None, metavar="FILE",
+                        help="after each model reply (and its --env-latency wait) also wait until FILE exists")
     args = parser.parse_args(argv)
     if (args.prompt is None) == (args.task_file is None):
         parser.error("give the task either as PROMPT or with --task-file")
@@ -253,6 +271,8 @@ def main(argv: list[str]) -> int:
     stats = Stats()
     environment = (args.env_latency.sampler(os.environ.get("GYRE_EXECUTION_ID", "") + task)
                    if args.env_latency is not None else None)
+    if args.env_gate is not None:
+        environment = gated(environment, args.env_gate)
 
     def agent(name: str, tool_names: tuple[str, ...], spawn: Callable[[str], Outcome] | None) -> Agent:
         return Agent(name, model, tools, tool_names, args.compact_every, args.summary_max_tokens or args.max_tokens,

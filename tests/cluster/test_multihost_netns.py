@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ from gyre.events.models import CellLost, CellRegistered, RunFinished
 from gyre.log import LogReader
 from gyre.replay.exact import replay_decisions
 from tests.cluster.hosts import Hosts, available
+from tests.conftest import HANG_S
 
 pytestmark = pytest.mark.integration
 
@@ -155,6 +157,35 @@ def test_a_run_across_three_hosts_survives_losing_one(tmp_path: Path) -> None:
     assert not list((hosts["a"].disk / "run").glob("weights/*.safetensors"))
 
 
+def _gated_harness(disk: Path, root: Path) -> None:
+    """The demo's harness (agents/toy_agent/harness-tailed.toml) on a host's disk, with `--env-gate` on a file
+    there (created open) that the sandbox sees through `ro_mounts`, and no time limit a held execution could hit."""
+    tailed = tomllib.loads((REPO / "agents" / "toy_agent" / "harness-tailed.toml").read_text())
+    command = [*tailed["command"], "--env-gate", str(root / "gate" / "open")]
+    (disk / "gate").mkdir()
+    (disk / "gate" / "open").touch()
+    (disk / "harness.toml").write_text("\n".join([
+        f"name = {json.dumps(tailed['name'] + '-gated')}",
+        f"config_dir = {json.dumps(str(REPO / 'agents' / 'toy_agent'))}",
+        f"command = {json.dumps(command)}",
+        f"timeout_s = {HANG_S}",
+        f"kill_grace_s = {tailed['kill_grace_s']}",
+        f"max_concurrency = {tailed['max_concurrency']}",
+        f"ro_mounts = {json.dumps([str(root / 'gate')])}",
+    ]) + "\n")
+
+
+def _wait_until_registered_again(log: Path, controller: subprocess.Popen, deadline: float, cells: set[str]) -> None:
+    """Until every cell of ``cells`` has registered a second time (its replacement actor's process is up)."""
+    while time.monotonic() < deadline:
+        assert controller.poll() is None, "the controller exited before the lost cells were replaced"
+        seen = [e.cell_id for e in LogReader(log).events(kinds=["cell_registered"]) if e.cell_id in cells]
+        if all(seen.count(cell) >= 2 for cell in cells):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{sorted(cells)} did not register again in time")
+
+
 RAY_PORT = 6379
 WAIT_FOR_NODES = """
 import sys, time, ray
@@ -175,7 +206,11 @@ def test_a_ray_run_across_three_hosts_survives_losing_one(tmp_path: Path) -> Non
     are placed by a SPREAD placement group. A worker host without the core (whose disk holds the checkpoints) is
     cut once a cell there has pulled weights; Ray reports its actors dead, the controller records the cells lost
     and starts new actors in their bundles, which Ray moves to the other hosts; the run finishes, audited and
-    replayed."""
+    replayed.
+
+    Ordered by facts, not by speed: from the cut until the replacements have registered, every execution waits
+    at its next environment step (the toy agent's `--env-gate`, a file on each host's disk), so the run cannot
+    finish first — on a loaded machine it did, before Ray had restarted the lost actor."""
     import secrets
     import tempfile
 
@@ -200,6 +235,10 @@ def test_a_ray_run_across_three_hosts_survives_losing_one(tmp_path: Path) -> Non
             cluster = {"launcher": "ray", "advertise": hosts["a"].address, "port": 0, "dead_after_s": 10.0,
                        "ray": RaySection(address=head, cpus_per_cell=1.0, proxy_cpus=1.0, strategy="SPREAD")}
             config = _config(run_dir, RAY_STEPS, **cluster)
+            config = config.model_copy(update={"rollout": config.rollout.model_copy(update={
+                "harness": hosts.root / "harness.toml", "timeout_s": HANG_S})})
+            for name in HOSTS:  # the proxy may land on any host: each disk has the harness and an open gate
+                _gated_harness(hosts[name].disk, hosts.root)
             (hosts["a"].disk / "run.json").write_text(config.model_dump_json())
             controller = hosts.spawn("a", [sys.executable, "-m", "gyre", "run", str(hosts.root / "run.json")],
                                      env=env, log="controller.out")
@@ -212,9 +251,16 @@ def test_a_ray_run_across_three_hosts_survives_losing_one(tmp_path: Path) -> Non
             victim_address = hosts[victim].address
             on_victim = {cell for cell, name in placed.items() if name == victim}
             _wait_until_weights_crossed(log, controller, time.monotonic() + 240, cells=on_victim)
+            for name in HOSTS:  # the executions hold at their next environment step until the gate opens again
+                (hosts[name].disk / "gate" / "open").unlink()
             hosts.cut(victim)
             try:
-                assert controller.wait(timeout=300) == 0, (hosts["a"].disk / "controller.out").read_text()[-3000:]
+                _wait_until_registered_again(log, controller, time.monotonic() + HANG_S, cells=on_victim)
+                for name in HOSTS:
+                    if name != victim:
+                        (hosts[name].disk / "gate" / "open").touch()
+                assert controller.wait(timeout=HANG_S) == 0, \
+                    (hosts["a"].disk / "controller.out").read_text()[-3000:]
             finally:
                 hosts.kill("a")
                 hosts.kill("b")

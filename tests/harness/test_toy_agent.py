@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from gyre.events.models import ExecutionFinished, RewardRecorded
 from gyre.harness import HarnessConfig, HarnessRunner, TaskSet
 from gyre.sink import MemorySink
+from tests.conftest import HANG_S, Threads
 from tests.harness.harness_helpers import REPO, TOKEN, TOY_HARNESS, TOY_TASKS, execution
 from tests.harness.stand_in_server import Script, StandInServer, error, text, tool
 
@@ -129,6 +131,35 @@ def test_a_file_written_by_a_tool_is_not_overwritten_by_the_final_text(server: S
     server.script.main = deque([tool(*call), text("Done: hello")])  # a command's file counts too (#29's sums)
     result, _ = run_toy(server, tmp_path, "hello")
     assert result.reward == 1.0 and agent_report(result)["answer_written_by"] == "tool"
+
+
+def test_an_env_gate_holds_the_execution_until_its_file_exists(server: StandInServer, tmp_path: Path) -> None:
+    """`--env-gate FILE`: after a model reply the agent waits until FILE exists, seen inside the sandbox through
+    `ro_mounts` (how tests/cluster/test_multihost_netns.py keeps a run from ending before a replacement cell
+    registers)."""
+    gate_dir = tmp_path / "gate"
+    gate_dir.mkdir()
+    server.script.main = deque([tool("run", {"command": "echo hi"}), text("hello")])
+    harness = HarnessConfig.load(TOY_HARNESS)
+    harness = harness.model_copy(update={"command": (*harness.command, "--env-gate", str(gate_dir / "open")),
+                                         "ro_mounts": (str(gate_dir),)})
+    results: list[Any] = []
+
+    def run() -> None:
+        with HarnessRunner(harness, sink=MemorySink(), proxy_url=server.url, root=tmp_path / "executions") as runner:
+            results.append(runner.run(execution(TaskSet.load(TOY_TASKS)["hello"])))
+
+    worker = Threads(run)
+    deadline = time.monotonic() + HANG_S
+    while not server.requests("main"):  # the first reply has been served: the agent goes to the gate
+        assert time.monotonic() < deadline and not worker.errors, worker.errors
+        time.sleep(0.05)
+    assert not results and len(server.requests("main")) == 1  # no second call can come while the gate is shut
+    (gate_dir / "open").touch()
+    worker.join()
+    (result,) = results
+    assert result.reward == 1.0 and len(server.requests("main")) == 2
+    assert agent_report(result)["stop_reason"] == "answer"
 
 
 def test_max_turns_bounds_the_run(server: StandInServer, tmp_path: Path) -> None:
