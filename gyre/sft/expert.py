@@ -21,12 +21,13 @@ import json
 import random
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from gyre.harness.tasks import TaskSet
-from gyre.sft.families import COMMAND_FAMILIES, FamilyTask, fresh_training_tasks
+from gyre.sft.families import COMMAND_FAMILIES, FAMILIES, FamilyTask, fresh_training_tasks
 
 AGENT_DIR = Path(__file__).resolve().parents[2] / "agents" / "toy_agent"
 TOOLS = ("write_file", "read_file", "run")
@@ -118,11 +119,15 @@ def solving_calls(task: FamilyTask, answer: str,
 
 class Expert:
     def __init__(self, error_rate: float = 0.3, skip_check_rate: float = 0.2, seed: int = 0,
-                 commands: tuple[str, ...] = ("add",)) -> None:
+                 commands: tuple[str, ...] = ("add",), error_rates: Mapping[str, float] | None = None) -> None:
+        """``error_rates``: a family's own share of wrong answers, in place of ``error_rate`` for that family."""
         if unknown := set(commands) - set(COMMAND_FAMILIES):
             raise ValueError(f"commands {sorted(unknown)}: the expert has a command for "
                              f"{', '.join(COMMAND_FAMILIES)} only")
+        if unknown := set(error_rates or {}) - set(FAMILIES):
+            raise ValueError(f"error_rates {sorted(unknown)}: the families are {', '.join(FAMILIES)}")
         self.error_rate, self.skip_check_rate, self.commands = error_rate, skip_check_rate, tuple(commands)
+        self.error_rates = dict(error_rates or {})
         self.rng = random.Random(seed)
         self.agent = load_agent_module("agent")
         self.tools_module = load_agent_module("agent_tools")
@@ -132,7 +137,7 @@ class Expert:
         """One conversation solving ``task`` (OpenAI format), its tool results real."""
         messages: list[dict[str, Any]] = [{"role": "system", "content": self.agent.SYSTEM_PROMPT},
                                           {"role": "user", "content": task.prompt}]
-        wrong = self.rng.random() < self.error_rate
+        wrong = self.rng.random() < self.error_rates.get(task.family, self.error_rate)
         answer = mistake(task, self.rng, self.commands) if wrong else task.solution
         calls = solving_calls(task, answer, self.commands)
         if self.rng.random() >= self.skip_check_rate:
@@ -224,11 +229,11 @@ def to_anthropic(record: dict[str, Any]) -> dict[str, Any]:
 
 def write_demonstrations(tasks_path: Path | None, out: Path, *, per_task: int, seed: int, error_rate: float,
                          fresh: int = 0, other_names: float = 0.0, anthropic: bool = False,
-                         commands: tuple[str, ...] = ("add",)) -> int:
+                         commands: tuple[str, ...] = ("add",), error_rates: Mapping[str, float] | None = None) -> int:
     """``per_task`` demonstrations of each task of ``tasks_path`` and one of each of ``fresh`` new tasks of the
     training distribution (`fresh_training_tasks`; a share ``other_names`` of them on randomly named files), the
-    families of ``commands`` solved with a command."""
-    expert = Expert(error_rate=error_rate, seed=seed, commands=commands)
+    families of ``commands`` solved with a command, ``error_rates`` overriding ``error_rate`` per family."""
+    expert = Expert(error_rate=error_rate, seed=seed, commands=commands, error_rates=error_rates)
     out.parent.mkdir(parents=True, exist_ok=True)
     listed = family_tasks(tasks_path) if tasks_path is not None else []
     plan = [task for task in listed for _ in range(per_task)] + fresh_training_tasks(fresh, seed, other_names)

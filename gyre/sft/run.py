@@ -23,7 +23,7 @@ import time
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -38,7 +38,7 @@ from pydantic import (
 )
 
 from gyre.errors import ConfigError
-from gyre.sft.families import COMMAND_FAMILIES, COPYING_FAMILIES, DRILL_FAMILIES
+from gyre.sft.families import COMMAND_FAMILIES, COPYING_FAMILIES, DRILL_FAMILIES, FAMILIES
 
 IGNORE = -100
 
@@ -55,6 +55,10 @@ class DemonstrationsSection(_Section):
     fresh: NonNegativeInt = Field(0, description="also demonstrate this many new tasks of the training split's "
                                                  "families and files (never a held-out word or number)")
     error_rate: float = Field(0.3, ge=0, le=1, description="share of demonstrations with a wrong answer")
+    error_rates: dict[str, Annotated[float, Field(ge=0, le=1)]] = Field(
+        default_factory=dict, description="a family's own share of wrong answers, in place of `error_rate` (e.g. "
+                                          "{ concat = 0.2 }: a family the policy rarely solves slips less, so RL "
+                                          "has right answers in its groups to learn from)")
     drills: NonNegativeInt = Field(0, description="short copy drills made at start (gyre.sft.families.drill_tasks: "
                                                   "random letter strings read, rewritten and written, never wrong)")
     reads: NonNegativeInt = Field(0, description="first-read drills made at start (`Expert.first_read`: system "
@@ -80,6 +84,8 @@ class DemonstrationsSection(_Section):
         if not self.drill_families or set(self.drill_families) - set(COPYING_FAMILIES):
             raise ValueError(f"drill_families {list(self.drill_families)}: name one or more of "
                              f"{', '.join(COPYING_FAMILIES)} (a drill copies its input)")
+        if unknown := set(self.error_rates) - set(FAMILIES):
+            raise ValueError(f"error_rates {sorted(unknown)}: name families of {', '.join(FAMILIES)}")
         if "add" not in self.commands or set(self.commands) - set(COMMAND_FAMILIES):
             raise ValueError(f"commands {list(self.commands)}: add and any of "
                              f"{', '.join(f for f in COMMAND_FAMILIES if f != 'add')} (the expert's commands)")
@@ -347,7 +353,8 @@ def run_sft(config: SftConfig, *, resume: bool = False,
 
         write_demonstrations(demos.tasks, demos.path, per_task=demos.per_task, seed=config.seed,
                              error_rate=demos.error_rate, fresh=demos.fresh,
-                             other_names=demos.other_names, commands=demos.commands)
+                             other_names=demos.other_names, commands=demos.commands,
+                             error_rates=demos.error_rates)
     records = read_records(demos.path)
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)

@@ -202,6 +202,30 @@ def test_commands_name_add_and_known_command_families():
             DemonstrationsSection(path="d.jsonl", commands=bad)
 
 
+def test_a_family_s_own_error_rate_replaces_the_shared_one():
+    """`error_rates`: concat never slips and every other family always does (error_rate 1)."""
+    from pydantic import ValidationError
+
+    from gyre.sft.run import DemonstrationsSection
+
+    expert = Expert(error_rate=1.0, skip_check_rate=1.0, error_rates={"concat": 0.0})
+    seen = set()
+    for task in [t for t in fresh_training_tasks(60, seed=4) if t.family in ("concat", "copy", "upper")]:
+        record = expert.demonstrate(task)
+        (written,) = [json.loads(c["function"]["arguments"])["content"] for m in record["messages"]
+                      for c in m.get("tool_calls", []) if c["function"]["name"] == "write_file"]
+        assert (written == task.solution) is (task.family == "concat"), (task.family, written, task.solution)
+        seen.add(task.family)
+    assert seen == {"concat", "copy", "upper"}
+    with pytest.raises(ValueError, match=r"error_rates \['concats'\]"):
+        Expert(error_rates={"concats": 0.1})
+    assert DemonstrationsSection(path="d.jsonl", error_rates={"concat": 0.2}).error_rates == {"concat": 0.2}
+    with pytest.raises(ValidationError, match=r"error_rates \['cat'\]: name families of"):
+        DemonstrationsSection(path="d.jsonl", error_rates={"cat": 0.2})
+    with pytest.raises(ValidationError, match=r"error_rates\.concat"):
+        DemonstrationsSection(path="d.jsonl", error_rates={"concat": 1.5})
+
+
 @pytest.mark.integration
 def test_resumed_sft_equals_an_uninterrupted_run(tmp_path):
     from gyre.sft.expert import write_demonstrations
